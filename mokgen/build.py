@@ -1,0 +1,285 @@
+"""Build: the only code that runs nvcc.
+
+A build entry is ``$MOKGEN_CACHE_DIR/<mokgen version>/<arch>/<name>-<key12>/`` holding the
+rendered sources, the launcher library ``lib<name>.so``, ``plan.json`` and ``build.log`` (with
+ptxas's resource report). Entries are content-addressed (see plan.cache_key), built in a
+temporary sibling and renamed into place under an flock-based lock (the kernel drops the lock
+when its holder dies, so a stale lock never blocks). A failed build leaves no entry: its sources
+and log go to ``<cache>/<version>/failed/<name>-<key12>/`` and the error names them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterator
+
+from mokgen import env, render
+from mokgen._version import __version__
+from mokgen.errors import BuildError, ToolchainError
+from mokgen.paths import templates_dir
+from mokgen.plan import Plan, cache_key, canonical_json, make_plan
+from mokgen.spec import MoESpec
+
+#: gencode flags per target architecture
+ARCH_FLAGS = {"sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
+#: flags every build uses (part of the cache key)
+BASE_FLAGS = ["-std=c++17", "-O3", "--shared", "-Xcompiler", "-fPIC", "-lineinfo", "-Xptxas", "-v"]
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    nvcc: str
+    nvcc_version: str
+    cutlass_include: str
+    cutlass_version: str
+
+    def key_fields(self, arch: str) -> dict:
+        """What of the toolchain enters the cache key (paths do not; versions and flags do)."""
+        return {
+            "nvcc_version": self.nvcc_version,
+            "cutlass_version": self.cutlass_version,
+            "arch": arch,
+            "flags": BASE_FLAGS + ARCH_FLAGS[arch],
+        }
+
+
+def find_nvcc() -> str:
+    override = env.nvcc_override()
+    if override:
+        if not (os.path.isfile(override) and os.access(override, os.X_OK)):
+            raise ToolchainError(f"MOKGEN_NVCC={override} is not an executable file")
+        return override
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    if os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+        return "/usr/local/cuda/bin/nvcc"
+    raise ToolchainError("nvcc not found: install the CUDA toolkit (12.8+), or set MOKGEN_NVCC or CUDA_HOME")
+
+
+@lru_cache(maxsize=8)
+def _nvcc_version(nvcc: str, mtime: float) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ToolchainError(f"cannot run {nvcc} --version: {err}") from None
+    m = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
+    if not m:
+        raise ToolchainError(f"cannot parse the version of {nvcc}: {out.strip()[:200]!r}")
+    return m.group(2)
+
+
+def find_cutlass() -> tuple[str, str]:
+    """(include dir, version) of the CUTLASS/CuTe headers from the nvidia-cutlass package."""
+    override = env.cutlass_dir_override()
+    if override:
+        include = Path(override)
+    else:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or spec.origin is None:
+            raise ToolchainError(
+                "CUTLASS headers not found: pip install nvidia-cutlass (or set MOKGEN_CUTLASS_DIR)"
+            )
+        include = Path(spec.origin).parent / "source" / "include"
+    version_h = include / "cutlass" / "version.h"
+    if not version_h.is_file():
+        raise ToolchainError(f"CUTLASS headers not found: no {version_h}")
+    text = version_h.read_text()
+    parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise ToolchainError(f"cannot read the CUTLASS version from {version_h}")
+    return str(include), ".".join(m.group(1) for m in parts)  # type: ignore[union-attr]
+
+
+def find_toolchain() -> Toolchain:
+    nvcc = find_nvcc()
+    include, version = find_cutlass()
+    return Toolchain(nvcc, _nvcc_version(nvcc, os.path.getmtime(nvcc)), include, version)
+
+
+# ---- cache layout ----------------------------------------------------------------------------
+
+
+def cache_root(arch: str) -> Path:
+    return env.cache_dir() / __version__ / arch
+
+
+def library_name(plan: Plan) -> str:
+    return f"lib{plan.name}.so"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    name: str
+    key: str
+    entry: Path          # the cache entry directory
+    library: Path
+    cached: bool         # True: found in the cache, nvcc did not run
+    seconds: float
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["entry"], d["library"] = str(self.entry), str(self.library)
+        return d
+
+
+def entry_dir(plan: Plan, key: str) -> Path:
+    return cache_root(plan.arch) / f"{plan.name}-{key[:12]}"
+
+
+def is_complete(entry: Path, plan: Plan) -> bool:
+    return (entry / library_name(plan)).is_file() and (entry / "plan.json").is_file()
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def plan_and_key(spec: MoESpec, toolchain: Toolchain | None = None) -> tuple[Plan, str, Toolchain]:
+    plan = make_plan(spec)
+    tc = toolchain or find_toolchain()
+    key = cache_key(plan, sources_digest=render.sources_digest(), toolchain=tc.key_fields(plan.arch))
+    return plan, key, tc
+
+
+def _plan_json(plan: Plan, key: str, tc: Toolchain, spec: MoESpec) -> str:
+    doc = {
+        "name": plan.name,
+        "key": key,
+        "mokgen": __version__,
+        "plan": plan.compile_fields(),
+        "spec": spec.canonical_dict(),
+        "toolchain": tc.key_fields(plan.arch),
+        "sources_digest": render.sources_digest(),
+    }
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if re.search(r"\berror\b", line, re.IGNORECASE):
+            return line.strip()
+    lines = [l.strip() for l in log.splitlines() if l.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _compile(tmp: Path, plan: Plan, tc: Toolchain, log: Callable[[str], None]) -> str:
+    cmd = [
+        tc.nvcc, *BASE_FLAGS, *ARCH_FLAGS[plan.arch],
+        "-I", str(templates_dir() / render.INCLUDE_SUBDIR), "-I", tc.cutlass_include,
+        "moe_forward.cu", "-o", library_name(plan),
+    ]
+    if env.verbose():
+        log(" ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=env.build_timeout())
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"nvcc timed out after {env.build_timeout():.0f} s building {plan.name}") from None
+    except OSError as err:
+        raise ToolchainError(f"cannot run {tc.nvcc}: {err}") from None
+    text = "$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise _CompileFailed(text)
+    return text
+
+
+class _CompileFailed(Exception):
+    def __init__(self, log: str):
+        self.log = log
+
+
+def build(
+    spec: MoESpec,
+    *,
+    force: bool = False,
+    publish_generated: bool = True,
+    log: Callable[[str], None] = lambda s: None,
+) -> BuildResult:
+    """Compile ``spec`` (or find it in the cache) and return where the library is."""
+    start = time.perf_counter()
+    plan, key, tc = plan_and_key(spec)
+    entry = entry_dir(plan, key)
+    if not force and is_complete(entry, plan):
+        if publish_generated:
+            publish_to_generated(plan, entry)
+        return BuildResult(plan.name, key, entry, entry / library_name(plan), True, time.perf_counter() - start)
+
+    with file_lock(entry.parent / f".{entry.name}.lock"):
+        if not force and is_complete(entry, plan):  # another process finished it meanwhile
+            cached = True
+        else:
+            files = render.render(plan, key)
+            tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
+            try:
+                render.write_tree({**files, "plan.json": _plan_json(plan, key, tc, spec)}, tmp)
+                try:
+                    text = _compile(tmp, plan, tc, log)
+                except _CompileFailed as failed:
+                    (tmp / "build.log").write_text(failed.log)
+                    kept = _keep_failed(tmp, entry)
+                    raise BuildError(
+                        f"nvcc failed on {kept / 'moe_forward.cu'}: {_first_error(failed.log)} "
+                        f"(full log: {kept / 'build.log'})"
+                    ) from None
+                (tmp / "build.log").write_text(text)
+                if entry.exists():
+                    shutil.rmtree(entry)
+                os.rename(tmp, entry)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            cached = False
+    if publish_generated:
+        publish_to_generated(plan, entry)
+    return BuildResult(plan.name, key, entry, entry / library_name(plan), cached, time.perf_counter() - start)
+
+
+def _keep_failed(tmp: Path, entry: Path) -> Path:
+    failed = entry.parent.parent / "failed" / entry.name
+    failed.parent.mkdir(parents=True, exist_ok=True)
+    if failed.exists():
+        shutil.rmtree(failed)
+    shutil.move(str(tmp), str(failed))
+    return failed
+
+
+def publish_to_generated(plan: Plan, entry: Path) -> Path:
+    """generated/<name>/: the sources, plan.json, build.log and a link to the cached library."""
+    dest = env.generated_dir() / plan.name
+    lib = entry / library_name(plan)
+    link = dest / library_name(plan)
+    if link.is_symlink() and os.readlink(link) == str(lib) and (dest / "moe_forward.cu").is_file():
+        return dest
+    files: dict[str, str | bytes | Path] = {}
+    for item in sorted(entry.iterdir()):
+        if item.is_file() and item.name != library_name(plan):
+            files[item.name] = item
+    return render.write_tree(files, dest, links={library_name(plan): lib})
+
+
+def resource_report(entry: Path) -> list[str]:
+    """ptxas's per-kernel lines (registers, spills) from an entry's build log."""
+    log = (entry / "build.log").read_text()
+    return [l.strip() for l in log.splitlines() if "ptxas info" in l or "spill" in l]

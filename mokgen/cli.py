@@ -1,0 +1,248 @@
+"""The command line: `mokgen list | show | render | build | doctor`.
+
+Errors a user can cause print one line (``error: ...``) on stderr and exit with code 2; no
+traceback. Long work shows progress with rich.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mokgen import env
+from mokgen._version import __version__
+from mokgen.errors import MokgenError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(2)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MokgenError as err:
+            _fail(str(err))
+        except KeyboardInterrupt:
+            _fail("interrupted")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mokgen")
+def main() -> None:
+    """mokgen: compile specialized expert-parallel MoE CUDA kernels from model specs.
+
+    SPEC is a bundled spec name or alias (see `mokgen list`) or a path to a YAML file.
+    """
+
+
+def _spec(ref: str, numerics: str | None = None):
+    from mokgen.spec import load_spec
+
+    spec = load_spec(ref)
+    if numerics:
+        spec = spec.with_target(numerics=numerics)
+    return spec
+
+
+@main.command("list")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def list_cmd(as_json: bool) -> None:
+    """List the bundled model specs."""
+    from mokgen.spec import bundled_specs, load_spec
+
+    rows = []
+    for name, path in bundled_specs().items():
+        s = load_spec(path)
+        rows.append(
+            {
+                "name": s.name,
+                "aliases": list(s.aliases),
+                "hidden": s.hidden_size,
+                "intermediate": s.moe_intermediate_size,
+                "experts": s.num_experts,
+                "top_k": s.top_k,
+                "shared": s.shared_experts.count,
+                "scoring": s.routing.scoring,
+                "file": str(path),
+            }
+        )
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="bundled MoE specs")
+    for col in ("name", "aliases", "hidden", "intermediate", "experts / top-k", "shared", "scoring"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["name"], ", ".join(r["aliases"]), str(r["hidden"]), str(r["intermediate"]),
+            f"{r['experts']} / {r['top_k']}", str(r["shared"]), r["scoring"],
+        )
+    console.print(table)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@main.command()
+@click.argument("spec_ref", metavar="SPEC")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel degree")
+@click.option("--tokens", type=click.IntRange(min=0), default=None, help="tokens per rank (default: the target's maximum)")
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None, help="override target.numerics")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_json: bool) -> None:
+    """Show a spec, its plan (build name, tiles) and derived figures."""
+    from mokgen.plan import build_name, figures
+
+    spec = _spec(spec_ref, numerics)
+    figs = figures(spec, ep=ep, tokens=tokens)
+    doc = {"name": build_name(spec), "spec": spec.canonical_dict(), "figures": figs}
+    try:
+        from mokgen.plan import make_plan
+
+        doc["plan"] = make_plan(spec).compile_fields()
+    except MokgenError as err:  # e.g. mxfp8 declared but not implemented: still show the figures
+        doc["plan"] = None
+        doc["plan_error"] = str(err)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        return
+    table = Table(title=f"{spec.name}  ->  {doc['name']}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    s = spec
+    table.add_row("shape", f"hidden {s.hidden_size}, expert intermediate {s.moe_intermediate_size}")
+    table.add_row("experts", f"{s.num_experts} routed, top-{s.top_k}; shared {s.shared_experts.count}"
+                  + (f" x {s.shared_experts.intermediate_size} (gate {s.shared_experts.gate})" if s.shared_experts.count else ""))
+    r = s.routing
+    table.add_row("routing", f"{r.scoring}, bias {r.score_correction_bias}, renormalize {r.renormalize}, "
+                  f"scale {r.routed_scaling_factor}, groups {r.n_group}/{r.topk_group}")
+    table.add_row("activation", f"{s.activation.kind}" + (f", clamp {s.activation.clamp_limit}" if s.activation.clamp_limit else ""))
+    table.add_row("target", f"{s.target.arch}, {s.target.numerics}, EP <= {s.target.max_ep_ranks}, "
+                  f"tokens/rank <= {s.target.max_tokens_per_rank}")
+    if doc["plan"]:
+        p = doc["plan"]
+        table.add_row("tiles", f"BM {p['gemm_block_m']}, BN up {p['gemm_block_n_up']} / down {p['gemm_block_n_down']}, "
+                      f"BK {p['gemm_block_k']}, stages {p['gemm_stages']}")
+    else:
+        table.add_row("plan", doc["plan_error"])
+    f = figs
+    table.add_row("FLOPs / token (fwd)", f"{f['flops_per_token_fwd'] / 1e9:.3f} GFLOP (routed {f['flops_per_token_routed_fwd'] / 1e9:.3f})")
+    table.add_row("dispatched / token", _human_bytes(f["bytes_dispatched_per_token"]) + f" + routing {f['routing_bytes_per_token']} B")
+    table.add_row("expert weights", f"{_human_bytes(f['expert_weight_bytes'])} each, {_human_bytes(f['routed_weight_bytes_total'])} routed in all")
+    table.add_row(f"per rank (EP {ep}, {f['tokens_per_rank']} tokens)",
+                  f"{f['local_experts']} experts, {_human_bytes(f['routed_weight_bytes_per_rank'])} of weights")
+    for k, v in f["buffers_per_rank"].items():
+        table.add_row(f"  {k}", str(v) if "rows" in k else _human_bytes(v))
+    console.print(table)
+
+
+@main.command("render")
+@click.argument("spec_ref", metavar="SPEC")
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None)
+def render_cmd(spec_ref: str, numerics: str | None) -> None:
+    """Render the generated sources into generated/<name>/ (no compilation)."""
+    from mokgen import build as build_mod
+    from mokgen import render
+
+    spec = _spec(spec_ref, numerics)
+    plan, key, tc = build_mod.plan_and_key(spec)
+    files = render.render(plan, key)
+    dest = render.write_tree(files, env.generated_dir() / plan.name)
+    click.echo(f"rendered {plan.name} (key {key[:12]}) -> {dest}")
+    for name in sorted(files):
+        click.echo(f"  {dest / name}")
+
+
+@main.command("build")
+@click.argument("spec_refs", metavar="SPEC...", nargs=-1, required=True)
+@click.option("--force", is_flag=True, help="rebuild even when the cache has the build")
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON line per build")
+def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_json: bool) -> None:
+    """Compile the kernel library of each SPEC (cached by content)."""
+    from mokgen import build as build_mod
+
+    specs = [_spec(ref, numerics) for ref in spec_refs]  # validate everything before compiling
+    for spec in specs:
+        with err_console.status(f"building {spec.name} (nvcc, sm_90a) ...", spinner="dots"):
+            result = build_mod.build(spec, force=force, log=lambda s: err_console.print(s, markup=False))
+        if as_json:
+            click.echo(json.dumps(result.to_json()))
+            continue
+        how = "cache hit" if result.cached else "compiled"
+        click.echo(f"{result.name}: {how} in {result.seconds:.2f} s -> {result.library}")
+        if not result.cached:
+            spills = [l for l in build_mod.resource_report(result.entry) if "spill" in l]
+            bad = [l for l in spills if "0 bytes spill stores, 0 bytes spill loads" not in l]
+            click.echo(f"  ptxas: {'no spills' if not bad else '; '.join(bad)} (report in {result.entry / 'build.log'})")
+        click.echo(f"  generated/{result.name}/ holds the sources and a link to the library")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def doctor(as_json: bool) -> None:
+    """Check the toolchain and the GPU: what works and what is missing."""
+    from mokgen import build as build_mod
+
+    checks: list[tuple[str, bool, str]] = []
+    checks.append(("python", True, f"{platform.python_version()} ({sys.executable})"))
+    checks.append(("mokgen", True, __version__))
+    try:
+        nvcc = build_mod.find_nvcc()
+        ver = build_mod._nvcc_version(nvcc, os.path.getmtime(nvcc))
+        ok = tuple(int(x) for x in ver.split(".")[:2]) >= (12, 8)
+        checks.append(("nvcc", ok, f"{ver} at {nvcc}" + ("" if ok else " (12.8 or newer needed)")))
+    except MokgenError as err:
+        checks.append(("nvcc", False, str(err)))
+    try:
+        inc, cver = build_mod.find_cutlass()
+        checks.append(("CUTLASS/CuTe headers", True, f"{cver} at {inc}"))
+    except MokgenError as err:
+        checks.append(("CUTLASS/CuTe headers", False, str(err)))
+    try:
+        import torch
+
+        checks.append(("torch", True, f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"))
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                cap = torch.cuda.get_device_capability(i)
+                ok = cap == (9, 0)
+                checks.append((f"GPU {i}", ok, f"{torch.cuda.get_device_name(i)}, sm_{cap[0]}{cap[1]}"
+                               + ("" if ok else " (kernels target sm_90a: H100/H200)")))
+        else:
+            checks.append(("GPU", False, "no CUDA GPU visible: can build, cannot run kernels"))
+    except ImportError:
+        checks.append(("torch", False, "not installed: pip install torch"))
+    checks.append(("cache", True, str(env.cache_dir())))
+    checks.append(("generated", True, str(env.generated_dir())))
+    for name in env.SWITCHES:
+        if os.environ.get(name):
+            checks.append((name, True, os.environ[name]))
+    if as_json:
+        click.echo(json.dumps([{"check": c, "ok": ok, "detail": d} for c, ok, d in checks], indent=2))
+        return
+    table = Table(title="mokgen doctor")
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("detail", overflow="fold")
+    for c, ok, d in checks:
+        table.add_row(c, "[green]ok[/green]" if ok else "[red]missing[/red]", d)
+    console.print(table)

@@ -1,0 +1,67 @@
+"""Every environment switch mokgen reads, in one place (the README lists the same table).
+
+All share the ``MOKGEN_`` prefix. Read them through these functions, never with ``os.environ``
+elsewhere, so the list below stays complete.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: name -> one-line description (shown by ``mokgen doctor`` and documented in the README)
+SWITCHES: dict[str, str] = {
+    "MOKGEN_CACHE_DIR": "root of the build cache (default: ~/.cache/mokgen, or $XDG_CACHE_HOME/mokgen)",
+    "MOKGEN_GENERATED_DIR": "where `mokgen render/build` write readable sources (default: ./generated)",
+    "MOKGEN_DISABLE_JIT": "1: never compile at run time; a missing build is an error",
+    "MOKGEN_VERBOSE": "1: print nvcc command lines and cache decisions",
+    "MOKGEN_NVCC": "path of the nvcc to use (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
+    "MOKGEN_CUTLASS_DIR": "CUTLASS include directory (default: the nvidia-cutlass package's headers)",
+    "MOKGEN_BUILD_TIMEOUT": "seconds before an nvcc run is abandoned (default: 900)",
+}
+
+
+def _get(name: str) -> str | None:
+    assert name in SWITCHES, f"undocumented switch {name}"
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _flag(name: str) -> bool:
+    value = _get(name)
+    return value is not None and value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    value = _get("MOKGEN_CACHE_DIR")
+    if value:
+        return Path(value).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "mokgen"
+
+
+def generated_dir() -> Path:
+    value = _get("MOKGEN_GENERATED_DIR")
+    return Path(value).expanduser() if value else Path.cwd() / "generated"
+
+
+def jit_disabled() -> bool:
+    return _flag("MOKGEN_DISABLE_JIT")
+
+
+def verbose() -> bool:
+    return _flag("MOKGEN_VERBOSE")
+
+
+def nvcc_override() -> str | None:
+    return _get("MOKGEN_NVCC")
+
+
+def cutlass_dir_override() -> str | None:
+    return _get("MOKGEN_CUTLASS_DIR")
+
+
+def build_timeout() -> float:
+    value = _get("MOKGEN_BUILD_TIMEOUT")
+    return float(value) if value else 900.0

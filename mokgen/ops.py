@@ -1,0 +1,129 @@
+"""PyTorch-facing API: input validation, the routed-experts op and the nn.Module.
+
+The compiled op itself is registered by the generated binding (see mokgen.load); this module
+checks every tensor before it reaches the kernel, so a bad call ends in one clear InputError and
+never in a launch on wrong memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mokgen.errors import InputError
+from mokgen.load import load
+from mokgen.spec import MoESpec, load_spec
+
+_ID_DTYPES = (torch.int32, torch.int64)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(t: object, name: str, *, shape: tuple, dtypes: tuple, device: torch.device | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise InputError(f"{name}: dtype must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InputError(f"{name}: shape must be {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise InputError(f"{name}: must be contiguous (call .contiguous())")
+    if t.device.type != "cuda":
+        raise InputError(f"{name}: must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise InputError(f"{name}: must be on {device} like x, got {t.device}")
+
+
+def _can_sync() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def validate_forward_inputs(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids: bool = True):
+    H, I, E, K = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.top_k
+    _check(x, "x", shape=(None, H), dtypes=(torch.bfloat16,), device=None)
+    dev = x.device
+    T = x.shape[0]
+    if T > spec.target.max_tokens_per_rank:
+        raise InputError(
+            f"x: {T} tokens exceed the planned maximum target.max_tokens_per_rank = {spec.target.max_tokens_per_rank}"
+        )
+    _check(topk_ids, "topk_ids", shape=(T, K), dtypes=_ID_DTYPES, device=dev)
+    _check(topk_weights, "topk_weights", shape=(T, K), dtypes=_WEIGHT_DTYPES, device=dev)
+    _check(w_gate, "w_gate", shape=(E, I, H), dtypes=(torch.bfloat16,), device=dev)
+    _check(w_up, "w_up", shape=(E, I, H), dtypes=(torch.bfloat16,), device=dev)
+    _check(w_down, "w_down", shape=(E, H, I), dtypes=(torch.bfloat16,), device=dev)
+    if check_ids and T > 0 and _can_sync():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            raise InputError(f"topk_ids: expert ids must be in [0, {E}), found values in [{lo}, {hi}]")
+
+
+def experts_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    spec: MoESpec | str,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """Routed experts of one rank (EP = 1): ``sum_j w[t,j] * FFN_{ids[t,j]}(x[t])`` in bf16.
+
+    x [T, H] bf16; topk_ids [T, K] int32/int64; topk_weights [T, K] (fp32 used inside);
+    w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, the Hugging Face layout. Deterministic:
+    each (token, j) result has its own slot and the k slots are summed in fixed order in fp32.
+    ``check_ids`` validates the id range with one device sync (skipped automatically under
+    torch.compile and CUDA graph capture).
+    """
+    if isinstance(spec, str):
+        spec = load_spec(spec)
+    return _forward(load(spec), spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids)
+
+
+def _forward(kernel, spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids: bool = True):
+    """Validate, normalize dtypes and call the compiled op (traceable by torch.compile)."""
+    validate_forward_inputs(spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+    return kernel.OP(x, ids, weights, w_gate, w_up, w_down)
+
+
+class MoEExperts(torch.nn.Module):
+    """The routed experts of a spec on one GPU, weights in the Hugging Face layout.
+
+    ``forward(x, topk_ids, topk_weights)`` runs the generated kernel. Forward only for now: the
+    backward megakernel is a later issue, so calling backward through it raises.
+    """
+
+    def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.spec = load_spec(spec) if isinstance(spec, str) else spec
+        if dtype != torch.bfloat16:
+            raise InputError(f"MoEExperts: dtype must be torch.bfloat16 for numerics {self.spec.target.numerics}")
+        E, I, H = self.spec.num_experts, self.spec.moe_intermediate_size, self.spec.hidden_size
+        kw = dict(device=device, dtype=dtype)
+        self.w_gate = torch.nn.Parameter(torch.empty(E, I, H, **kw))
+        self.w_up = torch.nn.Parameter(torch.empty(E, I, H, **kw))
+        self.w_down = torch.nn.Parameter(torch.empty(E, H, I, **kw))
+        self.reset_parameters()
+        # Resolve (and if needed JIT-build) the kernel now, outside any torch.compile region.
+        self._kernel = load(self.spec)
+
+    def reset_parameters(self) -> None:
+        H, I = self.spec.hidden_size, self.spec.moe_intermediate_size
+        with torch.no_grad():
+            torch.nn.init.normal_(self.w_gate, std=1 / math.sqrt(H))
+            torch.nn.init.normal_(self.w_up, std=1 / math.sqrt(H))
+            torch.nn.init.normal_(self.w_down, std=1 / math.sqrt(I))
+
+    def forward(self, x, topk_ids, topk_weights):
+        return _forward(self._kernel, self.spec, x, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"spec={s.name}, experts={s.num_experts}, hidden={s.hidden_size}, intermediate={s.moe_intermediate_size}, top_k={s.top_k}"

@@ -1,0 +1,176 @@
+"""Plan: spec + target -> compile-time constants, derived figures, the build name and cache key.
+
+Pure: no torch, no nvcc, no Jinja. The build stage passes the toolchain facts (nvcc and CUTLASS
+versions, flags) and the digest of the template sources into :func:`cache_key`; this module only
+hashes them. ``build_name`` is the one function that formats a build's readable name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from mokgen._version import __version__
+from mokgen.errors import PlanError
+from mokgen.spec import MoESpec
+
+#: bump when the C ABI of the launcher library changes (load checks it)
+ABI_VERSION = 1
+
+#: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
+DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
+#: numerics the kernels implement today; mxfp8 is declared in specs and arrives later
+IMPLEMENTED_NUMERICS = ("bf16",)
+#: filename-safe tags of the architectures
+ARCH_TAGS = {"sm_90a": "sm90a"}
+
+BF16_BYTES = 2
+
+
+def build_name(spec: MoESpec) -> str:
+    """The readable name of a build, e.g. ``moe_kimi-k2.5_bf16_h7168_i2048_e384_k8_sm90a``."""
+    t = spec.target
+    return (
+        f"moe_{spec.name}_{DTYPE_TAGS[t.numerics]}_h{spec.hidden_size}_i{spec.moe_intermediate_size}"
+        f"_e{spec.num_experts}_k{spec.top_k}_{ARCH_TAGS[t.arch]}"
+    )
+
+
+def op_identifier(name: str) -> str:
+    """A Python/C identifier for a build name (torch.library op names allow no '-' or '.')."""
+    return re.sub(r"[^0-9A-Za-z_]", "_", name)
+
+
+class Plan(BaseModel):
+    """Compile-time constants of one build. Every field here goes into the cache key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec_name: str
+    numerics: str
+    arch: str
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    clamp_limit: float | None
+    max_tokens_per_rank: int
+    # tiles and pipeline of the grouped GEMMs (the tuner will choose these later)
+    gemm_block_m: int = 128
+    gemm_block_n_up: int = 64      # output columns of an up-projection tile (128 B rows: gate + up)
+    gemm_block_n_down: int = 128
+    gemm_block_k: int = 64
+    gemm_stages: int = 3
+    route_tile: int = 4096         # pairs per routing-prologue tile
+    abi_version: int = ABI_VERSION
+
+    @property
+    def name(self) -> str:
+        return _names[self]
+
+    @property
+    def clamp_limit_literal(self) -> str:
+        """The clamp limit as a C float literal (0.0f when there is no clamp)."""
+        value = 0.0 if self.clamp_limit is None else float(self.clamp_limit)
+        return f"{value!r}f"
+
+    def compile_fields(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+_names: dict[Plan, str] = {}
+
+
+def make_plan(spec: MoESpec) -> Plan:
+    """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet."""
+    t = spec.target
+    if t.numerics not in IMPLEMENTED_NUMERICS:
+        raise PlanError(
+            f"{spec.name}: target.numerics {t.numerics!r} is declared but not implemented yet "
+            f"(implemented: {', '.join(IMPLEMENTED_NUMERICS)})"
+        )
+    if t.arch not in ARCH_TAGS:
+        raise PlanError(f"{spec.name}: target.arch {t.arch!r} is not supported (supported: {', '.join(ARCH_TAGS)})")
+    plan = Plan(
+        spec_name=spec.name,
+        numerics=t.numerics,
+        arch=t.arch,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        top_k=spec.top_k,
+        clamp_limit=spec.activation.clamp_limit,
+        max_tokens_per_rank=t.max_tokens_per_rank,
+    )
+    _names[plan] = build_name(spec)
+    return plan
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def cache_key(plan: Plan, *, sources_digest: str, toolchain: dict[str, Any]) -> str:
+    """Content key of a build: plan fields, template/header contents, mokgen version, toolchain
+    (nvcc and CUTLASS versions, arch, flags). Any change to one of them changes the key."""
+    payload = {
+        "plan": plan.compile_fields(),
+        "sources": sources_digest,
+        "mokgen": __version__,
+        "toolchain": toolchain,
+    }
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+# ---- derived figures -------------------------------------------------------------------------
+
+
+def figures(spec: MoESpec, *, ep: int = 1, tokens: int | None = None) -> dict[str, Any]:
+    """FLOPs and bytes of the layer, and per-rank buffer sizes for ``ep`` ranks with ``tokens``
+    tokens per rank (default: the target's maximum). Uniform routing is assumed for the
+    expected received rows; the worst case is listed beside it."""
+    if ep < 1:
+        raise PlanError(f"{spec.name}: ep must be >= 1, got {ep}")
+    if spec.num_experts % ep:
+        raise PlanError(f"{spec.name}: ep ({ep}) must divide num_experts ({spec.num_experts})")
+    if ep > spec.target.max_ep_ranks:
+        raise PlanError(f"{spec.name}: ep ({ep}) exceeds target.max_ep_ranks ({spec.target.max_ep_ranks})")
+    T = spec.target.max_tokens_per_rank if tokens is None else tokens
+    if T < 0 or T > spec.target.max_tokens_per_rank:
+        raise PlanError(
+            f"{spec.name}: tokens ({T}) must be in 0..target.max_tokens_per_rank ({spec.target.max_tokens_per_rank})"
+        )
+    H, I, E, K = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.top_k
+    sh = spec.shared_experts
+    routed_flops = 6 * K * H * I
+    shared_flops = 6 * sh.count * H * sh.intermediate_size
+    expert_bytes = 3 * H * I * BF16_BYTES
+    per_rank_experts = E // ep
+    expected_rows = T * K  # each rank receives, on average, as many pairs as it sends
+    return {
+        "spec": spec.name,
+        "ep": ep,
+        "tokens_per_rank": T,
+        "flops_per_token_routed_fwd": routed_flops,
+        "flops_per_token_shared_fwd": shared_flops,
+        "flops_per_token_fwd": routed_flops + shared_flops,
+        "bytes_dispatched_per_token": K * H * BF16_BYTES,
+        "routing_bytes_per_token": K * (4 + 4),
+        "expert_weight_bytes": expert_bytes,
+        "routed_weight_bytes_total": E * expert_bytes,
+        "shared_weight_bytes": sh.count * 3 * H * sh.intermediate_size * BF16_BYTES,
+        "local_experts": per_rank_experts,
+        "routed_weight_bytes_per_rank": per_rank_experts * expert_bytes,
+        "buffers_per_rank": {
+            "x_send": T * H * BF16_BYTES,
+            "routing": T * K * 8,
+            "combine_slots": T * K * H * BF16_BYTES,
+            "expected_rows": expected_rows,
+            "worst_case_rows": T * K * ep,
+            "intermediate_expected": expected_rows * I * BF16_BYTES,
+        },
+    }

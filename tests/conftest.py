@@ -1,0 +1,71 @@
+"""Shared test configuration: marker-based skips with reasons, and an isolated build cache.
+
+Markers (registered in pyproject.toml): nvcc (needs the CUDA compiler), gpu (one sm_90 GPU),
+multi_gpu (several), slow. The default `pytest` runs what this machine can run and skips the
+rest with a reason that says what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_missing() -> str | None:
+    try:
+        from mokgen.build import find_toolchain
+
+        find_toolchain()
+    except Exception as err:  # noqa: BLE001 - any reason is a skip reason
+        return f"needs nvcc and the CUTLASS headers: {err}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_missing(count: int = 1) -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "needs torch"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (none visible)"
+    n = torch.cuda.device_count()
+    if n < count:
+        return f"needs {count} CUDA GPUs ({n} visible)"
+    cap = torch.cuda.get_device_capability(0)
+    if cap != (9, 0):
+        return f"needs an sm_90 GPU (H100/H200); found sm_{cap[0]}{cap[1]}"
+    return _nvcc_missing()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        reason = None
+        if "multi_gpu" in item.keywords:
+            reason = _gpu_missing(2)
+        elif "gpu" in item.keywords:
+            reason = _gpu_missing(1)
+        elif "nvcc" in item.keywords:
+            reason = _nvcc_missing()
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_dirs(tmp_path_factory):
+    """Builds of the test run go to a session cache (shared by all tests, so each spec compiles
+    once) unless MOKGEN_CACHE_DIR is set; generated/ output goes to a temporary folder."""
+    saved = {k: os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "MOKGEN_GENERATED_DIR")}
+    if not saved["MOKGEN_CACHE_DIR"]:
+        os.environ["MOKGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["MOKGEN_GENERATED_DIR"] = str(tmp_path_factory.mktemp("generated"))
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
