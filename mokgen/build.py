@@ -178,10 +178,12 @@ def _plan_json(plan: Plan, key: str, tc: Toolchain, spec: MoESpec) -> str:
 
 
 def _first_error(log: str) -> str:
-    for line in log.splitlines():
+    # the "$ nvcc ..." line is the command itself (its paths may contain the word "error")
+    output = [l for l in log.splitlines() if not l.startswith("$ ")]
+    for line in output:
         if re.search(r"\berror\b", line, re.IGNORECASE):
             return line.strip()
-    lines = [l.strip() for l in log.splitlines() if l.strip()]
+    lines = [l.strip() for l in output if l.strip()]
     return lines[-1] if lines else "no output"
 
 

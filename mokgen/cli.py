@@ -25,11 +25,31 @@ err_console = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
+    message = " ".join(str(message).splitlines()).strip()  # always one line
     err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(2)
 
 
 class _Group(click.Group):
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        # Bad options and arguments are user errors too: one `error:` line and exit code 2,
+        # instead of click's multi-line usage block. `mokgen` alone still prints the help.
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.UsageError as err:
+            path = err.ctx.command_path if err.ctx is not None else "mokgen"
+            _fail(f"{err.format_message()} (see `{path} --help`)")
+        except click.ClickException as err:
+            _fail(err.format_message())
+        except click.Abort:
+            _fail("aborted")
+        sys.exit(rv if isinstance(rv, int) else 0)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -83,8 +103,9 @@ def list_cmd(as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(title="bundled MoE specs")
-    for col in ("name", "aliases", "hidden", "intermediate", "experts / top-k", "shared", "scoring"):
-        table.add_column(col)
+    table.add_column("name", no_wrap=True)  # never ellipsized: it is what users type
+    for col in ("aliases", "hidden", "intermediate", "experts / top-k", "shared", "scoring"):
+        table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(
             r["name"], ", ".join(r["aliases"]), str(r["hidden"]), str(r["intermediate"]),

@@ -64,4 +64,14 @@ def cutlass_dir_override() -> str | None:
 
 def build_timeout() -> float:
     value = _get("MOKGEN_BUILD_TIMEOUT")
-    return float(value) if value else 900.0
+    if not value:
+        return 900.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        from mokgen.errors import ToolchainError
+
+        raise ToolchainError(f"MOKGEN_BUILD_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds

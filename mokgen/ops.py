@@ -19,7 +19,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check(t: object, name: str, *, shape: tuple, dtypes: tuple, device: torch.device | None) -> None:
+def _check(t: object, name: str, *, shape: tuple, dtypes: tuple) -> None:
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -29,6 +29,9 @@ def _check(t: object, name: str, *, shape: tuple, dtypes: tuple, device: torch.d
         raise InputError(f"{name}: shape must be {want}, got {list(t.shape)}")
     if not t.is_contiguous():
         raise InputError(f"{name}: must be contiguous (call .contiguous())")
+
+
+def _check_device(t: torch.Tensor, name: str, device: torch.device | None) -> None:
     if t.device.type != "cuda":
         raise InputError(f"{name}: must be on a CUDA device, got {t.device}")
     if device is not None and t.device != device:
@@ -43,18 +46,23 @@ def _can_sync() -> bool:
 
 def validate_forward_inputs(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids: bool = True):
     H, I, E, K = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.top_k
-    _check(x, "x", shape=(None, H), dtypes=(torch.bfloat16,), device=None)
-    dev = x.device
+    # dtypes, shapes and layout of every argument first, devices last: the most specific problem
+    # is the one reported (and all of it can be checked on CPU tensors)
+    _check(x, "x", shape=(None, H), dtypes=(torch.bfloat16,))
     T = x.shape[0]
     if T > spec.target.max_tokens_per_rank:
         raise InputError(
             f"x: {T} tokens exceed the planned maximum target.max_tokens_per_rank = {spec.target.max_tokens_per_rank}"
         )
-    _check(topk_ids, "topk_ids", shape=(T, K), dtypes=_ID_DTYPES, device=dev)
-    _check(topk_weights, "topk_weights", shape=(T, K), dtypes=_WEIGHT_DTYPES, device=dev)
-    _check(w_gate, "w_gate", shape=(E, I, H), dtypes=(torch.bfloat16,), device=dev)
-    _check(w_up, "w_up", shape=(E, I, H), dtypes=(torch.bfloat16,), device=dev)
-    _check(w_down, "w_down", shape=(E, H, I), dtypes=(torch.bfloat16,), device=dev)
+    _check(topk_ids, "topk_ids", shape=(T, K), dtypes=_ID_DTYPES)
+    _check(topk_weights, "topk_weights", shape=(T, K), dtypes=_WEIGHT_DTYPES)
+    _check(w_gate, "w_gate", shape=(E, I, H), dtypes=(torch.bfloat16,))
+    _check(w_up, "w_up", shape=(E, I, H), dtypes=(torch.bfloat16,))
+    _check(w_down, "w_down", shape=(E, H, I), dtypes=(torch.bfloat16,))
+    _check_device(x, "x", None)
+    for t, name in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights"), (w_gate, "w_gate"),
+                    (w_up, "w_up"), (w_down, "w_down")):
+        _check_device(t, name, x.device)
     if check_ids and T > 0 and _can_sync():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:
@@ -82,12 +90,18 @@ def experts_forward(
     """
     if isinstance(spec, str):
         spec = load_spec(spec)
-    return _forward(load(spec), spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids)
+    # validate before loading: a bad call never triggers (or waits for) a build
+    validate_forward_inputs(spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
+    return _call(load(spec), x, topk_ids, topk_weights, w_gate, w_up, w_down)
 
 
 def _forward(kernel, spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids: bool = True):
     """Validate, normalize dtypes and call the compiled op (traceable by torch.compile)."""
     validate_forward_inputs(spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
+    return _call(kernel, x, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+
+def _call(kernel, x, topk_ids, topk_weights, w_gate, w_up, w_down):
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     return kernel.OP(x, ids, weights, w_gate, w_up, w_down)

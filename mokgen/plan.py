@@ -31,8 +31,13 @@ ARCH_TAGS = {"sm_90a": "sm90a"}
 BF16_BYTES = 2
 
 
-def build_name(spec: MoESpec) -> str:
-    """The readable name of a build, e.g. ``moe_kimi-k2.5_bf16_h7168_i2048_e384_k8_sm90a``."""
+def build_name(spec: "MoESpec | Plan") -> str:
+    """The readable name of a build, e.g. ``moe_kimi-k2.5_bf16_h7168_i2048_e384_k8_sm90a``.
+    The only function that formats build names; takes a spec or a plan."""
+    if isinstance(spec, Plan):
+        p = spec
+        return (f"moe_{p.spec_name}_{DTYPE_TAGS[p.numerics]}_h{p.hidden_size}_i{p.intermediate_size}"
+                f"_e{p.num_experts}_k{p.top_k}_{ARCH_TAGS[p.arch]}")
     t = spec.target
     return (
         f"moe_{spec.name}_{DTYPE_TAGS[t.numerics]}_h{spec.hidden_size}_i{spec.moe_intermediate_size}"
@@ -70,7 +75,7 @@ class Plan(BaseModel):
 
     @property
     def name(self) -> str:
-        return _names[self]
+        return build_name(self)
 
     @property
     def clamp_limit_literal(self) -> str:
@@ -80,9 +85,6 @@ class Plan(BaseModel):
 
     def compile_fields(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-_names: dict[Plan, str] = {}
 
 
 def make_plan(spec: MoESpec) -> Plan:
@@ -106,7 +108,6 @@ def make_plan(spec: MoESpec) -> Plan:
         clamp_limit=spec.activation.clamp_limit,
         max_tokens_per_rank=t.max_tokens_per_rank,
     )
-    _names[plan] = build_name(spec)
     return plan
 
 
@@ -170,7 +171,8 @@ def figures(spec: MoESpec, *, ep: int = 1, tokens: int | None = None) -> dict[st
             "routing": T * K * 8,
             "combine_slots": T * K * H * BF16_BYTES,
             "expected_rows": expected_rows,
-            "worst_case_rows": T * K * ep,
+            # every rank's tokens may pick this rank, each with at most min(k, local experts) pairs
+            "worst_case_rows": T * ep * min(K, per_rank_experts),
             "intermediate_expected": expected_rows * I * BF16_BYTES,
         },
     }

@@ -7,6 +7,7 @@ timestamps, sorted iteration, '\\n' line endings. Every generated file starts wi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -101,14 +102,33 @@ def write_tree(files: dict[str, str | bytes | Path], dest: Path, links: dict[str
                     f.write(content)
         for name, target in sorted((links or {}).items()):
             os.symlink(target, tmp / name)
-        old = None
-        if dest.exists():
-            old = dest.with_name(f".old-{dest.name}-{os.getpid()}")
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _replace(tmp: Path, dest: Path, attempts: int = 20) -> None:
+    """Rename ``tmp`` to ``dest``. An existing ``dest`` is moved aside first and put back when
+    the rename fails; when a concurrent writer publishes in between, its tree is replaced too."""
+    for attempt in range(attempts):
+        hold = None
+        if os.path.lexists(dest):
+            hold = Path(tempfile.mkdtemp(prefix=f".old-{dest.name}-", dir=dest.parent))
+            try:
+                os.rename(dest, hold / dest.name)
+            except FileNotFoundError:  # a concurrent writer moved it first
+                pass
+        try:
+            os.rename(tmp, dest)
+        except OSError as err:
+            if hold is not None and os.path.lexists(hold / dest.name) and not os.path.lexists(dest):
+                os.rename(hold / dest.name, dest)
+            if err.errno in (errno.ENOTEMPTY, errno.EEXIST) and attempt + 1 < attempts:
+                continue  # a concurrent writer published between our two renames
+            raise
+        finally:
+            if hold is not None:
+                shutil.rmtree(hold, ignore_errors=True)
+        return

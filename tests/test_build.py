@@ -1,0 +1,355 @@
+"""mokgen.build and mokgen.load with the real nvcc (no GPU needed): every bundled spec compiles,
+cache entries, cache hits, forced rebuilds, failed builds, missing toolchain, concurrent builds,
+and loading the binding module."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mokgen import build as build_mod
+from mokgen import env, render
+from mokgen._version import __version__
+from mokgen.errors import BuildError, LoadError, ToolchainError
+from mokgen.plan import ABI_VERSION, make_plan
+from mokgen.spec import bundled_specs, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_SPECS = sorted(bundled_specs())
+SMALL = "qwen3-30b-a3b"
+EXPORTS = ("mokgen_forward", "mokgen_workspace_bytes", "mokgen_build_info", "mokgen_abi_version")
+
+
+def _entries(cache: Path) -> list[Path]:
+    """Complete-looking entries (not temporary, not hidden) under every arch of the cache."""
+    root = cache / __version__
+    if not root.is_dir():
+        return []
+    return sorted(p for arch in root.iterdir() if arch.is_dir() and arch.name != "failed"
+                  for p in arch.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _temporaries(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob(".tmp-*")) if root.exists() else []
+
+
+@pytest.fixture
+def private_dirs(tmp_path, monkeypatch):
+    cache, generated = tmp_path / "cache", tmp_path / "generated"
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))
+    return cache, generated
+
+
+# ---- every bundled spec ------------------------------------------------------------------------
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_every_bundled_spec_compiles(name):
+    spec = load_spec(name)
+    result = build_mod.build(spec)
+    plan = make_plan(spec)
+    lib = f"lib{plan.name}.so"
+    assert result.name == plan.name
+    assert result.entry == build_mod.entry_dir(plan, result.key)
+    assert result.entry.parent == env.cache_dir() / __version__ / "sm_90a"
+    assert result.entry.name == f"{plan.name}-{result.key[:12]}"
+    assert result.library == result.entry / lib
+    assert {lib, "plan.json", "build.log", "moe_forward.cu", "binding.py"} <= {
+        p.name for p in result.entry.iterdir()
+    }
+
+    doc = json.loads((result.entry / "plan.json").read_text())
+    assert doc["name"] == plan.name and doc["key"] == result.key
+    assert doc["plan"] == plan.compile_fields()
+    assert doc["mokgen"] == __version__
+
+    # ptxas's resource report: registers for every kernel, no spills anywhere
+    log = (result.entry / "build.log").read_text()
+    assert re.search(r"Used \d+ registers", log), log[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills, "no spill lines in the ptxas report"
+    assert all(a == "0" and b == "0" for a, b in spills), [l for l in build_mod.resource_report(result.entry) if "spill" in l]
+
+    # the C ABI: symbols exported, callable without a GPU
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-D", "--defined-only", str(result.library)],
+                                 capture_output=True, text=True, check=True).stdout
+        for sym in EXPORTS:
+            assert re.search(rf"\bT {sym}$", symbols, re.M), sym
+    so = ctypes.CDLL(str(result.library))
+    for sym in EXPORTS:
+        assert hasattr(so, sym)
+    so.mokgen_abi_version.restype = ctypes.c_int
+    assert so.mokgen_abi_version() == ABI_VERSION
+    so.mokgen_build_info.restype = ctypes.c_char_p
+    info = json.loads(so.mokgen_build_info().decode())
+    assert info["name"] == plan.name and info["key"] == result.key
+    assert (info["hidden_size"], info["num_experts"], info["top_k"]) == (spec.hidden_size, spec.num_experts, spec.top_k)
+    so.mokgen_workspace_bytes.restype = ctypes.c_longlong
+    so.mokgen_workspace_bytes.argtypes = [ctypes.c_longlong]
+    assert so.mokgen_workspace_bytes(0) == 0
+    assert so.mokgen_workspace_bytes(2048) > so.mokgen_workspace_bytes(1) > 0
+
+    # generated/<name>/: the readable sources and a link to the cached library
+    gen = env.generated_dir() / plan.name
+    for fn in ("moe_forward.cu", "binding.py", "plan.json", "build.log"):
+        assert (gen / fn).read_bytes() == (result.entry / fn).read_bytes(), fn
+    assert (gen / lib).is_symlink()
+    assert (gen / lib).resolve() == result.library.resolve()
+
+
+# ---- cache hits and forced rebuilds ------------------------------------------------------------
+
+
+def _spy_nvcc(monkeypatch, *, allow: bool) -> list[list[str]]:
+    """Record (or forbid) compiler runs made by mokgen.build."""
+    calls: list[list[str]] = []
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if isinstance(cmd, (list, tuple)) and cmd and os.path.basename(str(cmd[0])).startswith("nvcc"):
+            calls.append(list(cmd))
+            if not allow:
+                raise AssertionError(f"nvcc ran on a cache hit: {cmd}")
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(build_mod.subprocess, "run", run)
+    return calls
+
+
+@pytest.mark.nvcc
+def test_second_build_is_a_cache_hit_without_nvcc(monkeypatch):
+    spec = load_spec(SMALL)
+    first = build_mod.build(spec)
+    build_mod.find_toolchain()  # the nvcc --version query is memoized; compiles are what we forbid
+    calls = _spy_nvcc(monkeypatch, allow=False)
+    second = build_mod.build(spec)
+    assert calls == []
+    assert second.cached is True
+    assert (second.key, second.entry, second.library) == (first.key, first.entry, first.library)
+
+
+@pytest.mark.nvcc
+def test_force_rebuilds(monkeypatch):
+    spec = load_spec(SMALL)
+    first = build_mod.build(spec)
+    build_mod.find_toolchain()
+    before = first.library.stat().st_ino, first.library.stat().st_mtime_ns
+    calls = _spy_nvcc(monkeypatch, allow=True)
+    again = build_mod.build(spec, force=True)
+    assert again.cached is False
+    assert len(calls) == 1 and "moe_forward.cu" in calls[0]
+    assert again.entry == first.entry and again.library.is_file()
+    assert (again.library.stat().st_ino, again.library.stat().st_mtime_ns) != before
+    assert _temporaries(env.cache_dir()) == []
+    assert build_mod.is_complete(again.entry, make_plan(spec))
+
+
+@pytest.mark.nvcc
+def test_changed_templates_miss_the_cache(private_dirs, tmp_path, monkeypatch):
+    """A header edit changes the key: a new entry beside the old one, both complete."""
+    cache, _ = private_dirs
+    spec = load_spec(SMALL)
+    first = build_mod.build(spec, publish_generated=False)
+    copy = tmp_path / "templates"
+    shutil.copytree(render.templates_dir(), copy)
+    common = copy / "include" / "mokgen" / "common.cuh"
+    common.write_text(common.read_text() + "\n// an edit\n")
+    monkeypatch.setattr(render, "templates_dir", lambda: copy)
+    monkeypatch.setattr(build_mod, "templates_dir", lambda: copy)
+    second = build_mod.build(spec, publish_generated=False)
+    assert second.cached is False and second.key != first.key
+    assert _entries(cache) == sorted([first.entry, second.entry])
+
+
+# ---- failed builds -----------------------------------------------------------------------------
+
+
+@pytest.mark.nvcc
+def test_broken_source_raises_build_error_and_leaves_no_entry(private_dirs, tmp_path, monkeypatch):
+    cache, generated = private_dirs
+    spec = load_spec(SMALL)
+    # the include path on nvcc's command line contains the word "error": the message must still
+    # quote the compiler's diagnostic, not the command line
+    copy = tmp_path / "error-prone" / "templates"
+    shutil.copytree(render.templates_dir(), copy)
+    monkeypatch.setattr(render, "templates_dir", lambda: copy)
+    monkeypatch.setattr(build_mod, "templates_dir", lambda: copy)
+    real_render = render.render
+
+    def broken(plan, key):
+        files = real_render(plan, key)
+        files["moe_forward.cu"] += "\nint mokgen_broken( {\n"
+        return files
+
+    monkeypatch.setattr(render, "render", broken)
+    with pytest.raises(BuildError) as info:
+        build_mod.build(spec)
+    message = str(info.value)
+    assert "\n" not in message
+
+    failed_root = cache / __version__ / "failed"
+    (failed,) = list(failed_root.iterdir())
+    assert failed.name.startswith(make_plan(spec).name + "-")
+    assert str(failed / "moe_forward.cu") in message
+    assert str(failed / "build.log") in message
+    diagnostic = message.split(str(failed / "moe_forward.cu") + ": ", 1)[1].split(" (full log: ")[0]
+    assert re.search(r"\berror\b", diagnostic), message
+    assert "-gencode" not in diagnostic and not diagnostic.startswith("$"), message
+    assert "mokgen_broken" in (failed / "moe_forward.cu").read_text()
+    assert "error" in (failed / "build.log").read_text()
+
+    assert _entries(cache) == []
+    assert _temporaries(cache) == []
+    assert not generated.exists() or list(generated.iterdir()) == []
+
+
+@pytest.mark.nvcc
+def test_failed_build_then_good_build(private_dirs, monkeypatch):
+    """A failure does not poison the cache: fixing the source builds normally."""
+    cache, _ = private_dirs
+    spec = load_spec(SMALL)
+    with monkeypatch.context() as m:
+        m.setattr(render, "render", lambda plan, key: {"moe_forward.cu": "#error broken\n", "binding.py": "\n"})
+        with pytest.raises(BuildError):
+            build_mod.build(spec, publish_generated=False)
+    result = build_mod.build(spec, publish_generated=False)
+    assert result.cached is False
+    assert _entries(cache) == [result.entry]
+
+
+# ---- missing toolchain (no nvcc needed) --------------------------------------------------------
+
+
+def test_mokgen_nvcc_not_a_file(monkeypatch, private_dirs):
+    cache, generated = private_dirs
+    monkeypatch.setenv("MOKGEN_NVCC", "/nonexistent/bin/nvcc")
+    with pytest.raises(ToolchainError, match="MOKGEN_NVCC=/nonexistent/bin/nvcc") as info:
+        build_mod.find_nvcc()
+    assert "\n" not in str(info.value)
+    with pytest.raises(ToolchainError):
+        build_mod.build(load_spec(SMALL))
+    assert not cache.exists() and not generated.exists()
+
+
+def test_mokgen_nvcc_not_an_nvcc(monkeypatch, tmp_path):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'hello'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MOKGEN_NVCC", str(fake))
+    with pytest.raises(ToolchainError, match="cannot parse the version"):
+        build_mod.find_toolchain()
+
+
+def test_no_nvcc_anywhere(monkeypatch, tmp_path, private_dirs):
+    cache, _ = private_dirs
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.delenv("MOKGEN_NVCC", raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(empty))
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode, *a, **k: False if str(p).startswith("/usr/local/cuda") else real_access(p, mode, *a, **k)
+    )
+    with pytest.raises(ToolchainError, match="nvcc not found") as info:
+        build_mod.find_nvcc()
+    assert "\n" not in str(info.value)
+    with pytest.raises(ToolchainError):
+        build_mod.build(load_spec(SMALL))
+    assert not cache.exists()
+
+
+def test_cuda_home_without_nvcc_falls_through(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOKGEN_NVCC", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # no bin/nvcc there
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    fake_bin = tmp_path / "other"
+    fake_bin.mkdir()
+    nvcc = fake_bin / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake_bin))
+    assert build_mod.find_nvcc() == str(nvcc)
+
+
+# ---- concurrency -------------------------------------------------------------------------------
+
+_BUILDER = r"""
+from mokgen import build
+from mokgen.spec import load_spec
+result = build.build(load_spec("qwen3-30b-a3b"))
+print("cached" if result.cached else "compiled", result.entry)
+"""
+
+
+@pytest.mark.nvcc
+def test_two_processes_build_the_same_spec(tmp_path):
+    cache, generated = tmp_path / "cache", tmp_path / "generated"
+    env_vars = dict(os.environ, PYTHONPATH=str(ROOT), MOKGEN_CACHE_DIR=str(cache),
+                    MOKGEN_GENERATED_DIR=str(generated))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _BUILDER], cwd=tmp_path, env=env_vars,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        outs.append(out.split())
+    # exactly one compiled, the other waited on the lock and found the entry
+    assert sorted(o[0] for o in outs) == ["cached", "compiled"]
+    assert outs[0][1] == outs[1][1]
+    (entry,) = _entries(cache)
+    assert str(entry) == outs[0][1]
+    assert build_mod.is_complete(entry, make_plan(load_spec(SMALL)))
+    assert _temporaries(cache) == [] and _temporaries(generated) == []
+    name = make_plan(load_spec(SMALL)).name
+    assert [p.name for p in generated.iterdir()] == [name]
+    assert (generated / name / f"lib{name}.so").resolve() == (entry / f"lib{name}.so").resolve()
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+
+@pytest.mark.nvcc
+def test_load_returns_the_binding_module():
+    torch = pytest.importorskip("torch")
+    from mokgen import load as load_mod
+
+    spec = load_spec(SMALL)
+    build_mod.build(spec)
+    module = load_mod.load(spec)
+    _, key, _ = build_mod.plan_and_key(spec)
+    assert module.KEY == key
+    assert module.NAME == make_plan(spec).name
+    assert isinstance(module.OP, torch._ops.OpOverload)
+    assert module.OP.name().startswith("mokgen::")
+    assert json.loads(module.build_info())["key"] == key
+    assert load_mod.load(spec) is module  # one module (one registered op) per process
+
+
+@pytest.mark.nvcc
+def test_load_with_jit_disabled_and_empty_cache(private_dirs, monkeypatch):
+    from mokgen import load as load_mod
+
+    cache, _ = private_dirs
+    monkeypatch.setenv("MOKGEN_DISABLE_JIT", "1")
+    monkeypatch.setattr(load_mod, "_by_spec", {})
+    monkeypatch.setattr(load_mod, "_by_key", {})
+    with pytest.raises(LoadError, match="mokgen build qwen3-30b-a3b") as info:
+        load_mod.load(load_spec(SMALL))
+    assert "\n" not in str(info.value)
+    assert _entries(cache) == []

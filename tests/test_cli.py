@@ -1,0 +1,313 @@
+"""The command line, through click's CliRunner and as a real `python -m mokgen` subprocess."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mokgen._version import __version__
+from mokgen.cli import main
+from mokgen.plan import build_name
+from mokgen.spec import bundled_specs, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_SPECS = sorted(bundled_specs())
+SMALL = "qwen3-30b-a3b"
+
+
+def _runner() -> CliRunner:
+    # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ always keeps both apart
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:
+        return CliRunner(mix_stderr=False)
+    return CliRunner()
+
+
+def invoke(*args: str):
+    result = _runner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def run_module(*args: str, env: dict | None = None, cwd: Path = ROOT):
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", "mokgen", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture
+def private_dirs(tmp_path, monkeypatch):
+    """A private cache and generated/ (in this process and inherited by subprocesses)."""
+    cache, generated = tmp_path / "cache", tmp_path / "generated"
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))
+    return cache, generated
+
+
+def _nothing_written(cache: Path, generated: Path) -> None:
+    for d in (cache, generated):
+        assert not d.exists() or list(d.rglob("*")) == [], f"something was written under {d}"
+
+
+def _one_error_line(code: int, out: str, err: str) -> str:
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ---- list ------------------------------------------------------------------------------------
+
+
+def test_list_table_names_every_spec_in_full():
+    code, out, err = invoke("list")
+    assert code == 0, err
+    for name in ALL_SPECS:
+        assert name in out, f"{name} missing or cut short in:\n{out}"
+
+
+def test_list_json():
+    code, out, err = invoke("list", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == ALL_SPECS
+    kimi = next(r for r in rows if r["name"] == "kimi-k2.5")
+    assert kimi["aliases"] == ["kimi-2.5", "kimi-k2.7-code"]
+    assert (kimi["hidden"], kimi["intermediate"], kimi["experts"], kimi["top_k"]) == (7168, 2048, 384, 8)
+    assert Path(kimi["file"]) == bundled_specs()["kimi-k2.5"]
+
+
+def test_list_json_subprocess():
+    code, out, err = run_module("list", "--json")
+    assert code == 0, err
+    assert sorted(r["name"] for r in json.loads(out)) == ALL_SPECS
+    assert len(ALL_SPECS) == 7
+
+
+# ---- show ------------------------------------------------------------------------------------
+
+
+def test_show_json_by_alias():
+    code, out, err = invoke("show", "kimi-2.5", "--ep", "8", "--tokens", "2048", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["name"] == "moe_kimi-k2.5_bf16_h7168_i2048_e384_k8_sm90a"
+    assert doc["spec"]["name"] == "kimi-k2.5"
+    f = doc["figures"]
+    assert (f["ep"], f["tokens_per_rank"], f["local_experts"]) == (8, 2048, 48)
+    assert f["flops_per_token_routed_fwd"] == 6 * 8 * 7168 * 2048
+    assert f["expert_weight_bytes"] == 3 * 7168 * 2048 * 2
+    assert f["buffers_per_rank"]["combine_slots"] == 2048 * 8 * 7168 * 2
+    assert doc["plan"]["hidden_size"] == 7168 and doc["plan"]["num_experts"] == 384
+    assert "plan_error" not in doc
+
+
+def test_show_table():
+    code, out, err = invoke("show", "kimi-2.5", "--ep", "8", "--tokens", "2048")
+    assert code == 0, err
+    assert "moe_kimi-k2.5_bf16_h7168_i2048_e384_k8_sm90a" in out
+    assert "hidden 7168, expert intermediate 2048" in out
+    assert "48 experts" in out
+    assert "FLOPs / token" in out and "0.705" in out  # 6*8*7168*2048 = 0.705 GFLOP routed
+    assert "worst_case_rows" in out and "131072" in out
+
+
+def test_show_mxfp8_reports_the_plan_error():
+    code, out, err = invoke("show", "kimi-k2.5", "--numerics", "mxfp8", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["name"] == "moe_kimi-k2.5_mxfp8_h7168_i2048_e384_k8_sm90a"
+    assert doc["plan"] is None
+    assert "declared but not implemented" in doc["plan_error"]
+    assert doc["figures"]["local_experts"] == 384
+    code, out, err = invoke("show", "kimi-k2.5", "--numerics", "mxfp8")
+    assert code == 0, err
+    assert "declared but not implemented" in out
+
+
+# ---- doctor, version ---------------------------------------------------------------------------
+
+
+def test_version():
+    code, out, _ = invoke("--version")
+    assert code == 0
+    assert out.strip() == f"mokgen, version {__version__}"
+    code, out, _ = run_module("--version")
+    assert code == 0 and __version__ in out
+
+
+def test_doctor():
+    code, out, err = invoke("doctor")
+    assert code == 0, err
+    assert "nvcc" in out
+    code, out, err = invoke("doctor", "--json")
+    assert code == 0, err
+    checks = {c["check"]: c for c in json.loads(out)}
+    assert {"python", "mokgen", "nvcc", "CUTLASS/CuTe headers", "cache", "generated"} <= set(checks)
+    assert checks["mokgen"]["detail"] == __version__
+
+
+@pytest.mark.nvcc
+def test_doctor_finds_nvcc():
+    code, out, err = invoke("doctor", "--json")
+    assert code == 0, err
+    nvcc = next(c for c in json.loads(out) if c["check"] == "nvcc")
+    assert nvcc["ok"] is True and "nvcc" in nvcc["detail"]
+
+
+def test_doctor_without_nvcc_still_exits_0(monkeypatch):
+    monkeypatch.setenv("MOKGEN_NVCC", "/nonexistent/nvcc")
+    code, out, err = invoke("doctor", "--json")
+    assert code == 0, err
+    nvcc = next(c for c in json.loads(out) if c["check"] == "nvcc")
+    assert nvcc["ok"] is False and "MOKGEN_NVCC" in nvcc["detail"]
+
+
+# ---- render and build (nvcc: the cache key includes the toolchain) -----------------------------
+
+
+@pytest.mark.nvcc
+def test_render_writes_generated_sources(private_dirs):
+    cache, generated = private_dirs
+    code, out, err = invoke("render", SMALL)
+    assert code == 0, err
+    name = build_name(load_spec(SMALL))
+    dest = generated / name
+    assert sorted(p.name for p in dest.iterdir()) == ["binding.py", "moe_forward.cu"]
+    first = (dest / "moe_forward.cu").read_text().splitlines()[0]
+    assert first == f"// generated by mokgen {__version__} from templates/moe_forward.cu.j2 for {SMALL}; do not edit."
+    assert (dest / "binding.py").read_text().startswith(f"# generated by mokgen {__version__} from templates/binding.py.j2")
+    assert str(dest) in out
+    assert not cache.exists()  # render does not compile
+    # rendering again gives the same bytes
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    assert invoke("render", SMALL)[0] == 0
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+
+
+@pytest.mark.nvcc
+def test_build_command(tmp_path, monkeypatch):
+    generated = tmp_path / "generated"
+    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))  # the session cache: compiled once
+    code, out, err = invoke("build", SMALL)
+    assert code == 0, err
+    name = build_name(load_spec(SMALL))
+    assert out.startswith(f"{name}: ")
+    assert "compiled" in out or "cache hit" in out
+    assert (generated / name / f"lib{name}.so").resolve().is_file()
+    code, out, err = invoke("build", "--json", SMALL)
+    assert code == 0, err
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["name"] == name and doc["cached"] is True
+    assert Path(doc["library"]).is_file()
+
+
+@pytest.mark.nvcc
+def test_build_subprocess(tmp_path):
+    env = {"MOKGEN_GENERATED_DIR": str(tmp_path / "generated")}
+    code, out, err = run_module("build", "--json", SMALL, env=env, cwd=tmp_path)
+    assert code == 0, err
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["name"] == build_name(load_spec(SMALL)) and Path(doc["library"]).is_file()
+
+
+# ---- bad input: exit 2, one `error:` line, nothing written -------------------------------------
+
+
+def _spec_file(tmp_path: Path, filename: str = "bad.yaml", **changes) -> Path:
+    data = yaml.safe_load(bundled_specs()[SMALL].read_text())
+    data["name"] = "my-spec"
+    data.pop("aliases", None)
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = tmp_path / filename
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _bad_specs(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """case -> (spec argument, text the error line must contain)"""
+    malformed = tmp_path / "malformed.yaml"
+    malformed.write_text("name: my-spec\nhidden_size: [2048\n")
+    return {
+        "unknown name": ("no-such-model", "unknown spec 'no-such-model'"),
+        "missing file": (str(tmp_path / "missing.yaml"), "spec file not found"),
+        "malformed yaml": (str(malformed), "malformed YAML"),
+        "unknown field": (str(_spec_file(tmp_path, "unknown.yaml", colour="red")), "colour: unknown field"),
+        "top_k > experts": (str(_spec_file(tmp_path, "topk.yaml", num_experts=4, top_k=8)), "top_k: must be between 1 and num_experts (4)"),
+        "unsupported arch": (str(_spec_file(tmp_path, "arch.yaml", target__arch="sm_80")), "target.arch"),
+    }
+
+
+BAD_CASES = ["unknown name", "missing file", "malformed yaml", "unknown field", "top_k > experts", "unsupported arch"]
+
+
+@pytest.mark.parametrize("command", ["show", "render", "build"])
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_spec(case, command, tmp_path, private_dirs):
+    ref, expected = _bad_specs(tmp_path)[case]
+    line = _one_error_line(*invoke(command, ref))
+    assert expected in line, line
+    _nothing_written(*private_dirs)
+
+
+def test_bad_spec_subprocess(tmp_path, private_dirs):
+    for case in ("unknown name", "unsupported arch"):
+        ref, expected = _bad_specs(tmp_path)[case]
+        line = _one_error_line(*run_module("build", ref, cwd=tmp_path))
+        assert expected in line, line
+    _nothing_written(*private_dirs)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["show", "kimi-k2.5", "--ep", "7"], "ep (7) must divide num_experts (384)"),
+        (["show", "kimi-k2.5", "--ep", "128"], "exceeds target.max_ep_ranks (64)"),
+        (["show", "kimi-k2.5", "--tokens", "20000"], "tokens (20000)"),
+        (["show", "kimi-k2.5", "--ep", "0"], "--ep"),
+        (["show", "kimi-k2.5", "--numerics", "fp4"], "--numerics"),
+        (["show"], "Missing argument"),
+        (["frobnicate"], "No such command"),
+        (["build", "--numerics", "mxfp8", "kimi-k2.5"], "declared but not implemented"),
+        (["render", "--numerics", "mxfp8", "kimi-k2.5"], "declared but not implemented"),
+    ],
+)
+def test_bad_arguments(args, expected, private_dirs):
+    line = _one_error_line(*invoke(*args))
+    assert expected in line, line
+    _nothing_written(*private_dirs)
+
+
+def test_build_without_nvcc(private_dirs, monkeypatch):
+    monkeypatch.setenv("MOKGEN_NVCC", "/nonexistent")
+    line = _one_error_line(*invoke("build", SMALL))
+    assert "MOKGEN_NVCC=/nonexistent" in line
+    line = _one_error_line(*run_module("build", SMALL))
+    assert "MOKGEN_NVCC=/nonexistent" in line
+    _nothing_written(*private_dirs)
+
+
+def test_build_validates_every_spec_before_compiling(private_dirs):
+    line = _one_error_line(*invoke("build", SMALL, "no-such-model"))
+    assert "unknown spec 'no-such-model'" in line
+    _nothing_written(*private_dirs)
+
+
+def test_build_mxfp8_subprocess(private_dirs):
+    line = _one_error_line(*run_module("build", "--numerics", "mxfp8", "kimi-k2.5"))
+    assert "declared but not implemented" in line
+    _nothing_written(*private_dirs)

@@ -1,0 +1,273 @@
+"""mokgen.plan: build names, identifiers, derived figures, plan errors and the cache key. CPU only."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import mokgen.plan as plan_mod
+from mokgen import build as build_mod
+from mokgen.errors import PlanError
+from mokgen.plan import (
+    Plan,
+    build_name,
+    cache_key,
+    figures,
+    make_plan,
+    op_identifier,
+)
+from mokgen.spec import bundled_specs, load_spec
+
+ALL_SPECS = sorted(bundled_specs())
+
+EXPECTED_NAMES = {
+    "kimi-k2.5": "moe_kimi-k2.5_bf16_h7168_i2048_e384_k8_sm90a",
+    "glm-5.2": "moe_glm-5.2_bf16_h6144_i2048_e256_k8_sm90a",
+    "qwen3.5-397b-a17b": "moe_qwen3.5-397b-a17b_bf16_h4096_i1024_e512_k10_sm90a",
+    "deepseek-v4-pro": "moe_deepseek-v4-pro_bf16_h7168_i3072_e384_k6_sm90a",
+    "deepseek-v3": "moe_deepseek-v3_bf16_h7168_i2048_e256_k8_sm90a",
+    "qwen3-30b-a3b": "moe_qwen3-30b-a3b_bf16_h2048_i768_e128_k8_sm90a",
+    "qwen3.5-35b-a3b": "moe_qwen3.5-35b-a3b_bf16_h2048_i512_e256_k8_sm90a",
+}
+
+KEY_ARGS = dict(
+    sources_digest="ab" * 32,
+    toolchain={
+        "nvcc_version": "13.0.88",
+        "cutlass_version": "4.2.0",
+        "arch": "sm_90a",
+        "flags": ["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+    },
+)
+
+
+def test_expected_names_cover_every_bundled_spec():
+    assert set(EXPECTED_NAMES) == set(ALL_SPECS)
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_build_name_every_bundled_spec(name):
+    spec = load_spec(name)
+    got = build_name(spec)
+    assert got == EXPECTED_NAMES[name]
+    # filename-safe: no separators, no spaces, nothing a shell or a file system needs quoted
+    assert re.fullmatch(r"[a-z0-9._\-]+", got), got
+    # make_plan agrees with build_name (it is the one place names are formatted)
+    assert make_plan(spec).name == got
+
+
+def test_build_name_follows_numerics():
+    spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    assert build_name(spec) == "moe_kimi-k2.5_mxfp8_h7168_i2048_e384_k8_sm90a"
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_op_identifier_is_a_valid_identifier(name):
+    ident = op_identifier(build_name(load_spec(name)))
+    assert ident.isidentifier(), ident
+    assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", ident)
+    assert "-" not in ident and "." not in ident
+
+
+def test_op_identifier_distinguishes_bundled_specs():
+    idents = {op_identifier(build_name(load_spec(n))) for n in ALL_SPECS}
+    assert len(idents) == len(ALL_SPECS)
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def test_figures_kimi_ep8_2048_tokens():
+    spec = load_spec("kimi-k2.5")
+    f = figures(spec, ep=8, tokens=2048)
+    H, I, E, K, T, ep = 7168, 2048, 384, 8, 2048, 8
+    expert_bytes = 3 * H * I * 2
+    assert f["spec"] == "kimi-k2.5"
+    assert f["ep"] == ep
+    assert f["tokens_per_rank"] == T
+    assert f["flops_per_token_routed_fwd"] == 6 * K * H * I == 704_643_072
+    assert f["flops_per_token_shared_fwd"] == 6 * 1 * H * 2048
+    assert f["flops_per_token_fwd"] == 6 * K * H * I + 6 * H * 2048
+    assert f["bytes_dispatched_per_token"] == K * H * 2
+    assert f["routing_bytes_per_token"] == K * 8
+    assert f["expert_weight_bytes"] == expert_bytes == 88_080_384
+    assert f["routed_weight_bytes_total"] == E * expert_bytes
+    assert f["shared_weight_bytes"] == 3 * H * 2048 * 2
+    assert f["local_experts"] == 48
+    assert f["routed_weight_bytes_per_rank"] == 48 * expert_bytes
+    b = f["buffers_per_rank"]
+    assert b["x_send"] == T * H * 2
+    assert b["routing"] == T * K * 8
+    assert b["combine_slots"] == T * K * H * 2
+    assert b["expected_rows"] == T * K
+    assert b["worst_case_rows"] == T * K * ep  # 48 local experts >= k: a token can send all k here
+    assert b["intermediate_expected"] == T * K * I * 2
+
+
+def test_figures_default_tokens_and_ep():
+    spec = load_spec("qwen3-30b-a3b")
+    f = figures(spec)
+    assert f["ep"] == 1
+    assert f["tokens_per_rank"] == spec.target.max_tokens_per_rank
+    assert f["local_experts"] == spec.num_experts
+    assert f["flops_per_token_shared_fwd"] == 0 and f["shared_weight_bytes"] == 0
+
+
+def test_figures_worst_case_rows_bounded_by_local_experts():
+    """A token picks k distinct experts: one rank can receive at most min(k, local experts) of
+    its pairs. deepseek-v3 at EP 64 holds 4 experts per rank with k = 8."""
+    spec = load_spec("deepseek-v3")
+    f = figures(spec, ep=64, tokens=2048)
+    assert f["local_experts"] == 4
+    assert f["buffers_per_rank"]["worst_case_rows"] == 2048 * 64 * 4
+
+
+def test_figures_zero_tokens():
+    f = figures(load_spec("kimi-k2.5"), ep=8, tokens=0)
+    assert f["tokens_per_rank"] == 0
+    assert all(v == 0 for v in f["buffers_per_rank"].values())
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, pattern",
+    [
+        ("kimi-k2.5", dict(ep=7), r"ep \(7\) must divide num_experts \(384\)"),
+        ("kimi-k2.5", dict(ep=0), r"ep must be >= 1"),
+        ("kimi-k2.5", dict(ep=128), r"ep \(128\) exceeds target.max_ep_ranks \(64\)"),
+        ("qwen3-30b-a3b", dict(ep=2), r"ep \(2\) exceeds target.max_ep_ranks \(1\)"),
+        ("kimi-k2.5", dict(ep=8, tokens=16385), r"tokens \(16385\) must be in 0..target.max_tokens_per_rank \(16384\)"),
+        ("kimi-k2.5", dict(ep=8, tokens=-1), r"tokens \(-1\)"),
+    ],
+)
+def test_figures_errors_are_one_line_plan_errors(name, kwargs, pattern):
+    spec = load_spec(name)
+    with pytest.raises(PlanError, match=pattern) as info:
+        figures(spec, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{name}: ")
+
+
+# ---- make_plan --------------------------------------------------------------------------------
+
+
+def test_make_plan_mxfp8_is_declared_but_not_implemented():
+    spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    with pytest.raises(PlanError, match="declared but not implemented") as info:
+        make_plan(spec)
+    assert "\n" not in str(info.value)
+    assert "mxfp8" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_make_plan_copies_the_spec(name):
+    spec = load_spec(name)
+    plan = make_plan(spec)
+    assert plan.spec_name == spec.name
+    assert (plan.hidden_size, plan.intermediate_size, plan.num_experts, plan.top_k) == (
+        spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.top_k,
+    )
+    assert plan.clamp_limit == spec.activation.clamp_limit
+    assert plan.max_tokens_per_rank == spec.target.max_tokens_per_rank
+    assert plan.abi_version == plan_mod.ABI_VERSION
+
+
+def test_clamp_limit_literal():
+    assert make_plan(load_spec("deepseek-v4-pro")).clamp_limit_literal == "10.0f"
+    assert make_plan(load_spec("kimi-k2.5")).clamp_limit_literal == "0.0f"
+
+
+# ---- cache key --------------------------------------------------------------------------------
+
+
+def _changed(value):
+    if value is None:
+        return 1.5
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value + 0.5
+    if isinstance(value, str):
+        return value + "x"
+    raise AssertionError(f"no change rule for {value!r}")
+
+
+def test_cache_key_is_deterministic():
+    spec = load_spec("kimi-k2.5")
+    a = cache_key(make_plan(spec), **KEY_ARGS)
+    b = cache_key(make_plan(load_spec("kimi-2.5")), **KEY_ARGS)
+    assert a == b
+    assert re.fullmatch(r"[0-9a-f]{64}", a)
+    # the toolchain dict's insertion order does not matter (canonical JSON, sorted keys)
+    reordered = dict(reversed(list(KEY_ARGS["toolchain"].items())))
+    assert cache_key(make_plan(spec), sources_digest=KEY_ARGS["sources_digest"], toolchain=reordered) == a
+
+
+@pytest.mark.parametrize("field", sorted(Plan.model_fields))
+def test_cache_key_changes_with_every_plan_field(field):
+    plan = make_plan(load_spec("deepseek-v4-pro"))
+    base = cache_key(plan, **KEY_ARGS)
+    other = plan.model_copy(update={field: _changed(getattr(plan, field))})
+    assert cache_key(other, **KEY_ARGS) != base
+
+
+def test_cache_key_changes_with_sources_digest():
+    plan = make_plan(load_spec("kimi-k2.5"))
+    base = cache_key(plan, **KEY_ARGS)
+    assert cache_key(plan, sources_digest="cd" * 32, toolchain=KEY_ARGS["toolchain"]) != base
+
+
+def test_cache_key_changes_with_mokgen_version(monkeypatch):
+    plan = make_plan(load_spec("kimi-k2.5"))
+    base = cache_key(plan, **KEY_ARGS)
+    monkeypatch.setattr(plan_mod, "__version__", plan_mod.__version__ + ".post1")
+    assert cache_key(plan, **KEY_ARGS) != base
+
+
+def _toolchain(nvcc_version="13.0.88", cutlass_version="4.2.0"):
+    return build_mod.Toolchain(
+        nvcc="/opt/cuda/bin/nvcc", nvcc_version=nvcc_version,
+        cutlass_include="/opt/cutlass/include", cutlass_version=cutlass_version,
+    )
+
+
+def _key_with(tc, plan):
+    return cache_key(plan, sources_digest=KEY_ARGS["sources_digest"], toolchain=tc.key_fields(plan.arch))
+
+
+def test_cache_key_changes_with_toolchain(monkeypatch):
+    plan = make_plan(load_spec("kimi-k2.5"))
+    base = _key_with(_toolchain(), plan)
+    assert _key_with(_toolchain(nvcc_version="13.0.89"), plan) != base
+    assert _key_with(_toolchain(cutlass_version="4.2.1"), plan) != base
+    # paths of the toolchain do not enter the key, only versions, arch and flags
+    moved = build_mod.Toolchain("/elsewhere/nvcc", "13.0.88", "/elsewhere/include", "4.2.0")
+    assert _key_with(moved, plan) == base
+    monkeypatch.setattr(build_mod, "BASE_FLAGS", build_mod.BASE_FLAGS + ["-DMOKGEN_EXTRA"])
+    assert _key_with(_toolchain(), plan) != base
+
+
+def test_cache_key_changes_with_arch_flags(monkeypatch):
+    plan = make_plan(load_spec("kimi-k2.5"))
+    base = _key_with(_toolchain(), plan)
+    monkeypatch.setitem(build_mod.ARCH_FLAGS, "sm_90a", ["-gencode=arch=compute_90a,code=[sm_90a,compute_90a]"])
+    assert _key_with(_toolchain(), plan) != base
+
+
+def test_cache_key_ignores_spec_fields_outside_the_plan():
+    """Description, aliases, routing rules and max_ep_ranks do not change the compiled code."""
+    spec = load_spec("kimi-k2.5")
+    base = cache_key(make_plan(spec), **KEY_ARGS)
+    data = spec.model_dump()
+    data["description"] = "something else"
+    data["aliases"] = ()
+    data["routing"]["routed_scaling_factor"] = 1.0
+    data["target"]["max_ep_ranks"] = 8
+    from mokgen.spec import spec_from_dict
+
+    assert cache_key(make_plan(spec_from_dict(data)), **KEY_ARGS) == base
+    # ... but the compile-time token limit does
+    assert cache_key(make_plan(spec.with_target(max_tokens_per_rank=4096)), **KEY_ARGS) != base
