@@ -12,6 +12,8 @@ from mokgen.spec import MoESpec, bundled_specs, load_spec
 _LAZY = {
     "experts_forward": "mokgen.ops",
     "MoEExperts": "mokgen.ops",
+    "MoELayer": "mokgen.ep",
+    "virtual_ep_forward": "mokgen.ep",
     "reference": "mokgen.reference",
 }
 

@@ -267,3 +267,55 @@ def doctor(as_json: bool) -> None:
     for c, ok, d in checks:
         table.add_row(c, "[green]ok[/green]" if ok else "[red]missing[/red]", d)
     console.print(table)
+
+
+@main.command()
+@click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
+@click.option("--all", "all_specs", is_flag=True, help="every bundled spec")
+@click.option("--workload", type=click.Choice(["layer", "virtual"]), multiple=True,
+              help="layer: whole routed layer on one GPU; virtual: W=8 virtual EP (default: both)")
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
+              help="tokens (layer) or tokens per rank (virtual); default 4096 / 2048")
+@click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs (median)")
+@click.option("--no-loop", is_flag=True, help="skip the slow per-expert PyTorch loop")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
+def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> None:
+    """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
+    from pathlib import Path
+
+    from mokgen.errors import InputError
+    from mokgen.spec import bundled_specs
+
+    refs = list(bundled_specs()) if all_specs else list(spec_refs)
+    if not refs:
+        raise InputError("name at least one SPEC, or pass --all")
+    specs = [_spec(r) for r in refs]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError("mokgen bench needs a CUDA GPU; none is visible")
+    from mokgen import bench as b
+
+    workloads = workload or ("layer", "virtual")
+    rows = []
+    with err_console.status("measuring the dense bf16 GEMM ceiling ...", spinner="dots"):
+        ceiling = b.dense_ceiling_tflops()
+    for spec in specs:
+        for wl in workloads:
+            with err_console.status(f"{wl}: {spec.name} ...", spinner="dots"):
+                if wl == "layer":
+                    rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop)
+                elif spec.num_experts % 8 == 0:
+                    rows += b.bench_virtual(spec, tokens or 2048, iters=iters)
+    table = Table(title=f"mokgen bench on {torch.cuda.get_device_name()} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
+    for col in ("workload", "spec", "tokens", "implementation", "ms", "TFLOP/s", "% ceiling", "mokgen speedup"):
+        table.add_column(col)
+    for r in rows:
+        group = [q for q in rows if (q.workload, q.spec, q.tokens) == (r.workload, r.spec, r.tokens)]
+        best = min((q.ms for q in group if q.impl.startswith("mokgen")), default=None)
+        speed = "" if r.impl.startswith("mokgen") or best is None else f"{r.ms / best:.2f}x"
+        table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
+                      f"{100 * r.tflops / ceiling:.0f}%", speed)
+    console.print(table)
+    js, png = b.write_results(rows, ceiling, Path(out_dir))
+    click.echo(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))

@@ -57,8 +57,8 @@ struct WorkspaceLayout {
 
 template <class Cfg>
 struct ForwardEp1 {
-  using Up = GroupedGemm<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages>;
-  using Down = GroupedGemm<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages>;
+  using Up = GemmTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages>;
+  using Down = GemmTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages>;
 
   static size_t workspace_bytes(int64_t num_tokens) { return WorkspaceLayout<Cfg>(num_tokens).total; }
 

@@ -1,0 +1,216 @@
+"""Benchmarks: mokgen and its peers side by side, in one process, on the same inputs.
+
+Timing: CUDA events around each call, warm-up first, then the median of ``iters`` (>= 20) runs,
+rotating over several input sets so no run reads another's inputs from L2. FLOPs are counted as
+6 * T * k * H * I for the routed experts' forward (padding excluded). The dense bf16 GEMM ceiling
+(8192^3) is measured in the same run. Results: a table, JSON, and a PNG bar chart.
+
+Workloads (more come with the Hopper GEMM core):
+* ``layer``    routed experts of the whole layer on one GPU (T tokens, uniform routing):
+               mokgen single-rank kernels, the mokgen megakernel (MoELayer, W = 1), the PyTorch
+               ``torch._grouped_mm`` pipeline and a per-expert PyTorch loop.
+* ``virtual``  the megakernel with W = 8 virtual ranks on one GPU (T tokens per rank), against the
+               PyTorch pipeline computing the same global tokens without any transfer.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mokgen.spec import MoESpec
+
+
+@dataclass
+class Row:
+    workload: str
+    spec: str
+    tokens: int
+    impl: str
+    ms: float
+    tflops: float
+    ms_all: list[float] = field(default_factory=list)
+
+
+def time_cuda(fn: Callable[[int], object], *, n_inputs: int, warmup: int = 3, iters: int = 20) -> list[float]:
+    """Times ``fn(i)`` (i = input set index, rotating) with CUDA events; returns ms per run."""
+    for i in range(warmup):
+        fn(i % n_inputs)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i % n_inputs)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def dense_ceiling_tflops(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(time_cuda(lambda i: a @ b, n_inputs=1, iters=iters))
+    return 2 * n**3 / ms / 1e9
+
+
+def routed_flops(spec: MoESpec, tokens: int) -> float:
+    return 6.0 * tokens * spec.top_k * spec.hidden_size * spec.moe_intermediate_size
+
+
+# ---- PyTorch peers -------------------------------------------------------------------------------
+
+
+def torch_grouped_mm_pipeline(x, ids, w, w_gate, w_up, w_down, clamp_limit=None):
+    """Permute by expert, torch._grouped_mm for gate/up and down, weighted scatter-add combine."""
+    T, K = ids.shape
+    E = w_gate.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = x.index_select(0, order // K)
+    gate = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)
+    up = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
+    if clamp_limit is not None:
+        gate = gate.clamp(max=clamp_limit)
+        up = up.clamp(-clamp_limit, clamp_limit)
+    h = torch.nn.functional.silu(gate) * up
+    y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
+    y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    out.index_add_(0, order // K, y.float())
+    return out.to(torch.bfloat16)
+
+
+def torch_loop(x, ids, w, w_gate, w_up, w_down, clamp_limit=None):
+    """One expert at a time (the naive baseline)."""
+    T, K = ids.shape
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pos = (flat == e).nonzero().squeeze(1)
+        tok = pos // K
+        xe = x.index_select(0, tok)
+        gate, up = xe @ w_gate[e].T, xe @ w_up[e].T
+        if clamp_limit is not None:
+            gate, up = gate.clamp(max=clamp_limit), up.clamp(-clamp_limit, clamp_limit)
+        y = (torch.nn.functional.silu(gate) * up) @ w_down[e].T
+        out.index_add_(0, tok, y.float() * w.reshape(-1)[pos].unsqueeze(1))
+    return out.to(torch.bfloat16)
+
+
+# ---- workloads -------------------------------------------------------------------------------------
+
+
+def _weights(spec: MoESpec, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    E, I, H = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    return tuple(
+        (torch.randn(*shape, generator=gen, device="cuda") * shape[-1] ** -0.5).to(torch.bfloat16)
+        for shape in ((E, I, H), (E, I, H), (E, H, I))
+    )
+
+
+def _routing(spec: MoESpec, T: int, gen):
+    scores = torch.rand(T, spec.num_experts, generator=gen, device="cuda")
+    ids = scores.topk(spec.top_k, dim=-1).indices.to(torch.int32)
+    w = torch.rand(T, spec.top_k, generator=gen, device="cuda")
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True) -> list[Row]:
+    from mokgen.ep import MoELayer
+    from mokgen.ops import experts_forward
+
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    inputs = []
+    for _ in range(n_inputs):
+        x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        inputs.append((x, *_routing(spec, tokens, gen)))
+    layer = MoELayer(spec, max_tokens=tokens, device="cuda")
+    with torch.no_grad():
+        layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+    layer.check_ids = False
+    clamp = spec.activation.clamp_limit
+    impls = {
+        "mokgen megakernel (W=1)": lambda i: layer(*inputs[i]),
+        "mokgen kernels (EP=1)": lambda i: experts_forward(*inputs[i], wg, wu, wd, spec=spec, check_ids=False),
+        "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),
+    }
+    if loop:
+        impls["torch per-expert loop"] = lambda i: torch_loop(*inputs[i], wg, wu, wd, clamp)
+    rows = []
+    flops = routed_flops(spec, tokens)
+    with torch.no_grad():
+        for name, fn in impls.items():
+            times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
+            ms = statistics.median(times)
+            rows.append(Row("layer", spec.name, tokens, name, ms, flops / ms / 1e9, times))
+    return rows
+
+
+def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2) -> list[Row]:
+    from mokgen.ep import virtual_ep_forward
+
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    inputs = []
+    for _ in range(n_inputs):
+        T = tokens_per_rank * world
+        x = torch.randn(T, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        ids, w = _routing(spec, T, gen)
+        inputs.append((x, ids, w, list(x.split(tokens_per_rank)), list(ids.split(tokens_per_rank)), list(w.split(tokens_per_rank))))
+    clamp = spec.activation.clamp_limit
+    impls = {
+        f"mokgen megakernel (W={world} virtual)": lambda i: virtual_ep_forward(
+            spec, *inputs[i][3:], wg, wu, wd, check_ids=False),
+        "torch._grouped_mm (no transfer)": lambda i: torch_grouped_mm_pipeline(*inputs[i][:3], wg, wu, wd, clamp),
+    }
+    rows = []
+    flops = routed_flops(spec, tokens_per_rank * world)
+    with torch.no_grad():
+        for name, fn in impls.items():
+            times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
+            ms = statistics.median(times)
+            rows.append(Row("virtual", spec.name, tokens_per_rank * world, name, ms, flops / ms / 1e9, times))
+    return rows
+
+
+def write_results(rows: list[Row], ceiling: float, out_dir: Path) -> tuple[Path, Path | None]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"dense_bf16_tflops": ceiling, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "rows": [asdict(r) for r in rows]}
+    js = out_dir / "bench.json"
+    js.write_text(json.dumps(doc, indent=2) + "\n")
+    png = out_dir / "bench.png"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return js, None
+    groups = sorted({(r.workload, r.spec, r.tokens) for r in rows})
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(impls) / 2), 4.5))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        vals = [next((r.tflops for r in rows if (r.workload, r.spec, r.tokens) == g and r.impl == impl), 0) for g in groups]
+        ax.bar([i + k * width for i in range(len(groups))], vals, width, label=impl)
+    ax.axhline(ceiling, color="gray", linestyle="--", label=f"dense bf16 GEMM {ceiling:.0f}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{w}\n{s}\nT={t}" for w, s, t in groups], fontsize=7)
+    ax.set_ylabel("TFLOP/s (6 T k H I)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return js, png

@@ -1,0 +1,380 @@
+"""Expert parallelism: the megakernel's persistent buffers, virtual ranks, and MoELayer.
+
+One forward = one cooperative launch of the generated megakernel per rank (per process on real
+GPUs; one launch for all W virtual ranks on one GPU). The kernel needs three persistent buffers:
+
+* ``sym``: each rank's symmetric region (its tokens, send lists, combine slots and flags), at the
+  same offsets on every rank. Real GPUs: torch symmetric memory (peer pointers over NVLink);
+  virtual ranks: W regions in one allocation.
+* ``local``: each rank's private region (receive ring, row plan, barrier counters, statistics).
+* ``ctl``: the control block (launch epoch, abort flag, sticky error record).
+
+All are zeroed once at allocation and never reset by the host afterwards: flags carry the launch
+epoch. Buffers are sized by run-time capacities (tokens per rank, ring), never per call.
+
+Errors: every wait in the kernel is bounded by ``timeout_ms``; a rank that times out records
+which rank, stage and peer stalled. ``virtual_ep_forward`` checks the record after the launch
+(one device sync) and raises KernelError. ``MoELayer`` checks it without blocking at its next
+call (and on ``check_errors()``), so the forward itself never waits on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mokgen import abi
+from mokgen.errors import InputError, KernelError
+from mokgen.load import load
+from mokgen.ops import _can_sync, _check, _check_device
+from mokgen.plan import ep_defaults
+from mokgen.spec import MoESpec, load_spec
+
+DEFAULT_TIMEOUT_MS = 10_000.0
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Run-time shape of the buffers; a different geometry means new buffers."""
+
+    world: int
+    launch_ranks: int
+    max_tokens: int
+    chunk_rows: int
+    ring_chunks: int
+
+
+class EpBuffers:
+    """sym/local/ctl for the ranks of one launch. ``peer_ptrs``: sym base of every rank."""
+
+    def __init__(self, kernel, geometry: Geometry, device: torch.device, group=None):
+        lib = kernel.LIB
+        g = geometry
+        self.kernel = kernel
+        self.geometry = g
+        self.device = device
+        self.sym_bytes = int(lib.mokgen_ep_sym_bytes(g.max_tokens))
+        self.local_bytes = int(lib.mokgen_ep_local_bytes(g.world, g.chunk_rows, g.ring_chunks))
+        self.stats_offset = int(lib.mokgen_ep_stats_offset(g.world, g.chunk_rows, g.ring_chunks))
+        ctl_bytes = max(256, int(lib.mokgen_ep_control_bytes()))
+        self.ctl = torch.zeros(ctl_bytes, dtype=torch.uint8, device=device)
+        self.local = torch.zeros(g.launch_ranks * self.local_bytes, dtype=torch.uint8, device=device)
+        if group is None:
+            if g.launch_ranks != g.world:
+                raise InputError("virtual ranks: every rank must be in the launch")
+            self.sym = torch.zeros(g.world * self.sym_bytes, dtype=torch.uint8, device=device)
+            base = self.sym.data_ptr()
+            self.peer_ptrs = [base + r * self.sym_bytes for r in range(g.world)]
+        else:
+            import torch.distributed as dist
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.sym = symm_mem.empty(self.sym_bytes, dtype=torch.uint8, device=device)
+            self.sym.zero_()
+            handle = symm_mem.rendezvous(self.sym, group=group)
+            self.peer_ptrs = [int(handle.buffer_ptrs[r]) for r in range(g.world)]
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)  # every rank's zeroed flags exist before anyone signals
+        self._pending = None  # (pinned copy of the error record, event) of the last launch
+        # plain ints, fixed for the life of the buffers (torch.compile sees constants)
+        self._addresses = (self.peer_ptrs, self.local.data_ptr(), self.local_bytes, self.ctl.data_ptr())
+
+    def addresses(self) -> tuple[list[int], int, int, int]:
+        """(peer sym pointers, local base, local bytes per rank, control block) for the op."""
+        return self._addresses
+
+    # -- error record -------------------------------------------------------------------------
+    def read_error(self) -> dict | None:
+        raw = self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES].cpu().numpy().tobytes()
+        return abi.parse_error(raw)
+
+    def clear_error(self) -> None:
+        self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES].zero_()
+        self._pending = None
+
+    def watch(self) -> None:
+        """After a launch: copy the error record to pinned memory without blocking."""
+        pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (pinned, event)
+
+    def poll(self, *, block: bool) -> dict | None:
+        """The error of the last watched launch, if its copy has arrived (or always, if block)."""
+        if self._pending is None:
+            return None
+        pinned, event = self._pending
+        if not block and not event.query():
+            return None
+        event.synchronize()
+        self._pending = None
+        return abi.parse_error(pinned.numpy().tobytes())
+
+    def stats(self) -> list[dict]:
+        """Per rank of the launch: rows received, pulled and pushed by the last launch."""
+        out = []
+        for r in range(self.geometry.launch_ranks):
+            off = r * self.local_bytes + self.stats_offset
+            vals = self.local[off : off + 24].cpu().view(torch.int64).tolist()
+            out.append({"rows_received": vals[0], "rows_pulled": vals[1], "rows_pushed": vals[2]})
+        return out
+
+
+def _raise(bufs: EpBuffers, err: dict, timeout_ms: float) -> None:
+    bufs.clear_error()
+    raise KernelError(abi.describe_error(err, timeout_ms))
+
+
+def _ctas(kernel, launch_ranks: int) -> tuple[int, int]:
+    total = int(kernel.LIB.mokgen_ep_max_ctas())
+    if total <= 0:
+        raise KernelError("cannot query the megakernel's occupancy on this device")
+    per_rank = total // launch_ranks
+    if per_rank < 2:
+        raise InputError(f"{launch_ranks} ranks in one launch need at least {2 * launch_ranks} co-resident CTAs; "
+                         f"this GPU holds {total}")
+    return per_rank, max(1, per_rank // 4)
+
+
+def _check_rank_inputs(spec: MoESpec, r: int, x, ids, w):
+    H, K = spec.hidden_size, spec.top_k
+    _check(x, f"xs[{r}]", shape=(None, H), dtypes=(torch.bfloat16,))
+    T = x.shape[0]
+    _check(ids, f"topk_ids[{r}]", shape=(T, K), dtypes=(torch.int32, torch.int64))
+    _check(w, f"topk_weights[{r}]", shape=(T, K), dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    return T
+
+
+def _check_expert_weights(spec: MoESpec, num_experts: int, w_gate, w_up, w_down, prefix: str = ""):
+    H, I = spec.hidden_size, spec.moe_intermediate_size
+    _check(w_gate, f"{prefix}w_gate", shape=(num_experts, I, H), dtypes=(torch.bfloat16,))
+    _check(w_up, f"{prefix}w_up", shape=(num_experts, I, H), dtypes=(torch.bfloat16,))
+    _check(w_down, f"{prefix}w_down", shape=(num_experts, H, I), dtypes=(torch.bfloat16,))
+
+
+def _check_ids_range(ids_list, num_experts: int) -> None:
+    if not _can_sync():
+        return
+    for r, ids in enumerate(ids_list):
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= num_experts:
+                raise InputError(f"topk_ids[{r}]: expert ids must be in [0, {num_experts}), found values in [{lo}, {hi}]")
+
+
+def _ring(spec: MoESpec, chunk_rows: int | None, ring_chunks: int | None) -> tuple[int, int]:
+    defaults = ep_defaults(spec)
+    c = defaults["chunk_rows"] if chunk_rows is None else int(chunk_rows)
+    s = defaults["ring_chunks"] if ring_chunks is None else int(ring_chunks)
+    if c < 1 or c > 1 << 20:
+        raise InputError(f"chunk_rows must be in 1..{1 << 20}, got {c}")
+    if s < 1 or s > 1024:
+        raise InputError(f"ring_chunks must be in 1..1024, got {s}")
+    return c, s
+
+
+_virtual_cache: dict[tuple, EpBuffers] = {}
+
+
+def _virtual_buffers(kernel, geometry: Geometry, device: torch.device) -> EpBuffers:
+    key = (kernel.KEY, geometry.world, device)
+    bufs = _virtual_cache.get(key)
+    if bufs is not None:
+        g = bufs.geometry
+        if (g.chunk_rows, g.ring_chunks) == (geometry.chunk_rows, geometry.ring_chunks) and g.max_tokens >= geometry.max_tokens:
+            return bufs
+        del _virtual_cache[key]
+        del bufs
+    bufs = EpBuffers(kernel, geometry, device)
+    _virtual_cache[key] = bufs
+    return bufs
+
+
+def virtual_ep_forward(
+    spec: MoESpec | str,
+    xs,
+    topk_ids,
+    topk_weights,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    chunk_rows: int | None = None,
+    ring_chunks: int | None = None,
+    timeout_ms: float = DEFAULT_TIMEOUT_MS,
+    check_ids: bool = True,
+    return_stats: bool = False,
+    simulate_missing_rank: int | None = None,
+):
+    """Run the expert-parallel megakernel with W = len(xs) virtual ranks on one GPU.
+
+    Rank r holds tokens ``xs[r]`` [T_r, H] bf16 (T_r may differ per rank and be 0) routed by
+    ``topk_ids[r]`` [T_r, K] (global expert ids) with ``topk_weights[r]`` [T_r, K], and owns
+    experts [r*E/W, (r+1)*E/W) of the stacked weights ``w_gate``/``w_up`` [E, I, H] and ``w_down``
+    [E, H, I]. All ranks run inside one persistent launch, each as a group of CTAs with its own
+    buffers, through the full protocol: routing prologue, pull dispatch into each rank's receive
+    ring of ``ring_chunks`` x ``chunk_rows`` rows, expert GEMMs, push combine, fixed-order
+    reduction. Returns the list of outputs [T_r, H] bf16 (and per-rank row counts if
+    ``return_stats``). Bitwise identical for any W, chunk size and ring size.
+
+    ``simulate_missing_rank`` (testing): that rank never publishes its routing, so the others
+    time out after ``timeout_ms`` and this call raises KernelError naming rank and stage.
+    """
+    if isinstance(spec, str):
+        spec = load_spec(spec)
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise InputError("xs: expected a non-empty list of per-rank tensors")
+    W = len(xs)
+    if W > abi.MAX_LAUNCH_RANKS:
+        raise InputError(f"xs: at most {abi.MAX_LAUNCH_RANKS} virtual ranks, got {W}")
+    if spec.num_experts % W:
+        raise InputError(f"xs: {W} ranks must divide num_experts ({spec.num_experts})")
+    if not isinstance(topk_ids, (list, tuple)) or len(topk_ids) != W:
+        raise InputError(f"topk_ids: expected a list of {W} tensors (one per rank)")
+    if not isinstance(topk_weights, (list, tuple)) or len(topk_weights) != W:
+        raise InputError(f"topk_weights: expected a list of {W} tensors (one per rank)")
+    tokens = [_check_rank_inputs(spec, r, xs[r], topk_ids[r], topk_weights[r]) for r in range(W)]
+    _check_expert_weights(spec, spec.num_experts, w_gate, w_up, w_down)
+    device = xs[0].device
+    for r in range(W):
+        for t, n in ((xs[r], f"xs[{r}]"), (topk_ids[r], f"topk_ids[{r}]"), (topk_weights[r], f"topk_weights[{r}]")):
+            _check_device(t, n, device)
+    for t, n in ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down")):
+        _check_device(t, n, device)
+    if max(tokens) > spec.target.max_tokens_per_rank:
+        raise InputError(f"xs: {max(tokens)} tokens on one rank exceed target.max_tokens_per_rank = "
+                         f"{spec.target.max_tokens_per_rank}")
+    if check_ids:
+        _check_ids_range(topk_ids, spec.num_experts)
+    if simulate_missing_rank is not None and not 0 <= simulate_missing_rank < W:
+        raise InputError(f"simulate_missing_rank must be in [0, {W}), got {simulate_missing_rank}")
+    if not timeout_ms > 0:
+        raise InputError(f"timeout_ms must be positive, got {timeout_ms}")
+    c, s = _ring(spec, chunk_rows, ring_chunks)
+
+    kernel = load(spec)
+    with torch.cuda.device(device):
+        geometry = Geometry(W, W, max(1, max(tokens)), c, s)
+        bufs = _virtual_buffers(kernel, geometry, device)
+        ctas, dispatch = _ctas(kernel, W)
+        e_loc = spec.num_experts // W
+        outs = kernel.EP_OP(
+            list(xs),
+            [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids],
+            [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
+            [w_gate[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+            [w_up[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+            [w_down[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+            *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
+            int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank),
+        )
+        if _can_sync():
+            err = bufs.read_error()
+            if err is not None:
+                _raise(bufs, err, timeout_ms)
+        if return_stats:
+            return list(outs), bufs.stats()
+    return list(outs)
+
+
+class MoELayer(torch.nn.Module):
+    """The routed experts of one expert-parallel rank, run by the megakernel.
+
+    ``group``: a torch.distributed process group whose ranks are the EP ranks (one GPU each,
+    NVLink peers; buffers through torch symmetric memory), or None for a single rank. The module
+    holds this rank's E/W experts in the Hugging Face layout (w_gate/w_up [E/W, I, H], w_down
+    [E/W, H, I]). ``forward(x, topk_ids, topk_weights)`` takes this rank's tokens with GLOBAL
+    expert ids and returns [T, H] bf16; every rank of the group must call it together.
+    ``max_tokens``: the most tokens any rank will pass (sizes the symmetric buffers once).
+    """
+
+    def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
+                 chunk_rows: int | None = None, ring_chunks: int | None = None,
+                 timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None):
+        super().__init__()
+        self.spec = load_spec(spec) if isinstance(spec, str) else spec
+        s = self.spec
+        if group is not None:
+            import torch.distributed as dist
+
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            self.world, self.rank = 1, 0
+        if self.world > abi.MAX_WORLD or s.num_experts % self.world:
+            raise InputError(f"EP degree {self.world} must divide num_experts ({s.num_experts}) and be <= {abi.MAX_WORLD}")
+        self.group = group
+        self.max_tokens = s.target.max_tokens_per_rank if max_tokens is None else int(max_tokens)
+        if not 1 <= self.max_tokens <= s.target.max_tokens_per_rank:
+            raise InputError(f"max_tokens must be in 1..{s.target.max_tokens_per_rank}, got {self.max_tokens}")
+        self.chunk_rows, self.ring_chunks = _ring(s, chunk_rows, ring_chunks)
+        self.timeout_ms = float(timeout_ms)
+        #: validate the expert-id range before each launch (one device sync; off for graphs)
+        self.check_ids = True
+        e_loc = s.num_experts // self.world
+        H, I = s.hidden_size, s.moe_intermediate_size
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise InputError(f"MoELayer: device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        kw = dict(device=device, dtype=torch.bfloat16)
+        self.w_gate = torch.nn.Parameter(torch.empty(e_loc, I, H, **kw))
+        self.w_up = torch.nn.Parameter(torch.empty(e_loc, I, H, **kw))
+        self.w_down = torch.nn.Parameter(torch.empty(e_loc, H, I, **kw))
+        with torch.no_grad():
+            torch.nn.init.normal_(self.w_gate, std=1 / math.sqrt(H))
+            torch.nn.init.normal_(self.w_up, std=1 / math.sqrt(H))
+            torch.nn.init.normal_(self.w_down, std=1 / math.sqrt(I))
+        # Resolve the kernel and allocate the buffers now, outside any torch.compile region.
+        self._kernel = load(s)
+        with torch.cuda.device(device):
+            geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
+            self._ep = EpBuffers(self._kernel, geometry, device, group)
+            self._ctas, self._dispatch = _ctas(self._kernel, 1)
+
+    @property
+    def local_experts(self) -> range:
+        e_loc = self.spec.num_experts // self.world
+        return range(self.rank * e_loc, (self.rank + 1) * e_loc)
+
+    def check_errors(self, block: bool = True) -> None:
+        """Raise KernelError if a finished forward of this layer timed out."""
+        err = self._ep.poll(block=block)
+        if err is None and block:
+            err = self._ep.read_error()
+        if err is not None:
+            _raise(self._ep, err, self.timeout_ms)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        s, bufs = self.spec, self._ep
+        T = _check_rank_inputs(s, 0, x, topk_ids, topk_weights)
+        for t, n in ((x, "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
+            _check_device(t, n, bufs.device)
+        if T > self.max_tokens:
+            raise InputError(f"x: {T} tokens exceed this layer's max_tokens ({self.max_tokens})")
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            if self.check_ids:
+                _check_ids_range([topk_ids], s.num_experts)
+            if not torch.cuda.is_current_stream_capturing():
+                self.check_errors(block=False)
+        g = bufs.geometry
+        (out,) = self._kernel.EP_OP(
+            [x],
+            [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
+            [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
+            [self.w_gate], [self.w_up], [self.w_down],
+            *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
+            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1,
+        )
+        if not compiling and not torch.cuda.is_current_stream_capturing():
+            bufs.watch()
+        return out
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"spec={s.name}, rank={self.rank}/{self.world}, local_experts={len(self.local_experts)}, "
+                f"max_tokens={self.max_tokens}, ring={self.ring_chunks}x{self.chunk_rows} rows")

@@ -1,0 +1,406 @@
+// The expert-parallel forward megakernel: one persistent, cooperative launch per rank (or, for
+// virtual ranks on one GPU, one launch for all W ranks, each a group of CTAs).
+//
+// Per rank, in order:
+//   1. publish  all CTAs copy x into the rank's symmetric region; CTA 0 builds the expert-major
+//               send lists (ep_routing.cuh); a rank barrier; then routing_ready = tag(epoch, 1)
+//               (system-scope release).
+//   2. plan     CTA 0 waits for every peer's routing_ready, reads the counts for its own experts
+//               and lays out the received rows: expert-major, then source rank, then the source's
+//               pair order. A pure function of the routing: never of arrival order.
+//   3. stream   the rows go through a ring of `ring_chunks` slots of `chunk_rows` rows.
+//               Dispatch CTAs PULL chunk c from the owners' x buffers into slot c % S once chunk
+//               c - S has been consumed (flow control: the ring never overflows, nothing is
+//               dropped). Compute CTAs take chunks in order as they land: up projection with
+//               SwiGLU into the slot's h rows, a barrier, down projection whose epilogue PUSHES
+//               each row into the owner's combine slot (t, j), a barrier, slot freed.
+//               When all chunks are done: system fence, done[rank] = tag(epoch, 1) on every owner.
+//   4. combine  every CTA of the rank waits for done from all W ranks, then reduces its tokens:
+//               out[t] = sum_{j=0..K-1} w[t, j] * slot[t, j], fp32, fixed order.
+// Flags are epoch-tagged and every wait is bounded (sync.cuh). The last CTA to exit re-bases the
+// barrier counters and advances the epoch, so the next launch needs no reset.
+#pragma once
+
+#include "ep_routing.cuh"
+#include "grouped_gemm.cuh"
+#include "sync.cuh"
+
+namespace mokgen {
+
+constexpr int kMaxWorld = 64;
+constexpr int kMaxLaunchRanks = 16;
+constexpr int kEpThreads = 256;
+
+// Run-time parameters of one launch. Plain data, passed by value (__grid_constant__); the Python
+// binding mirrors this layout with ctypes and checks sizeof through mokgen_ep_params_bytes().
+struct EpParams {
+  char* sym[kMaxWorld];                    // symmetric region of every rank (peer pointers)
+  char* local[kMaxLaunchRanks];            // private region of each rank in this launch
+  const bf16* x[kMaxLaunchRanks];          // [T_r, H]
+  const int32_t* ids[kMaxLaunchRanks];     // [T_r, K] global expert ids
+  const float* weights[kMaxLaunchRanks];   // [T_r, K]
+  const bf16* w_gate[kMaxLaunchRanks];     // [E / W, I, H] this rank's experts
+  const bf16* w_up[kMaxLaunchRanks];       // [E / W, I, H]
+  const bf16* w_down[kMaxLaunchRanks];     // [E / W, H, I]
+  bf16* out[kMaxLaunchRanks];              // [T_r, H]
+  Control* ctl;                            // shared by the CTAs of this launch
+  long long timeout_ns;                    // bound of every wait
+  int num_tokens[kMaxLaunchRanks];         // T_r
+  int world;                               // W
+  int rank_base;                           // global rank of launch-local rank 0
+  int launch_ranks;                        // ranks in this launch (1 on real GPUs)
+  int ctas_per_rank;                       // G
+  int dispatch_ctas;                       // P of the G CTAs pull; the rest compute
+  int max_tokens;                          // capacity of the symmetric buffers, tokens per rank
+  int chunk_rows;                          // C, a multiple of 128
+  int ring_chunks;                         // S
+  int silent_rank;                         // testing: this rank never publishes (-1: none)
+};
+
+// Byte offsets inside a rank's symmetric region (identical on every rank).
+template <class Cfg>
+struct SymLayout {
+  size_t routing_ready, done, send_count, send_offset, send_pairs, x, slots, total;
+  MOKGEN_HOST_DEVICE explicit SymLayout(int64_t max_tokens) {
+    size_t at = 0;
+    auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
+    routing_ready = take(8);
+    done = take(8 * kMaxWorld);
+    send_count = take(4 * Cfg::kExperts);
+    send_offset = take(4 * (Cfg::kExperts + 1));
+    send_pairs = take(4 * max_tokens * Cfg::kTopK);
+    x = take(sizeof(bf16) * max_tokens * Cfg::kHidden);
+    slots = take(sizeof(bf16) * max_tokens * Cfg::kTopK * Cfg::kHidden);
+    total = at;
+  }
+};
+
+// Byte offsets inside a rank's private region.
+template <class Cfg>
+struct LocalLayout {
+  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, recv_expert_offset, recv_base,
+      recv_src_off, ring_meta, ring_x, ring_h, total;
+  MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
+    const int64_t e_loc = Cfg::kExperts / world;
+    const int64_t ring_rows = int64_t(chunk_rows) * ring_chunks;
+    size_t at = 0;
+    auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
+    bar_rank = take(8);
+    bar_compute = take(8);
+    stats = take(8 * 4);
+    chunk_landed = take(8 * ring_chunks);
+    chunk_free = take(8 * ring_chunks);
+    recv_expert_offset = take(4 * (e_loc + 1));
+    recv_base = take(4 * (Cfg::kExperts + 1));
+    recv_src_off = take(4 * Cfg::kExperts);
+    ring_meta = take(8 * ring_rows);
+    ring_x = take(sizeof(bf16) * ring_rows * Cfg::kHidden);
+    ring_h = take(sizeof(bf16) * ring_rows * Cfg::kInter);
+    total = at;
+  }
+};
+
+template <class T>
+MOKGEN_DEVICE T* at(char* base, size_t offset) { return reinterpret_cast<T*>(base + offset); }
+
+template <class Cfg>
+struct EpForward {
+  using Up = GemmTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages>;
+  using Down = GemmTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages>;
+  static constexpr int kH = Cfg::kHidden, kI = Cfg::kInter, kE = Cfg::kExperts, kK = Cfg::kTopK;
+  static constexpr size_t kRoutingSmem = size_t(kEpThreads / 32) * kE * sizeof(int32_t);
+  static constexpr size_t kSmemBytes =
+      Up::kSmemBytes > Down::kSmemBytes ? (Up::kSmemBytes > kRoutingSmem ? Up::kSmemBytes : kRoutingSmem)
+                                        : (Down::kSmemBytes > kRoutingSmem ? Down::kSmemBytes : kRoutingSmem);
+  static_assert(kH % 8 == 0, "hidden must be a multiple of 8");
+};
+
+// Row i of the received-row space -> (source rank, source pair index).
+MOKGEN_DEVICE void locate_row(int i, int e_loc, int world, const int32_t* expert_offset, const int32_t* base,
+                              const int32_t* src_off, char* const* sym, size_t send_pairs_off, int* src,
+                              int* pair) {
+  int lo = 0, hi = e_loc;  // largest le with expert_offset[le] <= i
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (expert_offset[mid] <= i) lo = mid; else hi = mid;
+  }
+  const int le = lo;
+  int s = 0;
+  while (s + 1 < world && base[le * world + s + 1] <= i) ++s;
+  const int idx = i - base[le * world + s];
+  *src = s;
+  *pair = at<const int32_t>(sym[s], send_pairs_off)[src_off[le * world + s] + idx];
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kEpThreads, 1) ep_forward_kernel(const __grid_constant__ EpParams p) {
+  using K_ = EpForward<Cfg>;
+  using Up = typename K_::Up;
+  using Down = typename K_::Down;
+  constexpr int kH = K_::kH, kI = K_::kI, kE = K_::kE, kK = K_::kK;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int s_flag;
+
+  Control* ctl = p.ctl;
+  const unsigned long long epoch = *reinterpret_cast<volatile unsigned long long*>(&ctl->epoch);
+  const int g = blockIdx.x / p.ctas_per_rank;
+  const int cta = blockIdx.x % p.ctas_per_rank;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  if (g < p.launch_ranks) {
+    const int rank = p.rank_base + g;
+    const int W = p.world, G = p.ctas_per_rank, P = p.dispatch_ctas, Gc = G - P;
+    const int e_loc = kE / W;
+    const int T = p.num_tokens[g];
+    const SymLayout<Cfg> S(p.max_tokens);
+    const LocalLayout<Cfg> L(W, p.chunk_rows, p.ring_chunks);
+    char* mine = p.sym[rank];
+    char* loc = p.local[g];
+    const Waiter w{ctl, p.timeout_ns, epoch, rank};
+    unsigned long long* bar_rank = at<unsigned long long>(loc, L.bar_rank);
+    unsigned long long* bar_comp = at<unsigned long long>(loc, L.bar_compute);
+    unsigned long long n_rank = 0, n_comp = 0;
+    bool ok = true;
+
+    // ---- 1. publish -----------------------------------------------------------------------
+    {
+      const uint4* src = reinterpret_cast<const uint4*>(p.x[g]);
+      uint4* dst = at<uint4>(mine, S.x);
+      const int64_t vecs = int64_t(T) * kH / 8;
+      for (int64_t v = int64_t(cta) * kEpThreads + tid; v < vecs; v += int64_t(G) * kEpThreads) dst[v] = __ldg(src + v);
+      if (cta == 0 && tid == 0) {  // counters of this launch (incremented only after barrier 2)
+        at<long long>(loc, L.stats)[1] = 0;
+        at<long long>(loc, L.stats)[2] = 0;
+      }
+      if (cta == 0)
+        sender_routing<kE, kK, kEpThreads>(p.ids[g], T, at<int32_t>(mine, S.send_count),
+                                           at<int32_t>(mine, S.send_offset), at<int32_t>(mine, S.send_pairs),
+                                           reinterpret_cast<int32_t*>(smem));
+      ok = group_barrier(bar_rank, tag(epoch, ++n_rank * G), w, &s_flag);
+      if (ok && cta == 0 && tid == 0 && rank != p.silent_rank) {
+        __threadfence_system();
+        st_release_sys(at<unsigned long long>(mine, S.routing_ready), tag(epoch, 1));
+      }
+    }
+
+    // ---- 2. plan the received rows ------------------------------------------------------------
+    int32_t* r_eoff = at<int32_t>(loc, L.recv_expert_offset);  // [e_loc + 1]
+    int32_t* r_base = at<int32_t>(loc, L.recv_base);           // [e_loc * W + 1]
+    int32_t* r_soff = at<int32_t>(loc, L.recv_src_off);        // [e_loc * W]
+    if (ok && cta == 0) {
+      if (tid == 0) {
+        bool all = true;
+        for (int s = 0; s < W && all; ++s)
+          all = w.wait_geq<true>(at<unsigned long long>(p.sym[s], S.routing_ready), tag(epoch, 1), kStageRoutingReady, s);
+        s_flag = all;
+      }
+      __syncthreads();
+      ok = s_flag;
+      if (ok) {
+        for (int idx = tid; idx < e_loc * W; idx += kEpThreads) {
+          const int le = idx / W, s = idx % W, e = rank * e_loc + le;
+          r_base[idx] = at<const int32_t>(p.sym[s], S.send_count)[e];
+          r_soff[idx] = at<const int32_t>(p.sym[s], S.send_offset)[e];
+        }
+        __syncthreads();
+        if (tid == 0) {
+          int32_t run = 0;
+          for (int idx = 0; idx < e_loc * W; ++idx) {
+            const int32_t c = r_base[idx];
+            r_base[idx] = run;
+            if (idx % W == 0) r_eoff[idx / W] = run;
+            run += c;
+          }
+          r_base[e_loc * W] = run;
+          r_eoff[e_loc] = run;
+          at<long long>(loc, L.stats)[0] = run;  // rows received by this rank
+        }
+      }
+    }
+    ok = group_barrier(bar_rank, tag(epoch, ++n_rank * G), w, &s_flag) && ok;
+    // Every CTA of the rank now sees the plan (barrier = fence + acquire).
+
+    const int n_rows = ok ? r_eoff[e_loc] : 0;
+    const int C = p.chunk_rows, R = p.ring_chunks;
+    const int num_chunks = int(ceil_div(n_rows, C));
+    unsigned long long* landed = at<unsigned long long>(loc, L.chunk_landed);
+    unsigned long long* freed = at<unsigned long long>(loc, L.chunk_free);
+    int2* meta = at<int2>(loc, L.ring_meta);
+    bf16* ring_x = at<bf16>(loc, L.ring_x);
+    bf16* ring_h = at<bf16>(loc, L.ring_h);
+
+    // ---- 3. stream the rows through the ring ---------------------------------------------------
+    if (ok && cta < P) {
+      // Dispatch: pull rows of chunk c into slot c % R once chunk c - R is consumed.
+      for (int c = cta; c < num_chunks; c += P) {
+        const int slot = c % R;
+        if (tid == 0) s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
+        __syncthreads();
+        if (!s_flag) { ok = false; break; }
+        const int r0 = c * C, r1 = min(n_rows, r0 + C);
+        for (int i = r0 + warp; i < r1; i += kEpThreads / 32) {
+          int src = 0, pair = 0;
+          if (lane == 0) locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
+          src = __shfl_sync(0xffffffffu, src, 0);
+          pair = __shfl_sync(0xffffffffu, pair, 0);
+          const int64_t row = int64_t(slot) * C + (i - r0);
+          const uint4* from = at<const uint4>(p.sym[src], S.x) + int64_t(pair / kK) * (kH / 8);
+          uint4* to = reinterpret_cast<uint4*>(ring_x + row * kH);
+          // 4 independent 16-byte loads in flight per lane before the stores
+          for (int v0 = lane; v0 < kH / 8; v0 += 32 * 4) {
+            uint4 r[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+              if (v0 + u * 32 < kH / 8) r[u] = from[v0 + u * 32];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+              if (v0 + u * 32 < kH / 8) to[v0 + u * 32] = r[u];
+          }
+          if (lane == 0) meta[row] = make_int2(src, pair);
+        }
+        __syncthreads();
+        if (tid == 0) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 1),
+                    (unsigned long long)(r1 - r0));  // rows pulled
+          __threadfence();
+          st_release_gpu(&landed[slot], tag(epoch, c + 1));
+        }
+      }
+    } else if (ok) {
+      // Compute: chunks in order; tiles of a chunk dealt round-robin over the Gc compute CTAs.
+      const int cc = cta - P;
+      for (int c = 0; c < num_chunks && ok; ++c) {
+        const int slot = c % R;
+        if (tid == 0) s_flag = w.wait_geq<false>(&landed[slot], tag(epoch, c + 1), kStageChunkLanded, -1);
+        __syncthreads();
+        if (!s_flag) { ok = false; break; }
+        const int r0 = c * C, r1 = min(n_rows, r0 + C);
+        const int64_t slot_row0 = int64_t(slot) * C;
+        for (int phase = 0; phase < 2 && ok; ++phase) {
+          int t = 0;
+          for (int le = 0; le < e_loc; ++le) {
+            const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
+            for (int m = a; m < b; m += 128) {
+              const int rows = min(128, b - m);
+              const int64_t row0 = slot_row0 + (m - r0);
+              if (phase == 0) {
+                for (int n = 0; n < Up::kNTiles; ++n, ++t) {
+                  if (t % Gc != cc) continue;
+                  Up::run(smem, rows, n * Up::kBN, p.w_gate[g] + int64_t(le) * kI * kH,
+                          p.w_up[g] + int64_t(le) * kI * kH,
+                          [&](int r) { return ring_x + (row0 + r) * kH; },
+                          [&](int r) { return ring_h + (row0 + r) * kI; }, Cfg::kClampLimit);
+                }
+              } else {
+                for (int n = 0; n < Down::kNTiles; ++n, ++t) {
+                  if (t % Gc != cc) continue;
+                  if (n == 0 && tid == 0)  // rows pushed (counted once per row, by its n = 0 tile)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 2),
+                              (unsigned long long)rows);
+                  Down::run(smem, rows, n * Down::kBN, p.w_down[g] + int64_t(le) * kH * kI, nullptr,
+                            [&](int r) { return ring_h + (row0 + r) * kI; },
+                            [&](int r) {
+                              const int2 d = meta[row0 + r];
+                              return at<bf16>(p.sym[d.x], S.slots) + int64_t(d.y) * kH;
+                            },
+                            0.f);
+                }
+              }
+            }
+          }
+          ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
+        }
+        if (ok && cc == 0 && tid == 0) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+      }
+      // All pushes of this CTA visible system-wide, then one CTA tells every owner.
+      if (ok) {
+        __threadfence_system();
+        ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
+        if (ok && cc == 0 && tid == 0) {
+          __threadfence_system();
+          for (int o = 0; o < W; ++o) st_release_sys(at<unsigned long long>(p.sym[o], S.done) + rank, tag(epoch, 1));
+        }
+      }
+    }
+
+    // ---- 4. combine ------------------------------------------------------------------------------
+    if (ok) {
+      if (tid == 0) {
+        bool all = true;
+        for (int s = 0; s < W && all; ++s)
+          all = w.wait_geq<true>(at<unsigned long long>(mine, S.done) + s, tag(epoch, 1), kStageCombineDone, s);
+        s_flag = all;
+      }
+      __syncthreads();
+      if (s_flag) {
+        const bf16* slots = at<const bf16>(mine, S.slots);
+        for (int t = cta; t < T; t += G) {
+          int32_t id[kK];
+          float wt[kK];
+#pragma unroll
+          for (int j = 0; j < kK; ++j) {
+            id[j] = p.ids[g][int64_t(t) * kK + j];
+            wt[j] = p.weights[g][int64_t(t) * kK + j];
+          }
+          for (int v = tid; v < kH / 8; v += kEpThreads) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < kK; ++j) {
+              if (id[j] < 0 || id[j] >= kE) continue;
+              float x8[8];
+              unpack_bf16x8(*reinterpret_cast<const uint4*>(slots + (int64_t(t) * kK + j) * kH + v * 8), x8);
+#pragma unroll
+              for (int q = 0; q < 8; ++q) acc[q] = fmaf(wt[j], x8[q], acc[q]);
+            }
+            *reinterpret_cast<uint4*>(p.out[g] + int64_t(t) * kH + v * 8) = pack_bf16x8(acc);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- exit: the last CTA of the launch re-bases the counters and advances the epoch ----------
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
+      const LocalLayout<Cfg> L(p.world, p.chunk_rows, p.ring_chunks);
+      for (int r = 0; r < p.launch_ranks; ++r) {
+        *at<unsigned long long>(p.local[r], L.bar_rank) = tag(epoch + 1, 0);
+        *at<unsigned long long>(p.local[r], L.bar_compute) = tag(epoch + 1, 0);
+      }
+      ctl->abort = 0;
+      ctl->finished = 0;
+      __threadfence();
+      atomicExch(&ctl->epoch, epoch + 1);
+    }
+  }
+}
+
+template <class Cfg>
+struct EpLauncher {
+  static cudaError_t launch(const EpParams& p, cudaStream_t stream) {
+    auto kernel = ep_forward_kernel<Cfg>;
+    const int smem = int(EpForward<Cfg>::kSmemBytes);
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    void* args[] = {const_cast<EpParams*>(&p)};
+    const unsigned grid = unsigned(p.launch_ranks * p.ctas_per_rank);
+    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kEpThreads), args,
+                                       size_t(smem), stream);
+  }
+
+  // CTAs of this kernel that can be co-resident on the current device.
+  static int max_ctas() {
+    auto kernel = ep_forward_kernel<Cfg>;
+    const int smem = int(EpForward<Cfg>::kSmemBytes);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return -1;
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kEpThreads, smem) != cudaSuccess) return -1;
+    return sms * per_sm;
+  }
+};
+
+}  // namespace mokgen
