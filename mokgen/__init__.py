@@ -11,7 +11,7 @@ from mokgen.spec import MoESpec, bundled_specs, load_spec
 
 _LAZY = {
     "experts_forward": "mokgen.ops",
-    "MoEExperts": "mokgen.ops",
+    "MoEExperts": "mokgen.ep",
     "MoELayer": "mokgen.ep",
     "virtual_ep_forward": "mokgen.ep",
     "reference": "mokgen.reference",

@@ -138,7 +138,7 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
     try:
         from mokgen.plan import make_plan
 
-        doc["plan"] = make_plan(spec).compile_fields()
+        doc["plan"] = make_plan(spec, gemm_core=env.gemm_core()).compile_fields()
     except MokgenError as err:  # e.g. mxfp8 declared but not implemented: still show the figures
         doc["plan"] = None
         doc["plan_error"] = str(err)

@@ -18,6 +18,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_NVCC": "path of the nvcc to use (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH)",
     "MOKGEN_CUTLASS_DIR": "CUTLASS include directory (default: the nvidia-cutlass package's headers)",
     "MOKGEN_BUILD_TIMEOUT": "seconds before an nvcc run is abandoned (default: 900)",
+    "MOKGEN_GEMM_CORE": "wgmma (default: TMA + wgmma, sm_90a) or mma_sync (portable reference core)",
 }
 
 
@@ -75,3 +76,12 @@ def build_timeout() -> float:
 
         raise ToolchainError(f"MOKGEN_BUILD_TIMEOUT must be a positive number of seconds, got {value!r}")
     return seconds
+
+
+def gemm_core() -> str:
+    value = _get("MOKGEN_GEMM_CORE") or "wgmma"
+    if value not in ("wgmma", "mma_sync"):
+        from mokgen.errors import ToolchainError
+
+        raise ToolchainError(f"MOKGEN_GEMM_CORE must be wgmma or mma_sync, got {value!r}")
+    return value

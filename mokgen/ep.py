@@ -179,6 +179,12 @@ def _ring(spec: MoESpec, chunk_rows: int | None, ring_chunks: int | None) -> tup
 _virtual_cache: dict[tuple, EpBuffers] = {}
 
 
+def _capacity(tokens: int) -> int:
+    """Token capacity of cached buffers: the next power of two, at least 256, so growing token
+    counts reallocate O(log T) times."""
+    return max(256, 1 << max(0, int(tokens) - 1).bit_length())
+
+
 def _virtual_buffers(kernel, geometry: Geometry, device: torch.device) -> EpBuffers:
     key = (kernel.KEY, geometry.world, device)
     bufs = _virtual_cache.get(key)
@@ -257,7 +263,7 @@ def virtual_ep_forward(
 
     kernel = load(spec)
     with torch.cuda.device(device):
-        geometry = Geometry(W, W, max(1, max(tokens)), c, s)
+        geometry = Geometry(W, W, _capacity(max(tokens)), c, s)
         bufs = _virtual_buffers(kernel, geometry, device)
         ctas, dispatch = _ctas(kernel, W)
         e_loc = spec.num_experts // W
@@ -278,6 +284,31 @@ def virtual_ep_forward(
         if return_stats:
             return list(outs), bufs.stats()
     return list(outs)
+
+
+def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> torch.Tensor:
+    """The megakernel as one rank holding every expert (inputs already validated by the caller).
+    Buffers are cached per (build, device); a timeout of an earlier call surfaces here."""
+    kernel = load(spec)
+    c, s = _ring(spec, None, None)
+    device = x.device
+    with torch.cuda.device(device):
+        bufs = _virtual_buffers(kernel, Geometry(1, 1, _capacity(x.shape[0]), c, s), device)
+        if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+            err = bufs.poll(block=False)
+            if err is not None:
+                _raise(bufs, err, DEFAULT_TIMEOUT_MS)
+        ctas, dispatch = _ctas(kernel, 1)
+        (out,) = kernel.EP_OP(
+            [x],
+            [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
+            [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
+            [w_gate], [w_up], [w_down],
+            *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6), -1,
+        )
+        if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+            bufs.watch()
+    return out
 
 
 class MoELayer(torch.nn.Module):
@@ -378,3 +409,15 @@ class MoELayer(torch.nn.Module):
         s = self.spec
         return (f"spec={s.name}, rank={self.rank}/{self.world}, local_experts={len(self.local_experts)}, "
                 f"max_tokens={self.max_tokens}, ring={self.ring_chunks}x{self.chunk_rows} rows")
+
+
+class MoEExperts(MoELayer):
+    """All E routed experts of a spec on one GPU (a single-rank MoELayer), weights in the
+    Hugging Face layout: w_gate/w_up [E, I, H], w_down [E, H, I]. Forward only for now."""
+
+    def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16,
+                 max_tokens: int | None = None):
+        spec = load_spec(spec) if isinstance(spec, str) else spec
+        if dtype != torch.bfloat16:
+            raise InputError(f"MoEExperts: dtype must be torch.bfloat16 for numerics {spec.target.numerics}")
+        super().__init__(spec, None, max_tokens=max_tokens, device=device)

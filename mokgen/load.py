@@ -48,7 +48,7 @@ def _import_binding(entry: Path, key: str, name: str) -> ModuleType:
 
 
 def _find_without_toolchain(spec: MoESpec) -> tuple[Path, str]:
-    plan = make_plan(spec)
+    plan = make_plan(spec, gemm_core=env.gemm_core())
     root = build_mod.cache_root(plan.arch)
     digest = render.sources_digest()
     candidates = sorted(root.glob(f"{plan.name}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -79,7 +79,7 @@ def load(spec: MoESpec) -> ModuleType:
         plan, key, _ = build_mod.plan_and_key(spec)
     except ToolchainError:
         entry, key = _find_without_toolchain(spec)
-        name = make_plan(spec).name
+        name = make_plan(spec, gemm_core=env.gemm_core()).name
     else:
         entry = build_mod.entry_dir(plan, key)
         name = plan.name

@@ -1,18 +1,15 @@
-"""PyTorch-facing API: input validation, the routed-experts op and the nn.Module.
+"""PyTorch-facing API on one GPU: input validation and ``experts_forward``.
 
-The compiled op itself is registered by the generated binding (see mokgen.load); this module
-checks every tensor before it reaches the kernel, so a bad call ends in one clear InputError and
-never in a launch on wrong memory.
+The compiled op is registered by the generated binding (see mokgen.load) and driven by mokgen.ep;
+this module checks every tensor before it reaches the kernel, so a bad call ends in one clear
+InputError and never in a launch on wrong memory. The validation helpers are shared with ep.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mokgen.errors import InputError
-from mokgen.load import load
 from mokgen.spec import MoESpec, load_spec
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -80,11 +77,12 @@ def experts_forward(
     spec: MoESpec | str,
     check_ids: bool = True,
 ) -> torch.Tensor:
-    """Routed experts of one rank (EP = 1): ``sum_j w[t,j] * FFN_{ids[t,j]}(x[t])`` in bf16.
+    """Routed experts on one GPU (EP = 1): ``sum_j w[t,j] * FFN_{ids[t,j]}(x[t])`` in bf16.
 
     x [T, H] bf16; topk_ids [T, K] int32/int64; topk_weights [T, K] (fp32 used inside);
     w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, the Hugging Face layout. Deterministic:
     each (token, j) result has its own slot and the k slots are summed in fixed order in fp32.
+    Runs the megakernel as a single rank (one launch), with buffers cached per device.
     ``check_ids`` validates the id range with one device sync (skipped automatically under
     torch.compile and CUDA graph capture).
     """
@@ -92,52 +90,6 @@ def experts_forward(
         spec = load_spec(spec)
     # validate before loading: a bad call never triggers (or waits for) a build
     validate_forward_inputs(spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
-    return _call(load(spec), x, topk_ids, topk_weights, w_gate, w_up, w_down)
+    from mokgen.ep import single_rank_forward
 
-
-def _forward(kernel, spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids: bool = True):
-    """Validate, normalize dtypes and call the compiled op (traceable by torch.compile)."""
-    validate_forward_inputs(spec, x, topk_ids, topk_weights, w_gate, w_up, w_down, check_ids=check_ids)
-    return _call(kernel, x, topk_ids, topk_weights, w_gate, w_up, w_down)
-
-
-def _call(kernel, x, topk_ids, topk_weights, w_gate, w_up, w_down):
-    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-    return kernel.OP(x, ids, weights, w_gate, w_up, w_down)
-
-
-class MoEExperts(torch.nn.Module):
-    """The routed experts of a spec on one GPU, weights in the Hugging Face layout.
-
-    ``forward(x, topk_ids, topk_weights)`` runs the generated kernel. Forward only for now: the
-    backward megakernel is a later issue, so calling backward through it raises.
-    """
-
-    def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-        self.spec = load_spec(spec) if isinstance(spec, str) else spec
-        if dtype != torch.bfloat16:
-            raise InputError(f"MoEExperts: dtype must be torch.bfloat16 for numerics {self.spec.target.numerics}")
-        E, I, H = self.spec.num_experts, self.spec.moe_intermediate_size, self.spec.hidden_size
-        kw = dict(device=device, dtype=dtype)
-        self.w_gate = torch.nn.Parameter(torch.empty(E, I, H, **kw))
-        self.w_up = torch.nn.Parameter(torch.empty(E, I, H, **kw))
-        self.w_down = torch.nn.Parameter(torch.empty(E, H, I, **kw))
-        self.reset_parameters()
-        # Resolve (and if needed JIT-build) the kernel now, outside any torch.compile region.
-        self._kernel = load(self.spec)
-
-    def reset_parameters(self) -> None:
-        H, I = self.spec.hidden_size, self.spec.moe_intermediate_size
-        with torch.no_grad():
-            torch.nn.init.normal_(self.w_gate, std=1 / math.sqrt(H))
-            torch.nn.init.normal_(self.w_up, std=1 / math.sqrt(H))
-            torch.nn.init.normal_(self.w_down, std=1 / math.sqrt(I))
-
-    def forward(self, x, topk_ids, topk_weights):
-        return _forward(self._kernel, self.spec, x, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down)
-
-    def extra_repr(self) -> str:
-        s = self.spec
-        return f"spec={s.name}, experts={s.num_experts}, hidden={s.hidden_size}, intermediate={s.moe_intermediate_size}, top_k={s.top_k}"
+    return single_rank_forward(spec, x, topk_ids, topk_weights, w_gate, w_up, w_down)

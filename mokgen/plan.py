@@ -19,7 +19,7 @@ from mokgen.errors import PlanError
 from mokgen.spec import MoESpec
 
 #: bump when the C ABI of the launcher library changes (load checks it)
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
@@ -64,13 +64,14 @@ class Plan(BaseModel):
     top_k: int
     clamp_limit: float | None
     max_tokens_per_rank: int
-    # tiles and pipeline of the grouped GEMMs (the tuner will choose these later)
+    # GEMM core and tiles (the tuner will choose these later). "wgmma": TMA + wgmma, one producer
+    # and two consumer warpgroups (sm_90a); "mma_sync": cp.async + mma.sync, the portable core.
+    gemm_core: str = "wgmma"
     gemm_block_m: int = 128
-    gemm_block_n_up: int = 64      # output columns of an up-projection tile (128 B rows: gate + up)
-    gemm_block_n_down: int = 128
+    gemm_block_n_up: int = 128     # output columns of an up-projection tile (B tile: gate + up rows)
+    gemm_block_n_down: int = 256
     gemm_block_k: int = 64
-    gemm_stages: int = 3
-    route_tile: int = 4096         # pairs per routing-prologue tile
+    gemm_stages: int = 4
     abi_version: int = ABI_VERSION
 
     @property
@@ -87,8 +88,13 @@ class Plan(BaseModel):
         return self.model_dump(mode="json")
 
 
-def make_plan(spec: MoESpec) -> Plan:
+GEMM_CORES = ("wgmma", "mma_sync")
+
+
+def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma") -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet."""
+    if gemm_core not in GEMM_CORES:
+        raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
     t = spec.target
     if t.numerics not in IMPLEMENTED_NUMERICS:
         raise PlanError(
@@ -107,8 +113,19 @@ def make_plan(spec: MoESpec) -> Plan:
         top_k=spec.top_k,
         clamp_limit=spec.activation.clamp_limit,
         max_tokens_per_rank=t.max_tokens_per_rank,
+        **_tiles(spec, gemm_core),
     )
     return plan
+
+
+def _tiles(spec: MoESpec, gemm_core: str) -> dict[str, Any]:
+    """Tile shapes per core. wgmma: 128-row tiles, up tiles of 128 output columns (256 B rows),
+    down tiles of 256 columns when the hidden size allows, else 128; 4 stages of 48 KB.
+    mma_sync: 128 x 64 up / 128 x 128 down tiles, 3 stages."""
+    if gemm_core == "wgmma":
+        down = 256 if spec.hidden_size % 256 == 0 else 128
+        return {"gemm_core": "wgmma", "gemm_block_n_up": 128, "gemm_block_n_down": down, "gemm_stages": 4}
+    return {"gemm_core": "mma_sync", "gemm_block_n_up": 64, "gemm_block_n_down": 128, "gemm_stages": 3}
 
 
 def canonical_json(obj: Any) -> str:

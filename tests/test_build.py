@@ -25,7 +25,7 @@ from mokgen.spec import bundled_specs, load_spec
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
 SMALL = "qwen3-30b-a3b"
-EXPORTS = ("mokgen_forward", "mokgen_workspace_bytes", "mokgen_build_info", "mokgen_abi_version")
+EXPORTS = ("mokgen_ep_forward", "mokgen_ep_sym_bytes", "mokgen_ep_local_bytes", "mokgen_build_info", "mokgen_abi_version")
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -95,10 +95,9 @@ def test_every_bundled_spec_compiles(name):
     info = json.loads(so.mokgen_build_info().decode())
     assert info["name"] == plan.name and info["key"] == result.key
     assert (info["hidden_size"], info["num_experts"], info["top_k"]) == (spec.hidden_size, spec.num_experts, spec.top_k)
-    so.mokgen_workspace_bytes.restype = ctypes.c_longlong
-    so.mokgen_workspace_bytes.argtypes = [ctypes.c_longlong]
-    assert so.mokgen_workspace_bytes(0) == 0
-    assert so.mokgen_workspace_bytes(2048) > so.mokgen_workspace_bytes(1) > 0
+    so.mokgen_ep_sym_bytes.restype = ctypes.c_longlong
+    so.mokgen_ep_sym_bytes.argtypes = [ctypes.c_longlong]
+    assert so.mokgen_ep_sym_bytes(2048) > so.mokgen_ep_sym_bytes(1) > 0
 
     # generated/<name>/: the readable sources and a link to the cached library
     gen = env.generated_dir() / plan.name
@@ -335,8 +334,8 @@ def test_load_returns_the_binding_module():
     _, key, _ = build_mod.plan_and_key(spec)
     assert module.KEY == key
     assert module.NAME == make_plan(spec).name
-    assert isinstance(module.OP, torch._ops.OpOverload)
-    assert module.OP.name().startswith("mokgen::")
+    assert isinstance(module.EP_OP, torch._ops.OpOverload)
+    assert module.EP_OP.name().startswith("mokgen::")
     assert json.loads(module.build_info())["key"] == key
     assert load_mod.load(spec) is module  # one module (one registered op) per process
 

@@ -46,7 +46,7 @@ def test_every_bundled_spec_renders(name):
     assert KEY in cu
     assert f'KEY = "{KEY}"' in py
     assert f'NAME = "{plan.name}"' in py
-    assert f'OP_NAME = "mokgen::{op_identifier(plan.name)}_{KEY[:12]}_forward"' in py
+    assert f'EP_OP_NAME = "mokgen::{op_identifier(plan.name)}_{KEY[:12]}_ep_forward"' in py
     assert f"HIDDEN_SIZE = {spec.hidden_size}\n" in py
     assert f"NUM_EXPERTS = {spec.num_experts}\n" in py
     # the binding is valid Python

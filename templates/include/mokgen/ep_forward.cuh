@@ -23,13 +23,15 @@
 
 #include "ep_routing.cuh"
 #include "grouped_gemm.cuh"
+#include "hopper_gemm.cuh"
 #include "sync.cuh"
+
+#include <cstring>
 
 namespace mokgen {
 
 constexpr int kMaxWorld = 64;
 constexpr int kMaxLaunchRanks = 16;
-constexpr int kEpThreads = 256;
 
 // Run-time parameters of one launch. Plain data, passed by value (__grid_constant__); the Python
 // binding mirrors this layout with ctypes and checks sizeof through mokgen_ep_params_bytes().
@@ -55,6 +57,15 @@ struct EpParams {
   int chunk_rows;                          // C, a multiple of 128
   int ring_chunks;                         // S
   int silent_rank;                         // testing: this rank never publishes (-1: none)
+};
+
+// TMA descriptors of one launch, encoded on the host from EpParams (Hopper core only).
+struct EpMaps {
+  CUtensorMap ring_x[kMaxLaunchRanks];  // [S*C, H]    A of the up projection
+  CUtensorMap ring_h[kMaxLaunchRanks];  // [S*C, I]    A of the down projection
+  CUtensorMap w_gate[kMaxLaunchRanks];  // [E/W*I, H]
+  CUtensorMap w_up[kMaxLaunchRanks];    // [E/W*I, H]
+  CUtensorMap w_down[kMaxLaunchRanks];  // [E/W*H, I]
 };
 
 // Byte offsets inside a rank's symmetric region (identical on every rank).
@@ -103,15 +114,34 @@ struct LocalLayout {
 template <class T>
 MOKGEN_DEVICE T* at(char* base, size_t offset) { return reinterpret_cast<T*>(base + offset); }
 
+MOKGEN_HOST_DEVICE constexpr size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+// The two GEMM cores: Cfg::kWgmma selects the Hopper one (TMA + wgmma, 384 threads per CTA) or
+// the portable one (cp.async + mma.sync, 256 threads per CTA).
+template <class Cfg, bool kWgmma = Cfg::kWgmma>
+struct EpCore;
 template <class Cfg>
-struct EpForward {
+struct EpCore<Cfg, false> {
   using Up = GemmTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages>;
   using Down = GemmTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages>;
+  static constexpr int kThreads = 256;
+};
+template <class Cfg>
+struct EpCore<Cfg, true> {
+  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256>;
+  using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN>;
+  static constexpr int kThreads = 384;
+};
+
+template <class Cfg>
+struct EpForward {
+  using Core = EpCore<Cfg>;
+  using Up = typename Core::Up;
+  using Down = typename Core::Down;
+  static constexpr int kThreads = Core::kThreads;
   static constexpr int kH = Cfg::kHidden, kI = Cfg::kInter, kE = Cfg::kExperts, kK = Cfg::kTopK;
-  static constexpr size_t kRoutingSmem = size_t(kEpThreads / 32) * kE * sizeof(int32_t);
-  static constexpr size_t kSmemBytes =
-      Up::kSmemBytes > Down::kSmemBytes ? (Up::kSmemBytes > kRoutingSmem ? Up::kSmemBytes : kRoutingSmem)
-                                        : (Down::kSmemBytes > kRoutingSmem ? Down::kSmemBytes : kRoutingSmem);
+  static constexpr size_t kRoutingSmem = size_t(kThreads / 32) * kE * sizeof(int32_t);
+  static constexpr size_t kSmemBytes = max3(Up::kSmemBytes, Down::kSmemBytes, kRoutingSmem);
   static_assert(kH % 8 == 0, "hidden must be a multiple of 8");
 };
 
@@ -133,11 +163,13 @@ MOKGEN_DEVICE void locate_row(int i, int e_loc, int world, const int32_t* expert
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(kEpThreads, 1) ep_forward_kernel(const __grid_constant__ EpParams p) {
+__global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
+    ep_forward_kernel(const __grid_constant__ EpParams p, const __grid_constant__ EpMaps maps) {
   using K_ = EpForward<Cfg>;
   using Up = typename K_::Up;
   using Down = typename K_::Down;
   constexpr int kH = K_::kH, kI = K_::kI, kE = K_::kE, kK = K_::kK;
+  constexpr int kEpThreads = K_::kThreads;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_flag;
 
@@ -258,6 +290,7 @@ __global__ void __launch_bounds__(kEpThreads, 1) ep_forward_kernel(const __grid_
           }
           if (lane == 0) meta[row] = make_int2(src, pair);
         }
+        if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
         __syncthreads();
         if (tid == 0) {
           atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 1),
@@ -269,48 +302,102 @@ __global__ void __launch_bounds__(kEpThreads, 1) ep_forward_kernel(const __grid_
     } else if (ok) {
       // Compute: chunks in order; tiles of a chunk dealt round-robin over the Gc compute CTAs.
       const int cc = cta - P;
-      for (int c = 0; c < num_chunks && ok; ++c) {
-        const int slot = c % R;
-        if (tid == 0) s_flag = w.wait_geq<false>(&landed[slot], tag(epoch, c + 1), kStageChunkLanded, -1);
-        __syncthreads();
-        if (!s_flag) { ok = false; break; }
+      // Calls fn(le, rows, row0, n) for this CTA's tiles of `phase` (0 = up, 1 = down) in chunk c.
+      auto for_my_tiles = [&](int c, int phase, auto&& fn) {
         const int r0 = c * C, r1 = min(n_rows, r0 + C);
-        const int64_t slot_row0 = int64_t(slot) * C;
-        for (int phase = 0; phase < 2 && ok; ++phase) {
-          int t = 0;
-          for (int le = 0; le < e_loc; ++le) {
-            const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-            for (int m = a; m < b; m += 128) {
-              const int rows = min(128, b - m);
-              const int64_t row0 = slot_row0 + (m - r0);
-              if (phase == 0) {
-                for (int n = 0; n < Up::kNTiles; ++n, ++t) {
-                  if (t % Gc != cc) continue;
-                  Up::run(smem, rows, n * Up::kBN, p.w_gate[g] + int64_t(le) * kI * kH,
-                          p.w_up[g] + int64_t(le) * kI * kH,
-                          [&](int r) { return ring_x + (row0 + r) * kH; },
-                          [&](int r) { return ring_h + (row0 + r) * kI; }, Cfg::kClampLimit);
-                }
-              } else {
-                for (int n = 0; n < Down::kNTiles; ++n, ++t) {
-                  if (t % Gc != cc) continue;
-                  if (n == 0 && tid == 0)  // rows pushed (counted once per row, by its n = 0 tile)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 2),
-                              (unsigned long long)rows);
-                  Down::run(smem, rows, n * Down::kBN, p.w_down[g] + int64_t(le) * kH * kI, nullptr,
-                            [&](int r) { return ring_h + (row0 + r) * kI; },
-                            [&](int r) {
-                              const int2 d = meta[row0 + r];
-                              return at<bf16>(p.sym[d.x], S.slots) + int64_t(d.y) * kH;
-                            },
-                            0.f);
-                }
-              }
-            }
-          }
-          ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
+        const int n_tiles = phase == 0 ? Up::kNTiles : Down::kNTiles;
+        int t = 0;
+        for (int le = 0; le < e_loc; ++le) {
+          const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
+          for (int m = a; m < b; m += 128)
+            for (int n = 0; n < n_tiles; ++n, ++t)
+              if (t % Gc == cc) fn(le, min(128, b - m), int64_t(c % R) * C + (m - r0), n);
         }
-        if (ok && cc == 0 && tid == 0) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+      };
+      // Output-row functors. They capture only pointers: a by-value capture of `p` would copy
+      // the whole parameter block into local memory.
+      char* const* sym = p.sym;
+      const size_t slots_off = S.slots;
+      auto h_row = [ring_h](int64_t row0) { return [ring_h, row0](int r) { return ring_h + (row0 + r) * kI; }; };
+      auto slot_row = [meta, sym, slots_off](int64_t row0) {
+        return [meta, sym, slots_off, row0](int r) {
+          const int2 d = meta[row0 + r];
+          return at<bf16>(sym[d.x], slots_off) + int64_t(d.y) * kH;
+        };
+      };
+      auto count_pushed = [&](int rows) {  // rows pushed, counted once per row (by its n = 0 tile)
+        atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 2), (unsigned long long)rows);
+      };
+      // Both roles of a CTA go through the same sequence of CTA-wide barriers: per chunk, one for
+      // the landed wait and two per phase (group_barrier).
+      auto chunk_loop = [&](auto&& phase_work) {
+        for (int c = 0; c < num_chunks && ok; ++c) {
+          const int slot = c % R;
+          if (tid == 0) s_flag = w.wait_geq<false>(&landed[slot], tag(epoch, c + 1), kStageChunkLanded, -1);
+          __syncthreads();
+          if (!s_flag) { ok = false; break; }
+          for (int phase = 0; phase < 2 && ok; ++phase) {
+            phase_work(c, phase);
+            ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
+          }
+          if (ok && cc == 0 && tid == 0) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+        }
+      };
+      if constexpr (Cfg::kWgmma) {
+        // Warp-specialized: warpgroup 0's thread 0 issues TMA loads, warpgroups 1 and 2 run wgmma
+        // and the epilogues. Disjoint code per role, so setmaxnreg can rebalance the registers.
+        const int wgi = tid / 128;
+        if (tid == 0) Up::init_barriers(Up::carve(smem));
+        __syncthreads();
+        if (wgi == 0) {
+          cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+          typename Up::Pipe pipe;
+          chunk_loop([&](int c, int phase) {
+            sm90::fence_proxy_async_global();  // ring rows / h rows: generic writes -> TMA reads
+            if (tid != 0) return;
+            if (phase == 0)
+              for_my_tiles(c, 0, [&](int le, int rows, int64_t row0, int n) {
+                Up::produce(Up::carve(smem), pipe, &maps.ring_x[g], int(row0), &maps.w_gate[g], &maps.w_up[g],
+                            le * kI + n * Up::kBN);
+              });
+            else
+              for_my_tiles(c, 1, [&](int le, int rows, int64_t row0, int n) {
+                Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
+                              le * kH + n * Down::kBN);
+              });
+          });
+          cutlass::arch::warpgroup_reg_alloc<Cfg::kUniformRegs>();
+        } else {
+          cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+          typename Up::Pipe pipe;
+          chunk_loop([&](int c, int phase) {
+            if (phase == 0)
+              for_my_tiles(c, 0, [&](int le, int rows, int64_t row0, int n) {
+                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit);
+              });
+            else
+              for_my_tiles(c, 1, [&](int le, int rows, int64_t row0, int n) {
+                if (n == 0 && tid == 128) count_pushed(rows);
+                Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f);
+              });
+            sm90::fence_proxy_async_global();  // h rows are read by the TMA in the down phase
+          });
+          cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
+        }
+      } else {
+        chunk_loop([&](int c, int phase) {
+          if (phase == 0)
+            for_my_tiles(c, 0, [&](int le, int rows, int64_t row0, int n) {
+              Up::run(smem, rows, n * Up::kBN, p.w_gate[g] + int64_t(le) * kI * kH, p.w_up[g] + int64_t(le) * kI * kH,
+                      [&](int r) { return ring_x + (row0 + r) * kH; }, h_row(row0), Cfg::kClampLimit);
+            });
+          else
+            for_my_tiles(c, 1, [&](int le, int rows, int64_t row0, int n) {
+              if (n == 0 && tid == 0) count_pushed(rows);
+              Down::run(smem, rows, n * Down::kBN, p.w_down[g] + int64_t(le) * kH * kI, nullptr, h_row(row0),
+                        slot_row(row0), 0.f);
+            });
+        });
       }
       // All pushes of this CTA visible system-wide, then one CTA tells every owner.
       if (ok) {
@@ -379,14 +466,40 @@ __global__ void __launch_bounds__(kEpThreads, 1) ep_forward_kernel(const __grid_
 
 template <class Cfg>
 struct EpLauncher {
+  static constexpr int kThreads = EpForward<Cfg>::kThreads;
+
+  // TMA descriptors of every rank of the launch (Hopper core).
+  static cudaError_t encode_maps(const EpParams& p, EpMaps& m) {
+    if constexpr (Cfg::kWgmma) {
+      const int e_loc = Cfg::kExperts / p.world;
+      const LocalLayout<Cfg> L(p.world, p.chunk_rows, p.ring_chunks);
+      const uint64_t ring_rows = uint64_t(p.chunk_rows) * p.ring_chunks;
+      using Down = typename EpForward<Cfg>::Down;
+      for (int r = 0; r < p.launch_ranks; ++r) {
+        const bool ok =
+            sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, 128) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, 128) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, 128) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_up[r], p.w_up[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, 128) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_down[r], p.w_down[r], uint64_t(e_loc) * Cfg::kHidden, Cfg::kInter,
+                                Down::kBN) == CUDA_SUCCESS;
+        if (!ok) return cudaErrorInvalidValue;
+      }
+    }
+    return cudaSuccess;
+  }
+
   static cudaError_t launch(const EpParams& p, cudaStream_t stream) {
     auto kernel = ep_forward_kernel<Cfg>;
     const int smem = int(EpForward<Cfg>::kSmemBytes);
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    void* args[] = {const_cast<EpParams*>(&p)};
+    EpMaps maps;
+    memset(&maps, 0, sizeof(maps));
+    if ((err = encode_maps(p, maps)) != cudaSuccess) return err;
+    void* args[] = {const_cast<EpParams*>(&p), &maps};
     const unsigned grid = unsigned(p.launch_ranks * p.ctas_per_rank);
-    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kEpThreads), args,
+    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), args,
                                        size_t(smem), stream);
   }
 
@@ -398,7 +511,7 @@ struct EpLauncher {
     int dev = 0, sms = 0, per_sm = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return -1;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kEpThreads, smem) != cudaSuccess) return -1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) return -1;
     return sms * per_sm;
   }
 };

@@ -1,4 +1,4 @@
-// Expert GEMM tiles over ragged per-expert row ranges (mma.sync m16n8k16, bf16 -> fp32).
+// Portable expert GEMM tiles (mma.sync m16n8k16, bf16 -> fp32): the "mma_sync" core.
 //
 // One tile computes rows [0, rows) (rows <= 128) of C = A * B^T for one expert, where B is stored
 // [N, K] with K contiguous, as the Hugging Face expert weights are. Where A rows come from and
@@ -13,7 +13,8 @@
 // cp.async pipeline, 128-byte smem rows with 16-byte chunks XOR-swizzled by (row & 7) so ldmatrix
 // is conflict-free. K is never split and each output row depends only on its own A row and B,
 // so results are bitwise independent of how rows are grouped into tiles or scheduled.
-// This is the portable first GEMM (sm_80+ instructions); the TMA + wgmma core replaces it.
+// sm_80+ instructions; kept as a reference core and fallback (MOKGEN_GEMM_CORE=mma_sync); the
+// default is the TMA + wgmma core in hopper_gemm.cuh.
 #pragma once
 
 #include "common.cuh"
@@ -168,44 +169,5 @@ struct GemmTile {
     }
   }
 };
-
-// ---- single-rank grouped GEMM kernel: tiles from the routing prologue's tile table -------------
-
-struct GemmArgs {
-  const bf16* A;                 // [*, K]
-  const int32_t* a_row_index;    // A row of each position; nullptr: row = position
-  const bf16* B0;                // [E, N, K]  (w_gate or w_down)
-  const bf16* B1;                // [E, N, K]  (w_up; gated only)
-  bf16* C;                       // [*, N]
-  const int32_t* c_row_index;    // C row of each position; nullptr: row = position
-  const int32_t* expert_offset;  // [E + 1]
-  const int32_t* tile_expert;    // [max tiles]
-  const int32_t* tile_row;       // [max tiles]
-  const int32_t* num_tiles;      // [1]
-};
-
-template <int kN, int kK, bool kGated, bool kHasClamp, int kStages>
-__global__ void __launch_bounds__(256) grouped_gemm_kernel(GemmArgs args, float clamp_limit) {
-  using Tile = GemmTile<kN, kK, kGated, kHasClamp, kStages>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  const int n0 = blockIdx.x * Tile::kBN;
-  const int num_tiles = *args.num_tiles;
-  for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
-    const int e = args.tile_expert[tile];
-    const int row0 = args.expert_offset[e] + args.tile_row[tile];
-    const int rows = min(Tile::kBM, args.expert_offset[e + 1] - row0);
-    auto a_row = [&](int r) {
-      const int64_t pos = row0 + r;
-      return args.A + (args.a_row_index ? int64_t(args.a_row_index[pos]) : pos) * kK;
-    };
-    auto c_row = [&](int r) {
-      const int64_t pos = row0 + r;
-      return args.C + (args.c_row_index ? int64_t(args.c_row_index[pos]) : pos) * kN;
-    };
-    const bf16* b0 = args.B0 + int64_t(e) * kN * kK;
-    const bf16* b1 = kGated ? args.B1 + int64_t(e) * kN * kK : nullptr;
-    Tile::run(smem_raw, rows, n0, b0, b1, a_row, c_row, clamp_limit);
-  }
-}
 
 }  // namespace mokgen

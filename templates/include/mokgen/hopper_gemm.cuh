@@ -1,0 +1,242 @@
+// Hopper (sm_90a) expert GEMM core: TMA loads into a multi-stage shared-memory pipeline, one
+// producer thread and two wgmma consumer warpgroups, 128-row tiles, fused epilogues.
+//
+// Built on CUTLASS/CuTe as a library: the wgmma instruction wrappers
+// (cute::SM90::GMMA::MMA_64xNx16_F32BF16BF16_SS), the shared-memory matrix descriptor
+// (cute::GmmaDescriptor), the TMA copy (cute::SM90_TMA_LOAD_2D) and the register reconfiguration
+// (cutlass::arch::warpgroup_reg_alloc/dealloc). The pipeline, roles and epilogues are ours.
+//
+// Tile: BM = 128 rows (consumer warpgroup c owns rows 64c..64c+63) x kBNB B rows x BK = 64.
+//   gated (up projection): the B tile is 128 rows of w_gate[e] then the same 128 rows of w_up[e];
+//     one m64n256k16 wgmma yields gate and up for 128 columns in the same thread, SwiGLU in
+//     registers, 128 bf16 output columns per tile.
+//   down: kBNB = 256 (or 128) rows of w_down[e]; that many bf16 output columns per tile.
+// Shared memory per stage: A 128 x 64 and B kBNB x 64 bf16, 128-byte rows with the TMA/wgmma
+// 128B swizzle, 1024-byte aligned. full[s] completes when TMA has delivered stage s (transaction
+// bytes); empty[s] when both consumer warpgroups have finished reading it.
+// K is never split: a row's result depends only on its A row and the weights, whatever the
+// tiling or schedule, so the megakernel stays bitwise deterministic.
+#pragma once
+
+#include <cuda.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <utility>
+
+#include "common.cuh"
+
+namespace mokgen {
+namespace sm90 {
+
+// ---- mbarrier helpers (shared memory, CTA scope) -----------------------------------------------
+MOKGEN_DEVICE void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+MOKGEN_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+MOKGEN_DEVICE void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+MOKGEN_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Generic-proxy writes to global memory -> later reads by the TMA (async proxy), and back.
+MOKGEN_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// K-major, 128B-swizzled shared-memory operand: rows of 64 bf16 (128 B), 8-row groups 1024 B apart.
+MOKGEN_DEVICE uint64_t smem_desc_sw128(const void* smem) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = uint16_t(smem_u32(smem) >> 4);
+  d.bitfield.leading_byte_offset_ = 1;  // unused by swizzled K-major layouts
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;          // stage buffers are 1024-byte aligned
+  d.bitfield.layout_type_ = 1;          // SWIZZLE_128B
+  return d.desc_;
+}
+
+template <int kN>
+struct Wgmma;
+template <>
+struct Wgmma<256> {
+  using Op = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct Wgmma<128> {
+  using Op = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+
+// acc[kN / 2] += A(64 x 16) * B(kN x 16)^T; scale_d = 0 overwrites.
+template <int kN, size_t... Is>
+MOKGEN_DEVICE void wgmma_call(uint64_t da, uint64_t db, float* acc, bool accumulate, std::index_sequence<Is...>) {
+  Wgmma<kN>::Op::fma(da, db, acc[Is]...,
+                     accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// Position in the stage ring, advanced identically by the producer and every consumer thread.
+template <int kStages>
+struct PipeState {
+  int stage = 0;
+  uint32_t phase = 0;
+  MOKGEN_DEVICE void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB>
+struct HopperTile {
+  static constexpr int kBM = 128;
+  static constexpr int kBK = 64;
+  static constexpr int kBN = kGated ? kBNB / 2 : kBNB;  // output columns per tile
+  static constexpr int kAcc = kBNB / 2;                  // fp32 accumulators per consumer thread
+  static constexpr int kABytes = kBM * kBK * 2;
+  static constexpr int kBBytes = kBNB * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kKTiles = kK / kBK;
+  static constexpr int kNTiles = kN / kBN;
+  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+  // full/empty barriers, then the 1024-aligned stages (+1024 of alignment slack)
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+  static_assert(kK % kBK == 0, "K must be a multiple of 64");
+  static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
+  static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
+  static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
+
+  // Dynamic shared memory: the full/empty barriers first, then the stages at the next 1024-byte
+  // boundary. Both tile types of a kernel (up and down) carve the same way, so they can share
+  // one pipeline (and its barriers) across phases.
+  struct Smem {
+    uint64_t* full;
+    uint64_t* empty;
+    unsigned char* stages;
+  };
+
+  MOKGEN_DEVICE static Smem carve(unsigned char* raw) {
+    Smem s;
+    s.full = reinterpret_cast<uint64_t*>(raw);
+    s.empty = s.full + kStages;
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(raw) + 2 * kStages * 8 + 1023) & ~uintptr_t(1023);
+    s.stages = reinterpret_cast<unsigned char*>(base);
+    return s;
+  }
+
+  // Once per CTA (thread 0), before the roles start; followed by __syncthreads by the caller.
+  MOKGEN_DEVICE static void init_barriers(const Smem& s) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], 2);
+    }
+    fence_barrier_init();
+  }
+
+  using Pipe = PipeState<kStages>;
+
+  // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate);
+  // b_row0/b_row1: first B rows of the gate/up (or down) weights in their [E*N, K] tensor maps.
+  MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const CUtensorMap* map_a, int a_row0,
+                                    const CUtensorMap* map_b0, const CUtensorMap* map_b1, int b_row0) {
+    for (int kb = 0; kb < kKTiles; ++kb) {
+      mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
+      unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+      uint64_t* full = &s.full[pipe.stage];
+      mbar_arrive_expect_tx(full, kStageBytes);
+      cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st, kb * kBK, a_row0);
+      if constexpr (kGated) {
+        cute::SM90_TMA_LOAD_2D::copy(map_b0, full, 0, st + kABytes, kb * kBK, b_row0);
+        cute::SM90_TMA_LOAD_2D::copy(map_b1, full, 0, st + kABytes + kBBytes / 2, kb * kBK, b_row0);
+      } else {
+        cute::SM90_TMA_LOAD_2D::copy(map_b0, full, 0, st + kABytes, kb * kBK, b_row0);
+      }
+      pipe.advance();
+    }
+  }
+
+  // Consumer warpgroup wg (0/1): all k-blocks of one tile into acc, then the epilogue for rows
+  // [64 wg, 64 wg + 64) of the tile that are < rows. c_row(r) -> bf16* of output row r, column 0.
+  template <class CRow>
+  MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, CRow c_row,
+                                    float clamp_limit) {
+    float acc[kAcc];
+    const int t = threadIdx.x & 127;
+    for (int kb = 0; kb < kKTiles; ++kb) {
+      mbar_wait(&s.full[pipe.stage], pipe.phase);
+      const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+      const unsigned char* sa = st + wg * (64 * 128);
+      const unsigned char* sb = st + kABytes;
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16)
+        wgmma_call<kBNB>(smem_desc_sw128(sa + k16 * 32), smem_desc_sw128(sb + k16 * 32), acc, kb > 0 || k16 > 0,
+                         std::make_index_sequence<kAcc>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      if (t == 0) mbar_arrive(&s.empty[pipe.stage]);
+      pipe.advance();
+    }
+    // Accumulator layout (per warp w of the warpgroup, lane l): rows 16w + l/4 and +8;
+    // n8 group i: columns 8i + 2(l%4) + {0,1} -> acc[4i + {0,1}] (row), acc[4i + {2,3}] (row + 8).
+    const int w = t >> 5, lane = t & 31;
+    const int c2 = (lane & 3) * 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+      if (r >= rows) continue;
+      bf16* out = c_row(r) + n0 + c2;
+      if constexpr (kGated) {
+#pragma unroll
+        for (int i = 0; i < kAcc / 8; ++i) {  // 16 groups of gate columns; up is 16 groups later
+          const float h0 = swiglu<kHasClamp>(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], clamp_limit);
+          const float h1 =
+              swiglu<kHasClamp>(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], clamp_limit);
+          *reinterpret_cast<uint32_t*>(out + 8 * i) = pack_bf16x2(h0, h1);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kAcc / 4; ++i)
+          *reinterpret_cast<uint32_t*>(out + 8 * i) = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+      }
+    }
+  }
+};
+
+// ---- host: 2-D bf16 tensor maps for the tiles (row-major [rows, cols], 128B swizzle) ------------
+inline CUresult encode_map_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+}  // namespace sm90
+}  // namespace mokgen

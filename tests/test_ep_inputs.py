@@ -1,0 +1,695 @@
+"""Expert parallelism without a GPU: input validation of ``virtual_ep_forward`` and ``MoELayer``,
+the ctypes mirrors of mokgen.abi against a compiled library, the ring defaults, the PyTorch peers
+of mokgen.bench, and `mokgen bench` without a GPU.
+
+Validation tests run with MOKGEN_DISABLE_JIT=1 and an empty private cache: a call that got past
+validation would reach the loader and raise LoadError (``test_valid_call_reaches_the_loader``
+shows it does), so getting InputError proves the check comes before any build or load.
+
+Order of the checks in ``virtual_ep_forward``: list lengths, per-rank dtype/shape/layout, expert
+weights, then DEVICES, then tokens per rank, the id range, simulate_missing_rank, timeout_ms and
+the ring. The checks after the device check cannot be reached with CPU tensors; here they run with
+``mokgen.ep._check_device`` replaced by a no-op (and, for the id range, ``_can_sync`` forced to
+True, because CPU-only torch builds raise on ``torch.cuda.is_current_stream_capturing``), and again
+with real CUDA tensors under the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import math
+import os
+import re
+import struct
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mokgen  # noqa: E402
+from mokgen import abi  # noqa: E402
+from mokgen import bench  # noqa: E402
+from mokgen import build as build_mod  # noqa: E402
+from mokgen import ep as ep_mod  # noqa: E402
+from mokgen import load as load_mod  # noqa: E402
+from mokgen import reference  # noqa: E402
+from mokgen.errors import InputError, LoadError, MokgenError  # noqa: E402
+from mokgen.paths import templates_dir  # noqa: E402
+from mokgen.plan import ABI_VERSION, ep_defaults  # noqa: E402
+from mokgen.spec import bundled_specs, load_spec, spec_from_dict  # noqa: E402
+
+# hidden != intermediate, so a transposed weight has a wrong shape
+H, I, E, K = 128, 256, 32, 2
+TOKENS = (5, 3)
+
+SPEC = spec_from_dict(
+    {
+        "name": "tiny-ep-test",
+        "hidden_size": H,
+        "moe_intermediate_size": I,
+        "num_experts": E,
+        "top_k": K,
+        "routing": {"scoring": "softmax"},
+    },
+    source="test",
+)
+SMALL = "qwen3-30b-a3b"
+
+
+@pytest.fixture
+def no_build(tmp_path, monkeypatch):
+    """An empty private cache and JIT off: reaching the loader raises LoadError."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MOKGEN_DISABLE_JIT", "1")
+    monkeypatch.setattr(load_mod, "_by_spec", {})
+    monkeypatch.setattr(load_mod, "_by_key", {})
+    yield
+    assert not cache.exists(), "validation must not build anything"
+
+
+def _args(tokens=TOKENS, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs, ids, ws = [], [], []
+    for T in tokens:
+        xs.append(torch.randn(T, H, generator=gen).to(torch.bfloat16))
+        ids.append(torch.rand(T, E, generator=gen).topk(K, dim=-1).indices)
+        w = torch.rand(T, K, generator=gen) + 0.05
+        ws.append(w / w.sum(-1, keepdim=True))
+    weights = [
+        (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16)
+        for shape in ((E, I, H), (E, I, H), (E, H, I))
+    ]
+    mv = lambda t: t.to(device)  # noqa: E731
+    return {
+        "xs": [mv(t) for t in xs],
+        "topk_ids": [mv(t) for t in ids],
+        "topk_weights": [mv(t) for t in ws],
+        "w_gate": mv(weights[0]),
+        "w_up": mv(weights[1]),
+        "w_down": mv(weights[2]),
+    }
+
+
+def _call(args, spec=SPEC, **kwargs):
+    return mokgen.virtual_ep_forward(
+        spec, args["xs"], args["topk_ids"], args["topk_weights"], args["w_gate"], args["w_up"], args["w_down"], **kwargs
+    )
+
+
+def _expect(args, prefix: str, pattern: str, spec=SPEC, **kwargs) -> str:
+    """The call raises InputError (not LoadError, not anything else) whose one line starts with
+    ``prefix: `` (a regex) and matches ``pattern``."""
+    with pytest.raises(MokgenError) as info:
+        _call(args, spec, **kwargs)
+    err = info.value
+    assert isinstance(err, InputError), f"expected InputError, got {type(err).__name__}: {err}"
+    assert isinstance(err, ValueError)
+    message = str(err)
+    assert "\n" not in message
+    assert re.match(prefix + ": ", message), (prefix, message)  # prefix is a regex: r"xs\[0\]"
+    assert re.search(pattern, message), (pattern, message)
+    return message
+
+
+def _noncontig(t: torch.Tensor) -> torch.Tensor:
+    """Same values and shape, not contiguous."""
+    out = torch.cat([t, t], dim=-1)[..., ::2] if t.dim() > 1 else t.repeat(2)[::2]
+    assert out.shape == t.shape and not out.is_contiguous()
+    return out
+
+
+# ---- the rank lists ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [[], (), None, "x"], ids=["empty-list", "empty-tuple", "none", "str"])
+def test_xs_must_be_a_non_empty_list(no_build, bad):
+    args = _args()
+    args["xs"] = bad
+    _expect(args, "xs", r"expected a non-empty list of per-rank tensors")
+
+
+def test_xs_as_one_tensor_is_rejected(no_build):
+    args = _args()
+    args["xs"] = torch.cat(args["xs"])  # the global tokens, not split per rank
+    _expect(args, "xs", r"expected a non-empty list")
+
+
+def test_at_most_16_virtual_ranks(no_build):
+    args = _args(tokens=(1,) * 17)
+    _expect(args, "xs", r"at most 16 virtual ranks, got 17")
+    # 16 ranks pass this check (and every other one up to the device check)
+    _expect(_args(tokens=(1,) * 16), r"xs\[0\]", r"must be on a CUDA device")
+    assert abi.MAX_LAUNCH_RANKS == 16
+
+
+@pytest.mark.parametrize("W", [3, 5, 6])
+def test_ranks_must_divide_num_experts(no_build, W):
+    _expect(_args(tokens=(2,) * W), "xs", rf"{W} ranks must divide num_experts \({E}\)")
+
+
+@pytest.mark.parametrize("name", ["topk_ids", "topk_weights"])
+@pytest.mark.parametrize("how", ["short", "long", "tensor", "none"])
+def test_routing_lists_match_the_ranks(no_build, name, how):
+    args = _args()
+    if how == "short":
+        args[name] = args[name][:1]
+    elif how == "long":
+        args[name] = args[name] + args[name][:1]
+    elif how == "tensor":
+        args[name] = torch.cat(args[name])
+    else:
+        args[name] = None
+    _expect(args, name, rf"expected a list of {len(TOKENS)} tensors \(one per rank\)")
+
+
+def test_tuples_are_accepted_like_lists(no_build):
+    args = _args()
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items()}
+    _expect(args, r"xs\[0\]", r"must be on a CUDA device")  # got past every list check
+
+
+# ---- per-rank tensors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        ("xs", lambda t: t.float()),
+        ("xs", lambda t: t.half()),
+        ("topk_ids", lambda t: t.float()),
+        ("topk_ids", lambda t: t.to(torch.int16)),
+        ("topk_weights", lambda t: t.double()),
+        ("topk_weights", lambda t: t.to(torch.int64)),
+    ],
+    ids=["xs-fp32", "xs-fp16", "ids-fp32", "ids-int16", "weights-fp64", "weights-int64"],
+)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_per_rank_dtype(no_build, name, bad, rank):
+    args = _args()
+    args[name][rank] = bad(args[name][rank])
+    _expect(args, rf"{name}\[{rank}\]", r"dtype must be ")
+
+
+def test_accepted_routing_dtypes(no_build):
+    args = _args()
+    args["topk_ids"] = [args["topk_ids"][0].int(), args["topk_ids"][1]]  # int32 and int64
+    args["topk_weights"] = [args["topk_weights"][0].half(), args["topk_weights"][1].bfloat16()]
+    _expect(args, r"xs\[0\]", r"must be on a CUDA device")
+
+
+@pytest.mark.parametrize(
+    "name, shape, want",
+    [
+        ("xs", (3, H + 128), rf"\[\*, {H}\]"),
+        ("xs", (3 * H,), rf"\[\*, {H}\]"),
+        ("xs", (1, 3, H), rf"\[\*, {H}\]"),
+        ("topk_ids", (3, K + 1), rf"\[3, {K}\]"),
+        ("topk_ids", (4, K), rf"\[3, {K}\]"),  # one row more than xs[1] has tokens
+        ("topk_ids", (3 * K,), rf"\[3, {K}\]"),
+        ("topk_weights", (3, 1), rf"\[3, {K}\]"),
+        ("topk_weights", (2, K), rf"\[3, {K}\]"),
+    ],
+)
+def test_per_rank_shape(no_build, name, shape, want):
+    args = _args()
+    dtype = args[name][1].dtype
+    args[name][1] = torch.zeros(shape, dtype=dtype)
+    msg = _expect(args, rf"{name}\[1\]", r"shape must be " + want)
+    assert f"got {list(shape)}" in msg
+
+
+def test_xs_shape_error_names_the_rank_with_the_problem(no_build):
+    args = _args(tokens=(4, 4, 4, 4))
+    args["xs"][2] = args["xs"][2][:, : H // 2].contiguous()
+    _expect(args, r"xs\[2\]", r"shape must be")
+
+
+@pytest.mark.parametrize("name", ["xs", "topk_ids", "topk_weights"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_per_rank_non_contiguous(no_build, name, rank):
+    args = _args()
+    args[name][rank] = _noncontig(args[name][rank])
+    _expect(args, rf"{name}\[{rank}\]", r"must be contiguous")
+
+
+@pytest.mark.parametrize("name", ["xs", "topk_ids", "topk_weights"])
+def test_per_rank_not_a_tensor(no_build, name):
+    args = _args()
+    args[name][1] = args[name][1].tolist()
+    _expect(args, rf"{name}\[1\]", r"expected a torch.Tensor, got list")
+
+
+def test_zero_tokens_on_a_rank_are_valid(no_build):
+    _expect(_args(tokens=(0, 4)), r"xs\[0\]", r"must be on a CUDA device")
+    _expect(_args(tokens=(0, 0)), r"xs\[0\]", r"must be on a CUDA device")
+
+
+# ---- expert weights --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, make, pattern",
+    [
+        ("w_gate", lambda a: a["w_gate"].transpose(1, 2).contiguous(), rf"shape must be \[{E}, {I}, {H}\]"),
+        ("w_up", lambda a: a["w_up"][: E // 2].contiguous(), rf"shape must be \[{E}, {I}, {H}\]"),  # one rank's slice
+        ("w_down", lambda a: a["w_down"].transpose(1, 2).contiguous(), rf"shape must be \[{E}, {H}, {I}\]"),
+        ("w_down", lambda a: a["w_down"][0], rf"shape must be \[{E}, {H}, {I}\]"),
+        ("w_gate", lambda a: a["w_gate"].float(), r"dtype must be torch.bfloat16"),
+        ("w_down", lambda a: a["w_down"].half(), r"dtype must be torch.bfloat16"),
+        ("w_up", lambda a: _noncontig(a["w_up"]), r"must be contiguous"),
+        ("w_gate", lambda a: None, r"expected a torch.Tensor, got NoneType"),
+    ],
+    ids=["gate-transposed", "up-one-rank-slice", "down-transposed", "down-2d", "gate-fp32", "down-fp16",
+         "up-noncontig", "gate-none"],
+)
+def test_expert_weights(no_build, name, make, pattern):
+    args = _args()
+    args[name] = make(args)
+    _expect(args, name, pattern)
+
+
+# ---- devices -----------------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_rejected(no_build):
+    _expect(_args(), r"xs\[0\]", r"must be on a CUDA device, got cpu")
+
+
+def test_devices_are_checked_after_dtypes_and_shapes(no_build):
+    # every tensor is on the CPU, but the shape problem of rank 1 and of w_down is what is reported
+    args = _args()
+    args["topk_weights"][1] = torch.zeros(3, K + 1)
+    _expect(args, r"topk_weights\[1\]", r"shape must be")
+    args = _args()
+    args["w_down"] = args["w_down"][:, :, :H].contiguous()
+    _expect(args, "w_down", r"shape must be")
+
+
+def test_meta_tensors_rejected(no_build):
+    args = _args()
+    args = {k: [t.to("meta") for t in v] if isinstance(v, list) else v.to("meta") for k, v in args.items()}
+    _expect(args, r"xs\[0\]", r"must be on a CUDA device, got meta")
+
+
+# ---- checks after the device check: tokens, ids, simulate_missing_rank, timeout, ring -------------
+
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    return "cuda"
+
+
+@pytest.fixture(params=["cpu-past-device-check", pytest.param("cuda", marks=pytest.mark.gpu)])
+def late(request, no_build, monkeypatch):
+    """Builds inputs that pass the device check: CPU tensors with the device check disabled, or
+    real CUDA tensors (gpu marker). Returns a factory like _args."""
+    if request.param == "cuda":
+        device = _cuda_or_skip()
+    else:
+        device = "cpu"
+        monkeypatch.setattr(ep_mod, "_check_device", lambda t, name, device: None)
+        monkeypatch.setattr(ep_mod, "_can_sync", lambda: True)
+    return lambda tokens=TOKENS: _args(tokens, device=device)
+
+
+def _expect_scalar(args, pattern: str, **kwargs) -> None:
+    """Like _expect, for the keyword arguments (their messages start with the argument's name)."""
+    with pytest.raises(MokgenError) as info:
+        _call(args, **kwargs)
+    assert isinstance(info.value, InputError), f"expected InputError, got {type(info.value).__name__}: {info.value}"
+    assert "\n" not in str(info.value)
+    assert re.match(pattern, str(info.value)), (pattern, str(info.value))
+
+
+def test_valid_call_reaches_the_loader(late):
+    """The control for every test below: with valid arguments the call gets past validation and
+    fails only in the loader (no build allowed, nothing cached)."""
+    with pytest.raises(LoadError, match="MOKGEN_DISABLE_JIT|no build of"):
+        _call(late())
+    with pytest.raises(LoadError):  # the limits themselves are accepted
+        _call(late((4, 0)), spec=SPEC.with_target(max_tokens_per_rank=4), simulate_missing_rank=1,
+              timeout_ms=0.001, chunk_rows=1 << 20, ring_chunks=1024)
+    with pytest.raises(LoadError):
+        _call(late(), chunk_rows=1, ring_chunks=1, simulate_missing_rank=0)
+
+
+def test_tokens_above_max_tokens_per_rank(late):
+    spec = SPEC.with_target(max_tokens_per_rank=4)
+    _expect(late((3, 5)), "xs", r"5 tokens on one rank exceed target.max_tokens_per_rank = 4", spec=spec)
+    _expect(late((5, 0)), "xs", r"5 tokens on one rank exceed target.max_tokens_per_rank = 4", spec=spec)
+
+
+@pytest.mark.parametrize("value", [E, E + 7, -1])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_ids_out_of_range(late, value, rank):
+    args = late()
+    ids = args["topk_ids"][rank].clone()
+    ids[-1, -1] = value
+    args["topk_ids"][rank] = ids
+    _expect(args, rf"topk_ids\[{rank}\]", rf"expert ids must be in \[0, {E}\)")
+    with pytest.raises(LoadError):  # check_ids=False skips the check (and its device sync)
+        _call(args, check_ids=False)
+
+
+@pytest.mark.parametrize("value", [-1, 2, 99])
+def test_simulate_missing_rank_in_range(late, value):
+    _expect_scalar(late(), rf"simulate_missing_rank must be in \[0, 2\), got {value}", simulate_missing_rank=value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, -1e9, math.nan])
+def test_timeout_ms_positive(late, value):
+    _expect_scalar(late(), r"timeout_ms must be positive", timeout_ms=value)
+
+
+@pytest.mark.parametrize("kw, value, pattern", [
+    ("chunk_rows", 0, r"chunk_rows must be in 1\.\.1048576, got 0"),
+    ("chunk_rows", -128, r"chunk_rows must be in 1\.\.1048576, got -128"),
+    ("chunk_rows", (1 << 20) + 1, r"chunk_rows must be in 1\.\.1048576, got 1048577"),
+    ("ring_chunks", 0, r"ring_chunks must be in 1\.\.1024, got 0"),
+    ("ring_chunks", 1025, r"ring_chunks must be in 1\.\.1024, got 1025"),
+])
+def test_ring_geometry(late, kw, value, pattern):
+    _expect_scalar(late(), pattern, **{kw: value})
+
+
+# ---- MoELayer's constructor -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"device": "cpu"}, r"MoELayer: device must be a CUDA device, got cpu"),
+    ({"device": "meta"}, r"MoELayer: device must be a CUDA device, got meta"),
+    ({"max_tokens": 0}, r"max_tokens must be in 1\.\.16384, got 0"),
+    ({"max_tokens": 16385}, r"max_tokens must be in 1\.\.16384, got 16385"),
+    ({"chunk_rows": 0, "device": "cpu"}, r"chunk_rows must be in"),
+    ({"ring_chunks": 2000, "device": "cpu"}, r"ring_chunks must be in"),
+])
+def test_moe_layer_rejects_bad_arguments_before_loading(no_build, kwargs, pattern):
+    with pytest.raises(InputError, match=pattern):
+        mokgen.MoELayer(SPEC, **kwargs)
+
+
+# ---- mokgen.abi ---------------------------------------------------------------------------------------
+
+
+def test_error_record_layout():
+    assert abi._ERROR.size == abi.ERROR_BYTES == 24
+    assert abi.ERROR_OFFSET == 16  # u64 epoch, u32 finished, u32 abort
+    assert ctypes.sizeof(abi.EpParams) % 8 == 0
+    names = [f[0] for f in abi.EpParams._fields_]
+    assert len(names) == len(set(names))
+    assert abi.EpParams.sym.size == 8 * abi.MAX_WORLD
+    assert abi.EpParams.x.size == 8 * abi.MAX_LAUNCH_RANKS
+
+
+def test_parse_error_zero_bytes_is_none():
+    assert abi.parse_error(bytes(abi.ERROR_BYTES)) is None
+    # code 0 means "no error" whatever the other fields hold (they are written after the code)
+    assert abi.parse_error(struct.pack("<iiiiQ", 0, 3, 1, 2, 9)) is None
+
+
+def test_parse_error_packed_record():
+    raw = struct.pack("<iiiiQ", 1, 3, 1, 2, 7)
+    assert abi.parse_error(raw) == {"code": 1, "rank": 3, "stage": 1, "peer": 2, "epoch": 7}
+    # as read from a whole control block (EpBuffers reads ctl[ERROR_OFFSET:ERROR_OFFSET+ERROR_BYTES])
+    ctl = bytes(abi.ERROR_OFFSET) + struct.pack("<iiiiQ", 1, 5, 4, -1, (3 << 32) + 1) + bytes(16)
+    err = abi.parse_error(ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES])
+    assert err == {"code": 1, "rank": 5, "stage": 4, "peer": -1, "epoch": (3 << 32) + 1}
+    # trailing bytes are ignored; a short record is an error, not a silent "no error"
+    assert abi.parse_error(raw + b"\xff" * 8) == abi.parse_error(raw)
+    with pytest.raises(struct.error):
+        abi.parse_error(raw[:-1])
+
+
+def test_describe_error_names_rank_stage_peer_and_timeout():
+    msg = abi.describe_error({"code": 1, "rank": 3, "stage": 1, "peer": 2, "epoch": 7}, 250)
+    assert "\n" not in msg
+    assert "rank 3 waited more than 250 ms" in msg
+    assert "the routing tables of rank 2" in msg
+    assert "launch epoch 7" in msg
+    msg = abi.describe_error({"code": 1, "rank": 0, "stage": 5, "peer": 6, "epoch": 1}, 10_000.0)
+    assert "rank 0 waited more than 10000 ms for the combine pushes of rank 6" in msg
+    msg = abi.describe_error({"code": 1, "rank": 1, "stage": 3, "peer": 0, "epoch": 2}, 0.5)
+    assert "0.5 ms" in msg and "a free slot of its receive ring" in msg
+    # a stage this mokgen does not know still gives one readable line
+    msg = abi.describe_error({"code": 1, "rank": 1, "stage": 42, "peer": 0, "epoch": 2}, 1)
+    assert "stage 42" in msg and "\n" not in msg
+
+
+def test_every_stage_of_sync_cuh_is_described():
+    text = (templates_dir() / "include" / "mokgen" / "sync.cuh").read_text()
+    stages = {int(v) for name, v in re.findall(r"\b(kStage\w+)\s*=\s*(\d+)", text) if name != "kStageNone"}
+    assert stages and stages == set(abi.STAGES)
+    for stage, what in abi.STAGES.items():
+        msg = abi.describe_error({"code": 1, "rank": 2, "stage": stage, "peer": 4, "epoch": 1}, 100)
+        assert what.format(peer=4) in msg
+
+
+def test_mirrored_constants_match_the_headers():
+    text = (templates_dir() / "include" / "mokgen" / "ep_forward.cuh").read_text()
+    assert f"constexpr int kMaxWorld = {abi.MAX_WORLD};" in text
+    assert f"constexpr int kMaxLaunchRanks = {abi.MAX_LAUNCH_RANKS};" in text
+
+
+def _library(name: str = SMALL) -> ctypes.CDLL:
+    result = build_mod.build(load_spec(name), publish_generated=False)  # session cache: compiled once
+    lib = ctypes.CDLL(str(result.library))
+    for fn in ("mokgen_ep_params_bytes", "mokgen_ep_control_bytes"):
+        getattr(lib, fn).restype = ctypes.c_longlong
+        getattr(lib, fn).argtypes = []
+    lib.mokgen_ep_sym_bytes.restype = ctypes.c_longlong
+    lib.mokgen_ep_sym_bytes.argtypes = [ctypes.c_longlong]
+    for fn in ("mokgen_ep_local_bytes", "mokgen_ep_stats_offset"):
+        getattr(lib, fn).restype = ctypes.c_longlong
+        getattr(lib, fn).argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.mokgen_abi_version.restype = ctypes.c_int
+    return lib
+
+
+@pytest.mark.nvcc
+def test_abi_sizes_match_the_compiled_library():
+    lib = _library()
+    assert lib.mokgen_abi_version() == ABI_VERSION
+    assert lib.mokgen_ep_params_bytes() == ctypes.sizeof(abi.EpParams)
+    assert lib.mokgen_ep_control_bytes() == abi.ERROR_OFFSET + abi.ERROR_BYTES
+    # EpBuffers allocates max(256, control bytes): the record fits in what it allocates
+    assert abi.ERROR_OFFSET + abi.ERROR_BYTES <= max(256, lib.mokgen_ep_control_bytes())
+
+
+@pytest.mark.nvcc
+def test_symmetric_region_grows_linearly_with_tokens():
+    spec = load_spec(SMALL)
+    Hs, Ks = spec.hidden_size, spec.top_k
+    lib = _library()
+    per_token = 4 * Ks + 2 * Hs + 2 * Ks * Hs  # send pairs (int32), x (bf16), combine slots (bf16)
+    base = lib.mokgen_ep_sym_bytes(0)
+    assert base > 0  # the flags exist even with no tokens
+    sizes = [lib.mokgen_ep_sym_bytes(T) for T in (64, 128, 256, 4096, 16384)]
+    assert sizes == [base + T * per_token for T in (64, 128, 256, 4096, 16384)]
+    # any T: between the exact figure and it plus the 256-byte alignment of each of 3 arrays
+    for T in (1, 3, 100, 1000):
+        assert base + T * per_token <= lib.mokgen_ep_sym_bytes(T) <= base + T * per_token + 3 * 256
+        assert lib.mokgen_ep_sym_bytes(T) % 256 == 0
+
+
+@pytest.mark.nvcc
+def test_local_region_grows_with_ring_rows():
+    spec = load_spec(SMALL)
+    lib = _library()
+    per_row = 8 + 2 * spec.hidden_size + 2 * spec.moe_intermediate_size  # meta, x row, h row
+    for W in (1, 2, 8):
+        small = lib.mokgen_ep_local_bytes(W, 128, 2)
+        for C, S in ((256, 2), (128, 4), (1024, 4), (4096, 8)):
+            assert lib.mokgen_ep_local_bytes(W, C, S) - small == (C * S - 256) * per_row, (W, C, S)
+        # depends on the ring's rows, not how they are split (for up to 32 chunks)
+        assert lib.mokgen_ep_local_bytes(W, 512, 2) == lib.mokgen_ep_local_bytes(W, 256, 4) == lib.mokgen_ep_local_bytes(W, 1024, 1)
+        # the statistics EpBuffers.stats reads (3 x int64) lie inside the region
+        off = lib.mokgen_ep_stats_offset(W, 1024, 4)
+        assert 0 <= off and off + 24 <= lib.mokgen_ep_local_bytes(W, 1024, 4)
+
+
+@pytest.mark.nvcc
+def test_ep_params_field_offsets_match_the_header(tmp_path):
+    """sizeof alone misses two fields of one size swapped: compare every field's offset."""
+    tc = build_mod.find_toolchain()
+    lines = [f'  std::printf("{name} %zu\\n", offsetof(mokgen::EpParams, {name}));' for name, _ in abi.EpParams._fields_]
+    source = "\n".join([
+        "#include <cstddef>",
+        "#include <cstdio>",
+        '#include "mokgen/ep_forward.cuh"',
+        "int main() {",
+        *lines,
+        '  std::printf("sizeof %zu\\n", sizeof(mokgen::EpParams));',
+        '  std::printf("error_offset %zu\\n", offsetof(mokgen::Control, error));',
+        '  std::printf("error_bytes %zu\\n", sizeof(mokgen::ErrorRecord));',
+        '  std::printf("rec_peer %zu\\n", offsetof(mokgen::ErrorRecord, peer));',
+        '  std::printf("rec_epoch %zu\\n", offsetof(mokgen::ErrorRecord, epoch));',
+        "  return 0;",
+        "}",
+    ]) + "\n"
+    (tmp_path / "probe.cu").write_text(source)
+    cmd = [tc.nvcc, "-std=c++17", *build_mod.ARCH_FLAGS["sm_90a"], "-I", str(templates_dir() / "include"),
+           "-I", tc.cutlass_include, "probe.cu", "-o", "probe"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = subprocess.run([str(tmp_path / "probe")], capture_output=True, text=True, timeout=60, check=True).stdout
+    got = dict((k, int(v)) for k, v in (line.split() for line in out.splitlines()))
+    want = {name: getattr(abi.EpParams, name).offset for name, _ in abi.EpParams._fields_}
+    assert {k: got[k] for k in want} == want
+    assert got["sizeof"] == ctypes.sizeof(abi.EpParams)
+    assert got["error_offset"] == abi.ERROR_OFFSET
+    assert got["error_bytes"] == abi.ERROR_BYTES
+    assert (got["rec_peer"], got["rec_epoch"]) == (12, 16)  # matches struct "<iiiiQ"
+
+
+# ---- ring defaults -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(bundled_specs()))
+def test_ep_defaults(name):
+    spec = load_spec(name)
+    d = ep_defaults(spec)
+    assert set(d) == {"chunk_rows", "ring_chunks"}
+    assert d["chunk_rows"] % 128 == 0
+    assert 1024 <= d["chunk_rows"] <= 8192
+    assert d["ring_chunks"] >= 2  # one chunk landing while another is computed
+    # what MoELayer / virtual_ep_forward use when given nothing
+    assert ep_mod._ring(spec, None, None) == (d["chunk_rows"], d["ring_chunks"])
+
+
+# ---- mokgen.bench's PyTorch peers on CPU -----------------------------------------------------------------
+
+BH, BI, BE, BK = 64, 32, 8, 2
+REL_TOL = 2e-2  # bf16 intermediates against the fp32 reference
+
+
+def _bench_inputs(T, seed=0, skew=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, BH, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(T, BE, generator=gen)
+    if skew:  # every token to experts 0 and 5: six experts get nothing
+        scores[:, 0] += 2
+        scores[:, 5] += 2
+    ids = scores.topk(BK, dim=-1).indices.to(torch.int32)
+    w = torch.rand(T, BK, generator=gen) + 0.05
+    w = w / w.sum(-1, keepdim=True)
+    weights = [(torch.randn(*s, generator=gen) * s[-1] ** -0.5).to(torch.bfloat16)
+               for s in ((BE, BI, BH), (BE, BI, BH), (BE, BH, BI))]
+    return (x, ids, w, *weights)
+
+
+def _rel_err(out, ref):
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _grouped_mm_or_skip():
+    try:
+        a = torch.randn(4, 16).to(torch.bfloat16)
+        b = torch.randn(2, 16, 16).to(torch.bfloat16)
+        torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32))
+    except (NotImplementedError, RuntimeError, AttributeError) as err:
+        pytest.skip(f"torch._grouped_mm does not run on CPU in torch {torch.__version__}: {str(err)[:120]}")
+
+
+PEERS = {
+    "torch_loop": bench.torch_loop,
+    "torch_grouped_mm_pipeline": bench.torch_grouped_mm_pipeline,
+}
+
+
+@pytest.mark.parametrize("peer", sorted(PEERS))
+@pytest.mark.parametrize("clamp", [None, 0.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("T, skew", [(37, False), (128, False), (50, True), (1, False)])
+def test_bench_peer_matches_reference(peer, clamp, T, skew):
+    if peer == "torch_grouped_mm_pipeline":
+        _grouped_mm_or_skip()
+    x, ids, w, wg, wu, wd = _bench_inputs(T, seed=T, skew=skew)
+    ref = reference.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp)
+    out = PEERS[peer](x, ids, w, wg, wu, wd, clamp)
+    assert _rel_err(out, ref) < REL_TOL
+    if T < 32:
+        return
+    # the tolerance discriminates: gate and up swapped, or the clamp forgotten, is far outside it
+    assert _rel_err(PEERS[peer](x, ids, w, wu, wg, wd, clamp), ref) > 10 * REL_TOL
+    if clamp is not None:
+        assert _rel_err(PEERS[peer](x, ids, w, wg, wu, wd, None), ref) > 10 * REL_TOL
+
+
+def test_bench_peers_agree_with_each_other():
+    _grouped_mm_or_skip()
+    x, ids, w, wg, wu, wd = _bench_inputs(200, seed=3)
+    a = bench.torch_loop(x, ids, w, wg, wu, wd)
+    b = bench.torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd)
+    assert _rel_err(a, b.float()) < REL_TOL
+
+
+def test_torch_loop_zero_tokens():
+    x, ids, w, wg, wu, wd = _bench_inputs(0)
+    out = bench.torch_loop(x, ids, w, wg, wu, wd)
+    assert out.shape == (0, BH) and out.dtype == torch.bfloat16
+
+
+def test_routed_flops():
+    spec = load_spec(SMALL)
+    assert bench.routed_flops(spec, 4096) == 6.0 * 4096 * 8 * 2048 * 768
+    assert bench.routed_flops(spec, 0) == 0
+    assert bench.routed_flops(spec, 2 * 1000) == 2 * bench.routed_flops(spec, 1000)
+    # DESIGN.md's figures use the same count: qwen3-30b-a3b T=4096 at 2.12 ms is 146 TFLOP/s,
+    # qwen3.5-35b-a3b T=16384 at 5.66 ms is 146 TFLOP/s
+    assert round(bench.routed_flops(spec, 4096) / 2.12e-3 / 1e12) == 146
+    assert round(bench.routed_flops(load_spec("qwen3.5-35b-a3b"), 16384) / 5.66e-3 / 1e12) == 146
+    # shared experts and routing are not counted: only the routed top-k FFNs
+    kimi = load_spec("kimi-k2.5")
+    assert bench.routed_flops(kimi, 1) == 6 * kimi.top_k * kimi.hidden_size * kimi.moe_intermediate_size
+
+
+# ---- `mokgen bench` without a GPU -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def invoke(tmp_path, monkeypatch):
+    """Runs `mokgen ARGS` through click in an empty working directory; returns (exit code, stdout,
+    stderr, what was left in the directory)."""
+    from click.testing import CliRunner
+
+    from mokgen.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters else CliRunner()
+
+    def run(*args):
+        result = runner.invoke(main, list(args), catch_exceptions=False)
+        return result.exit_code, result.stdout, result.stderr, os.listdir(tmp_path)
+
+    return run
+
+
+def _one_error_line(code, out, err) -> str:
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible: `mokgen bench` would run")
+def test_cli_bench_without_gpu(invoke):
+    code, out, err, leftovers = invoke("bench", SMALL)
+    assert _one_error_line(code, out, err) == "error: mokgen bench needs a CUDA GPU; none is visible"
+    assert out == "" and leftovers == []  # no bench-out/ written
+
+
+def test_cli_bench_needs_a_spec(invoke):
+    code, out, err, leftovers = invoke("bench")
+    assert _one_error_line(code, out, err) == "error: name at least one SPEC, or pass --all"
+    assert leftovers == []
+
+
+def test_cli_bench_unknown_spec_before_the_gpu_check(invoke):
+    code, out, err, _ = invoke("bench", "no-such-model")
+    line = _one_error_line(code, out, err)
+    assert "no-such-model" in line and "CUDA" not in line
