@@ -7,7 +7,7 @@ rotating over several input sets so no run reads another's inputs from L2. FLOPs
 
 Workloads (more come with the Hopper GEMM core):
 * ``layer``    routed experts of the whole layer on one GPU (T tokens, uniform routing):
-               mokgen single-rank kernels, the mokgen megakernel (MoELayer, W = 1), the PyTorch
+               the mokgen megakernel (MoELayer, W = 1), the PyTorch
                ``torch._grouped_mm`` pipeline and a per-expert PyTorch loop.
 * ``virtual``  the megakernel with W = 8 virtual ranks on one GPU (T tokens per rank), against the
                PyTorch pipeline computing the same global tokens without any transfer.
@@ -127,7 +127,6 @@ def _routing(spec: MoESpec, T: int, gen):
 
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True) -> list[Row]:
     from mokgen.ep import MoELayer
-    from mokgen.ops import experts_forward
 
     wg, wu, wd = _weights(spec)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -142,7 +141,6 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     clamp = spec.activation.clamp_limit
     impls = {
         "mokgen megakernel (W=1)": lambda i: layer(*inputs[i]),
-        "mokgen kernels (EP=1)": lambda i: experts_forward(*inputs[i], wg, wu, wd, spec=spec, check_ids=False),
         "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),
     }
     if loop:

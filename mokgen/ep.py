@@ -136,7 +136,7 @@ def _ctas(kernel, launch_ranks: int) -> tuple[int, int]:
     if per_rank < 2:
         raise InputError(f"{launch_ranks} ranks in one launch need at least {2 * launch_ranks} co-resident CTAs; "
                          f"this GPU holds {total}")
-    return per_rank, max(1, per_rank // 4)
+    return per_rank, max(1, per_rank // 8)
 
 
 def _check_rank_inputs(spec: MoESpec, r: int, x, ids, w):

@@ -198,8 +198,8 @@ def figures(spec: MoESpec, *, ep: int = 1, tokens: int | None = None) -> dict[st
 def ep_defaults(spec: MoESpec) -> dict[str, int]:
     """Run-time defaults of the megakernel's ring: ``chunk_rows`` (received rows per compute
     batch) and ``ring_chunks`` (slots of the receive ring). A chunk should give the up projection
-    about two waves of 128 x 64 tiles on a 132-SM GPU: 256 tiles over I / 64 column tiles, in
+    about two waves of 128 x 128 tiles on a 132-SM GPU: 256 tiles over I / 128 column tiles, in
     128-row steps, clamped to [1024, 8192]. The tuner will replace this guess with measurements."""
-    n_tiles = max(1, spec.moe_intermediate_size // 64)
+    n_tiles = max(1, spec.moe_intermediate_size // 128)
     rows = 128 * -(-256 // n_tiles)
     return {"chunk_rows": max(1024, min(8192, rows)), "ring_chunks": 4}

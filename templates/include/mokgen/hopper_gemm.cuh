@@ -99,6 +99,14 @@ struct PipeState {
   }
 };
 
+// Register dependency on every accumulator, so the compiler keeps reads and writes of acc on
+// the right side of wgmma fences and waits (the asm statements do not name them otherwise).
+template <int kN>
+MOKGEN_DEVICE void fence_operands(float (&acc)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) cute::warpgroup_fence_operand(acc[i]);
+}
+
 template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB>
 struct HopperTile {
   static constexpr int kBM = 128;
@@ -174,21 +182,30 @@ struct HopperTile {
                                     float clamp_limit) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
+    // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
+    // retired and hand its stage back to the producer.
+    int prev_stage = -1;
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
       const unsigned char* sa = st + wg * (64 * 128);
       const unsigned char* sb = st + kABytes;
+      fence_operands(acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16)
         wgmma_call<kBNB>(smem_desc_sw128(sa + k16 * 32), smem_desc_sw128(sb + k16 * 32), acc, kb > 0 || k16 > 0,
                          std::make_index_sequence<kAcc>{});
       cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      if (t == 0) mbar_arrive(&s.empty[pipe.stage]);
+      cute::warpgroup_wait<1>();
+      fence_operands(acc);
+      if (prev_stage >= 0 && t == 0) mbar_arrive(&s.empty[prev_stage]);
+      prev_stage = pipe.stage;
       pipe.advance();
     }
+    cute::warpgroup_wait<0>();
+    fence_operands(acc);  // the epilogue reads acc only after the last wgmma retired
+    if (t == 0) mbar_arrive(&s.empty[prev_stage]);
     // Accumulator layout (per warp w of the warpgroup, lane l): rows 16w + l/4 and +8;
     // n8 group i: columns 8i + 2(l%4) + {0,1} -> acc[4i + {0,1}] (row), acc[4i + {2,3}] (row + 8).
     const int w = t >> 5, lane = t & 31;
