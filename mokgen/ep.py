@@ -21,6 +21,7 @@ call (and on ``check_errors()``), so the forward itself never waits on the host.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +177,16 @@ def _ring(spec: MoESpec, chunk_rows: int | None, ring_chunks: int | None) -> tup
     return c, s
 
 
-_virtual_cache: dict[tuple, EpBuffers] = {}
+#: buffers of virtual_ep_forward / experts_forward, most recently used last; bounded, since one
+#: entry of a large model holds gigabytes
+_virtual_cache: "OrderedDict[tuple, EpBuffers]" = OrderedDict()
+MAX_CACHED_BUFFERS = 2
+
+
+def release_buffers() -> None:
+    """Free the buffers cached by ``virtual_ep_forward`` and ``experts_forward`` (they are
+    allocated again, zeroed, on the next call). MoELayer instances own theirs."""
+    _virtual_cache.clear()
 
 
 def _capacity(tokens: int) -> int:
@@ -191,9 +201,12 @@ def _virtual_buffers(kernel, geometry: Geometry, device: torch.device) -> EpBuff
     if bufs is not None:
         g = bufs.geometry
         if (g.chunk_rows, g.ring_chunks) == (geometry.chunk_rows, geometry.ring_chunks) and g.max_tokens >= geometry.max_tokens:
+            _virtual_cache.move_to_end(key)
             return bufs
         del _virtual_cache[key]
         del bufs
+    while len(_virtual_cache) >= MAX_CACHED_BUFFERS:
+        _virtual_cache.popitem(last=False)
     bufs = EpBuffers(kernel, geometry, device)
     _virtual_cache[key] = bufs
     return bufs

@@ -36,6 +36,19 @@ def _free_memory():
     torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_module_memory():
+    """Large weights and cached megakernel buffers go when the module ends, so the next test
+    module starts with the GPU's memory free."""
+    yield
+    import mokgen.ep
+
+    globals().get("_weights_cache", {}).clear()
+    mokgen.ep.release_buffers()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 _weights_cache: dict = {}
 
 
