@@ -14,6 +14,13 @@ import shutil
 import pytest
 
 
+def pythonpath(*first) -> str:
+    """PYTHONPATH for a test's subprocess: ``first`` ahead of the current one (which may hold
+    packages the subprocess needs, e.g. wheels installed with --target on a GPU machine)."""
+    parts = [str(p) for p in first] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(parts)
+
+
 @functools.lru_cache(maxsize=None)
 def _nvcc_missing() -> str | None:
     try:

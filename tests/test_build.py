@@ -21,6 +21,7 @@ from mokgen._version import __version__
 from mokgen.errors import BuildError, LoadError, ToolchainError
 from mokgen.plan import ABI_VERSION, make_plan
 from mokgen.spec import bundled_specs, load_spec
+from conftest import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
@@ -296,7 +297,7 @@ print("cached" if result.cached else "compiled", result.entry)
 @pytest.mark.nvcc
 def test_two_processes_build_the_same_spec(tmp_path):
     cache, generated = tmp_path / "cache", tmp_path / "generated"
-    env_vars = dict(os.environ, PYTHONPATH=str(ROOT), MOKGEN_CACHE_DIR=str(cache),
+    env_vars = dict(os.environ, PYTHONPATH=pythonpath(ROOT), MOKGEN_CACHE_DIR=str(cache),
                     MOKGEN_GENERATED_DIR=str(generated))
     procs = [
         subprocess.Popen([sys.executable, "-c", _BUILDER], cwd=tmp_path, env=env_vars,

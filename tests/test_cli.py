@@ -17,6 +17,7 @@ from mokgen._version import __version__
 from mokgen.cli import main
 from mokgen.plan import build_name
 from mokgen.spec import bundled_specs, load_spec
+from conftest import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
@@ -36,7 +37,7 @@ def invoke(*args: str):
 
 
 def run_module(*args: str, env: dict | None = None, cwd: Path = ROOT):
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=pythonpath(ROOT), **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "mokgen", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr

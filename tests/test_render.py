@@ -19,6 +19,7 @@ from mokgen import render
 from mokgen._version import __version__
 from mokgen.plan import make_plan, op_identifier
 from mokgen.spec import bundled_specs, load_spec
+from conftest import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
@@ -94,7 +95,7 @@ def test_render_is_byte_identical_across_processes_and_hash_seeds():
             here[f"{name}/{fn}"] = hashlib.sha256(text.encode()).hexdigest()
     results = []
     for seed in ("0", "12345"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=pythonpath(ROOT))
         proc = subprocess.run(
             [sys.executable, "-c", _DIGEST_SCRIPT, KEY], cwd=ROOT, env=env,
             capture_output=True, text=True, timeout=120,
@@ -247,7 +248,7 @@ def test_write_tree_concurrent_writers_all_succeed(tmp_path):
     """Several processes (re)publishing the same folder (two builds publishing generated/<name>/)
     never fail, never leave a half tree or a temporary folder behind."""
     dest = tmp_path / "dest"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=pythonpath(ROOT))
     procs = [
         subprocess.Popen([sys.executable, "-c", _WRITER, str(dest), str(n)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
