@@ -11,6 +11,9 @@ Workloads (more come with the Hopper GEMM core):
                ``torch._grouped_mm`` pipeline and a per-expert PyTorch loop.
 * ``virtual``  the megakernel with W = 8 virtual ranks on one GPU (T tokens per rank), against the
                PyTorch pipeline computing the same global tokens without any transfer.
+* ``local``    one rank's expert work after dispatch at EP 8 (EP 64 for deepseek-v3), 2048 tokens
+               per GPU before routing: the rank's E/EP experts and ~2048 k rows, as a single-rank
+               problem (see ``local_spec``).
 """
 
 from __future__ import annotations
@@ -123,6 +126,43 @@ def _routing(spec: MoESpec, T: int, gen):
     ids = scores.topk(spec.top_k, dim=-1).indices.to(torch.int32)
     w = torch.rand(T, spec.top_k, generator=gen, device="cuda")
     return ids, w / w.sum(-1, keepdim=True)
+
+
+#: EP degree of the "local" workload per spec (DESIGN.md's table); the rest use 8
+LOCAL_EP = {"deepseek-v3": 64}
+
+
+def local_spec(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> tuple[MoESpec, int]:
+    """The rank-local work after dispatch at EP ``ep`` as a single-rank problem: a spec with the
+    rank's E/ep experts, top-1 (every dispatched (token, j) row is its own row), and the rows a
+    rank receives on average under uniform routing (tokens_per_gpu * k). Returns (spec, rows)."""
+    from mokgen.spec import spec_from_dict
+
+    if ep < 1 or spec.num_experts % ep:
+        raise ValueError(f"{spec.name}: ep ({ep}) must divide num_experts ({spec.num_experts})")
+    rows = tokens_per_gpu * spec.top_k
+    d = spec.canonical_dict()
+    d.update(
+        name=f"{spec.name}-ep{ep}-local",
+        aliases=[],
+        description=f"rank-local expert work of {spec.name} at EP{ep} (bench workload)",
+        num_experts=spec.num_experts // ep,
+        top_k=1,
+        routing={**d["routing"], "n_group": 1, "topk_group": 1},
+        target={**d["target"], "max_ep_ranks": 1, "max_tokens_per_rank": max(rows, 1)},
+    )
+    return spec_from_dict(d, source=f"bench local workload of {spec.name}"), rows
+
+
+def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2048, iters: int = 20,
+                loop: bool = False) -> list[Row]:
+    """Workload (a): one rank's expert work after dispatch (ep from LOCAL_EP, default 8)."""
+    ep = LOCAL_EP.get(spec.name, 8) if ep is None else ep
+    local, rows = local_spec(spec, ep, tokens_per_gpu)
+    out = bench_layer(local, rows, iters=iters, loop=loop)
+    for r in out:
+        r.workload = f"local EP{ep}"
+    return out
 
 
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True) -> list[Row]:

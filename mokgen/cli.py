@@ -272,8 +272,9 @@ def doctor(as_json: bool) -> None:
 @main.command()
 @click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
 @click.option("--all", "all_specs", is_flag=True, help="every bundled spec")
-@click.option("--workload", type=click.Choice(["layer", "virtual"]), multiple=True,
-              help="layer: whole routed layer on one GPU; virtual: W=8 virtual EP (default: both)")
+@click.option("--workload", type=click.Choice(["layer", "virtual", "local"]), multiple=True,
+              help="layer: whole routed layer on one GPU; virtual: W=8 virtual EP; local: one rank's "
+                   "work after dispatch at EP8 (EP64 for deepseek-v3) (default: layer and virtual)")
 @click.option("--tokens", type=click.IntRange(min=1), default=None,
               help="tokens (layer) or tokens per rank (virtual); default 4096 / 2048")
 @click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs (median)")
@@ -305,6 +306,8 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
             with err_console.status(f"{wl}: {spec.name} ...", spinner="dots"):
                 if wl == "layer":
                     rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop)
+                elif wl == "local":
+                    rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
                 elif spec.num_experts % 8 == 0:
                     rows += b.bench_virtual(spec, tokens or 2048, iters=iters)
     table = Table(title=f"mokgen bench on {torch.cuda.get_device_name()} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")

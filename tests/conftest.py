@@ -76,3 +76,28 @@ def _isolated_dirs(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def gpu_memory():
+    """GPU tests: wait for the device and return cached blocks after each test."""
+    yield
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def gpu_module_memory(request):
+    """GPU test modules: drop the module's cached weights (``_weights_cache``) and the cached
+    megakernel buffers when the module ends, so the next module starts with the memory free."""
+    yield
+    import torch
+
+    import mokgen.ep
+
+    getattr(request.module, "_weights_cache", {}).clear()
+    mokgen.ep.release_buffers()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

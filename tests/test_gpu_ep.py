@@ -22,31 +22,11 @@ from mokgen.ep import MoELayer, virtual_ep_forward  # noqa: E402
 from mokgen.errors import InputError, KernelError  # noqa: E402
 from mokgen.spec import bundled_specs, load_spec  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_memory", "gpu_module_memory")]
 
 ALL_SPECS = sorted(bundled_specs())
 REL_TOL = 2e-2
 SMALL = "qwen3-30b-a3b"
-
-
-@pytest.fixture(autouse=True)
-def _free_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_module_memory():
-    """Large weights and cached megakernel buffers go when the module ends, so the next test
-    module starts with the GPU's memory free."""
-    yield
-    import mokgen.ep
-
-    globals().get("_weights_cache", {}).clear()
-    mokgen.ep.release_buffers()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 _weights_cache: dict = {}

@@ -17,7 +17,7 @@ from mokgen import reference  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 from mokgen.spec import bundled_specs, load_spec  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_memory", "gpu_module_memory")]
 
 ALL_SPECS = sorted(bundled_specs())
 REL_TOL = 2e-2  # bf16 inputs, bf16 intermediate and slots, fp32 accumulation
@@ -55,26 +55,6 @@ def _check(spec, out, x, ids, w, wg, wu, wd):
     ref = reference.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit)
     err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
     assert err < REL_TOL, f"{spec.name}: relative error {err:.3e}"
-
-
-@pytest.fixture(autouse=True)
-def _free_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_module_memory():
-    """Large weights and cached megakernel buffers go when the module ends, so the next test
-    module starts with the GPU's memory free."""
-    yield
-    import mokgen.ep
-
-    globals().get("_weights_cache", {}).clear()
-    mokgen.ep.release_buffers()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("name", ALL_SPECS)
