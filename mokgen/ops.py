@@ -36,9 +36,11 @@ def _check_device(t: torch.Tensor, name: str, device: torch.device | None) -> No
 
 
 def _can_sync() -> bool:
+    """May validation read values back from the device (one sync)? Not while torch.compile traces
+    or a CUDA graph is being captured."""
     if torch.compiler.is_compiling():
         return False
-    return not torch.cuda.is_current_stream_capturing()
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def validate_forward_inputs(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, check_ids: bool = True):

@@ -174,3 +174,9 @@ def test_validate_forward_inputs_directly():
         validate_forward_inputs(SPEC, **{**a, "w_up": a["w_up"].float()})
     with pytest.raises(InputError, match="x: must be on a CUDA device, got cpu"):
         validate_forward_inputs(SPEC, **a)
+
+
+def test_can_sync_is_true_outside_compile_and_capture_even_without_cuda():
+    from mokgen.ops import _can_sync
+
+    assert _can_sync() is True
