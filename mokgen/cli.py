@@ -322,3 +322,67 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
     console.print(table)
     js, png = b.write_results(rows, ceiling, Path(out_dir))
     click.echo(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
+
+
+@main.command()
+@click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
+@click.option("--all", "all_specs", is_flag=True, help="a wheel for every bundled spec")
+@click.option("--arch", "archs", multiple=True, default=("sm_90a",), show_default=True, help="target arch (repeatable)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="dist", show_default=True)
+def wheel(spec_refs, all_specs, archs, out_dir) -> None:
+    """Build a prebuilt wheel per SPEC: compiled kernels, binding, spec and metadata."""
+    from pathlib import Path
+
+    from mokgen import package
+    from mokgen.errors import InputError
+    from mokgen.spec import bundled_specs
+
+    refs = list(bundled_specs()) if all_specs else list(spec_refs)
+    if not refs:
+        raise InputError("name at least one SPEC, or pass --all")
+    specs = [_spec(r) for r in refs]  # validate everything first
+    from rich.progress import Progress
+
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("building wheels", total=len(specs))
+        for spec in specs:
+            progress.update(task, description=f"wheel {spec.name}")
+            path = package.build_wheel(spec, out_dir=Path(out_dir), archs=tuple(archs),
+                                       log=lambda s: progress.console.print(s, markup=False))
+            click.echo(f"{spec.name}: {path}")
+            progress.advance(task)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def prebuilt(as_json: bool) -> None:
+    """List the installed prebuilt packages and verify their artifacts (exit 1 if one fails)."""
+    from mokgen import package
+
+    rows = []
+    for spec_name, module_name in package.installed_packages():
+        try:
+            root = package.package_root(module_name)
+            meta = json.loads((root / "metadata.json").read_text())
+            problems = package.verify_package(root, meta)
+            rows.append({"spec": spec_name, "package": module_name, "root": str(root), "mokgen": meta.get("mokgen"),
+                         "cuda": meta.get("cuda"), "archs": meta.get("archs"),
+                         "artifacts": sorted(meta.get("artifacts", {})), "verified": not problems,
+                         "problems": problems, "provenance": meta.get("provenance")})
+        except Exception as err:  # noqa: BLE001 - a broken package is reported, not fatal
+            rows.append({"spec": spec_name, "package": module_name, "verified": False, "problems": [str(err)]})
+    failed = any(not r["verified"] for r in rows)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        sys.exit(1 if failed else 0)
+    if not rows:
+        click.echo("no prebuilt mokgen packages are installed (build one with `mokgen wheel SPEC`)")
+        return
+    table = Table(title="installed prebuilt mokgen packages")
+    for col in ("spec", "package", "archs", "artifacts", "verified"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["spec"], r["package"], ", ".join(r.get("archs") or []), str(len(r.get("artifacts", []))),
+                      "[green]yes[/green]" if r["verified"] else f"[red]no[/red]: {r['problems'][0]}")
+    console.print(table)
+    sys.exit(1 if failed else 0)

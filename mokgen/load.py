@@ -1,9 +1,11 @@
 """Load: the only code that imports compiled artifacts.
 
-Order: the build cache (exact content key) -> a JIT build (unless MOKGEN_DISABLE_JIT=1). Without
-an nvcc, the cache is searched for an entry whose plan, template digest and mokgen version match.
-Prebuilt wheels (a later issue) will be looked at first. A loaded binding module is kept per
-cache key for the life of the process: the custom op it registers exists once.
+Order: an installed prebuilt package (``mokgen wheel``; entry point group ``mokgen.prebuilt``,
+verified: mokgen version, arch against the GPU, plan, sha256 of every artifact) -> the build
+cache (exact content key) -> a JIT build (unless MOKGEN_DISABLE_JIT=1). Without an nvcc, the
+cache is searched for an entry whose plan, template digest and mokgen version match. A loaded
+binding module is kept per cache key for the life of the process: the custom op it registers
+exists once.
 """
 
 from __future__ import annotations
@@ -70,11 +72,52 @@ def _find_without_toolchain(spec: MoESpec) -> tuple[Path, str]:
     )
 
 
+def find_prebuilt(spec: MoESpec) -> tuple[Path, str] | None:
+    """(artifact directory, key) of ``spec`` in an installed prebuilt package, or None when no
+    package provides it (or provides a different plan). A package that is present but unusable
+    (other mokgen version, no build for this GPU, modified artifacts) is an error, not a miss."""
+    from mokgen import package
+
+    plan = make_plan(spec, gemm_core=env.gemm_core())
+    for spec_name, module_name in package.installed_packages():
+        if spec_name != spec.name:
+            continue
+        root = package.package_root(module_name)
+        meta = json.loads((root / "metadata.json").read_text())
+        if meta.get("mokgen") != __version__:
+            raise LoadError(f"prebuilt package {module_name} was built for mokgen {meta.get('mokgen')}; "
+                            f"this is mokgen {__version__}: install the matching wheel or uninstall it")
+        arch = package.device_arch() or plan.arch
+        builds = [b for b in meta.get("builds", []) if b.get("arch") == arch]
+        if not builds:
+            raise LoadError(f"prebuilt package {module_name} has no build for {arch} "
+                            f"(it has: {', '.join(meta.get('archs', [])) or 'none'})")
+        entry = root / builds[0]["dir"]
+        doc = json.loads((entry / "plan.json").read_text())
+        if doc.get("plan") != plan.compile_fields():
+            if env.verbose():
+                print(f"mokgen: prebuilt {module_name} holds another plan of {spec.name}; not used")
+            return None
+        problems = package.verify_package(root, meta)
+        if problems:
+            raise LoadError(f"prebuilt package {module_name} failed verification: {problems[0]}"
+                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                            + "; reinstall it")
+        return entry, builds[0]["key"]
+    return None
+
+
 def load(spec: MoESpec) -> ModuleType:
     """The binding module of ``spec``'s build (building it first when needed and allowed)."""
     spec_id = json.dumps(spec.canonical_dict(), sort_keys=True)
     if spec_id in _by_spec:
         return _by_spec[spec_id]
+    prebuilt = find_prebuilt(spec)
+    if prebuilt is not None:
+        entry, key = prebuilt
+        module = _import_binding(entry, key, make_plan(spec, gemm_core=env.gemm_core()).name)
+        _by_spec[spec_id] = module
+        return module
     try:
         plan, key, _ = build_mod.plan_and_key(spec)
     except ToolchainError:

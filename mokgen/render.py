@@ -132,3 +132,11 @@ def _replace(tmp: Path, dest: Path, attempts: int = 20) -> None:
             if hold is not None:
                 shutil.rmtree(hold, ignore_errors=True)
         return
+
+
+def render_prebuilt_init(spec_name: str, package: str) -> str:
+    """The ``__init__.py`` of a prebuilt wheel (see mokgen.package)."""
+    template = "prebuilt_init.py.j2"
+    text = _environment().get_template(template).render(
+        spec_name=spec_name, package=package, banner_py=banner(template, spec_name, "#"))
+    return text if text.endswith("\n") else text + "\n"
