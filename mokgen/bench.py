@@ -14,6 +14,8 @@ Workloads (more come with the Hopper GEMM core):
 * ``local``    one rank's expert work after dispatch at EP 8 (EP 64 for deepseek-v3), 2048 tokens
                per GPU before routing: the rank's E/EP experts and ~2048 k rows, as a single-rank
                problem (see ``local_spec``).
+* ``ep``       real expert parallelism under torchrun (one process per GPU): MoELayer over torch
+               symmetric memory against all-to-all + grouped GEMMs (``torch_ep_pipeline``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,55 @@ def torch_grouped_mm_pipeline(x, ids, w, w_gate, w_up, w_down, clamp_limit=None)
     y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
     out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
     out.index_add_(0, order // K, y.float())
+    return out.to(torch.bfloat16)
+
+
+def _grouped_ffn(rows, expert_ids, num_experts, w_gate, w_up, w_down, clamp_limit=None):
+    """Unweighted SwiGLU FFN of each row by its expert, through torch._grouped_mm (rows in any
+    order; returned in the same order)."""
+    order = torch.argsort(expert_ids, stable=True)
+    offs = torch.cumsum(torch.bincount(expert_ids, minlength=num_experts), 0).to(torch.int32)
+    r = rows.index_select(0, order)
+    gate = torch._grouped_mm(r, w_gate.transpose(1, 2), offs=offs)
+    up = torch._grouped_mm(r, w_up.transpose(1, 2), offs=offs)
+    if clamp_limit is not None:
+        gate, up = gate.clamp(max=clamp_limit), up.clamp(-clamp_limit, clamp_limit)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    out = torch.empty_like(y)
+    out[order] = y
+    return out
+
+
+def torch_ep_pipeline(x, ids, w, w_gate_local, w_up_local, w_down_local, group=None, clamp_limit=None):
+    """The expert-parallel peer: all-to-all (NCCL on GPUs) + torch._grouped_mm.
+
+    Rank r owns experts [r*E/W, (r+1)*E/W). Counts are exchanged first (all_to_all_single), then
+    the (token, j) rows, the experts' FFNs run as grouped GEMMs, the results come back by the
+    reverse all-to-all, and the owner adds them with the routing weights (scatter-add in fp32)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    T, K = ids.shape
+    e_loc = w_gate_local.shape[0]
+    flat = ids.reshape(-1).to(torch.int64)
+    dest = torch.div(flat, e_loc, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    rows = x.index_select(0, torch.div(order, K, rounding_mode="floor"))
+    local_ids = (flat - dest * e_loc).index_select(0, order)
+    got_rows = rows.new_empty((sum(recv), x.shape[1]))
+    dist.all_to_all_single(got_rows, rows, recv, send, group=group)
+    got_ids = local_ids.new_empty((sum(recv),))
+    dist.all_to_all_single(got_ids, local_ids, recv, send, group=group)
+    y = _grouped_ffn(got_rows, got_ids, e_loc, w_gate_local, w_up_local, w_down_local, clamp_limit)
+    back = y.new_empty((flat.numel(), x.shape[1]))
+    dist.all_to_all_single(back, y.contiguous(), send, recv, group=group)
+    out = torch.zeros(T, x.shape[1], device=x.device, dtype=torch.float32)
+    weights = w.reshape(-1).index_select(0, order).unsqueeze(1).float()
+    out.index_add_(0, torch.div(order, K, rounding_mode="floor"), back.float() * weights)
     return out.to(torch.bfloat16)
 
 
@@ -252,3 +303,40 @@ def write_results(rows: list[Row], ceiling: float, out_dir: Path) -> tuple[Path,
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return js, png
+
+
+def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20) -> list[Row]:
+    """Real expert parallelism, one process per GPU (run under torchrun; the process group must
+    be initialized): mokgen.MoELayer over torch symmetric memory against all-to-all + grouped
+    GEMMs, same inputs, every rank timing its own launch; rank 0's rows are returned (the others
+    return an empty list). Not yet run: no multi-GPU machine has been lent."""
+    import torch.distributed as dist
+
+    from mokgen.ep import MoELayer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    wg, wu, wd = _weights(spec)  # same seed on every rank: the global experts
+    e_loc = spec.num_experts // world
+    local = slice(rank * e_loc, (rank + 1) * e_loc)
+    layer = MoELayer(spec, dist.group.WORLD, max_tokens=tokens_per_rank, device=torch.cuda.current_device())
+    with torch.no_grad():
+        layer.w_gate.copy_(wg[local]), layer.w_up.copy_(wu[local]), layer.w_down.copy_(wd[local])
+    layer.check_ids = False
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    x = torch.randn(tokens_per_rank, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, w = _routing(spec, tokens_per_rank, gen)
+    clamp = spec.activation.clamp_limit
+    impls = {
+        f"mokgen megakernel (EP{world})": lambda i: layer(x, ids, w),
+        f"NCCL all-to-all + torch._grouped_mm (EP{world})": lambda i: torch_ep_pipeline(
+            x, ids, w, wg[local], wu[local], wd[local], None, clamp),
+    }
+    out = []
+    flops = routed_flops(spec, tokens_per_rank)  # per rank
+    with torch.no_grad():
+        for name, fn in impls.items():
+            dist.barrier()
+            times = time_cuda(fn, n_inputs=1, iters=iters)
+            ms = statistics.median(times)
+            out.append(Row(f"ep{world}", spec.name, tokens_per_rank, name, ms, flops / ms / 1e9, times))
+    return out if rank == 0 else []

@@ -269,12 +269,36 @@ def doctor(as_json: bool) -> None:
     console.print(table)
 
 
+def _init_ep_group() -> bool:
+    """Join the torchrun process group (NCCL, one GPU per process, NVLink multicast off).
+    Returns whether this is rank 0."""
+    import os
+
+    from mokgen.errors import InputError
+
+    if "WORLD_SIZE" not in os.environ:
+        raise InputError("--workload ep runs one process per GPU: launch it as "
+                         "`torchrun --nproc-per-node N -m mokgen bench SPEC --workload ep`")
+    # multicast stays off: a program that uses it can take a shared host's GPUs out of service
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    return dist.get_rank() == 0
+
+
 @main.command()
 @click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
 @click.option("--all", "all_specs", is_flag=True, help="every bundled spec")
-@click.option("--workload", type=click.Choice(["layer", "virtual", "local"]), multiple=True,
+@click.option("--workload", type=click.Choice(["layer", "virtual", "local", "ep"]), multiple=True,
               help="layer: whole routed layer on one GPU; virtual: W=8 virtual EP; local: one rank's "
-                   "work after dispatch at EP8 (EP64 for deepseek-v3) (default: layer and virtual)")
+                   "work after dispatch at EP8 (EP64 for deepseek-v3); ep: real EP, one process per GPU "
+                   "under torchrun (default: layer and virtual)")
 @click.option("--tokens", type=click.IntRange(min=1), default=None,
               help="tokens (layer) or tokens per rank (virtual); default 4096 / 2048")
 @click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs (median)")
@@ -298,6 +322,9 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
     from mokgen import bench as b
 
     workloads = workload or ("layer", "virtual")
+    main_rank = True
+    if "ep" in workloads:
+        main_rank = _init_ep_group()
     rows = []
     with err_console.status("measuring the dense bf16 GEMM ceiling ...", spinner="dots"):
         ceiling = b.dense_ceiling_tflops()
@@ -308,8 +335,12 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
                     rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop)
                 elif wl == "local":
                     rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
+                elif wl == "ep":
+                    rows += b.bench_ep(spec, tokens or 2048, iters=iters)
                 elif spec.num_experts % 8 == 0:
                     rows += b.bench_virtual(spec, tokens or 2048, iters=iters)
+    if not main_rank:
+        return
     table = Table(title=f"mokgen bench on {torch.cuda.get_device_name()} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
     for col in ("workload", "spec", "tokens", "implementation", "ms", "TFLOP/s", "% ceiling", "mokgen speedup"):
         table.add_column(col)

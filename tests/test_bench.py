@@ -42,3 +42,12 @@ def test_local_workload_rejects_an_ep_that_does_not_divide():
 def test_local_spec_names_are_distinct_from_bundled(name):
     local, _ = local_spec(load_spec(name), 8 if load_spec(name).num_experts % 8 == 0 else 1)
     assert local.name not in bundled_specs() and local.name.startswith(name)
+
+
+def test_ep_workload_outside_torchrun_is_a_clear_error(monkeypatch):
+    from mokgen.cli import _init_ep_group
+    from mokgen.errors import InputError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(InputError, match="launch it as `torchrun --nproc-per-node N -m mokgen bench"):
+        _init_ep_group()
