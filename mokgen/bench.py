@@ -118,16 +118,13 @@ def torch_ep_pipeline(x, ids, w, w_gate_local, w_up_local, w_down_local, group=N
     reverse all-to-all, and the owner adds them with the routing weights (scatter-add in fp32)."""
     import torch.distributed as dist
 
+    from mokgen.reference import ep_dispatch_plan
+
     world = dist.get_world_size(group)
     T, K = ids.shape
     e_loc = w_gate_local.shape[0]
     flat = ids.reshape(-1).to(torch.int64)
-    dest = torch.div(flat, e_loc, rounding_mode="floor")
-    order = torch.argsort(dest, stable=True)
-    send_counts = torch.bincount(dest, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send, recv = send_counts.tolist(), recv_counts.tolist()
+    dest, order, send, recv = ep_dispatch_plan(flat, e_loc, world, group)
     rows = x.index_select(0, torch.div(order, K, rounding_mode="floor"))
     local_ids = (flat - dest * e_loc).index_select(0, order)
     got_rows = rows.new_empty((sum(recv), x.shape[1]))

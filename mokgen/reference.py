@@ -423,6 +423,20 @@ def _all_to_all_rows(inp, out_splits, in_splits, group):
     return _AllToAllRows.apply(inp, list(out_splits), list(in_splits), group)
 
 
+def ep_dispatch_plan(flat_ids: torch.Tensor, e_local: int, world: int, group=None):
+    """Where each (token, j) pair goes under expert parallelism: ``dest`` (owner rank of each
+    pair, experts split evenly over ``world`` ranks), ``order`` (pairs sorted stably by owner),
+    and the send / receive row counts per rank (exchanged with one all_to_all_single)."""
+    import torch.distributed as dist
+
+    dest = torch.div(flat_ids, e_local, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    return dest, order, send_counts.tolist(), recv_counts.tolist()
+
+
 def ep_experts_forward(
     x_local: torch.Tensor,
     topk_ids_local: torch.Tensor,
@@ -476,12 +490,7 @@ def ep_experts_forward(
 
     # Dispatch: pair p = t*k + j goes to rank ids[p] // e_local; stable sort by destination.
     ids = topk_ids_local.to(torch.int64).reshape(-1)
-    dest = torch.div(ids, e_local, rounding_mode="floor")
-    order = torch.argsort(dest, stable=True)
-    send_counts = torch.bincount(dest, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    dest, order, send_splits, recv_splits = ep_dispatch_plan(ids, e_local, world, group)
 
     xa = x_local.to(acc_dtype)
     send_rows = xa.index_select(0, torch.div(order, k, rounding_mode="floor"))

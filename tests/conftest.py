@@ -101,3 +101,13 @@ def gpu_module_memory(request):
     mokgen.ep.release_buffers()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def private_dirs(tmp_path, monkeypatch):
+    """A private build cache and generated/ for one test (in this process and inherited by its
+    subprocesses); returns (cache, generated)."""
+    cache, generated = tmp_path / "cache", tmp_path / "generated"
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))
+    return cache, generated

@@ -42,14 +42,6 @@ def _temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob(".tmp-*")) if root.exists() else []
 
 
-@pytest.fixture
-def private_dirs(tmp_path, monkeypatch):
-    cache, generated = tmp_path / "cache", tmp_path / "generated"
-    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
-    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))
-    return cache, generated
-
-
 # ---- every bundled spec ------------------------------------------------------------------------
 
 

@@ -43,15 +43,6 @@ def run_module(*args: str, env: dict | None = None, cwd: Path = ROOT):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.fixture
-def private_dirs(tmp_path, monkeypatch):
-    """A private cache and generated/ (in this process and inherited by subprocesses)."""
-    cache, generated = tmp_path / "cache", tmp_path / "generated"
-    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
-    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))
-    return cache, generated
-
-
 def _nothing_written(cache: Path, generated: Path) -> None:
     for d in (cache, generated):
         assert not d.exists() or list(d.rglob("*")) == [], f"something was written under {d}"
