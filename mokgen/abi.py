@@ -43,6 +43,26 @@ class EpParams(ctypes.Structure):
     ]
 
 
+#: StatSlot of ep_forward.cuh: int64 per-rank statistics of the last launch, in slot order
+STAT_SLOTS = ("rows_received", "rows_pulled", "rows_pushed", "rows_remote",
+              "t_start_ns", "t_pull_first_ns", "t_pull_last_ns", "t_done_ns")
+STAT_BYTES = 8 * len(STAT_SLOTS)
+
+
+def parse_stats(vals: list[int]) -> dict:
+    """Raw stat slots -> rows received/pulled/pushed/remote and the rank's phase times (ms,
+    from its first CTA's start): ``pull_ms`` from the first pull to the last landed chunk (None
+    when nothing was pulled), ``done_ms`` until every push was issued."""
+    d = dict(zip(STAT_SLOTS, vals))
+    out = {k: d[k] for k in ("rows_received", "rows_pulled", "rows_pushed", "rows_remote")}
+    t0 = d["t_start_ns"]
+    pulled = d["rows_pulled"] > 0 and d["t_pull_last_ns"] >= d["t_pull_first_ns"]
+    out["pull_start_ms"] = (d["t_pull_first_ns"] - t0) / 1e6 if pulled else None
+    out["pull_ms"] = (d["t_pull_last_ns"] - d["t_pull_first_ns"]) / 1e6 if pulled else None
+    out["done_ms"] = (d["t_done_ns"] - t0) / 1e6 if d["t_done_ns"] >= t0 > 0 else None
+    return out
+
+
 # mokgen::Control (sync.cuh): u64 epoch, u32 finished, u32 abort, then ErrorRecord
 # {int code, rank, stage, peer; u64 epoch}.
 ERROR_OFFSET = 16

@@ -270,10 +270,10 @@ def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters:
     return rows
 
 
-def write_results(rows: list[Row], ceiling: float, out_dir: Path) -> tuple[Path, Path | None]:
+def write_results(rows: list[Row], ceiling: float, out_dir: Path, extra: dict | None = None) -> tuple[Path, Path | None]:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"dense_bf16_tflops": ceiling, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "rows": [asdict(r) for r in rows]}
+           "rows": [asdict(r) for r in rows], **(extra or {})}
     js = out_dir / "bench.json"
     js.write_text(json.dumps(doc, indent=2) + "\n")
     png = out_dir / "bench.png"
@@ -302,38 +302,131 @@ def write_results(rows: list[Row], ceiling: float, out_dir: Path) -> tuple[Path,
     return js, png
 
 
-def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20) -> list[Row]:
-    """Real expert parallelism, one process per GPU (run under torchrun; the process group must
-    be initialized): mokgen.MoELayer over torch symmetric memory against all-to-all + grouped
-    GEMMs, same inputs, every rank timing its own launch; rank 0's rows are returned (the others
-    return an empty list). Not yet run: no multi-GPU machine has been lent."""
+def expert_weights(spec: MoESpec, experts, device="cuda", seed: int = 1000):
+    """w_gate, w_up [len(experts), I, H] and w_down [len(experts), H, I] bf16 of the global
+    experts ``experts``; expert e is drawn from its own generator (seed + e) on ``device``, so
+    every rank can make exactly its slice, and any GPU the whole set, without communication."""
+    H, I = spec.hidden_size, spec.moe_intermediate_size
+    experts = list(experts)
+    out = [torch.empty(len(experts), *shape, device=device, dtype=torch.bfloat16) for shape in ((I, H), (I, H), (H, I))]
+    for n, e in enumerate(experts):
+        gen = torch.Generator(device=device).manual_seed(seed + e)
+        for dst in out:
+            fan_in = dst.shape[-1]
+            dst[n] = torch.randn(*dst.shape[1:], generator=gen, device=device) * fan_in**-0.5
+    return tuple(out)
+
+
+def skewed_routing(spec: MoESpec, T: int, gen, hot_experts: int, device="cuda"):
+    """Routing where every token prefers the ``hot_experts`` lowest expert ids (a rank's hot
+    spot: under EP its owner receives most rows). Top-k ids stay distinct per token."""
+    scores = torch.rand(T, spec.num_experts, generator=gen, device=device)
+    scores[:, :hot_experts] += 1.0
+    ids = scores.topk(spec.top_k, dim=-1).indices.to(torch.int32)
+    w = torch.rand(T, spec.top_k, generator=gen, device=device) + 0.05
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def _remote_bytes(spec: MoESpec, ids_all: list[torch.Tensor], rank: int, world: int) -> int:
+    """Bytes of rows rank ``rank`` receives from OTHER ranks (= bytes it sends back in combine)."""
+    e_loc = spec.num_experts // world
+    rows = sum(int((i.long().div(e_loc, rounding_mode="floor") == rank).sum()) for q, i in enumerate(ids_all) if q != rank)
+    return rows * spec.hidden_size * 2
+
+
+def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool = False) -> tuple[list[Row], dict]:
+    """Real expert parallelism, one process per GPU (run under torchrun; the NCCL process group
+    must be initialized): mokgen.MoELayer over torch symmetric memory against NCCL all-to-all +
+    grouped GEMMs (``torch_ep_pipeline``), same inputs, every rank timing its own launches; the
+    slowest rank's median is the layer's time. Returns (rows, link figures) on rank 0 and
+    ([], {}) elsewhere.
+
+    Link figures (GB/s per GPU per direction, remote bytes only, slowest rank): ``mokgen
+    dispatch`` = bytes pulled from peers / the kernel's pull window, measured in-kernel
+    (%globaltimer) once with the default ring (pulls throttled by the GEMMs' consumption) and
+    once with a ring holding every received row (pulls limited by the links); ``nccl
+    dispatch`` = the same bytes / the rows' all_to_all_single time."""
     import torch.distributed as dist
 
     from mokgen.ep import MoELayer
+    from mokgen.reference import ep_dispatch_plan
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    wg, wu, wd = _weights(spec)  # same seed on every rank: the global experts
     e_loc = spec.num_experts // world
-    local = slice(rank * e_loc, (rank + 1) * e_loc)
-    layer = MoELayer(spec, dist.group.WORLD, max_tokens=tokens_per_rank, device=torch.cuda.current_device())
-    with torch.no_grad():
-        layer.w_gate.copy_(wg[local]), layer.w_up.copy_(wu[local]), layer.w_down.copy_(wd[local])
-    layer.check_ids = False
+    local = range(rank * e_loc, (rank + 1) * e_loc)
+    wg, wu, wd = expert_weights(spec, local)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
-    x = torch.randn(tokens_per_rank, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, w = _routing(spec, tokens_per_rank, gen)
+    inputs = []
+    for _ in range(2):
+        x = torch.randn(tokens_per_rank, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        ids, w = skewed_routing(spec, tokens_per_rank, gen, max(1, e_loc // 2)) if skew else _routing(spec, tokens_per_rank, gen)
+        inputs.append((x, ids, w))
     clamp = spec.activation.clamp_limit
+
+    def make_layer(ring_chunks=None):
+        layer = MoELayer(spec, dist.group.WORLD, max_tokens=tokens_per_rank, ring_chunks=ring_chunks,
+                         device=torch.cuda.current_device())
+        with torch.no_grad():
+            layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+        layer.check_ids = False
+        return layer
+
+    # rows each rank receives, from everyone's routing (input set 0)
+    ids_all = [torch.empty_like(inputs[0][1]) for _ in range(world)]
+    dist.all_gather(ids_all, inputs[0][1])
+    remote = _remote_bytes(spec, ids_all, rank, world)
+    received = sum(int((i.long().div(e_loc, rounding_mode="floor") == rank).sum()) for i in ids_all)
+    max_received = [0] * world
+    dist.all_gather_object(max_received, received)
+
+    layer = make_layer()
+    tag = "skewed" if skew else "uniform"
     impls = {
-        f"mokgen megakernel (EP{world})": lambda i: layer(x, ids, w),
+        f"mokgen megakernel (EP{world})": lambda i: layer(*inputs[i]),
         f"NCCL all-to-all + torch._grouped_mm (EP{world})": lambda i: torch_ep_pipeline(
-            x, ids, w, wg[local], wu[local], wd[local], None, clamp),
+            *inputs[i], wg, wu, wd, None, clamp),
     }
-    out = []
     flops = routed_flops(spec, tokens_per_rank)  # per rank
+    medians = {}
     with torch.no_grad():
         for name, fn in impls.items():
             dist.barrier()
-            times = time_cuda(fn, n_inputs=1, iters=iters)
-            ms = statistics.median(times)
-            out.append(Row(f"ep{world}", spec.name, tokens_per_rank, name, ms, flops / ms / 1e9, times))
-    return out if rank == 0 else []
+            medians[name] = statistics.median(time_cuda(fn, n_inputs=2, iters=iters))
+        # the link figures, on input set 0
+        link = {}
+        layer(*inputs[0])
+        st = layer.stats()
+        link["mokgen dispatch (default ring)"] = (remote, st["pull_ms"])
+        ring = max(1, -(-max(max_received) // layer.chunk_rows))
+        del layer
+        big = make_layer(ring_chunks=ring)
+        for _ in range(3):
+            big(*inputs[0])
+        st = big.stats()
+        link[f"mokgen dispatch (ring of {ring} chunks: every row)"] = (remote, st["pull_ms"])
+        del big
+        x, ids, _ = inputs[0]
+        flat = ids.reshape(-1).long()
+        _, order, send, recv = ep_dispatch_plan(flat, e_loc, world)
+        rows = x.index_select(0, torch.div(order, spec.top_k, rounding_mode="floor"))
+        got = rows.new_empty((sum(recv), x.shape[1]))
+        dist.barrier()
+        a2a = statistics.median(time_cuda(lambda i: dist.all_to_all_single(got, rows, recv, send), n_inputs=1, iters=iters))
+        link["NCCL dispatch (all_to_all_single of the rows)"] = (remote, a2a)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (medians, link))
+    if rank:
+        return [], {}
+    out = []
+    for name in impls:
+        ms = max(g[0][name] for g in gathered)
+        times = [g[0][name] for g in gathered]
+        out.append(Row(f"ep{world} {tag}", spec.name, tokens_per_rank, name, ms, flops / ms / 1e9, times))
+    figures = {}
+    for name in link:
+        per_rank = [(b / (ms * 1e6) if ms else None) for b, ms in (g[1][name] for g in gathered)]
+        known = [v for v in per_rank if v is not None]
+        figures[name] = {"gbps_min_rank": min(known) if known else None, "gbps_per_rank": per_rank,
+                         "remote_bytes_per_rank": [g[1][name][0] for g in gathered],
+                         "ms_per_rank": [g[1][name][1] for g in gathered]}
+    return out, figures

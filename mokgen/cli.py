@@ -303,8 +303,9 @@ def _init_ep_group() -> bool:
               help="tokens (layer) or tokens per rank (virtual); default 4096 / 2048")
 @click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs (median)")
 @click.option("--no-loop", is_flag=True, help="skip the slow per-expert PyTorch loop")
+@click.option("--skew", is_flag=True, help="ep: skewed routing (every token prefers experts of rank 0)")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
-def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> None:
+def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
     from pathlib import Path
 
@@ -325,7 +326,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
     main_rank = True
     if "ep" in workloads:
         main_rank = _init_ep_group()
-    rows = []
+    rows, links = [], {}
     with err_console.status("measuring the dense bf16 GEMM ceiling ...", spinner="dots"):
         ceiling = b.dense_ceiling_tflops()
     for spec in specs:
@@ -336,7 +337,10 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
                 elif wl == "local":
                     rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
                 elif wl == "ep":
-                    rows += b.bench_ep(spec, tokens or 2048, iters=iters)
+                    ep_rows, figures = b.bench_ep(spec, tokens or 2048, iters=iters, skew=skew)
+                    rows += ep_rows
+                    if figures:
+                        links[f"{spec.name} {ep_rows[0].workload}"] = figures
                 elif spec.num_experts % 8 == 0:
                     rows += b.bench_virtual(spec, tokens or 2048, iters=iters)
     if not main_rank:
@@ -351,7 +355,18 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, out_dir) -> No
         table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
                       f"{100 * r.tflops / ceiling:.0f}%", speed)
     console.print(table)
-    js, png = b.write_results(rows, ceiling, Path(out_dir))
+    if links:
+        lt = Table(title="expert-parallel links: GB/s per GPU per direction, remote bytes only (slowest rank)")
+        for col in ("spec / workload", "transfer", "remote MB per rank", "ms (slowest)", "GB/s"):
+            lt.add_column(col)
+        for what, figures in links.items():
+            for name, f in figures.items():
+                ms = max((m for m in f["ms_per_rank"] if m is not None), default=None)
+                gbps = f["gbps_min_rank"]
+                lt.add_row(what, name, f"{max(f['remote_bytes_per_rank']) / 1e6:.1f}",
+                           "-" if ms is None else f"{ms:.3f}", "-" if gbps is None else f"{gbps:.0f}")
+        console.print(lt)
+    js, png = b.write_results(rows, ceiling, Path(out_dir), extra={"links": links} if links else None)
     click.echo(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
 
 

@@ -115,12 +115,13 @@ class EpBuffers:
         return abi.parse_error(pinned.numpy().tobytes())
 
     def stats(self) -> list[dict]:
-        """Per rank of the launch: rows received, pulled and pushed by the last launch."""
+        """Per rank of the launch, from the last launch (blocks until it finished): rows received,
+        pulled, pushed and pulled from other ranks, and phase times (see ``abi.parse_stats``)."""
         out = []
         for r in range(self.geometry.launch_ranks):
             off = r * self.local_bytes + self.stats_offset
-            vals = self.local[off : off + 24].cpu().view(torch.int64).tolist()
-            out.append({"rows_received": vals[0], "rows_pulled": vals[1], "rows_pushed": vals[2]})
+            vals = self.local[off : off + abi.STAT_BYTES].cpu().view(torch.int64).tolist()
+            out.append(abi.parse_stats(vals))
         return out
 
 
@@ -391,6 +392,11 @@ class MoELayer(torch.nn.Module):
             err = self._ep.read_error()
         if err is not None:
             _raise(self._ep, err, self.timeout_ms)
+
+    def stats(self) -> dict:
+        """This rank's statistics of the last forward (blocks until it finished): rows received,
+        pulled, pushed and pulled from other ranks, and phase times (``mokgen.abi.parse_stats``)."""
+        return self._ep.stats()[0]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         s, bufs = self.spec, self._ep

@@ -102,6 +102,13 @@ def test_virtual_ep_matches_reference(name, W):
     total = sum(tokens) * spec.top_k
     assert sum(s["rows_received"] for s in stats) == total
     assert all(s["rows_pulled"] == s["rows_received"] == s["rows_pushed"] for s in stats)
+    # rows from other ranks, counted by the kernel, against the routing
+    e_loc = spec.num_experts // W
+    for r, s in enumerate(stats):
+        want = sum(int(((i.long() // e_loc) == r).sum()) for q, i in enumerate(ids) if q != r)
+        assert s["rows_remote"] == want, (r, s, want)
+        if s["rows_pulled"]:
+            assert s["pull_ms"] >= 0 and s["pull_start_ms"] >= 0 and s["done_ms"] >= s["pull_start_ms"], s
     # the ring (2 x 256 rows) is smaller than what some rank received: flow control was exercised
     assert max(s["rows_received"] for s in stats) > 512
     # and the bits equal the single-rank kernels'

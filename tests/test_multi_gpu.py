@@ -1,11 +1,15 @@
 """Expert parallelism across real GPUs: MoELayer on W processes, one GPU each (NCCL process group,
 torch symmetric memory over NVLink), gives the same bits as ``virtual_ep_forward`` with W virtual
-ranks on one GPU, on the same global weights and tokens, for two calls in a row (launch epochs 1
-and 2, different tokens: the second call must not see anything of the first).
+ranks on one GPU, on the same global weights and tokens, and agrees with the PyTorch reference.
 
-W = min(GPUs, 8), lowered to a divisor of the expert count. Every rank has a different token
-count, one rank none. Each rank reports to a results queue; a rank that raises, dies, or does not
-report within the deadline fails the test with its traceback, and the others are stopped.
+For every bundled spec: 2048 tokens per GPU with uniform routing, then with skewed routing (every
+token prefers experts of rank 0), as launch epochs 1 and 2 of one layer (the second call must not
+see anything of the first). For the first spec also two calls with a different token count on every
+rank, one rank with none.
+
+W = min(GPUs, 8), lowered to a divisor of the expert counts. Each rank reports to a results queue;
+a rank that raises, dies, or does not report within the deadline fails the test with its
+traceback, and the others are stopped.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import torch.multiprocessing as mp  # noqa: E402
 
 pytestmark = pytest.mark.multi_gpu
 
-SPEC = "qwen3-30b-a3b"
-MAX_TOKENS = 4096
-DEADLINE_S = 540
+SPECS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "qwen3.5-397b-a17b", "glm-5.2", "deepseek-v3", "kimi-k2.5",
+         "deepseek-v4-pro")
+TOKENS_PER_GPU = 2048
+DEADLINE_S = 900
 #: NVLink multicast stays off (it can take a shared host's GPUs out of service); set before init
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-#: tokens per rank for each call (the first `world` entries are used); a zero in each call
-TOKENS = (
+#: extra calls on the first spec: tokens per rank (the first `world` entries), a zero in each
+RAGGED = (
     (1500, 0, 4096, 333, 2048, 1, 777, 3001),
     (0, 2500, 17, 4096, 640, 1, 3000, 129),
 )
@@ -40,26 +45,27 @@ TOKENS = (
 # ---- the global inputs, reproducible in every process -------------------------------------------
 
 
-def _expert_weights(spec, experts, device):
-    """w_gate, w_up [len(experts), I, H] and w_down [len(experts), H, I] bf16; expert e is drawn
-    from its own CPU generator, so any rank can make any slice without talking to the others."""
-    H, I = spec.hidden_size, spec.moe_intermediate_size
-    out = ([], [], [])
-    for e in experts:
-        gen = torch.Generator().manual_seed(1000 + e)
-        for dst, shape in zip(out, ((I, H), (I, H), (H, I))):
-            dst.append((torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16).to(device))
-    return tuple(torch.stack(ws) for ws in out)
+def _calls(spec_name: str, world: int) -> list[tuple[str, list[int]]]:
+    """(routing, tokens per rank) of each call on this spec."""
+    calls = [("uniform", [TOKENS_PER_GPU] * world), ("skewed", [TOKENS_PER_GPU] * world)]
+    if spec_name == SPECS[0]:
+        calls += [("uniform", list(t[:world])) for t in RAGGED]
+    return calls
 
 
-def _rank_inputs(spec, call, rank, device):
-    """Rank ``rank``'s x [T, H] bf16, topk_ids [T, K] (over ALL experts) and weights for ``call``."""
-    T = TOKENS[call][rank]
-    gen = torch.Generator().manual_seed(100 * call + rank)
-    x = torch.randn(T, spec.hidden_size, generator=gen).to(torch.bfloat16)
-    ids = torch.rand(T, spec.num_experts, generator=gen).topk(spec.top_k, dim=-1).indices
-    w = torch.rand(T, spec.top_k, generator=gen) + 0.05
-    return x.to(device), ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+def _rank_inputs(spec, call: int, routing: str, tokens: int, rank: int, world: int, device):
+    """Rank ``rank``'s x [T, H] bf16, topk_ids [T, K] (global ids) and weights for ``call``."""
+    from mokgen.bench import skewed_routing
+
+    gen = torch.Generator(device=device).manual_seed(100 * call + rank)
+    x = torch.randn(tokens, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+    if routing == "skewed":
+        ids, w = skewed_routing(spec, tokens, gen, max(1, spec.num_experts // world // 2), device=device)
+    else:
+        ids = torch.rand(tokens, spec.num_experts, generator=gen, device=device).topk(spec.top_k, dim=-1).indices
+        w = torch.rand(tokens, spec.top_k, generator=gen, device=device) + 0.05
+        w = w / w.sum(-1, keepdim=True)
+    return x, ids, w
 
 
 # ---- one rank ---------------------------------------------------------------------------------------
@@ -72,75 +78,98 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        reports = []
         try:
-            outs = _run_rank(rank, world, device)
+            for name in SPECS:
+                outs = _run_rank(name, rank, world, device)
+                if rank == 0:
+                    reports.append(_compare_on_one_gpu(name, world, outs, device))
+                    torch.cuda.empty_cache()
+                dist.barrier()
         finally:
             dist.destroy_process_group()
-        detail = _compare_on_one_gpu(world, outs, device) if rank == 0 else "ok"
-        results.put((rank, None, detail))
+        results.put((rank, None, reports if rank == 0 else "ok"))
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         results.put((rank, traceback.format_exc(), None))
         raise
 
 
-def _run_rank(rank: int, world: int, device):
-    """This rank's part: the layer, its slice of the weights, two forwards; rank 0 gathers every
-    rank's outputs (other ranks return None)."""
+def _run_rank(name: str, rank: int, world: int, device):
+    """This rank's part for one spec: the layer with its slice of the weights, every call; rank 0
+    gathers every rank's outputs and stats (other ranks return None)."""
     import mokgen
+    from mokgen.bench import expert_weights
     from mokgen.spec import load_spec
 
-    spec = load_spec(SPEC)
-    layer = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=MAX_TOKENS, device=device)
+    spec = load_spec(name)
+    calls = _calls(name, world)
+    max_tokens = max(max(t) for _, t in calls)
+    layer = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=max_tokens, device=device)
     e_loc = spec.num_experts // world
     assert layer.local_experts == range(rank * e_loc, (rank + 1) * e_loc), layer.local_experts
     with torch.no_grad():
-        for param, value in zip((layer.w_gate, layer.w_up, layer.w_down),
-                                _expert_weights(spec, layer.local_experts, device)):
+        for param, value in zip((layer.w_gate, layer.w_up, layer.w_down), expert_weights(spec, layer.local_experts, device)):
             param.copy_(value)
     gathered = []
-    for call in range(len(TOKENS)):
-        x, ids, w = _rank_inputs(spec, call, rank, device)
+    for call, (routing, tokens) in enumerate(calls):
+        x, ids, w = _rank_inputs(spec, call, routing, tokens[rank], rank, world, device)
         with torch.no_grad():
             out = layer(x, ids, w)
         layer.check_errors()  # blocks; raises KernelError if a wait of this launch timed out
+        stats = layer.stats()
         assert out.shape == x.shape and out.dtype == torch.bfloat16
         # outputs differ in length per rank: pad to max_tokens for the collective
-        padded = torch.zeros(MAX_TOKENS, spec.hidden_size, dtype=torch.bfloat16, device=device)
+        padded = torch.zeros(max_tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
         padded[: out.shape[0]] = out
         bufs = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
         dist.gather(padded, bufs, dst=0)
+        all_stats = [None] * world
+        dist.gather_object(stats, all_stats if rank == 0 else None, dst=0)
         if rank == 0:
-            gathered.append([b[: TOKENS[call][r]] for r, b in enumerate(bufs)])
+            gathered.append(([b[: tokens[r]] for r, b in enumerate(bufs)], all_stats))
     torch.cuda.synchronize(device)
-    dist.barrier()
+    del layer
     return gathered if rank == 0 else None
 
 
-def _compare_on_one_gpu(world: int, outs, device) -> str:
-    """Rank 0, after the group is gone: the same global inputs through W virtual ranks."""
+def _compare_on_one_gpu(name: str, world: int, outs, device) -> str:
+    """Rank 0: the same global inputs through W virtual ranks, bit for bit, and the reference."""
     import mokgen
     from mokgen import reference
+    from mokgen.bench import expert_weights
     from mokgen.spec import load_spec
 
-    spec = load_spec(SPEC)
-    wg, wu, wd = _expert_weights(spec, range(spec.num_experts), device)
-    for call, got in enumerate(outs):
-        xs, ids, ws = zip(*(_rank_inputs(spec, call, r, device) for r in range(world)))
+    spec = load_spec(name)
+    e_loc = spec.num_experts // world
+    wg, wu, wd = expert_weights(spec, range(spec.num_experts), device)
+    for call, ((routing, tokens), (got, stats)) in enumerate(zip(_calls(name, world), outs)):
+        what = f"{name}, call {call + 1} ({routing}, tokens {tokens})"
+        xs, ids, ws = zip(*(_rank_inputs(spec, call, routing, tokens[r], r, world, device) for r in range(world)))
         want = mokgen.virtual_ep_forward(spec, list(xs), list(ids), list(ws), wg, wu, wd)
         for r in range(world):
-            assert got[r].shape == want[r].shape, (call, r, got[r].shape, want[r].shape)
+            assert got[r].shape == want[r].shape, (what, r, got[r].shape, want[r].shape)
             if not torch.equal(got[r], want[r]):
                 diff = (got[r].float() - want[r].float()).abs()
-                raise AssertionError(
-                    f"call {call + 1} (epoch {call + 1}), rank {r} of {world}: {TOKENS[call][r]} tokens differ from "
-                    f"virtual ranks: {int((diff > 0).sum())} elements, max |diff| {diff.max().item():.3e}")
+                raise AssertionError(f"{what}: rank {r} of {world} differs from virtual ranks: "
+                                     f"{int((diff > 0).sum())} elements, max |diff| {diff.max().item():.3e}")
+        # no row dropped or duplicated: the kernel's counts against the routing
+        for r, st in enumerate(stats):
+            dest = [i.long().div(e_loc, rounding_mode="floor") for i in ids]
+            want_rows = sum(int((d == r).sum()) for d in dest)
+            want_remote = sum(int((d == r).sum()) for q, d in enumerate(dest) if q != r)
+            assert st["rows_received"] == st["rows_pulled"] == st["rows_pushed"] == want_rows, (what, r, st, want_rows)
+            assert st["rows_remote"] == want_remote, (what, r, st, want_remote)
+        if routing == "skewed":
+            assert stats[0]["rows_received"] > 1.5 * stats[-1]["rows_received"], (what, stats)
         # and both agree with the PyTorch oracle (a shared mistake would pass the bitwise check)
-        x, i, w = torch.cat(xs), torch.cat(ids), torch.cat(ws)
-        if x.shape[0]:
-            ref = reference.experts_forward(x, i, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit)
-            err = ((torch.cat(got).float() - ref).norm() / ref.norm()).item()
-            assert err < 2e-2, f"call {call + 1}: relative error {err:.3e} against the reference"
-    return f"W={world}: {len(outs)} calls bitwise equal to virtual ranks"
+        if call == 0 or name == SPECS[0]:
+            x, i, w = torch.cat(xs), torch.cat(ids), torch.cat(ws)
+            if x.shape[0]:
+                ref = reference.experts_forward(x, i, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit)
+                err = ((torch.cat(got).float() - ref).norm() / ref.norm()).item()
+                assert err < 2e-2, f"{what}: relative error {err:.3e} against the reference"
+    del wg, wu, wd
+    return f"{name}: {len(outs)} calls at W={world} bitwise equal to virtual ranks"
 
 
 # ---- the test -------------------------------------------------------------------------------------
@@ -152,9 +181,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _world(num_experts: int) -> int:
+def _world() -> int:
+    from mokgen.spec import load_spec
+
     n = min(torch.cuda.device_count(), 8)
-    return max(w for w in range(1, n + 1) if num_experts % w == 0)
+    return max(w for w in range(1, n + 1) if all(load_spec(s).num_experts % w == 0 for s in SPECS))
 
 
 def run_world(world: int) -> str:
@@ -163,8 +194,9 @@ def run_world(world: int) -> str:
     from mokgen import build as build_mod
     from mokgen.spec import load_spec
 
-    # build once here; the ranks load it with the JIT off (no W concurrent builds)
-    build_mod.build(load_spec(SPEC), publish_generated=False)
+    # build once here; the ranks load them with the JIT off (no W concurrent builds)
+    for name in SPECS:
+        build_mod.build(load_spec(name), publish_generated=False)
     os.environ.update(NO_MULTICAST)  # inherited by the children, which set them again anyway
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -211,9 +243,8 @@ def run_world(world: int) -> str:
 
 
 def test_moe_layer_across_gpus_matches_virtual_ranks():
-    from mokgen.spec import load_spec
-
-    world = _world(load_spec(SPEC).num_experts)
+    world = _world()
     assert world >= 2
     report = run_world(world)
-    assert report == f"W={world}: {len(TOKENS)} calls bitwise equal to virtual ranks"
+    assert report == [f"{name}: {len(_calls(name, world))} calls at W={world} bitwise equal to virtual ranks"
+                      for name in SPECS]

@@ -33,6 +33,20 @@ namespace mokgen {
 constexpr int kMaxWorld = 64;
 constexpr int kMaxLaunchRanks = 16;
 
+// Per-rank statistics of the last launch (int64 slots in the private region; mokgen.ep reads
+// them). Times are %globaltimer ns of this GPU: only differences within one rank mean anything.
+enum StatSlot : int {
+  kStatRowsReceived = 0,  // rows this rank's experts received (all sources)
+  kStatRowsPulled = 1,    // rows pulled into the ring (== received when nothing went wrong)
+  kStatRowsPushed = 2,    // rows pushed to owners' combine slots
+  kStatRowsRemote = 3,    // rows pulled from other ranks (each is pushed back to its owner too)
+  kStatTimeStart = 4,     // the rank's first CTA started
+  kStatTimePullFirst = 5, // the first chunk pull started
+  kStatTimePullLast = 6,  // the last chunk landed
+  kStatTimeDone = 7,      // every push of the rank issued and fenced (done flags raised)
+  kStatSlots = 8,
+};
+
 // Run-time parameters of one launch. Plain data, passed by value (__grid_constant__); the Python
 // binding mirrors this layout with ctypes and checks sizeof through mokgen_ep_params_bytes().
 struct EpParams {
@@ -98,7 +112,7 @@ struct LocalLayout {
     auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
     bar_rank = take(8);
     bar_compute = take(8);
-    stats = take(8 * 4);
+    stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
     recv_expert_offset = take(4 * (e_loc + 1));
@@ -201,8 +215,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       const int64_t vecs = int64_t(T) * kH / 8;
       for (int64_t v = int64_t(cta) * kEpThreads + tid; v < vecs; v += int64_t(G) * kEpThreads) dst[v] = __ldg(src + v);
       if (cta == 0 && tid == 0) {  // counters of this launch (incremented only after barrier 2)
-        at<long long>(loc, L.stats)[1] = 0;
-        at<long long>(loc, L.stats)[2] = 0;
+        long long* st = at<long long>(loc, L.stats);
+        st[kStatRowsPulled] = 0;
+        st[kStatRowsPushed] = 0;
+        st[kStatRowsRemote] = 0;
+        st[kStatTimeStart] = (long long)globaltimer_ns();
+        st[kStatTimePullFirst] = 0x7fffffffffffffffll;
+        st[kStatTimePullLast] = 0;
+        st[kStatTimeDone] = 0;
       }
       if (cta == 0)
         sender_routing<kE, kK, kEpThreads>(p.ids[g], T, at<int32_t>(mine, S.send_count),
@@ -245,7 +265,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           }
           r_base[e_loc * W] = run;
           r_eoff[e_loc] = run;
-          at<long long>(loc, L.stats)[0] = run;  // rows received by this rank
+          at<long long>(loc, L.stats)[kStatRowsReceived] = run;
         }
       }
     }
@@ -264,15 +284,23 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     // ---- 3. stream the rows through the ring ---------------------------------------------------
     if (ok && cta < P) {
       // Dispatch: pull rows of chunk c into slot c % R once chunk c - R is consumed.
+      long long* st = at<long long>(loc, L.stats);
+      unsigned long long remote = 0;  // rows this warp pulled from other ranks (lane 0 counts)
       for (int c = cta; c < num_chunks; c += P) {
         const int slot = c % R;
-        if (tid == 0) s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
+        if (tid == 0) {
+          s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
+          atomicMin(reinterpret_cast<unsigned long long*>(st + kStatTimePullFirst), globaltimer_ns());
+        }
         __syncthreads();
         if (!s_flag) { ok = false; break; }
         const int r0 = c * C, r1 = min(n_rows, r0 + C);
         for (int i = r0 + warp; i < r1; i += kEpThreads / 32) {
           int src = 0, pair = 0;
-          if (lane == 0) locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
+          if (lane == 0) {
+            locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
+            remote += src != rank;
+          }
           src = __shfl_sync(0xffffffffu, src, 0);
           pair = __shfl_sync(0xffffffffu, pair, 0);
           const int64_t row = int64_t(slot) * C + (i - r0);
@@ -293,12 +321,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
         __syncthreads();
         if (tid == 0) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 1),
-                    (unsigned long long)(r1 - r0));  // rows pulled
+          atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsPulled), (unsigned long long)(r1 - r0));
+          atomicMax(reinterpret_cast<unsigned long long*>(st + kStatTimePullLast), globaltimer_ns());
           __threadfence();
           st_release_gpu(&landed[slot], tag(epoch, c + 1));
         }
       }
+      if (lane == 0 && remote) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsRemote), remote);
     } else if (ok) {
       // Compute: chunks in order; tiles of a chunk dealt round-robin over the Gc compute CTAs.
       const int cc = cta - P;
@@ -326,7 +355,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         };
       };
       auto count_pushed = [&](int rows) {  // rows pushed, counted once per row (by its n = 0 tile)
-        atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + 2), (unsigned long long)rows);
+        atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + kStatRowsPushed),
+                  (unsigned long long)rows);
       };
       // Both roles of a CTA go through the same sequence of CTA-wide barriers: per chunk, one for
       // the landed wait and two per phase (group_barrier).
@@ -405,6 +435,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
         if (ok && cc == 0 && tid == 0) {
           __threadfence_system();
+          at<long long>(loc, L.stats)[kStatTimeDone] = (long long)globaltimer_ns();
           for (int o = 0; o < W; ++o) st_release_sys(at<unsigned long long>(p.sym[o], S.done) + rank, tag(epoch, 1));
         }
       }
