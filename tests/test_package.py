@@ -73,8 +73,17 @@ def test_unknown_arch_is_refused(tmp_path):
 
 
 def _venv_python(tmp_path: Path) -> Path:
+    """A fresh virtual environment that also sees the running interpreter's packages (torch,
+    pyyaml, ...): system_site_packages alone is not enough when this interpreter is itself a
+    venv, as on the GPU machine; a .pth file adds its site directories."""
+    import site
+    import sysconfig
+
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=True, clear=True).create(env_dir)
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(env_dir), "platbase": str(env_dir)}))
+    inherited = [p for p in site.getsitepackages() + [sysconfig.get_path("purelib")] if Path(p).is_dir()]
+    (purelib / "_inherited_site.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(inherited)))
     return env_dir / "bin" / "python"
 
 
