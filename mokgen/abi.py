@@ -76,6 +76,7 @@ STAGES = {
     3: "a free slot of its receive ring",
     4: "rows of its receive ring to land",
     5: "the combine pushes of rank {peer}",
+    6: "the up projection of a row block (its own compute CTAs)",
 }
 
 

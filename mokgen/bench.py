@@ -341,7 +341,8 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
     slowest rank's median is the layer's time. Returns (rows, link figures) on rank 0 and
     ([], {}) elsewhere.
 
-    Link figures (GB/s per GPU per direction, remote bytes only, slowest rank): ``mokgen
+    Link figures (GB/s per GPU per direction, remote bytes only, of the rank receiving the most
+    remote bytes: the busiest link direction): ``mokgen
     dispatch`` = bytes pulled from peers / the kernel's pull window, measured in-kernel
     (%globaltimer) once with the default ring (pulls throttled by the GEMMs' consumption) and
     once with a ring holding every received row (pulls limited by the links); ``nccl
@@ -424,9 +425,9 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
         out.append(Row(f"ep{world} {tag}", spec.name, tokens_per_rank, name, ms, flops / ms / 1e9, times))
     figures = {}
     for name in link:
-        per_rank = [(b / (ms * 1e6) if ms else None) for b, ms in (g[1][name] for g in gathered)]
-        known = [v for v in per_rank if v is not None]
-        figures[name] = {"gbps_min_rank": min(known) if known else None, "gbps_per_rank": per_rank,
-                         "remote_bytes_per_rank": [g[1][name][0] for g in gathered],
-                         "ms_per_rank": [g[1][name][1] for g in gathered]}
+        per_rank = [g[1][name] for g in gathered]  # (remote bytes, ms) per rank
+        busiest = max(range(world), key=lambda r: per_rank[r][0])  # the most loaded link
+        b, ms = per_rank[busiest]
+        figures[name] = {"gbps": b / (ms * 1e6) if ms else None, "busiest_rank": busiest,
+                         "remote_bytes_per_rank": [v[0] for v in per_rank], "ms_per_rank": [v[1] for v in per_rank]}
     return out, figures

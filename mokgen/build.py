@@ -158,7 +158,7 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def plan_and_key(spec: MoESpec, toolchain: Toolchain | None = None) -> tuple[Plan, str, Toolchain]:
-    plan = make_plan(spec, gemm_core=env.gemm_core())
+    plan = make_plan(spec, **env.plan_options())
     tc = toolchain or find_toolchain()
     key = cache_key(plan, sources_digest=render.sources_digest(), toolchain=tc.key_fields(plan.arch))
     return plan, key, tc

@@ -138,7 +138,7 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
     try:
         from mokgen.plan import make_plan
 
-        doc["plan"] = make_plan(spec, gemm_core=env.gemm_core()).compile_fields()
+        doc["plan"] = make_plan(spec, **env.plan_options()).compile_fields()
     except MokgenError as err:  # e.g. mxfp8 declared but not implemented: still show the figures
         doc["plan"] = None
         doc["plan_error"] = str(err)
@@ -356,14 +356,14 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, out_dir)
                       f"{100 * r.tflops / ceiling:.0f}%", speed)
     console.print(table)
     if links:
-        lt = Table(title="expert-parallel links: GB/s per GPU per direction, remote bytes only (slowest rank)")
-        for col in ("spec / workload", "transfer", "remote MB per rank", "ms (slowest)", "GB/s"):
+        lt = Table(title="expert-parallel links: GB/s per GPU per direction, remote bytes only, busiest rank")
+        for col in ("spec / workload", "transfer", "remote MB (busiest rank)", "ms", "GB/s"):
             lt.add_column(col)
         for what, figures in links.items():
             for name, f in figures.items():
-                ms = max((m for m in f["ms_per_rank"] if m is not None), default=None)
-                gbps = f["gbps_min_rank"]
-                lt.add_row(what, name, f"{max(f['remote_bytes_per_rank']) / 1e6:.1f}",
+                r = f["busiest_rank"]
+                ms, gbps = f["ms_per_rank"][r], f["gbps"]
+                lt.add_row(what, name, f"{f['remote_bytes_per_rank'][r] / 1e6:.1f}",
                            "-" if ms is None else f"{ms:.3f}", "-" if gbps is None else f"{gbps:.0f}")
         console.print(lt)
     js, png = b.write_results(rows, ceiling, Path(out_dir), extra={"links": links} if links else None)

@@ -19,6 +19,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_CUTLASS_DIR": "CUTLASS include directory (default: the nvidia-cutlass package's headers)",
     "MOKGEN_BUILD_TIMEOUT": "seconds before an nvcc run is abandoned (default: 900)",
     "MOKGEN_GEMM_CORE": "wgmma (default: TMA + wgmma, sm_90a) or mma_sync (portable reference core)",
+    "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
 }
 
 
@@ -85,3 +86,17 @@ def gemm_core() -> str:
 
         raise ToolchainError(f"MOKGEN_GEMM_CORE must be wgmma or mma_sync, got {value!r}")
     return value
+
+
+def schedule() -> str:
+    value = _get("MOKGEN_SCHEDULE") or "flow"
+    if value not in ("flow", "phased"):
+        from mokgen.errors import ToolchainError
+
+        raise ToolchainError(f"MOKGEN_SCHEDULE must be flow or phased, got {value!r}")
+    return value
+
+
+def plan_options() -> dict:
+    """Build options chosen by the environment, as make_plan keyword arguments."""
+    return {"gemm_core": gemm_core(), "schedule": schedule()}

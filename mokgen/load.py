@@ -50,7 +50,7 @@ def _import_binding(entry: Path, key: str, name: str) -> ModuleType:
 
 
 def _find_without_toolchain(spec: MoESpec) -> tuple[Path, str]:
-    plan = make_plan(spec, gemm_core=env.gemm_core())
+    plan = make_plan(spec, **env.plan_options())
     root = build_mod.cache_root(plan.arch)
     digest = render.sources_digest()
     candidates = sorted(root.glob(f"{plan.name}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -78,7 +78,7 @@ def find_prebuilt(spec: MoESpec) -> tuple[Path, str] | None:
     (other mokgen version, no build for this GPU, modified artifacts) is an error, not a miss."""
     from mokgen import package
 
-    plan = make_plan(spec, gemm_core=env.gemm_core())
+    plan = make_plan(spec, **env.plan_options())
     for spec_name, module_name in package.installed_packages():
         if spec_name != spec.name:
             continue
@@ -109,20 +109,20 @@ def find_prebuilt(spec: MoESpec) -> tuple[Path, str] | None:
 
 def load(spec: MoESpec) -> ModuleType:
     """The binding module of ``spec``'s build (building it first when needed and allowed)."""
-    spec_id = json.dumps(spec.canonical_dict(), sort_keys=True)
+    spec_id = json.dumps([spec.canonical_dict(), env.plan_options()], sort_keys=True)
     if spec_id in _by_spec:
         return _by_spec[spec_id]
     prebuilt = find_prebuilt(spec)
     if prebuilt is not None:
         entry, key = prebuilt
-        module = _import_binding(entry, key, make_plan(spec, gemm_core=env.gemm_core()).name)
+        module = _import_binding(entry, key, make_plan(spec, **env.plan_options()).name)
         _by_spec[spec_id] = module
         return module
     try:
         plan, key, _ = build_mod.plan_and_key(spec)
     except ToolchainError:
         entry, key = _find_without_toolchain(spec)
-        name = make_plan(spec, gemm_core=env.gemm_core()).name
+        name = make_plan(spec, **env.plan_options()).name
     else:
         entry = build_mod.entry_dir(plan, key)
         name = plan.name

@@ -72,6 +72,10 @@ class Plan(BaseModel):
     gemm_block_n_down: int = 256
     gemm_block_k: int = 64
     gemm_stages: int = 4
+    # Compute schedule of the megakernel. "flow": one tile order over all chunks, a down tile
+    # waits only for its row block's up tiles (Hopper core); "phased": per chunk, up tiles, a
+    # barrier of all compute CTAs, down tiles, a barrier (the only one of the portable core).
+    schedule: str = "flow"
     abi_version: int = ABI_VERSION
 
     @property
@@ -89,12 +93,16 @@ class Plan(BaseModel):
 
 
 GEMM_CORES = ("wgmma", "mma_sync")
+SCHEDULES = ("flow", "phased")
 
 
-def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma") -> Plan:
-    """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet."""
+def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow") -> Plan:
+    """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
+    The portable core has only the phased schedule (``schedule`` is ignored for it)."""
     if gemm_core not in GEMM_CORES:
         raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"{spec.name}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     t = spec.target
     if t.numerics not in IMPLEMENTED_NUMERICS:
         raise PlanError(
@@ -114,6 +122,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma") -> Plan:
         clamp_limit=spec.activation.clamp_limit,
         max_tokens_per_rank=t.max_tokens_per_rank,
         **_tiles(spec, gemm_core),
+        schedule=schedule if gemm_core == "wgmma" else "phased",
     )
     return plan
 

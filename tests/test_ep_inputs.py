@@ -499,16 +499,17 @@ def test_symmetric_region_grows_linearly_with_tokens():
 def test_local_region_grows_with_ring_rows():
     spec = load_spec(SMALL)
     lib = _library()
-    per_row = 8 + 2 * spec.hidden_size + 2 * spec.moe_intermediate_size  # meta, x row, h row
+    # meta, the flow schedule's block counter, x row, h row
+    per_row = 8 + 8 + 2 * spec.hidden_size + 2 * spec.moe_intermediate_size
     for W in (1, 2, 8):
         small = lib.mokgen_ep_local_bytes(W, 128, 2)
         for C, S in ((256, 2), (128, 4), (1024, 4), (4096, 8)):
             assert lib.mokgen_ep_local_bytes(W, C, S) - small == (C * S - 256) * per_row, (W, C, S)
         # depends on the ring's rows, not how they are split (for up to 32 chunks)
         assert lib.mokgen_ep_local_bytes(W, 512, 2) == lib.mokgen_ep_local_bytes(W, 256, 4) == lib.mokgen_ep_local_bytes(W, 1024, 1)
-        # the statistics EpBuffers.stats reads (3 x int64) lie inside the region
+        # the statistics EpBuffers.stats reads lie inside the region
         off = lib.mokgen_ep_stats_offset(W, 1024, 4)
-        assert 0 <= off and off + 24 <= lib.mokgen_ep_local_bytes(W, 1024, 4)
+        assert 0 <= off and off + abi.STAT_BYTES <= lib.mokgen_ep_local_bytes(W, 1024, 4)
 
 
 @pytest.mark.nvcc

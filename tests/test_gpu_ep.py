@@ -20,6 +20,7 @@ import mokgen  # noqa: E402
 from mokgen import reference  # noqa: E402
 from mokgen.ep import MoELayer, virtual_ep_forward  # noqa: E402
 from mokgen.errors import InputError, KernelError  # noqa: E402
+from mokgen.load import load  # noqa: E402
 from mokgen.spec import bundled_specs, load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_memory", "gpu_module_memory")]
@@ -153,6 +154,27 @@ def test_determinism_20_repeats_and_across_world_and_chunks():
     for _ in range(20):
         assert torch.equal(torch.cat(virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=512, ring_chunks=2)), first)
     _assert_close(spec, [first], [x], [i], [w], wg, wu, wd)
+
+
+def test_flow_and_phased_schedules_give_the_same_bits(monkeypatch):
+    """The flow schedule (default) against the phased one (barriers per chunk phase), built
+    side by side: same bits for several world sizes and rings, one slot (no lag) included."""
+    spec = load_spec("qwen3.5-35b-a3b")
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    sizes = [3000, 0, 1777, 2500]
+    xs, ids, ws = _inputs(spec, sizes, gen)
+    runs, builds = {}, set()
+    for schedule in ("flow", "phased"):
+        monkeypatch.setenv("MOKGEN_SCHEDULE", schedule)
+        builds.add(load(spec).KEY)
+        for chunk, ring in ((256, 1), (256, 2), (1024, 3)):
+            runs[schedule, chunk, ring] = torch.cat(
+                virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+    assert len(builds) == 2  # two kernels really ran
+    first = runs["flow", 256, 1]
+    for cfg, out in runs.items():
+        assert torch.equal(out, first), f"bits differ for {cfg}"
 
 
 def test_missing_peer_times_out_then_recovers():

@@ -271,3 +271,25 @@ def test_cache_key_ignores_spec_fields_outside_the_plan():
     assert cache_key(make_plan(spec_from_dict(data)), **KEY_ARGS) == base
     # ... but the compile-time token limit does
     assert cache_key(make_plan(spec.with_target(max_tokens_per_rank=4096)), **KEY_ARGS) != base
+
+
+def test_schedule_option():
+    spec = load_spec("qwen3-30b-a3b")
+    assert make_plan(spec).schedule == "flow"
+    assert make_plan(spec, schedule="phased").schedule == "phased"
+    assert make_plan(spec, gemm_core="mma_sync").schedule == "phased"  # the portable core has one
+    with pytest.raises(PlanError, match="schedule must be one of flow, phased"):
+        make_plan(spec, schedule="eager")
+    a = cache_key(make_plan(spec), **KEY_ARGS)
+    assert cache_key(make_plan(spec, schedule="phased"), **KEY_ARGS) != a
+
+
+def test_schedule_from_environment(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
+    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased"}
+    monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
+    with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
+        env.plan_options()

@@ -103,8 +103,8 @@ struct SymLayout {
 // Byte offsets inside a rank's private region.
 template <class Cfg>
 struct LocalLayout {
-  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, recv_expert_offset, recv_base,
-      recv_src_off, ring_meta, ring_x, ring_h, total;
+  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, chunk_done, block_done, recv_expert_offset,
+      recv_base, recv_src_off, ring_meta, ring_x, ring_h, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
     const int64_t e_loc = Cfg::kExperts / world;
     const int64_t ring_rows = int64_t(chunk_rows) * ring_chunks;
@@ -115,6 +115,8 @@ struct LocalLayout {
     stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
+    chunk_done = take(8 * ring_chunks);   // flow schedule: down tiles finished, per slot
+    block_done = take(8 * ring_rows);     // flow schedule: up tiles finished, per row block start
     recv_expert_offset = take(4 * (e_loc + 1));
     recv_base = take(4 * (Cfg::kExperts + 1));
     recv_src_off = take(4 * Cfg::kExperts);
@@ -277,15 +279,25 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     const int num_chunks = int(ceil_div(n_rows, C));
     unsigned long long* landed = at<unsigned long long>(loc, L.chunk_landed);
     unsigned long long* freed = at<unsigned long long>(loc, L.chunk_free);
+    unsigned long long* chk_done = at<unsigned long long>(loc, L.chunk_done);
+    unsigned long long* blk_done = at<unsigned long long>(loc, L.block_done);
     int2* meta = at<int2>(loc, L.ring_meta);
     bf16* ring_x = at<bf16>(loc, L.ring_x);
     bf16* ring_h = at<bf16>(loc, L.ring_h);
 
     // ---- 3. stream the rows through the ring ---------------------------------------------------
     if (ok && cta < P) {
-      // Dispatch: pull rows of chunk c into slot c % R once chunk c - R is consumed.
+      // Dispatch: pull rows of chunk c into slot c % R once chunk c - R is consumed. Per batch of
+      // rows, all threads first locate their rows' sources in parallel (each costs a read of the
+      // source's send list, across NVLink for a peer), then each warp copies whole rows with
+      // kPullUnroll 16-byte loads in flight per lane; the latency of the index reads is paid
+      // once per batch instead of once per row.
+      constexpr int kPullUnroll = 8;
+      constexpr int kBatch = 1024;  // rows located per batch (8 KB of shared memory)
+      static_assert(K_::kSmemBytes >= kBatch * sizeof(int2), "dispatch batch must fit in shared memory");
+      int2* s_rows = reinterpret_cast<int2*>(smem);  // dispatch CTAs run no GEMM: smem is free
       long long* st = at<long long>(loc, L.stats);
-      unsigned long long remote = 0;  // rows this warp pulled from other ranks (lane 0 counts)
+      unsigned remote = 0;  // rows this thread located on other ranks
       for (int c = cta; c < num_chunks; c += P) {
         const int slot = c % R;
         if (tid == 0) {
@@ -295,30 +307,39 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         __syncthreads();
         if (!s_flag) { ok = false; break; }
         const int r0 = c * C, r1 = min(n_rows, r0 + C);
-        for (int i = r0 + warp; i < r1; i += kEpThreads / 32) {
-          int src = 0, pair = 0;
-          if (lane == 0) {
+        for (int b0 = r0; b0 < r1; b0 += kBatch) {
+          const int b1 = min(r1, b0 + kBatch);
+          for (int i = b0 + tid; i < b1; i += kEpThreads) {
+            int src = 0, pair = 0;
             locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
+            s_rows[i - b0] = make_int2(src, pair);
+            meta[int64_t(slot) * C + (i - r0)] = make_int2(src, pair);
             remote += src != rank;
           }
-          src = __shfl_sync(0xffffffffu, src, 0);
-          pair = __shfl_sync(0xffffffffu, pair, 0);
-          const int64_t row = int64_t(slot) * C + (i - r0);
-          const uint4* from = at<const uint4>(p.sym[src], S.x) + int64_t(pair / kK) * (kH / 8);
-          uint4* to = reinterpret_cast<uint4*>(ring_x + row * kH);
-          // 4 independent 16-byte loads in flight per lane before the stores
-          for (int v0 = lane; v0 < kH / 8; v0 += 32 * 4) {
-            uint4 r[4];
+          __syncthreads();
+          for (int i = b0 + warp; i < b1; i += kEpThreads / 32) {
+            const int2 d = s_rows[i - b0];
+            const uint4* from = at<const uint4>(p.sym[d.x], S.x) + int64_t(d.y / kK) * (kH / 8);
+            uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (i - r0)) * kH);
+            for (int v0 = lane; v0 < kH / 8; v0 += 32 * kPullUnroll) {
+              uint4 r[kPullUnroll];
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
-              if (v0 + u * 32 < kH / 8) r[u] = from[v0 + u * 32];
+              for (int u = 0; u < kPullUnroll; ++u)
+                if (v0 + u * 32 < kH / 8) r[u] = from[v0 + u * 32];
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
-              if (v0 + u * 32 < kH / 8) to[v0 + u * 32] = r[u];
+              for (int u = 0; u < kPullUnroll; ++u)
+                if (v0 + u * 32 < kH / 8) to[v0 + u * 32] = r[u];
+            }
           }
-          if (lane == 0) meta[row] = make_int2(src, pair);
+          __syncthreads();  // s_rows is reused by the next batch
         }
         if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
+        if constexpr (Cfg::kFlow) {
+          // the slot's dependency counters start over; nobody reads them for chunk c - R any more
+          // (its slot was freed only after its last down tile finished)
+          for (int i = tid; i < C; i += kEpThreads) blk_done[int64_t(slot) * C + i] = 0;
+          if (tid == 0) chk_done[slot] = 0;
+        }
         __syncthreads();
         if (tid == 0) {
           atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsPulled), (unsigned long long)(r1 - r0));
@@ -327,7 +348,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           st_release_gpu(&landed[slot], tag(epoch, c + 1));
         }
       }
-      if (lane == 0 && remote) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsRemote), remote);
+      remote = __reduce_add_sync(0xffffffffu, remote);
+      if (lane == 0 && remote) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsRemote), (unsigned long long)remote);
     } else if (ok) {
       // Compute: chunks in order; tiles of a chunk dealt round-robin over the Gc compute CTAs.
       const int cc = cta - P;
@@ -373,7 +395,119 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           if (ok && cc == 0 && tid == 0) st_release_gpu(&freed[slot], tag(epoch, c + 1));
         }
       };
-      if constexpr (Cfg::kWgmma) {
+      if constexpr (Cfg::kWgmma && Cfg::kFlow) {
+        // Flow schedule: no barrier between phases or chunks. One global tile order, dealt
+        // round-robin over the compute CTAs (t % Gc == cc): step s holds the up tiles of chunk s,
+        // then the down tiles of chunk s - 1 (of chunk s when the ring has one slot). A down tile
+        // waits only for the up tiles of its own 128-row block (blk_done), an up tile only for
+        // its chunk to land; the last down tile of a chunk frees its slot. Every dependency points
+        // to an earlier tile of the order and each CTA takes its tiles in order, so the earliest
+        // unfinished tile can always run: no deadlock, and no wave quantization per phase.
+        const int lag = R >= 2 ? 1 : 0;
+        auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n)
+          int t = 0;
+          for (int step = 0; step < num_chunks + lag; ++step)
+            for (int kind = 0; kind < 2; ++kind) {
+              const int c = kind == 0 ? step : step - lag;
+              if (c < 0 || c >= num_chunks || (kind == 0 && step >= num_chunks)) continue;
+              const int r0 = c * C, r1 = min(n_rows, r0 + C);
+              const int n_tiles = kind == 0 ? Up::kNTiles : Down::kNTiles;
+              for (int le = 0; le < e_loc; ++le) {
+                const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
+                for (int m = a; m < b; m += 128)
+                  for (int n = 0; n < n_tiles; ++n, ++t)
+                    if (t % Gc == cc) fn(kind, c, le, min(128, b - m), m - r0, n);
+              }
+            }
+        };
+        auto down_tiles = [&](int c) {  // down tiles of chunk c (all CTAs)
+          const int r0 = c * C, r1 = min(n_rows, r0 + C);
+          int blocks = 0;
+          for (int le = 0; le < e_loc; ++le) {
+            const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
+            if (b > a) blocks += (b - a + 127) / 128;
+          }
+          return (unsigned long long)blocks * Down::kNTiles;
+        };
+        __shared__ int s_abort;  // set by the producer when a wait failed; the pipeline drains
+        const int wgi = tid / 128;
+        if (tid == 0) {
+          Up::init_barriers(Up::carve(smem));
+          s_abort = 0;
+        }
+        __syncthreads();
+        volatile int* abort_flag = &s_abort;
+        if (wgi == 0) {
+          cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+          if (tid == 0) {
+            typename Up::Pipe pipe;
+            int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
+            for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
+              const int slot = c % R;
+              if (!*abort_flag && acquired < c) {
+                while (acquired < c && !*abort_flag) {
+                  ++acquired;
+                  if (!w.wait_geq<false>(&landed[acquired % R], tag(epoch, acquired + 1), kStageChunkLanded, -1))
+                    *abort_flag = 1;
+                }
+                sm90::fence_proxy_async_global();  // ring rows: generic writes -> TMA reads
+              }
+              const int64_t row0 = int64_t(slot) * C + m;
+              if (kind == 0) {
+                Up::produce(Up::carve(smem), pipe, &maps.ring_x[g], int(row0), &maps.w_gate[g], &maps.w_up[g],
+                            le * kI + n * Up::kBN);
+              } else {
+                if (!*abort_flag) {
+                  if (!w.wait_geq<false>(&blk_done[row0], Up::kNTiles, kStageBlockReady, -1)) *abort_flag = 1;
+                  sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
+                }
+                Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
+                              le * kH + n * Down::kBN);
+              }
+            });
+          }
+          __syncwarp();  // warp 0 reconverges before the warpgroup-wide setmaxnreg
+          cutlass::arch::warpgroup_reg_alloc<Cfg::kUniformRegs>();
+        } else {
+          cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+          typename Up::Pipe pipe;
+          int total_c = -1;
+          unsigned long long total = 0;
+          for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
+            const int slot = c % R;
+            const int64_t row0 = int64_t(slot) * C + m;
+            if (kind == 0) {
+              Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag);
+              sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
+              sm90::consumer_barrier();
+              if (tid == 128 && !*abort_flag) {
+                __threadfence();
+                atomicAdd(&blk_done[row0], 1ull);
+              }
+              __syncwarp();
+            } else {
+              if (n == 0 && tid == 128 && !*abort_flag) count_pushed(rows);
+              __syncwarp();
+              Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
+              sm90::consumer_barrier();
+              if (tid == 128 && !*abort_flag) {
+                if (total_c != c) {
+                  total = down_tiles(c);
+                  total_c = c;
+                }
+                __threadfence();
+                if (atomicAdd(&chk_done[slot], 1ull) + 1 == total) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+              }
+              __syncwarp();
+            }
+          });
+          cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
+        }
+        __syncthreads();
+        ok = ok && !*abort_flag;
+      } else if constexpr (Cfg::kWgmma) {
+        // Phased schedule (MOKGEN_SCHEDULE=phased): per chunk, the up tiles, a barrier of all
+        // compute CTAs, the down tiles, a barrier, the slot freed.
         // Warp-specialized: warpgroup 0's thread 0 issues TMA loads, warpgroups 1 and 2 run wgmma
         // and the epilogues. Disjoint code per role, so setmaxnreg can rebalance the registers.
         const int wgi = tid / 128;

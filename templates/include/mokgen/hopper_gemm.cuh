@@ -56,6 +56,8 @@ MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
 MOKGEN_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Generic-proxy writes to global memory -> later reads by the TMA (async proxy), and back.
 MOKGEN_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// Named barrier 1 over the two consumer warpgroups (256 threads; barrier 0 is __syncthreads).
+MOKGEN_DEVICE void consumer_barrier() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 // K-major, 128B-swizzled shared-memory operand: rows of 64 bf16 (128 B), 8-row groups 1024 B apart.
 MOKGEN_DEVICE uint64_t smem_desc_sw128(const void* smem) {
@@ -177,9 +179,11 @@ struct HopperTile {
 
   // Consumer warpgroup wg (0/1): all k-blocks of one tile into acc, then the epilogue for rows
   // [64 wg, 64 wg + 64) of the tile that are < rows. c_row(r) -> bf16* of output row r, column 0.
+  // abort_flag (optional, shared memory): read after the last k-block has landed; when set, the
+  // epilogue writes nothing (the launch has failed; the pipeline still drains in step).
   template <class CRow>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, CRow c_row,
-                                    float clamp_limit) {
+                                    float clamp_limit, const volatile int* abort_flag = nullptr) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
@@ -206,6 +210,7 @@ struct HopperTile {
     cute::warpgroup_wait<0>();
     fence_operands(acc);  // the epilogue reads acc only after the last wgmma retired
     if (t == 0) mbar_arrive(&s.empty[prev_stage]);
+    if (abort_flag != nullptr && *abort_flag) rows = 0;
     // Accumulator layout (per warp w of the warpgroup, lane l): rows 16w + l/4 and +8;
     // n8 group i: columns 8i + 2(l%4) + {0,1} -> acc[4i + {0,1}] (row), acc[4i + {2,3}] (row + 8).
     const int w = t >> 5, lane = t & 31;

@@ -21,6 +21,7 @@ enum Stage : int {
   kStageRingFree = 3,       // dispatch waiting for a free ring slot
   kStageChunkLanded = 4,    // compute waiting for pulled rows
   kStageCombineDone = 5,    // owner waiting for a peer's pushes
+  kStageBlockReady = 6,     // a down tile waiting for the up projection of its row block
 };
 
 struct ErrorRecord {       // sticky: the first failure of any launch; cleared by the host
