@@ -103,7 +103,7 @@ struct SymLayout {
 // Byte offsets inside a rank's private region.
 template <class Cfg>
 struct LocalLayout {
-  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, chunk_done, block_done, recv_expert_offset,
+  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done, recv_expert_offset,
       recv_base, recv_src_off, ring_meta, ring_x, ring_h, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
     const int64_t e_loc = Cfg::kExperts / world;
@@ -115,6 +115,7 @@ struct LocalLayout {
     stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
+    chunk_arrived = take(8 * ring_chunks);  // dispatch CTAs done with their part of the slot's chunk
     chunk_done = take(8 * ring_chunks);   // flow schedule: down tiles finished, per slot
     block_done = take(8 * ring_rows);     // flow schedule: up tiles finished, per row block start
     recv_expert_offset = take(4 * (e_loc + 1));
@@ -287,28 +288,32 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
 
     // ---- 3. stream the rows through the ring ---------------------------------------------------
     if (ok && cta < P) {
-      // Dispatch: pull rows of chunk c into slot c % R once chunk c - R is consumed. Per batch of
-      // rows, all threads first locate their rows' sources in parallel (each costs a read of the
-      // source's send list, across NVLink for a peer), then each warp copies whole rows with
-      // kPullUnroll 16-byte loads in flight per lane; the latency of the index reads is paid
-      // once per batch instead of once per row.
+      // Dispatch: pull the rows of chunk c into slot c % R once chunk c - R is consumed. All P
+      // dispatch CTAs share every chunk (CTA q pulls the q-th of P contiguous parts), so a chunk
+      // lands at the rate of P SMs, not one; the last CTA to finish its part publishes landed.
+      // Per batch of rows, all threads first locate their rows' sources in parallel (each costs
+      // a read of the source's send list, across NVLink for a peer), then each warp copies whole
+      // rows with kPullUnroll 16-byte loads in flight per lane.
       constexpr int kPullUnroll = 8;
       constexpr int kBatch = 1024;  // rows located per batch (8 KB of shared memory)
       static_assert(K_::kSmemBytes >= kBatch * sizeof(int2), "dispatch batch must fit in shared memory");
       int2* s_rows = reinterpret_cast<int2*>(smem);  // dispatch CTAs run no GEMM: smem is free
       long long* st = at<long long>(loc, L.stats);
+      unsigned long long* arrived = at<unsigned long long>(loc, L.chunk_arrived);
       unsigned remote = 0;  // rows this thread located on other ranks
-      for (int c = cta; c < num_chunks; c += P) {
+      for (int c = 0; c < num_chunks; ++c) {
         const int slot = c % R;
         if (tid == 0) {
           s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
-          atomicMin(reinterpret_cast<unsigned long long*>(st + kStatTimePullFirst), globaltimer_ns());
+          if (c == 0) atomicMin(reinterpret_cast<unsigned long long*>(st + kStatTimePullFirst), globaltimer_ns());
         }
         __syncthreads();
         if (!s_flag) { ok = false; break; }
         const int r0 = c * C, r1 = min(n_rows, r0 + C);
-        for (int b0 = r0; b0 < r1; b0 += kBatch) {
-          const int b1 = min(r1, b0 + kBatch);
+        const int part = int(ceil_div(r1 - r0, P));
+        const int q0 = min(r1, r0 + cta * part), q1 = min(r1, q0 + part);
+        for (int b0 = q0; b0 < q1; b0 += kBatch) {
+          const int b1 = min(q1, b0 + kBatch);
           for (int i = b0 + tid; i < b1; i += kEpThreads) {
             int src = 0, pair = 0;
             locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
@@ -335,17 +340,22 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         }
         if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
         if constexpr (Cfg::kFlow) {
-          // the slot's dependency counters start over; nobody reads them for chunk c - R any more
-          // (its slot was freed only after its last down tile finished)
-          for (int i = tid; i < C; i += kEpThreads) blk_done[int64_t(slot) * C + i] = 0;
-          if (tid == 0) chk_done[slot] = 0;
+          // the slot's dependency counters start over (this CTA's share of them); nobody reads
+          // them for chunk c - R any more: its slot was freed after its last down tile finished
+          const int zpart = int(ceil_div(C, P));
+          for (int i = cta * zpart + tid; i < min(C, (cta + 1) * zpart); i += kEpThreads) blk_done[int64_t(slot) * C + i] = 0;
+          if (cta == 0 && tid == 0) chk_done[slot] = 0;
         }
         __syncthreads();
         if (tid == 0) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsPulled), (unsigned long long)(r1 - r0));
-          atomicMax(reinterpret_cast<unsigned long long*>(st + kStatTimePullLast), globaltimer_ns());
+          if (q1 > q0) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsPulled), (unsigned long long)(q1 - q0));
           __threadfence();
-          st_release_gpu(&landed[slot], tag(epoch, c + 1));
+          if (atomicAdd(&arrived[slot], 1ull) + 1 == (unsigned long long)P) {  // the last part landed
+            arrived[slot] = 0;  // next use: after freed(c), which follows landed(c)
+            atomicMax(reinterpret_cast<unsigned long long*>(st + kStatTimePullLast), globaltimer_ns());
+            __threadfence();
+            st_release_gpu(&landed[slot], tag(epoch, c + 1));
+          }
         }
       }
       remote = __reduce_add_sync(0xffffffffu, remote);
@@ -429,16 +439,51 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           }
           return (unsigned long long)blocks * Down::kNTiles;
         };
+        // Signalling a finished tile to other CTAs needs a gpu-scope fence after the epilogue's
+        // stores; a consumer thread doing it would stall its warpgroup's next wgmma. A signaller
+        // thread of the producer warpgroup does it instead: the consumers arrive on sig_done[j]
+        // (j = tile % kSig) and go on; the signaller waits for it, fences, publishes the
+        // tile's counters, and arrives on sig_free[j] before the consumers reuse slot j.
+        constexpr int kSig = 4;
+        __shared__ uint64_t sig_done[kSig], sig_free[kSig];
         __shared__ int s_abort;  // set by the producer when a wait failed; the pipeline drains
         const int wgi = tid / 128;
         if (tid == 0) {
-          Up::init_barriers(Up::carve(smem));
+          for (int j = 0; j < kSig; ++j) {
+            sm90::mbar_init(&sig_done[j], 256);
+            sm90::mbar_init(&sig_free[j], 1);
+          }
+          Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
         }
         __syncthreads();
         volatile int* abort_flag = &s_abort;
         if (wgi == 0) {
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+          if (tid == 32) {  // the signaller
+            int i = 0, total_c = -1;
+            unsigned long long total = 0;
+            for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
+              const int j = i % kSig;
+              sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
+              const int slot = c % R;
+              if (!*abort_flag) {
+                __threadfence();  // the consumers' stores (acquired through sig_done) -> gpu scope
+                if (kind == 0) {
+                  atomicAdd(&blk_done[int64_t(slot) * C + m], 1ull);
+                } else {
+                  if (n == 0) count_pushed(rows);
+                  if (total_c != c) {
+                    total = down_tiles(c);
+                    total_c = c;
+                  }
+                  if (atomicAdd(&chk_done[slot], 1ull) + 1 == total) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+                }
+              }
+              sm90::mbar_arrive(&sig_free[j]);
+              ++i;
+            });
+          }
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
@@ -471,35 +516,19 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         } else {
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
-          int total_c = -1;
-          unsigned long long total = 0;
+          int i = 0;
           for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
-            const int slot = c % R;
-            const int64_t row0 = int64_t(slot) * C + m;
+            const int64_t row0 = int64_t(c % R) * C + m;
             if (kind == 0) {
               Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag);
               sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
-              sm90::consumer_barrier();
-              if (tid == 128 && !*abort_flag) {
-                __threadfence();
-                atomicAdd(&blk_done[row0], 1ull);
-              }
-              __syncwarp();
             } else {
-              if (n == 0 && tid == 128 && !*abort_flag) count_pushed(rows);
-              __syncwarp();
               Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
-              sm90::consumer_barrier();
-              if (tid == 128 && !*abort_flag) {
-                if (total_c != c) {
-                  total = down_tiles(c);
-                  total_c = c;
-                }
-                __threadfence();
-                if (atomicAdd(&chk_done[slot], 1ull) + 1 == total) st_release_gpu(&freed[slot], tag(epoch, c + 1));
-              }
-              __syncwarp();
             }
+            const int j = i % kSig;
+            if (i >= kSig) sm90::mbar_wait(&sig_free[j], uint32_t(i / kSig - 1) & 1u);
+            sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
+            ++i;
           });
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
@@ -620,6 +649,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       for (int r = 0; r < p.launch_ranks; ++r) {
         *at<unsigned long long>(p.local[r], L.bar_rank) = tag(epoch + 1, 0);
         *at<unsigned long long>(p.local[r], L.bar_compute) = tag(epoch + 1, 0);
+        for (int q = 0; q < p.ring_chunks; ++q)  // an aborted launch may leave parts counted
+          at<unsigned long long>(p.local[r], L.chunk_arrived)[q] = 0;
       }
       ctl->abort = 0;
       ctl->finished = 0;

@@ -56,8 +56,6 @@ MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
 MOKGEN_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Generic-proxy writes to global memory -> later reads by the TMA (async proxy), and back.
 MOKGEN_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-// Named barrier 1 over the two consumer warpgroups (256 threads; barrier 0 is __syncthreads).
-MOKGEN_DEVICE void consumer_barrier() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 // K-major, 128B-swizzled shared-memory operand: rows of 64 bf16 (128 B), 8-row groups 1024 B apart.
 MOKGEN_DEVICE uint64_t smem_desc_sw128(const void* smem) {
