@@ -370,8 +370,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         int t = 0;
         for (int le = 0; le < e_loc; ++le) {
           const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-          for (int n = 0; n < n_tiles; ++n)  // row blocks innermost: see for_each_tile
-            for (int m = a; m < b; m += 128, ++t)
+          for (int m = a; m < b; m += 128)
+            for (int n = 0; n < n_tiles; ++n, ++t)
               if (t % Gc == cc) fn(le, min(128, b - m), int64_t(c % R) * C + (m - r0), n);
         }
       };
@@ -422,13 +422,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               if (c < 0 || c >= num_chunks || (kind == 0 && step >= num_chunks)) continue;
               const int r0 = c * C, r1 = min(n_rows, r0 + C);
               const int n_tiles = kind == 0 ? Up::kNTiles : Down::kNTiles;
-              // Row blocks innermost: the tiles of one expert's weight slice n over its row blocks
-              // go to neighbouring CTAs at the same time and stream the same weight k-blocks in
-              // step, so DRAM serves each weight byte about once per chunk and L2 the rest.
               for (int le = 0; le < e_loc; ++le) {
                 const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-                for (int n = 0; n < n_tiles; ++n)
-                  for (int m = a; m < b; m += 128, ++t)
+                for (int m = a; m < b; m += 128)
+                  for (int n = 0; n < n_tiles; ++n, ++t)
                     if (t % Gc == cc) fn(kind, c, le, min(128, b - m), m - r0, n);
               }
             }
