@@ -211,27 +211,54 @@ struct HopperTile {
     if (abort_flag != nullptr && *abort_flag) rows = 0;
     // Accumulator layout (per warp w of the warpgroup, lane l): rows 16w + l/4 and +8;
     // n8 group i: columns 8i + 2(l%4) + {0,1} -> acc[4i + {0,1}] (row), acc[4i + {2,3}] (row + 8).
+    // The 4 lanes of a quad share a row; per 4 groups, two butterfly exchanges (quad_transpose)
+    // give each lane one whole group (8 columns, 16 bytes), so a warp stores 64 contiguous
+    // bytes per row per instruction instead of 16 (full 32-byte sectors, 4x fewer stores).
     const int w = t >> 5, lane = t & 31;
-    const int c2 = (lane & 3) * 2;
+    const int q = lane & 3;
+    constexpr int kGroups = kGated ? kAcc / 8 : kAcc / 4;  // output n8 groups per row
+    static_assert(kGroups % 4 == 0, "groups come in blocks of 4");
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-      if (r >= rows) continue;
-      bf16* out = c_row(r) + n0 + c2;
-      if constexpr (kGated) {
+      const bool valid = r < rows;  // the same for the 4 lanes of a quad
+      bf16* out = valid ? c_row(r) + n0 : nullptr;
 #pragma unroll
-        for (int i = 0; i < kAcc / 8; ++i) {  // 16 groups of gate columns; up is 16 groups later
-          const float h0 = swiglu<kHasClamp>(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], clamp_limit);
-          const float h1 =
-              swiglu<kHasClamp>(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], clamp_limit);
-          *reinterpret_cast<uint32_t*>(out + 8 * i) = pack_bf16x2(h0, h1);
+      for (int b = 0; b < kGroups / 4; ++b) {
+        uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b+3
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = 4 * b + u;
+          if constexpr (kGated) {  // gate in groups 0..15, up 16 groups later
+            word[u] = pack_bf16x2(
+                swiglu<kHasClamp>(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], clamp_limit),
+                swiglu<kHasClamp>(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], clamp_limit));
+          } else {
+            word[u] = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+          }
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kAcc / 4; ++i)
-          *reinterpret_cast<uint32_t*>(out + 8 * i) = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+        const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
+        if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
       }
     }
+  }
+
+  // In: lane q of a quad holds word[u] = its 2 columns of group u (u = 0..3). Out: lane q gets
+  // the 4 lanes' words of group q, in lane order (columns 0..7 of the group). Two exchanges:
+  // with lane q^1 (keep the groups of q's parity), then with lane q^2 (keep group q).
+  MOKGEN_DEVICE static uint4 quad_transpose(const uint32_t (&word)[4], int q) {
+    const int p = q & 1, k = q >> 1;
+    // stage 1: send the two groups of the other parity, receive the partner's of ours
+    const uint32_t s0 = p ? word[0] : word[1], s1 = p ? word[2] : word[3];
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    const uint32_t m0 = p ? word[1] : word[0], m1 = p ? word[3] : word[2];  // ours: groups p, p+2
+    // words of lanes 2k and 2k+1 for groups p (lo0, hi0) and p + 2 (lo1, hi1)
+    const uint32_t lo0 = p ? r0 : m0, hi0 = p ? m0 : r0, lo1 = p ? r1 : m1, hi1 = p ? m1 : r1;
+    // stage 2: keep group q = p + 2k, send group p + 2(1 - k), receive the other lane pair's half
+    const uint32_t a0 = k ? lo0 : lo1, a1 = k ? hi0 : hi1;
+    const uint32_t b0 = __shfl_xor_sync(0xffffffffu, a0, 2), b1 = __shfl_xor_sync(0xffffffffu, a1, 2);
+    const uint32_t keep0 = k ? lo1 : lo0, keep1 = k ? hi1 : hi0;
+    return k ? make_uint4(b0, b1, keep0, keep1) : make_uint4(keep0, keep1, b0, b1);
   }
 };
 
