@@ -24,8 +24,9 @@ Conventions (the kernels follow the same ones):
   (``max``), keeps the ``topk_group`` best groups and sets every other expert's selection score to
   ``-inf`` before the top-k. Then weights are optionally renormalized to sum to one (a plain
   division by their sum, no epsilon) and multiplied by ``routed_scaling_factor`` (always, also
-  without renormalization). Ties: selection is ``torch.topk(..., sorted=True)``, so ``topk_ids``
-  come in descending order of the selection score, ties broken however ``torch.topk`` breaks them.
+  without renormalization). ``topk_ids`` come in descending order of the selection score; on a
+  tie (of groups or of experts) the lowest index wins (a stable descending sort), the rule the
+  compiled router follows too.
 * **Combine order.** For each token the k expert outputs are materialized as per-(t, j) rows
   ``[T, k, H]`` (the "combine slots" of the kernel) and reduced in the fixed order ``j = 0..k-1``:
   ``out = 0; out += w[:, 0] * y[:, 0]; out += w[:, 1] * y[:, 1]; ...``. The loop is written out
@@ -57,6 +58,7 @@ import torch.nn.functional as F
 __all__ = [
     "swiglu",
     "route",
+    "route_weights",
     "experts_forward",
     "shared_expert_forward",
     "moe_layer_forward",
@@ -245,18 +247,43 @@ def route(
             raise ValueError(
                 f"routing.group_score must be one of {_GROUP_SCORES}, got {r.group_score!r}"
             )
-        keep_groups = group_scores.topk(topk_group, dim=-1, sorted=True).indices
+        keep_groups = _top_lowest_id(group_scores, topk_group)
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
         group_mask.scatter_(1, keep_groups, True)
         expert_mask = group_mask.repeat_interleave(per_group, dim=1)
         select = select.masked_fill(~expert_mask, float("-inf"))
 
-    topk_ids = select.topk(k, dim=-1, sorted=True).indices
-    topk_weights = scores.gather(1, topk_ids)
-    if r.renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    topk_weights = topk_weights * float(r.routed_scaling_factor)
+    topk_ids = _top_lowest_id(select, k)
+    topk_weights = route_weights(logits, topk_ids, spec, acc_dtype=acc_dtype)
     return topk_ids.to(torch.int64), topk_weights
+
+
+def _top_lowest_id(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values per row, in descending order; equal values are ordered by
+    index, so on a tie the lowest index wins (a stable descending sort)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def route_weights(logits: torch.Tensor, topk_ids: torch.Tensor, spec: Any,
+                  acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The combine weights of already selected experts: the unbiased scores of ``topk_ids``
+    (softmax over all E logits, sigmoid or sqrt(softplus)), renormalized if the spec says so,
+    times ``routed_scaling_factor``. Differentiable w.r.t. ``logits``; compiled routers select
+    the ids and call this for the weights."""
+    r = spec.routing
+    logits = logits.to(acc_dtype)
+    ids = topk_ids.to(torch.int64)
+    if r.scoring == "softmax":
+        w = torch.softmax(logits, dim=-1).gather(1, ids)
+    elif r.scoring == "sigmoid":
+        w = torch.sigmoid(logits.gather(1, ids))
+    elif r.scoring == "sqrtsoftplus":
+        w = torch.sqrt(F.softplus(logits.gather(1, ids)))
+    else:
+        raise ValueError(f"routing.scoring must be one of {_SCORINGS}, got {r.scoring!r}")
+    if r.renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w * float(r.routed_scaling_factor)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -196,6 +196,25 @@ def test_route_group_limited_random_only_from_best_groups():
         assert ids[t].tolist() == best
 
 
+def test_route_ties_lowest_id_wins():
+    # every expert equal: the k lowest ids, in order
+    spec = make_spec(E=8, k=3, scoring="sigmoid")
+    ids, _ = route(torch.zeros(2, 8, dtype=F64), spec, acc_dtype=F64)
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    # a tie straddling the k-th place: expert 5 beats expert 6 (same score), 7 is best
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 2.0]], dtype=F64)
+    ids, _ = route(logits, make_spec(E=8, k=2, scoring="softmax"), acc_dtype=F64)
+    assert ids.tolist() == [[7, 5]]
+    # tied groups: the lower group is kept (groups 1 and 3 tie for the second place)
+    spec = make_spec(E=8, k=2, scoring="sigmoid", n_group=4, topk_group=2, group_score="max")
+    logits = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0, 0.5, 0.0, 1.0]], dtype=F64)
+    ids, _ = route(logits, spec, acc_dtype=F64)
+    assert ids.tolist() == [[1, 3]]  # groups 0 and 1; expert 7 (group 3) is not eligible
+    spec = make_spec(E=8, k=3, scoring="sigmoid", n_group=4, topk_group=2, group_score="max")
+    ids, _ = route(logits, spec, acc_dtype=F64)
+    assert ids.tolist() == [[1, 3, 0]]  # the third pick ties among 0 and 2: 0
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_route_renormalize_sums_to_scale(scoring):
     gen = torch.Generator().manual_seed(2)
