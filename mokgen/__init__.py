@@ -14,6 +14,8 @@ _LAZY = {
     "MoEExperts": "mokgen.ep",
     "MoELayer": "mokgen.ep",
     "virtual_ep_forward": "mokgen.ep",
+    "Router": "mokgen.router",
+    "route": "mokgen.router",
     "reference": "mokgen.reference",
 }
 

@@ -16,7 +16,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check(t: object, name: str, *, shape: tuple, dtypes: tuple) -> None:
+def _check(t: object, name: str, *, shape: tuple, dtypes: tuple, contiguous: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -24,7 +24,7 @@ def _check(t: object, name: str, *, shape: tuple, dtypes: tuple) -> None:
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise InputError(f"{name}: shape must be {want}, got {list(t.shape)}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise InputError(f"{name}: must be contiguous (call .contiguous())")
 
 

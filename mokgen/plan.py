@@ -19,7 +19,7 @@ from mokgen.errors import PlanError
 from mokgen.spec import MoESpec
 
 #: bump when the C ABI of the launcher library changes (load checks it)
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
@@ -76,6 +76,12 @@ class Plan(BaseModel):
     # waits only for its row block's up tiles (Hopper core); "phased": per chunk, up tiles, a
     # barrier of all compute CTAs, down tiles, a barrier (the only one of the portable core).
     schedule: str = "flow"
+    # router selection (router.cuh), from spec.routing
+    router_scoring: str = "softmax"
+    router_bias: bool = False
+    router_n_group: int = 1
+    router_topk_group: int = 1
+    router_group_score: str = "top2_sum"
     abi_version: int = ABI_VERSION
 
     @property
@@ -123,6 +129,11 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         max_tokens_per_rank=t.max_tokens_per_rank,
         **_tiles(spec, gemm_core),
         schedule=schedule if gemm_core == "wgmma" else "phased",
+        router_scoring=spec.routing.scoring,
+        router_bias=spec.routing.score_correction_bias,
+        router_n_group=spec.routing.n_group,
+        router_topk_group=spec.routing.topk_group,
+        router_group_score=spec.routing.group_score,
     )
     return plan
 

@@ -26,7 +26,8 @@ from conftest import pythonpath
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
 SMALL = "qwen3-30b-a3b"
-EXPORTS = ("mokgen_ep_forward", "mokgen_ep_sym_bytes", "mokgen_ep_local_bytes", "mokgen_build_info", "mokgen_abi_version")
+EXPORTS = ("mokgen_ep_forward", "mokgen_ep_sym_bytes", "mokgen_ep_local_bytes", "mokgen_build_info", "mokgen_abi_version",
+           "mokgen_route")
 
 
 def _entries(cache: Path) -> list[Path]:

@@ -1,0 +1,69 @@
+"""mokgen.router: input validation (CPU; nothing is built or launched) and the weight formula it
+shares with the reference."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mokgen.errors import InputError  # noqa: E402
+from mokgen.reference import route as ref_route  # noqa: E402
+from mokgen.reference import route_weights  # noqa: E402
+from mokgen.router import Router, route  # noqa: E402
+from mokgen.spec import bundled_specs, load_spec  # noqa: E402
+
+BIASED = "deepseek-v3"      # sigmoid, bias, 8 groups
+PLAIN = "qwen3-30b-a3b"     # softmax, no bias
+
+
+def test_bias_required_exactly_when_the_spec_has_one():
+    logits = torch.zeros(4, 256)
+    with pytest.raises(InputError, match="score-correction bias; pass it"):
+        route(logits, BIASED)
+    with pytest.raises(InputError, match="has no score-correction bias; pass bias=None"):
+        route(torch.zeros(4, 128), PLAIN, bias=torch.zeros(128))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.zeros(4, 255), r"logits: shape must be \[\*, 256\]"),
+    (torch.zeros(4, 256, dtype=torch.int32), "logits: dtype must be"),
+    (torch.zeros(256), r"logits: shape must be"),
+])
+def test_logits_shape_and_dtype(bad, match):
+    with pytest.raises(InputError, match=match):
+        route(bad, BIASED, bias=torch.zeros(256))
+
+
+def test_cpu_tensors_are_refused_before_any_build():
+    with pytest.raises(InputError, match="logits: must be on a CUDA device"):
+        route(torch.zeros(4, 256), BIASED, bias=torch.zeros(256))
+    with pytest.raises(InputError, match=r"bias: shape must be \[256\]"):
+        route(torch.zeros(4, 256), BIASED, bias=torch.zeros(255))
+
+
+def test_router_module_parameters():
+    r = Router(BIASED, device="cpu")
+    assert tuple(r.weight.shape) == (256, 7168) and r.weight.dtype == torch.bfloat16
+    assert tuple(r.e_score_correction_bias.shape) == (256,) and r.e_score_correction_bias.dtype == torch.float32
+    assert "e_score_correction_bias" in dict(r.named_buffers())
+    p = Router(PLAIN, device="cpu")
+    assert p.e_score_correction_bias is None and not list(p.buffers())
+    with pytest.raises(InputError, match=r"x: shape must be \[\*, 2048\]"):
+        p.logits(torch.zeros(3, 7))
+
+
+@pytest.mark.parametrize("name", sorted(bundled_specs()))
+def test_route_weights_is_the_reference_formula(name):
+    """route_weights at the reference's own ids gives the reference's weights and gradients."""
+    spec = load_spec(name)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, spec.num_experts, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(spec.num_experts, generator=gen, dtype=torch.float64) * 0.1 if spec.routing.score_correction_bias else None
+    ids, w = ref_route(logits, spec, bias=bias, acc_dtype=torch.float64)
+    w2 = route_weights(logits, ids.to(torch.int32), spec, acc_dtype=torch.float64)
+    torch.testing.assert_close(w2, w)
+    g = torch.randn_like(w)
+    (a,) = torch.autograd.grad((w * g).sum(), logits, retain_graph=True)
+    (b,) = torch.autograd.grad((w2 * g).sum(), logits)
+    torch.testing.assert_close(a, b)
