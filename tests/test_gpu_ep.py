@@ -177,6 +177,23 @@ def test_flow_and_phased_schedules_give_the_same_bits(monkeypatch):
         assert torch.equal(out, first), f"bits differ for {cfg}"
 
 
+def test_hidden_size_with_128_column_down_tiles():
+    """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the
+    same pipeline; under the flow schedule both are in flight at once (the stage stride must be
+    shared). A small custom spec, against the reference and the phased schedule."""
+    from mokgen.spec import spec_from_dict
+
+    d = load_spec(SMALL).canonical_dict()
+    d.update(name="h1152-test", aliases=[], hidden_size=1152, moe_intermediate_size=256, num_experts=16, top_k=4)
+    spec = spec_from_dict(d)
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    xs, ids, ws = _inputs(spec, [1500, 700], gen)
+    out = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=512, ring_chunks=3)
+    _assert_close(spec, out, xs, ids, ws, wg, wu, wd)
+    assert torch.equal(torch.cat(out), _single_rank(spec, xs, ids, ws, wg, wu, wd))
+
+
 def test_missing_peer_times_out_then_recovers():
     spec = load_spec(SMALL)
     wg, wu, wd = _weights(spec)

@@ -62,6 +62,27 @@ def test_ids_and_weights_match_the_reference(name, quantized):
     torch.testing.assert_close(w[rows], ref_w[rows])
 
 
+@pytest.mark.parametrize("scoring, group_score, bias", [
+    ("softmax", "top2_sum", False),   # group sums need probabilities, not logits
+    ("softmax", "max", False),
+    ("sqrtsoftplus", "top2_sum", True),
+    ("sigmoid", "max", True),
+])
+def test_group_limited_rules_on_custom_specs(scoring, group_score, bias):
+    from mokgen.spec import spec_from_dict
+
+    d = load_spec("deepseek-v3").canonical_dict()
+    d.update(name=f"router-{scoring}-{group_score.replace('_', '')}", aliases=[], num_experts=64, top_k=4,
+             routing={**d["routing"], "scoring": scoring, "group_score": group_score, "n_group": 8,
+                      "topk_group": 2, "score_correction_bias": bias})
+    spec = spec_from_dict(d)
+    logits, b = _inputs(spec, 2048, 11, quantized=True)
+    ids, w = route(logits, spec, b)
+    ref_ids, ref_w = reference.route(logits, spec, bias=b)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w)
+
+
 def test_every_selection_rule_on_small_hand_cases():
     spec = load_spec("deepseek-v3")  # sigmoid + bias, 8 groups of 32, keep 4, top-8
     logits = torch.zeros(3, 256, device="cuda")

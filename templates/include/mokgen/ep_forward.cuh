@@ -145,8 +145,12 @@ struct EpCore<Cfg, false> {
 };
 template <class Cfg>
 struct EpCore<Cfg, true> {
-  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256>;
-  using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN>;
+  // one pipeline serves both tile kinds, so both step through it with the larger stage size
+  static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * 64 * 2;
+  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride>;
+  using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride>;
+  static_assert(Up::kStageStride == Down::kStageStride && Up::kStageStride >= Up::kStageBytes &&
+                    Down::kStageStride >= Down::kStageBytes, "up and down tiles share the stage stride");
   static constexpr int kThreads = 384;
 };
 
@@ -645,6 +649,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
+      __threadfence();  // acquire: every CTA's updates of the counters come before the re-base
       const LocalLayout<Cfg> L(p.world, p.chunk_rows, p.ring_chunks);
       for (int r = 0; r < p.launch_ranks; ++r) {
         *at<unsigned long long>(p.local[r], L.bar_rank) = tag(epoch + 1, 0);

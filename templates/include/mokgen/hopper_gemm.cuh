@@ -107,7 +107,10 @@ MOKGEN_DEVICE void fence_operands(float (&acc)[kN]) {
   for (int i = 0; i < kN; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
-template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB>
+// kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
+// pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
+// overlap the next stage of the other while both are in flight.
+template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0>
 struct HopperTile {
   static constexpr int kBM = 128;
   static constexpr int kBK = 64;
@@ -115,12 +118,14 @@ struct HopperTile {
   static constexpr int kAcc = kBNB / 2;                  // fp32 accumulators per consumer thread
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBNB * kBK * 2;
-  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;  // bytes the TMA delivers per stage
+  static constexpr int kStageStride = kStride ? kStride : kStageBytes;
+  static_assert(kStageStride >= kStageBytes && kStageStride % 1024 == 0, "stage stride");
   static constexpr int kKTiles = kK / kBK;
   static constexpr int kNTiles = kN / kBN;
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   // full/empty barriers, then the 1024-aligned stages (+1024 of alignment slack)
-  static constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
   static_assert(kK % kBK == 0, "K must be a multiple of 64");
   static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
   static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
@@ -161,7 +166,7 @@ struct HopperTile {
                                     const CUtensorMap* map_b0, const CUtensorMap* map_b1, int b_row0) {
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
-      unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+      unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       uint64_t* full = &s.full[pipe.stage];
       mbar_arrive_expect_tx(full, kStageBytes);
       cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st, kb * kBK, a_row0);
@@ -189,7 +194,7 @@ struct HopperTile {
     int prev_stage = -1;
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
-      const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+      const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sa = st + wg * (64 * 128);
       const unsigned char* sb = st + kABytes;
       fence_operands(acc);

@@ -9,7 +9,9 @@
 //
 // One warp per token. Lane l holds experts l, l + 32, l + 64, ...; group scores and the top-k
 // come from warp butterfly reductions that every lane ends with, so every lane makes the same
-// decisions and no shared memory is needed.
+// decisions and no shared memory is needed. Scores use the accurate expf/log1pf; selection can
+// still differ from PyTorch's where two different scores round to within an ulp of each other
+// (a near-tie), never on exact ties.
 #pragma once
 
 #include "common.cuh"
@@ -36,11 +38,11 @@ struct RouterSelect {
   // Selection value of one expert from its logit (softmax needs the row's max and sum).
   MOKGEN_DEVICE static float score(float logit, float row_max, float inv_sum) {
     if constexpr (kScoring == kScoreSoftmax) {
-      return __expf(logit - row_max) * inv_sum;
+      return expf(logit - row_max) * inv_sum;
     } else if constexpr (kScoring == kScoreSigmoid) {
-      return 1.f / (1.f + __expf(-logit));
+      return 1.f / (1.f + expf(-logit));
     } else {
-      const float sp = logit > 20.f ? logit : log1pf(__expf(logit));  // softplus, as torch's threshold
+      const float sp = logit > 20.f ? logit : log1pf(expf(logit));  // softplus, as torch's threshold
       return sqrtf(sp);
     }
   }
@@ -57,8 +59,10 @@ struct RouterSelect {
       const int e = lane + 32 * s;
       v[s] = e < kE ? row[e] : -CUDART_INF_F;
     }
-    // Without a bias, softmax selection is selection on the logits (same order, no rounding).
-    constexpr bool kRaw = kScoring == kScoreSoftmax && !kBias;
+    // Without a bias, softmax ranks experts as the logits do (the same order, no rounding), and
+    // groups too when they are scored by their max; a top-2 SUM of probabilities is not ranked
+    // like a sum of logits, so group-limited top2_sum needs the probabilities.
+    constexpr bool kRaw = kScoring == kScoreSoftmax && !kBias && (kNGroup == 1 || !kTop2Sum);
     if constexpr (!kRaw) {
       float row_max = -CUDART_INF_F, inv_sum = 1.f;
       if constexpr (kScoring == kScoreSoftmax) {
@@ -68,7 +72,7 @@ struct RouterSelect {
         float sum = 0.f;
 #pragma unroll
         for (int s = 0; s < kPer; ++s)
-          if (lane + 32 * s < kE) sum += __expf(v[s] - row_max);
+          if (lane + 32 * s < kE) sum += expf(v[s] - row_max);
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         inv_sum = 1.f / sum;
       }
