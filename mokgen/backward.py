@@ -1,0 +1,120 @@
+"""Backward of the routed experts: the PyTorch baseline behind the megakernel's autograd.
+
+Step 1 of the backward plan (docs/architecture.md, "Backward plan"): gradients for the tokens,
+the routing weights and the expert weights, recomputing the forward's intermediates from the
+saved inputs (the "recompute" policy), in fixed-order, atomic-free PyTorch, so they are bitwise
+reproducible run to run. The backward megakernel (pull of dOut, push of dX, per-(expert, tile)
+weight-gradient CTAs) will replace it behind the same interface.
+
+Math, per (token t, slot j) pair with expert e = ids[t, j] and row x = x[t]:
+    g = x Wg[e]^T, u = x Wu[e]^T, h = swiglu(g, u), y = h Wd[e]^T, out[t] = sum_j w[t, j] y
+    dy = w[t, j] dOut[t]                  d w[t, j] = <dOut[t], y>
+    dWd[e] += dy^T h,   dh = dy Wd[e],    (dg, du) = swiglu'(g, u) dh
+    dWg[e] += dg^T x,   dWu[e] += du^T x, dx_(t,j) = dg Wg[e] + du Wu[e]
+    dX[t] = sum_j dx_(t,j), in the order j = 0..k-1.
+Rows are processed expert-major (stable order), and each expert's weight gradient is one matmul
+over its rows in that order: no split-K, no scatter-add.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mokgen.reference import swiglu
+
+
+def _swiglu_grads(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, clamp_limit):
+    """(dg, du) of h = swiglu(g, u) (clamps included) for the upstream gradient dh, by autograd of
+    the reference's elementwise definition (the exact same rule, clamp edges included)."""
+    with torch.enable_grad():
+        g_ = g.detach().requires_grad_(True)
+        u_ = u.detach().requires_grad_(True)
+        h = swiglu(g_, u_, clamp_limit)
+        dg, du = torch.autograd.grad(h, (g_, u_), dh)
+    return dg, du
+
+
+def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit=None,
+                     need_weight_grads: bool = True):
+    """Gradients of ``out = experts_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down)``.
+
+    ``x [T, H]``, ``topk_ids [T, K]`` (ids in ``[0, E)``), ``topk_weights [T, K]``, ``w_gate`` /
+    ``w_up [E, I, H]``, ``w_down [E, H, I]``, ``grad_out [T, H]``. Computes in fp32 (fp64 for
+    fp64 inputs) and returns
+    ``(dx, d_topk_weights, dw_gate, dw_up, dw_down)`` in the dtypes of the inputs (the weight
+    gradients are None unless ``need_weight_grads``)."""
+    T, K = topk_ids.shape
+    E = w_gate.shape[0]
+    f32 = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32, or fp64 for an oracle
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    # pairs with an id outside [0, E) were dropped by the forward (its combine skips them): no
+    # gradient; sorting them last (key E) keeps them out of every expert's segment
+    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)  # pairs expert-major, then (t, j) order
+    counts = torch.bincount(key, minlength=E + 1).tolist() if flat.numel() else [0] * (E + 1)
+    tok = torch.div(order, K, rounding_mode="floor")
+    rows = x.index_select(0, tok).to(f32)
+    go = grad_out.index_select(0, tok).to(f32)
+    wts = topk_weights.reshape(-1).index_select(0, order).to(f32)
+    N, H = rows.shape
+    dx_rows = torch.zeros(N, H, dtype=f32, device=x.device)
+    dw_rows = torch.zeros(N, dtype=f32, device=x.device)
+    grads = [torch.zeros(w.shape, dtype=f32, device=w.device) for w in (w_gate, w_up, w_down)] if need_weight_grads else None
+    start = 0
+    for e, c in enumerate(counts[:E]):
+        if c == 0:
+            continue
+        sl = slice(start, start + c)
+        xr, gr = rows[sl], go[sl]
+        wg, wu, wd = w_gate[e].to(f32), w_up[e].to(f32), w_down[e].to(f32)
+        g, u = xr @ wg.T, xr @ wu.T
+        h = swiglu(g, u, clamp_limit)
+        y = h @ wd.T
+        dw_rows[sl] = (gr * y).sum(dim=1)
+        dy = gr * wts[sl].unsqueeze(1)
+        dh = dy @ wd
+        dg, du = _swiglu_grads(g, u, dh, clamp_limit)
+        dx_rows[sl] = dg @ wg + du @ wu
+        if grads is not None:
+            grads[0][e] = dg.T @ xr
+            grads[1][e] = du.T @ xr
+            grads[2][e] = dy.T @ h
+        start += c
+    # back to (t, j) order: a permutation (unique indices), then the fixed-order sum over j
+    dx_pairs = torch.empty_like(dx_rows)
+    dx_pairs[order] = dx_rows
+    dx_pairs = dx_pairs.view(T, K, H)
+    dx = torch.zeros(T, H, dtype=f32, device=x.device)
+    for j in range(K):
+        dx = dx + dx_pairs[:, j]
+    dw = torch.empty(T * K, dtype=f32, device=x.device)
+    dw[order] = dw_rows
+    out = [dx.to(x.dtype), dw.view(T, K).to(topk_weights.dtype)]
+    if grads is None:
+        return (*out, None, None, None)
+    return (*out, *(gw.to(w.dtype) for gw, w in zip(grads, (w_gate, w_up, w_down))))
+
+
+def ep_op_backward(saved: dict, grads_out):
+    """Backward of the megakernel op for the ranks of one process (one rank, or W virtual ranks
+    whose experts are all here): ``saved`` holds the op's lists (xs, topk_ids, topk_weights,
+    w_gate, w_up, w_down), ``world`` and ``clamp_limit``; ``grads_out`` the gradients of the
+    per-rank outputs (None for an unused output). Returns per-rank lists
+    (dxs, d_topk_weights, dw_gate, dw_up, dw_down)."""
+    xs, ids, ws = saved["xs"], saved["topk_ids"], saved["topk_weights"]
+    wg, wu, wd = saved["w_gate"], saved["w_up"], saved["w_down"]
+    n = len(xs)
+    if saved["world"] != n:
+        raise NotImplementedError(
+            "backward of an expert-parallel layer across GPUs is not implemented yet (issue 5); "
+            "single-rank and virtual-rank layers have one")
+    sizes = [x.shape[0] for x in xs]
+    x = torch.cat(list(xs))
+    i = torch.cat(list(ids))
+    w = torch.cat(list(ws))
+    g = torch.cat([go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)])
+    e_loc = [t.shape[0] for t in wg]
+    dx, dw, dwg, dwu, dwd = experts_backward(x, i, w, torch.cat(list(wg)), torch.cat(list(wu)), torch.cat(list(wd)), g,
+                                             saved["clamp_limit"])
+    return (list(dx.split(sizes)), list(dw.split(sizes)), list(dwg.split(e_loc)), list(dwu.split(e_loc)),
+            list(dwd.split(e_loc)))
