@@ -51,3 +51,43 @@ def test_ep_workload_outside_torchrun_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(InputError, match="launch it as `torchrun --nproc-per-node N -m mokgen bench"):
         _init_ep_group()
+
+
+def test_skewed_routing_prefers_the_hot_experts_and_keeps_ids_distinct():
+    torch = pytest.importorskip("torch")
+    from mokgen.bench import skewed_routing
+
+    spec = load_spec("kimi-k2.5")
+    gen = torch.Generator().manual_seed(0)
+    ids, w = skewed_routing(spec, 500, gen, hot_experts=96, device="cpu")
+    assert ids.shape == (500, spec.top_k) and w.shape == (500, spec.top_k)
+    assert all(len(set(row)) == spec.top_k for row in ids.tolist())
+    assert (ids < 96).all()  # top_k = 8 <= 96 hot experts: every pick is hot
+    torch.testing.assert_close(w.sum(-1), torch.ones(500))
+
+
+def test_remote_bytes_counts_rows_from_other_ranks_only():
+    torch = pytest.importorskip("torch")
+    from mokgen.bench import _remote_bytes
+
+    spec = load_spec("qwen3-30b-a3b")  # 128 experts, H = 2048
+    # 2 ranks (64 experts each); rank 0 sends 3 pairs to rank 1 and 1 to itself
+    ids0 = torch.tensor([[64, 0], [100, 127]])
+    ids1 = torch.tensor([[1, 2], [3, 70]])
+    row = spec.hidden_size * 2
+    assert _remote_bytes(spec, [ids0, ids1], 0, 2) == 3 * row  # from rank 1: 1, 2, 3
+    assert _remote_bytes(spec, [ids0, ids1], 1, 2) == 3 * row  # from rank 0: 64, 100, 127
+
+
+def test_kernel_statistics_parsing():
+    from mokgen.abi import STAT_SLOTS, parse_stats
+
+    ns = {"t_start_ns": 1_000_000, "t_pull_first_ns": 1_200_000, "t_pull_last_ns": 1_700_000, "t_done_ns": 3_000_000}
+    vals = [100, 100, 100, 40] + [ns[k] for k in STAT_SLOTS[4:]]
+    st = parse_stats(vals)
+    assert (st["rows_received"], st["rows_remote"]) == (100, 40)
+    assert st["pull_start_ms"] == pytest.approx(0.2) and st["pull_ms"] == pytest.approx(0.5)
+    assert st["done_ms"] == pytest.approx(2.0)
+    # nothing pulled: the pull window is unknown (the kernel leaves first = max, last = 0)
+    idle = parse_stats([0, 0, 0, 0, 1_000_000, 2**63 - 1, 0, 1_500_000])
+    assert idle["pull_ms"] is None and idle["pull_start_ms"] is None and idle["done_ms"] == pytest.approx(0.5)
