@@ -15,6 +15,7 @@ _LAZY = {
     "MoELayer": "mokgen.ep",
     "virtual_ep_forward": "mokgen.ep",
     "Router": "mokgen.router",
+    "MoEBlock": "mokgen.block",
     "route": "mokgen.router",
     "reference": "mokgen.reference",
 }

@@ -1,0 +1,88 @@
+"""MoEBlock: the whole MoE block of a model, hidden states in, block output out.
+
+router (mokgen.router: compiled top-k selection, differentiable weights) -> routed experts
+(mokgen.ep.MoELayer: the megakernel; backward through its autograd registration) + shared
+expert(s) (PyTorch for now; issue 8 moves them into the megakernel as local work that overlaps
+the dispatch wait). The same computation as ``mokgen.reference.moe_layer_forward``; the module a
+model's code swaps in for its MoE block (weights in the Hugging Face layout).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mokgen.ep import MoELayer
+from mokgen.errors import InputError
+from mokgen.reference import shared_expert_forward
+from mokgen.router import Router
+from mokgen.spec import MoESpec, load_spec
+
+
+class SharedExpertMLP(torch.nn.Module):
+    """``spec.shared_experts.count`` SwiGLU experts applied to every token, summed in order, and
+    with ``gate == "sigmoid"`` scaled by ``sigmoid(x @ gate_weight.T)`` (Qwen3.5)."""
+
+    def __init__(self, spec: MoESpec, *, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        se, H = spec.shared_experts, spec.hidden_size
+        n, Is = se.count, se.intermediate_size
+        kw = dict(device=device, dtype=dtype)
+        self.w_gate = torch.nn.Parameter(torch.randn(n, Is, H, **kw) / math.sqrt(H))
+        self.w_up = torch.nn.Parameter(torch.randn(n, Is, H, **kw) / math.sqrt(H))
+        self.w_down = torch.nn.Parameter(torch.randn(n, H, Is, **kw) / math.sqrt(Is))
+        self.gate_weight = torch.nn.Parameter(torch.zeros(1, H, **kw)) if se.gate == "sigmoid" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return shared_expert_forward(x, self.w_gate, self.w_up, self.w_down, gate_weight=self.gate_weight,
+                                     out_dtype=x.dtype)
+
+
+class MoEBlock(torch.nn.Module):
+    """Router + routed experts + shared expert(s) of ``spec`` on one expert-parallel rank.
+
+    ``group``: the EP process group (None: one rank). ``forward(hidden [..., H] bf16)`` returns the
+    block output of the same shape; the routing of the last call is kept in ``last_routing``
+    (ids, weights) for auxiliary losses or inspection."""
+
+    def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None, device=None):
+        super().__init__()
+        self.spec = load_spec(spec) if isinstance(spec, str) else spec
+        device = torch.device("cuda") if device is None else torch.device(device)
+        self.router = Router(self.spec, device=device)
+        self.experts = MoELayer(self.spec, group, max_tokens=max_tokens, device=device)
+        self.shared = SharedExpertMLP(self.spec, device=device) if self.spec.shared_experts.count else None
+        self.last_routing = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        H = self.spec.hidden_size
+        if hidden.shape[-1] != H:
+            raise InputError(f"hidden: last dimension must be {H}, got shape {list(hidden.shape)}")
+        if hidden.dtype != torch.bfloat16:
+            raise InputError(f"hidden: dtype must be torch.bfloat16, got {hidden.dtype}")
+        x = hidden.reshape(-1, H).contiguous()
+        ids, w = self.router(x)
+        self.last_routing = (ids.detach(), w.detach())
+        y = self.experts(x, ids, w)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.reshape(hidden.shape)
+
+    def reference_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The same block through mokgen.reference (fp32, PyTorch only): the oracle to compare
+        outputs, gradients and loss curves against."""
+        from mokgen.reference import moe_layer_forward
+
+        if self.experts.world != 1:
+            raise InputError("reference_forward needs a single-rank block (every expert here)")
+        x = hidden.reshape(-1, self.spec.hidden_size)
+        shared = None
+        if self.shared is not None:
+            shared = {"w_gate": self.shared.w_gate, "w_up": self.shared.w_up, "w_down": self.shared.w_down}
+            if self.shared.gate_weight is not None:
+                shared["gate_weight"] = self.shared.gate_weight
+        out, _, _ = moe_layer_forward(x, self.router.weight, self.experts.w_gate, self.experts.w_up,
+                                      self.experts.w_down, self.spec, router_bias=self.router.e_score_correction_bias,
+                                      shared=shared, out_dtype=hidden.dtype)
+        return out.reshape(hidden.shape)
