@@ -42,8 +42,9 @@ class SharedExpertMLP(torch.nn.Module):
 class MoEBlock(torch.nn.Module):
     """Router + routed experts + shared expert(s) of ``spec`` on one expert-parallel rank.
 
-    ``group``: the EP process group (None: one rank). ``forward(hidden [..., H] bf16)`` returns the
-    block output of the same shape; the routing of the last call is kept in ``last_routing``
+    ``group``: the EP process group (None: one rank). ``forward(hidden [..., H] bf16, token_ids=None)``
+    returns the block output of the same shape (``token_ids [...]`` for a hash-routing router, see
+    ``Router(hash_table=...)``); the routing of the last call is kept in ``last_routing``
     (ids, weights) for auxiliary losses or inspection."""
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None, device=None):
@@ -55,14 +56,14 @@ class MoEBlock(torch.nn.Module):
         self.shared = SharedExpertMLP(self.spec, device=device) if self.spec.shared_experts.count else None
         self.last_routing = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         H = self.spec.hidden_size
         if hidden.shape[-1] != H:
             raise InputError(f"hidden: last dimension must be {H}, got shape {list(hidden.shape)}")
         if hidden.dtype != torch.bfloat16:
             raise InputError(f"hidden: dtype must be torch.bfloat16, got {hidden.dtype}")
         x = hidden.reshape(-1, H).contiguous()
-        ids, w = self.router(x)
+        ids, w = self.router(x, None if token_ids is None else token_ids.reshape(-1))
         self.last_routing = (ids.detach(), w.detach())
         y = self.experts(x, ids, w)
         if self.shared is not None:

@@ -59,6 +59,7 @@ __all__ = [
     "swiglu",
     "route",
     "route_weights",
+    "hash_route",
     "experts_forward",
     "shared_expert_forward",
     "moe_layer_forward",
@@ -262,6 +263,25 @@ def _top_lowest_id(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values per row, in descending order; equal values are ordered by
     index, so on a tie the lowest index wins (a stable descending sort)."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def hash_route(logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor, spec: Any,
+               acc_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing (DeepSeek-V4's first layers): the experts of a token are a fixed function of
+    its token id, ``table[token_id]`` (``table [V, k]``, distinct ids in ``[0, E)`` per row); the
+    weights are the router's scores at those experts, as in :func:`route_weights` (scoring,
+    renormalization, routed scaling factor). Returns ``(topk_ids int64 [T, k], topk_weights)``."""
+    k, E = int(spec.top_k), int(spec.num_experts)
+    if table.dim() != 2 or table.shape[1] != k:
+        raise ValueError(f"hash table must be [V, {k}], got shape {tuple(table.shape)}")
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= E):
+        raise ValueError(f"hash table ids must be in [0, {E})")
+    if token_ids.dim() != 1 or token_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"token_ids must be [{logits.shape[0]}], got shape {tuple(token_ids.shape)}")
+    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= table.shape[0]):
+        raise ValueError(f"token_ids must be in [0, {table.shape[0]}) (the hash table's rows)")
+    ids = table.to(torch.int64).index_select(0, token_ids.to(torch.int64))
+    return ids, route_weights(logits, ids, spec, acc_dtype=acc_dtype)
 
 
 def route_weights(logits: torch.Tensor, topk_ids: torch.Tensor, spec: Any,

@@ -18,7 +18,7 @@ import torch
 from mokgen.errors import InputError
 from mokgen.load import load
 from mokgen.ops import _check, _check_device
-from mokgen.reference import route_weights
+from mokgen.reference import hash_route, route_weights
 from mokgen.spec import MoESpec, load_spec
 
 
@@ -42,13 +42,30 @@ def _check_route_inputs(spec: MoESpec, logits: torch.Tensor, bias: torch.Tensor 
         _check_device(bias, "bias", logits.device)
 
 
-def route(logits: torch.Tensor, spec: MoESpec | str, bias: torch.Tensor | None = None):
+def route(logits: torch.Tensor, spec: MoESpec | str, bias: torch.Tensor | None = None, *,
+          token_ids: torch.Tensor | None = None, hash_table: torch.Tensor | None = None):
     """Select ``spec.top_k`` experts per token from router ``logits [T, E]`` (any float dtype;
     computed in fp32). Returns ``(topk_ids, topk_weights)``: int32 ``[T, k]`` ids, best first
     (equal to :func:`mokgen.reference.route`'s, ties to the lowest id), and fp32 ``[T, k]``
     weights, differentiable w.r.t. ``logits``. ``bias [E]``: the score-correction bias, required
-    exactly when the spec has one."""
+    exactly when the spec has one.
+
+    Hash routing (DeepSeek-V4's first layers): with ``hash_table [V, k]`` and ``token_ids [T]``
+    the ids are ``hash_table[token_ids]`` (no selection, the bias unused) and the weights the
+    scores there (:func:`mokgen.reference.hash_route`)."""
     spec = _spec(spec)
+    if hash_table is not None or token_ids is not None:
+        if hash_table is None or token_ids is None:
+            raise InputError("hash routing needs both hash_table [V, k] and token_ids [T]")
+        _check(logits, "logits", shape=(None, spec.num_experts), dtypes=(torch.float32, torch.bfloat16, torch.float16),
+               contiguous=False)
+        _check(hash_table, "hash_table", shape=(None, spec.top_k), dtypes=(torch.int32, torch.int64), contiguous=False)
+        _check(token_ids, "token_ids", shape=(logits.shape[0],), dtypes=(torch.int32, torch.int64), contiguous=False)
+        try:
+            ids, w = hash_route(logits, token_ids, hash_table, spec)
+        except ValueError as err:
+            raise InputError(str(err)) from None
+        return ids.to(torch.int32), w
     _check_route_inputs(spec, logits, bias)
     lf = logits.detach().float().contiguous()
     bf = None if bias is None else bias.detach().float().contiguous()
@@ -62,9 +79,12 @@ class Router(torch.nn.Module):
     ``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``; gradients flow to ``weight`` and ``x``
     through the weights."""
 
-    def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16,
+                 hash_table: torch.Tensor | None = None):
         super().__init__()
         self.spec = _spec(spec)
+        #: hash routing: ``forward(x, token_ids)`` takes the experts from this [V, k] table
+        self.register_buffer("hash_table", None if hash_table is None else hash_table.to(device=device))
         E, H = self.spec.num_experts, self.spec.hidden_size
         self.weight = torch.nn.Parameter(torch.empty(E, H, device=device, dtype=dtype))
         torch.nn.init.normal_(self.weight, std=H**-0.5)
@@ -78,7 +98,13 @@ class Router(torch.nn.Module):
                contiguous=False)
         return torch.nn.functional.linear(x.float(), self.weight.float())
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None):
+        if self.hash_table is not None:
+            if token_ids is None:
+                raise InputError("this router hashes token ids to experts: pass token_ids")
+            return route(self.logits(x), self.spec, token_ids=token_ids, hash_table=self.hash_table)
+        if token_ids is not None:
+            raise InputError("token_ids given, but this router has no hash table")
         return route(self.logits(x), self.spec, self.e_score_correction_bias)
 
     def extra_repr(self) -> str:

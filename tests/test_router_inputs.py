@@ -67,3 +67,40 @@ def test_route_weights_is_the_reference_formula(name):
     (a,) = torch.autograd.grad((w * g).sum(), logits, retain_graph=True)
     (b,) = torch.autograd.grad((w2 * g).sum(), logits)
     torch.testing.assert_close(a, b)
+
+
+def test_hash_route_reference():
+    from mokgen.reference import hash_route
+
+    spec = load_spec("deepseek-v4-pro")  # sqrtsoftplus, renormalized, scaled
+    gen = torch.Generator().manual_seed(0)
+    table = torch.rand(50, spec.num_experts, generator=gen).topk(spec.top_k, dim=-1).indices
+    tok = torch.tensor([3, 3, 49, 0])
+    logits = torch.randn(4, spec.num_experts, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids, w = hash_route(logits, tok, table, spec, acc_dtype=torch.float64)
+    assert torch.equal(ids, table[tok])  # the same token, the same experts, whatever the logits
+    torch.testing.assert_close(w, route_weights(logits, ids, spec, acc_dtype=torch.float64))
+    torch.testing.assert_close(w.sum(-1), torch.full((4,), spec.routing.routed_scaling_factor, dtype=torch.float64))
+    w.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"token_ids must be in \[0, 50\)"):
+        hash_route(logits, torch.tensor([0, 1, 2, 50]), table, spec)
+    with pytest.raises(ValueError, match="hash table must be"):
+        hash_route(logits, tok, table[:, :2], spec)
+
+
+def test_hash_routing_inputs():
+    spec = load_spec("deepseek-v4-pro")
+    table = torch.zeros(10, spec.top_k, dtype=torch.int64)
+    with pytest.raises(InputError, match="needs both hash_table"):
+        route(torch.zeros(2, spec.num_experts), spec, hash_table=table)
+    with pytest.raises(InputError, match="hash table ids must be in"):
+        route(torch.zeros(2, spec.num_experts), spec, token_ids=torch.tensor([0, 1]), hash_table=table - 1)
+    ids, w = route(torch.zeros(2, spec.num_experts), spec, token_ids=torch.tensor([0, 9]),
+                   hash_table=torch.arange(10 * spec.top_k).view(10, spec.top_k) % spec.num_experts)
+    assert ids.dtype == torch.int32 and ids[1].tolist() == list(range(9 * spec.top_k, 10 * spec.top_k))
+    r = Router(spec, device="cpu", hash_table=table)
+    with pytest.raises(InputError, match="pass token_ids"):
+        r(torch.zeros(2, spec.hidden_size, dtype=torch.bfloat16))
+    with pytest.raises(InputError, match="has no hash table"):
+        Router(spec, device="cpu")(torch.zeros(2, spec.hidden_size, dtype=torch.bfloat16), torch.tensor([0, 1]))
