@@ -7,7 +7,7 @@ timestamps, sorted iteration, '\\n' line endings. Every generated file starts wi
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import hashlib
 import os
 import shutil
@@ -109,29 +109,29 @@ def write_tree(files: dict[str, str | bytes | Path], dest: Path, links: dict[str
     return dest
 
 
-def _replace(tmp: Path, dest: Path, attempts: int = 20) -> None:
-    """Rename ``tmp`` to ``dest``. An existing ``dest`` is moved aside first and put back when
-    the rename fails; when a concurrent writer publishes in between, its tree is replaced too."""
-    for attempt in range(attempts):
+def _replace(tmp: Path, dest: Path) -> None:
+    """Rename ``tmp`` to ``dest``; an existing ``dest`` is moved aside first and put back when the
+    rename fails. Writers of the same parent folder take turns: an exclusive flock on the parent
+    directory itself (no lock file is left behind; the kernel drops it if the holder dies), so
+    two builds publishing the same folder cannot interleave their renames."""
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         hold = None
         if os.path.lexists(dest):
             hold = Path(tempfile.mkdtemp(prefix=f".old-{dest.name}-", dir=dest.parent))
-            try:
-                os.rename(dest, hold / dest.name)
-            except FileNotFoundError:  # a concurrent writer moved it first
-                pass
+            os.rename(dest, hold / dest.name)
         try:
             os.rename(tmp, dest)
-        except OSError as err:
-            if hold is not None and os.path.lexists(hold / dest.name) and not os.path.lexists(dest):
+        except BaseException:
+            if hold is not None:
                 os.rename(hold / dest.name, dest)
-            if err.errno in (errno.ENOTEMPTY, errno.EEXIST) and attempt + 1 < attempts:
-                continue  # a concurrent writer published between our two renames
             raise
         finally:
             if hold is not None:
                 shutil.rmtree(hold, ignore_errors=True)
-        return
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def render_prebuilt_init(spec_name: str, package: str) -> str:
