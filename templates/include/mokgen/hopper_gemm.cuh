@@ -192,6 +192,7 @@ struct HopperTile {
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
     // retired and hand its stage back to the producer.
     int prev_stage = -1;
+#pragma unroll 2  // as the compiler picks for long K; a short K fully unrolled spilled the accumulators
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
