@@ -243,6 +243,52 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     return rows
 
 
+def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
+                         workload: str = "layer") -> list[Row]:
+    """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then
+    its autograd backward: the PyTorch baseline of mokgen/backward.py for now) against the
+    ``torch._grouped_mm`` pipeline under autograd. Gradients for x, the routing weights and the
+    three expert weights; FLOPs counted as 3x the forward's. Each row's ``ms_all`` holds the
+    timings; the peak memory of each side (bytes above the inputs) is put in ``impl``."""
+    from mokgen.ep import MoELayer
+
+    wg, wu, wd = (w.detach().requires_grad_(True) for w in _weights(spec))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    inputs = []
+    for _ in range(n_inputs):
+        x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
+        ids, w = _routing(spec, tokens, gen)
+        inputs.append((x, ids, w.requires_grad_(True), torch.randn_like(x)))
+    layer = MoELayer(spec, max_tokens=tokens, device="cuda")
+    with torch.no_grad():
+        layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+    layer.check_ids = False
+    clamp = spec.activation.clamp_limit
+
+    def ours(i):
+        x, ids, w, g = inputs[i]
+        layer(x, ids, w).backward(g)
+
+    def peer(i):
+        x, ids, w, g = inputs[i]
+        torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g)
+
+    rows = []
+    flops = 3 * routed_flops(spec, tokens)
+    for name, fn in {"mokgen megakernel + baseline backward (W=1)": ours,
+                     "torch._grouped_mm autograd": peer}.items():
+        fn(0)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
+        peak = torch.cuda.max_memory_allocated() - base
+        ms = statistics.median(times)
+        rows.append(Row(f"{workload} fwd+bwd", spec.name, tokens, f"{name} [peak +{peak / 2**30:.2f} GiB]", ms,
+                        flops / ms / 1e9, times))
+    return rows
+
+
 def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2) -> list[Row]:
     from mokgen.ep import virtual_ep_forward
 

@@ -304,8 +304,9 @@ def _init_ep_group() -> bool:
 @click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs (median)")
 @click.option("--no-loop", is_flag=True, help="skip the slow per-expert PyTorch loop")
 @click.option("--skew", is_flag=True, help="ep: skewed routing (every token prefers experts of rank 0)")
+@click.option("--backward", is_flag=True, help="layer/local: time forward + backward (autograd) instead of forward")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
-def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, out_dir) -> None:
+def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
     from pathlib import Path
 
@@ -316,13 +317,15 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, out_dir)
     if not refs:
         raise InputError("name at least one SPEC, or pass --all")
     specs = [_spec(r) for r in refs]
+    workloads = workload or ("layer", "virtual")
+    if backward and not set(workloads) <= {"layer", "local"}:
+        raise InputError("--backward times the layer and local workloads only (pass --workload layer or local)")
     import torch
 
     if not torch.cuda.is_available():
         raise InputError("mokgen bench needs a CUDA GPU; none is visible")
     from mokgen import bench as b
 
-    workloads = workload or ("layer", "virtual")
     main_rank = True
     if "ep" in workloads:
         main_rank = _init_ep_group()
@@ -332,8 +335,14 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, out_dir)
     for spec in specs:
         for wl in workloads:
             with err_console.status(f"{wl}: {spec.name} ...", spinner="dots"):
-                if wl == "layer":
+                if wl == "layer" and backward:
+                    rows += b.bench_layer_backward(spec, tokens or 4096, iters=iters)
+                elif wl == "layer":
                     rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop)
+                elif wl == "local" and backward:
+                    ep = b.LOCAL_EP.get(spec.name, 8)
+                    local, local_rows = b.local_spec(spec, ep, tokens or 2048)
+                    rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}")
                 elif wl == "local":
                     rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
                 elif wl == "ep":
