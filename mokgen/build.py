@@ -187,6 +187,18 @@ def _first_error(log: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+def run_nvcc(cmd: list[str], cwd: Path, what: str) -> tuple[int, str]:
+    """Runs an nvcc command line in ``cwd`` under MOKGEN_BUILD_TIMEOUT; returns (exit status,
+    log: the command line and its output). ``what`` names the build in errors."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=env.build_timeout())
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"nvcc timed out after {env.build_timeout():.0f} s building {what}") from None
+    except OSError as err:
+        raise ToolchainError(f"cannot run {cmd[0]}: {err}") from None
+    return proc.returncode, "$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr
+
+
 def _compile(tmp: Path, plan: Plan, tc: Toolchain, log: Callable[[str], None]) -> str:
     cmd = [
         tc.nvcc, *BASE_FLAGS, *ARCH_FLAGS[plan.arch],
@@ -195,14 +207,8 @@ def _compile(tmp: Path, plan: Plan, tc: Toolchain, log: Callable[[str], None]) -
     ]
     if env.verbose():
         log(" ".join(cmd))
-    try:
-        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=env.build_timeout())
-    except subprocess.TimeoutExpired:
-        raise BuildError(f"nvcc timed out after {env.build_timeout():.0f} s building {plan.name}") from None
-    except OSError as err:
-        raise ToolchainError(f"cannot run {tc.nvcc}: {err}") from None
-    text = "$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr
-    if proc.returncode != 0:
+    code, text = run_nvcc(cmd, tmp, plan.name)
+    if code != 0:
         raise _CompileFailed(text)
     return text
 

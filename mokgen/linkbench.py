@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -36,8 +35,9 @@ from typing import Sequence
 
 from mokgen import env
 from mokgen._version import __version__
-from mokgen.build import ARCH_FLAGS, BASE_FLAGS, _first_error, _keep_failed, cache_root, file_lock, find_toolchain
-from mokgen.errors import BuildError, InputError, KernelError, LoadError, MokgenError, ToolchainError
+from mokgen.build import (ARCH_FLAGS, BASE_FLAGS, _first_error, _keep_failed, cache_root, file_lock,
+                          find_toolchain, run_nvcc)
+from mokgen.errors import BuildError, InputError, KernelError, LoadError, MokgenError
 from mokgen.paths import templates_dir
 
 ARCH = "sm_90a"
@@ -107,15 +107,9 @@ def build_library(*, force: bool = False) -> Path:
         try:
             shutil.copyfile(templates_dir() / SOURCE, tmp / SOURCE)
             cmd = [tc.nvcc, *_flags(), "-I", str(templates_dir() / "include"), SOURCE, "-o", LIBRARY]
-            try:
-                proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=env.build_timeout())
-            except subprocess.TimeoutExpired:
-                raise BuildError(f"nvcc timed out after {env.build_timeout():.0f} s building {SOURCE}") from None
-            except OSError as err:
-                raise ToolchainError(f"cannot run {tc.nvcc}: {err}") from None
-            log = "$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr
+            code, log = run_nvcc(cmd, tmp, SOURCE)
             (tmp / "build.log").write_text(log)
-            if proc.returncode != 0:
+            if code != 0:
                 kept = _keep_failed(tmp, entry)
                 raise BuildError(f"nvcc failed on {kept / SOURCE}: {_first_error(log)} "
                                  f"(full log: {kept / 'build.log'})")

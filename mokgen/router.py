@@ -26,11 +26,14 @@ def _spec(spec: MoESpec | str) -> MoESpec:
     return load_spec(spec) if isinstance(spec, str) else spec
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_route_inputs(spec: MoESpec, logits: torch.Tensor, bias: torch.Tensor | None) -> None:
-    # shapes and dtypes of every argument first, devices last (as in mokgen.ops)
+    # shapes and dtypes of every argument first, devices last (as in mokgen.ops); logits are
+    # checked by the caller
     E = spec.num_experts
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    _check(logits, "logits", shape=(None, E), dtypes=floats, contiguous=False)
+    floats = _FLOATS
     if spec.routing.score_correction_bias:
         if bias is None:
             raise InputError(f"bias: {spec.name} routes with a score-correction bias; pass it ([{E}] float)")
@@ -54,11 +57,10 @@ def route(logits: torch.Tensor, spec: MoESpec | str, bias: torch.Tensor | None =
     the ids are ``hash_table[token_ids]`` (no selection, the bias unused) and the weights the
     scores there (:func:`mokgen.reference.hash_route`)."""
     spec = _spec(spec)
+    _check(logits, "logits", shape=(None, spec.num_experts), dtypes=_FLOATS, contiguous=False)
     if hash_table is not None or token_ids is not None:
         if hash_table is None or token_ids is None:
             raise InputError("hash routing needs both hash_table [V, k] and token_ids [T]")
-        _check(logits, "logits", shape=(None, spec.num_experts), dtypes=(torch.float32, torch.bfloat16, torch.float16),
-               contiguous=False)
         _check(hash_table, "hash_table", shape=(None, spec.top_k), dtypes=(torch.int32, torch.int64), contiguous=False)
         _check(token_ids, "token_ids", shape=(logits.shape[0],), dtypes=(torch.int32, torch.int64), contiguous=False)
         try:

@@ -125,3 +125,68 @@ def private_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(cache))
     monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(generated))
     return cache, generated
+
+
+# ---- several ranks, one process per GPU ------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker, world: int, deadline_s: float, name: str = "rank") -> dict:
+    """Spawns ``worker(rank, world, port, results)`` for each rank (spawn context) and collects
+    what each puts on ``results`` as ``(rank, traceback or None, detail)``. Returns
+    {rank: detail}; raises AssertionError with every failing rank's traceback when a rank raises,
+    dies, or reports nothing within ``deadline_s`` (the others are then stopped)."""
+    import queue
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, results), name=f"{name}-{r}") for r in range(world)]
+    for p in procs:
+        p.start()
+    reports: dict[int, tuple] = {}
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(reports) < world and time.monotonic() < deadline:
+            try:
+                rank, error, detail = results.get(timeout=2)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    time.sleep(2)  # let a dying rank's report arrive
+                    while not results.empty():
+                        rank, error, detail = results.get()
+                        reports[rank] = (error, detail)
+                    break  # a rank died (a crash that reported nothing, or after its report)
+                continue
+            reports[rank] = (error, detail)
+            if error is not None:
+                break  # the others may wait for it in a collective: stop them below
+    finally:
+        failed = any(e is not None for e, _ in reports.values()) or len(reports) < world
+        for p in procs:
+            p.join(timeout=5 if failed else 60)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    problems = [f"rank {r}:\n{e}" for r, (e, _) in sorted(reports.items()) if e is not None]
+    missing = [r for r in range(world) if r not in reports]
+    if missing:
+        codes = {p.name: p.exitcode for p in procs}
+        problems.append(f"ranks {missing} reported nothing within {deadline_s} s (exit codes {codes})")
+    problems += [f"{p.name} exited with {p.exitcode}" for p in procs if p.exitcode not in (0, None) and not problems]
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return {r: d for r, (_, d) in reports.items()}

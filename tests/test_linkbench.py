@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import queue
 import re
 import shutil
-import socket
 import subprocess
-import time
 import traceback
 
 import pytest
 
+from conftest import run_ranks
 from mokgen import linkbench
 from mokgen.errors import BuildError, InputError, LoadError
 
@@ -167,57 +165,14 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multi_gpu
 def test_link_bench_on_two_gpus():
-    import torch.multiprocessing as mp
-
     linkbench.build_library()  # once here; the ranks load it with the JIT off
     os.environ.update(linkbench.NO_MULTICAST)
     world = 2
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, results), name=f"link-rank-{r}") for r in range(world)]
-    for p in procs:
-        p.start()
-    reports: dict[int, tuple] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(reports) < world and time.monotonic() < deadline:
-            try:
-                rank, error, rows = results.get(timeout=2)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(2)  # let a dying rank's report arrive
-                    while not results.empty():
-                        rank, error, rows = results.get()
-                        reports[rank] = (error, rows)
-                    break
-                continue
-            reports[rank] = (error, rows)
-            if error is not None:
-                break  # the other rank may wait for it: stop it below
-    finally:
-        failed = any(e is not None for e, _ in reports.values()) or len(reports) < world
-        for p in procs:
-            p.join(timeout=5 if failed else 60)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    problems = [f"rank {r}:\n{e}" for r, (e, _) in sorted(reports.items()) if e is not None]
-    problems += [f"rank {r} reported nothing within {DEADLINE_S} s" for r in range(world) if r not in reports]
-    assert not problems, "\n".join(problems)
+    reports = run_ranks(_worker, world, DEADLINE_S, "link-rank")
 
-    rows, others = reports[0][1], reports[1][1]
+    rows, others = reports[0], reports[1]
     assert others == []  # rows come back on rank 0 only
     copies = [r for r in rows if r["mode"] in ("pull", "push")]
     assert {(r["mode"], r["bytes"], r["ctas"]) for r in copies} == {

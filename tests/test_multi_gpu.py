@@ -15,9 +15,6 @@ traceback, and the others are stopped.
 from __future__ import annotations
 
 import os
-import queue
-import socket
-import time
 import traceback
 
 import pytest
@@ -25,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from conftest import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -153,8 +150,8 @@ def _compare_on_one_gpu(name: str, world: int, outs, device) -> str:
                 raise AssertionError(f"{what}: rank {r} of {world} differs from virtual ranks: "
                                      f"{int((diff > 0).sum())} elements, max |diff| {diff.max().item():.3e}")
         # no row dropped or duplicated: the kernel's counts against the routing
+        dest = [i.long().div(e_loc, rounding_mode="floor") for i in ids]
         for r, st in enumerate(stats):
-            dest = [i.long().div(e_loc, rounding_mode="floor") for i in ids]
             want_rows = sum(int((d == r).sum()) for d in dest)
             want_remote = sum(int((d == r).sum()) for q, d in enumerate(dest) if q != r)
             assert st["rows_received"] == st["rows_pulled"] == st["rows_pushed"] == want_rows, (what, r, st, want_rows)
@@ -175,12 +172,6 @@ def _compare_on_one_gpu(name: str, world: int, outs, device) -> str:
 # ---- the test -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _world() -> int:
     from mokgen.spec import load_spec
 
@@ -188,7 +179,7 @@ def _world() -> int:
     return max(w for w in range(1, n + 1) if all(load_spec(s).num_experts % w == 0 for s in SPECS))
 
 
-def run_world(world: int) -> str:
+def run_world(world: int) -> list[str]:
     """Spawns ``world`` ranks and returns rank 0's report; raises AssertionError with every failing
     rank's traceback. (Callable by hand, e.g. with world=1 on a single GPU.)"""
     from mokgen import build as build_mod
@@ -198,48 +189,7 @@ def run_world(world: int) -> str:
     for name in SPECS:
         build_mod.build(load_spec(name), publish_generated=False)
     os.environ.update(NO_MULTICAST)  # inherited by the children, which set them again anyway
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, results), name=f"ep-rank-{r}") for r in range(world)]
-    for p in procs:
-        p.start()
-    reports: dict[int, tuple] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(reports) < world and time.monotonic() < deadline:
-            try:
-                rank, error, detail = results.get(timeout=2)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(2)  # let a dying rank's report arrive
-                    while not results.empty():
-                        rank, error, detail = results.get()
-                        reports[rank] = (error, detail)
-                    break  # a rank died (a crash that reported nothing, or after its report)
-                continue
-            reports[rank] = (error, detail)
-            if error is not None:
-                break  # the others may wait for it in a collective: stop them below
-    finally:
-        failed = any(e is not None for e, _ in reports.values()) or len(reports) < world
-        for p in procs:
-            p.join(timeout=5 if failed else 60)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    problems = [f"rank {r}:\n{e}" for r, (e, _) in sorted(reports.items()) if e is not None]
-    missing = [r for r in range(world) if r not in reports]
-    if missing:
-        codes = {p.name: p.exitcode for p in procs}
-        problems.append(f"ranks {missing} reported nothing within {DEADLINE_S} s (exit codes {codes})")
-    problems += [f"{p.name} exited with {p.exitcode}" for p in procs if p.exitcode not in (0, None) and not problems]
-    if problems:
-        raise AssertionError("\n".join(problems))
-    return reports[0][1]
+    return run_ranks(_worker, world, DEADLINE_S, "ep-rank")[0]
 
 
 def test_moe_layer_across_gpus_matches_virtual_ranks():
