@@ -20,6 +20,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BUILD_TIMEOUT": "seconds before an nvcc run is abandoned (default: 900)",
     "MOKGEN_GEMM_CORE": "wgmma (default: TMA + wgmma, sm_90a) or mma_sync (portable reference core)",
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
+    "MOKGEN_CLUSTER": "1 (default: every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast)",
 }
 
 
@@ -97,6 +98,15 @@ def schedule() -> str:
     return value
 
 
+def cluster() -> int:
+    value = _get("MOKGEN_CLUSTER") or "1"
+    if value not in ("1", "2"):
+        from mokgen.errors import ToolchainError
+
+        raise ToolchainError(f"MOKGEN_CLUSTER must be 1 or 2, got {value!r}")
+    return int(value)
+
+
 def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
-    return {"gemm_core": gemm_core(), "schedule": schedule()}
+    return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster()}

@@ -134,11 +134,14 @@ def _ctas(kernel, launch_ranks: int) -> tuple[int, int]:
     total = int(kernel.LIB.mokgen_ep_max_ctas())
     if total <= 0:
         raise KernelError("cannot query the megakernel's occupancy on this device")
-    per_rank = total // launch_ranks
-    if per_rank < 2:
-        raise InputError(f"{launch_ranks} ranks in one launch need at least {2 * launch_ranks} co-resident CTAs; "
-                         f"this GPU holds {total}")
-    return per_rank, max(1, per_rank // 8)
+    # clusters of two: every rank's CTAs, and its dispatch CTAs, come in whole pairs
+    pair = int(kernel.LIB.mokgen_ep_cluster())
+    per_rank = total // launch_ranks // pair * pair
+    if per_rank < 2 * pair:
+        raise InputError(f"{launch_ranks} ranks in one launch need at least {2 * pair * launch_ranks} co-resident "
+                         f"CTAs; this GPU holds {total}")
+    dispatch = max(1, per_rank // 8)
+    return per_rank, min(per_rank - pair, -(-dispatch // pair) * pair)
 
 
 def _check_rank_inputs(spec: MoESpec, r: int, x, ids, w):

@@ -19,7 +19,7 @@ from mokgen.errors import PlanError
 from mokgen.spec import MoESpec
 
 #: bump when the C ABI of the launcher library changes (load checks it)
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
@@ -76,6 +76,10 @@ class Plan(BaseModel):
     # waits only for its row block's up tiles (Hopper core); "phased": per chunk, up tiles, a
     # barrier of all compute CTAs, down tiles, a barrier (the only one of the portable core).
     schedule: str = "flow"
+    # CTAs per cluster (flow schedule of the Hopper core only): 2 pairs compute CTAs whose tiles
+    # share an operand, loaded once by TMA multicast into both (hopper_gemm.cuh); 1 runs them
+    # alone. 1 by default: pairs measured 2-15% slower on the H200 (docs/perf-notes.md, v0.4).
+    gemm_cluster: int = 1
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -100,15 +104,19 @@ class Plan(BaseModel):
 
 GEMM_CORES = ("wgmma", "mma_sync")
 SCHEDULES = ("flow", "phased")
+CLUSTERS = (1, 2)
 
 
-def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow") -> Plan:
+def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
-    The portable core has only the phased schedule (``schedule`` is ignored for it)."""
+    The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
+    of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise)."""
     if gemm_core not in GEMM_CORES:
         raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
     if schedule not in SCHEDULES:
         raise PlanError(f"{spec.name}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if cluster not in CLUSTERS:
+        raise PlanError(f"{spec.name}: cluster must be one of {', '.join(map(str, CLUSTERS))}, got {cluster!r}")
     t = spec.target
     if t.numerics not in IMPLEMENTED_NUMERICS:
         raise PlanError(
@@ -129,6 +137,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         max_tokens_per_rank=t.max_tokens_per_rank,
         **_tiles(spec, gemm_core),
         schedule=schedule if gemm_core == "wgmma" else "phased",
+        gemm_cluster=cluster if gemm_core == "wgmma" and schedule == "flow" else 1,
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -43,6 +43,24 @@ def _temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob(".tmp-*")) if root.exists() else []
 
 
+@pytest.mark.nvcc
+def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
+    """MOKGEN_CLUSTER=2 (CTA pairs sharing operands): the largest bundled spec compiles without
+    spills, and its SASS has the multicast TMA loads and the wgmma (HGMMA) instructions."""
+    monkeypatch.setenv("MOKGEN_CLUSTER", "2")
+    spec = load_spec("kimi-k2.5")
+    result = build_mod.build(spec)
+    assert json.loads((result.entry / "plan.json").read_text())["plan"]["gemm_cluster"] == 2
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", (result.entry / "build.log").read_text())
+    assert spills and all(a == "0" and b == "0" for a, b in spills), build_mod.resource_report(result.entry)
+    cuobjdump = shutil.which("cuobjdump") or str(Path(build_mod.find_nvcc()).parent / "cuobjdump")
+    if not Path(cuobjdump).exists():
+        pytest.skip("cuobjdump not found")
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(result.library)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "UTMALDG.2D.MULTICAST" in sass and "HGMMA" in sass
+
+
 # ---- every bundled spec ------------------------------------------------------------------------
 
 

@@ -157,41 +157,51 @@ def test_determinism_20_repeats_and_across_world_and_chunks():
 
 
 def test_flow_and_phased_schedules_give_the_same_bits(monkeypatch):
-    """The flow schedule (default) against the phased one (barriers per chunk phase), built
-    side by side: same bits for several world sizes and rings, one slot (no lag) included."""
+    """The flow schedule (default: CTA pairs with TMA multicast) against flow without clusters
+    and the phased one (barriers per chunk phase), built side by side: same bits for several
+    world sizes and rings, one slot (no lag) included."""
     spec = load_spec("qwen3.5-35b-a3b")
     wg, wu, wd = _weights(spec)
     gen = torch.Generator(device="cuda").manual_seed(6)
     sizes = [3000, 0, 1777, 2500]
     xs, ids, ws = _inputs(spec, sizes, gen)
     runs, builds = {}, set()
-    for schedule in ("flow", "phased"):
+    for schedule, cluster in (("flow", "2"), ("flow", "1"), ("phased", "1")):
         monkeypatch.setenv("MOKGEN_SCHEDULE", schedule)
-        builds.add(load(spec).KEY)
+        monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+        kernel = load(spec)
+        builds.add(kernel.KEY)
         for chunk, ring in ((256, 1), (256, 2), (1024, 3)):
-            runs[schedule, chunk, ring] = torch.cat(
+            runs[schedule, cluster, chunk, ring] = torch.cat(
                 virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
-    assert len(builds) == 2  # two kernels really ran
-    first = runs["flow", 256, 1]
+        print(f"{schedule}/{cluster}: launch mode {kernel.LIB.mokgen_ep_launch_mode()}")
+        assert kernel.LIB.mokgen_ep_cluster() == int(cluster)
+    assert len(builds) == 3  # three kernels really ran
+    first = runs["flow", "2", 256, 1]
     for cfg, out in runs.items():
         assert torch.equal(out, first), f"bits differ for {cfg}"
 
 
-def test_hidden_size_with_128_column_down_tiles():
+def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the
     same pipeline; under the flow schedule both are in flight at once (the stage stride must be
-    shared). A small custom spec, against the reference and the phased schedule."""
+    shared). Odd column-tile counts (3 up, 9 down) give CTA pairs a tile of zero rows. A small
+    custom spec, against the reference, with and without clusters."""
     from mokgen.spec import spec_from_dict
 
     d = load_spec(SMALL).canonical_dict()
-    d.update(name="h1152-test", aliases=[], hidden_size=1152, moe_intermediate_size=256, num_experts=16, top_k=4)
+    d.update(name="h1152-test", aliases=[], hidden_size=1152, moe_intermediate_size=384, num_experts=16, top_k=4)
     spec = spec_from_dict(d)
     wg, wu, wd = _weights(spec)
     gen = torch.Generator(device="cuda").manual_seed(8)
     xs, ids, ws = _inputs(spec, [1500, 700], gen)
-    out = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=512, ring_chunks=3)
-    _assert_close(spec, out, xs, ids, ws, wg, wu, wd)
-    assert torch.equal(torch.cat(out), _single_rank(spec, xs, ids, ws, wg, wu, wd))
+    outs = {}
+    for cluster in ("2", "1"):
+        monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+        outs[cluster] = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=512, ring_chunks=3)
+    _assert_close(spec, outs["2"], xs, ids, ws, wg, wu, wd)
+    assert torch.equal(torch.cat(outs["2"]), torch.cat(outs["1"]))
+    assert torch.equal(torch.cat(outs["2"]), _single_rank(spec, xs, ids, ws, wg, wu, wd))
 
 
 def test_missing_peer_times_out_then_recovers():

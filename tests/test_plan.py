@@ -289,7 +289,27 @@ def test_schedule_from_environment(monkeypatch):
     from mokgen.errors import ToolchainError
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
-    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased"}
+    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
+        env.plan_options()
+
+
+def test_cluster_option(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    spec = load_spec("qwen3-30b-a3b")
+    assert make_plan(spec).gemm_cluster == 1  # the measured default (docs/perf-notes.md, v0.4)
+    assert make_plan(spec, cluster=2).gemm_cluster == 2
+    # pairs need the Hopper core's flow schedule; elsewhere the option is ignored
+    assert make_plan(spec, cluster=2, schedule="phased").gemm_cluster == 1
+    assert make_plan(spec, cluster=2, gemm_core="mma_sync").gemm_cluster == 1
+    with pytest.raises(PlanError, match="cluster must be one of 1, 2"):
+        make_plan(spec, cluster=4)
+    assert cache_key(make_plan(spec, cluster=2), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
+    monkeypatch.setenv("MOKGEN_CLUSTER", "2")
+    assert env.plan_options()["cluster"] == 2
+    monkeypatch.setenv("MOKGEN_CLUSTER", "two")
+    with pytest.raises(ToolchainError, match="MOKGEN_CLUSTER must be 1 or 2"):
         env.plan_options()

@@ -24,6 +24,12 @@ MOKGEN_DEVICE uint32_t smem_u32(const void* p) {
 }
 
 // ---- cp.async: 16 bytes global -> shared; src_bytes 0 fills zeros --------------------------
+// x, hidden from the optimizer: a value derived from it is computed again rather than kept.
+MOKGEN_DEVICE int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 MOKGEN_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem_dst)),

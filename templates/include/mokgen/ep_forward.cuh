@@ -147,8 +147,9 @@ template <class Cfg>
 struct EpCore<Cfg, true> {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * 64 * 2;
-  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride>;
-  using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride>;
+  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster>;
+  using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
+                                Cfg::kCluster>;
   static_assert(Up::kStageStride == Down::kStageStride && Up::kStageStride >= Up::kStageBytes &&
                     Down::kStageStride >= Down::kStageBytes, "up and down tiles share the stage stride");
   static constexpr int kThreads = 384;
@@ -278,6 +279,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     }
     ok = group_barrier(bar_rank, tag(epoch, ++n_rank * G), w, &s_flag) && ok;
     // Every CTA of the rank now sees the plan (barrier = fence + acquire).
+    if constexpr (Cfg::kCluster == 2) {
+      // The two CTAs of a cluster pair (both dispatch or both compute: P and G are even) take
+      // the same branch below: a pair's tiles need both of them.
+      __shared__ int s_peer_ok;
+      if (tid == 0) sm90::st_cluster_u32(&s_peer_ok, cute::block_rank_in_cluster() ^ 1u, ok ? 1u : 0u);
+      cute::cluster_sync();
+      ok = ok && s_peer_ok;
+    }
 
     const int n_rows = ok ? r_eoff[e_loc] : 0;
     const int C = p.chunk_rows, R = p.ring_chunks;
@@ -417,8 +426,15 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // its chunk to land; the last down tile of a chunk frees its slot. Every dependency points
         // to an earlier tile of the order and each CTA takes its tiles in order, so the earliest
         // unfinished tile can always run: no deadlock, and no wave quantization per phase.
+        // Clusters of two (Cfg::kCluster == 2): the order is over pair-tiles, dealt to the
+        // Gc / 2 CTA pairs; a pair-tile is two tiles that share an operand (hopper_gemm.cuh):
+        // row blocks m and m + 1 of an expert's segment with the same column tile (kShareB), and
+        // for the odd last block of a segment, column tiles n and n + 1 (kShareA); a missing
+        // n + 1 (odd column-tile count) becomes a tile of zero rows that writes nothing.
+        constexpr int kPair = Cfg::kCluster;
         const int lag = R >= 2 ? 1 : 0;
-        auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n)
+        auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
+          const int units = Gc / kPair, unit = cc / kPair, crank = cc % kPair;
           int t = 0;
           for (int step = 0; step < num_chunks + lag; ++step)
             for (int kind = 0; kind < 2; ++kind) {
@@ -428,9 +444,27 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               const int n_tiles = kind == 0 ? Up::kNTiles : Down::kNTiles;
               for (int le = 0; le < e_loc; ++le) {
                 const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-                for (int m = a; m < b; m += 128)
-                  for (int n = 0; n < n_tiles; ++n, ++t)
-                    if (t % Gc == cc) fn(kind, c, le, min(128, b - m), m - r0, n);
+                if constexpr (kPair == 1) {
+                  for (int m = a; m < b; m += 128)
+                    for (int n = 0; n < n_tiles; ++n, ++t)
+                      if (t % units == unit) fn(kind, c, le, min(128, b - m), m - r0, n, int(sm90::kShareNone));
+                } else {
+                  const int nb = b > a ? (b - a + 127) / 128 : 0;
+                  int mb = 0;
+                  for (; mb + 1 < nb; mb += 2)
+                    for (int n = 0; n < n_tiles; ++n, ++t)
+                      if (t % units == unit) {
+                        const int m = a + (mb + crank) * 128;
+                        fn(kind, c, le, min(128, b - m), m - r0, n, int(sm90::kShareB));
+                      }
+                  if (mb < nb)
+                    for (int n2 = 0; n2 < n_tiles; n2 += 2, ++t)
+                      if (t % units == unit) {
+                        const int m = a + mb * 128;
+                        const bool real = n2 + crank < n_tiles;
+                        fn(kind, c, le, real ? min(128, b - m) : 0, m - r0, real ? n2 + crank : n2, int(sm90::kShareA));
+                      }
+                }
               }
             }
         };
@@ -460,18 +494,21 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
         }
-        __syncthreads();
+        if constexpr (kPair == 2)
+          cute::cluster_sync();  // the peer's barriers are initialized before any multicast or remote arrive
+        else
+          __syncthreads();
         volatile int* abort_flag = &s_abort;
         if (wgi == 0) {
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
           if (tid == 32) {  // the signaller
             int i = 0, total_c = -1;
             unsigned long long total = 0;
-            for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
+            for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
               const int j = i % kSig;
               sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
               const int slot = c % R;
-              if (!*abort_flag) {
+              if (!*abort_flag && rows > 0) {  // a zero-row tile of a pair finishes nothing
                 __threadfence();  // the consumers' stores (acquired through sig_done) -> gpu scope
                 if (kind == 0) {
                   atomicAdd(&blk_done[int64_t(slot) * C + m], 1ull);
@@ -491,7 +528,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
-            for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
+            for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int share) {
               const int slot = c % R;
               if (!*abort_flag && acquired < c) {
                 while (acquired < c && !*abort_flag) {
@@ -504,14 +541,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               const int64_t row0 = int64_t(slot) * C + m;
               if (kind == 0) {
                 Up::produce(Up::carve(smem), pipe, &maps.ring_x[g], int(row0), &maps.w_gate[g], &maps.w_up[g],
-                            le * kI + n * Up::kBN);
+                            le * kI + n * Up::kBN, share, cc % kPair);
               } else {
                 if (!*abort_flag) {
                   if (!w.wait_geq<false>(&blk_done[row0], Up::kNTiles, kStageBlockReady, -1)) *abort_flag = 1;
                   sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
                 }
                 Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
-                              le * kH + n * Down::kBN);
+                              le * kH + n * Down::kBN, share, cc % kPair);
               }
             });
           }
@@ -521,7 +558,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
           int i = 0;
-          for_each_tile([&](int kind, int c, int le, int rows, int m, int n) {
+          for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             if (kind == 0) {
               Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag);
@@ -536,7 +573,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           });
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
-        __syncthreads();
+        if constexpr (kPair == 2)
+          cute::cluster_sync();  // no multicast or remote arrive targets a CTA after this
+        else
+          __syncthreads();
         ok = ok && !*abort_flag;
       } else if constexpr (Cfg::kWgmma) {
         // Phased schedule (MOKGEN_SCHEDULE=phased): per chunk, the up tiles, a barrier of all
@@ -596,6 +636,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             });
         });
       }
+      // The rank's region pointers, read again from the parameters: kept in registers across the
+      // GEMM roles above they spill (the consumers' accumulators take most of the registers).
+      loc = p.local[opaque(g)];
+      bar_comp = at<unsigned long long>(loc, L.bar_compute);
       // All pushes of this CTA visible system-wide, then one CTA tells every owner.
       if (ok) {
         __threadfence_system();
@@ -609,6 +653,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     }
 
     // ---- 4. combine ------------------------------------------------------------------------------
+    mine = p.sym[opaque(rank)];  // read again, as loc above
     if (ok) {
       if (tid == 0) {
         bool all = true;
@@ -675,19 +720,30 @@ struct EpLauncher {
       const int e_loc = Cfg::kExperts / p.world;
       const LocalLayout<Cfg> L(p.world, p.chunk_rows, p.ring_chunks);
       const uint64_t ring_rows = uint64_t(p.chunk_rows) * p.ring_chunks;
+      using Up = typename EpForward<Cfg>::Up;
       using Down = typename EpForward<Cfg>::Down;
       for (int r = 0; r < p.launch_ranks; ++r) {
         const bool ok =
-            sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, 128) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, 128) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, 128) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.w_up[r], p.w_up[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, 128) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kABox) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kABox) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_up[r], p.w_up[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
             sm90::encode_map_2d(&m.w_down[r], p.w_down[r], uint64_t(e_loc) * Cfg::kHidden, Cfg::kInter,
-                                Down::kBN) == CUDA_SUCCESS;
+                                Down::kBBox) == CUDA_SUCCESS;
         if (!ok) return cudaErrorInvalidValue;
       }
     }
     return cudaSuccess;
+  }
+
+  static_assert(Cfg::kCluster == 1 || (Cfg::kCluster == 2 && Cfg::kWgmma && Cfg::kFlow),
+                "clusters of two need the Hopper core and the flow schedule");
+
+  // How the last launch went: 1 cooperative, 2 cooperative with clusters, 3 clusters without the
+  // cooperative attribute (co-residency then rests on max_ctas(); every wait is bounded anyway).
+  static int& last_mode() {
+    static int mode = 0;
+    return mode;
   }
 
   static cudaError_t launch(const EpParams& p, cudaStream_t stream) {
@@ -695,22 +751,68 @@ struct EpLauncher {
     const int smem = int(EpForward<Cfg>::kSmemBytes);
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
+    if (Cfg::kCluster == 2 && (p.ctas_per_rank % 2 || p.dispatch_ctas % 2)) return cudaErrorInvalidValue;
     EpMaps maps;
     memset(&maps, 0, sizeof(maps));
     if ((err = encode_maps(p, maps)) != cudaSuccess) return err;
     void* args[] = {const_cast<EpParams*>(&p), &maps};
     const unsigned grid = unsigned(p.launch_ranks * p.ctas_per_rank);
-    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), args,
-                                       size_t(smem), stream);
+    if constexpr (Cfg::kCluster == 1) {
+      last_mode() = 1;
+      return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), args,
+                                         size_t(smem), stream);
+    } else {
+      cudaLaunchAttribute attrs[2];
+      attrs[0].id = cudaLaunchAttributeClusterDimension;
+      attrs[0].val.clusterDim.x = 2;
+      attrs[0].val.clusterDim.y = 1;
+      attrs[0].val.clusterDim.z = 1;
+      attrs[1].id = cudaLaunchAttributeCooperative;
+      attrs[1].val.cooperative = 1;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(grid);
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = size_t(smem);
+      cfg.stream = stream;
+      cfg.attrs = attrs;
+      cfg.numAttrs = 2;
+      err = cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args);
+      if (err == cudaSuccess) {
+        last_mode() = 2;
+        return err;
+      }
+      (void)cudaGetLastError();  // a refused attribute combination is not sticky: retry without it
+      cfg.numAttrs = 1;
+      err = cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args);
+      if (err == cudaSuccess) last_mode() = 3;
+      return err;
+    }
   }
 
-  // CTAs of this kernel that can be co-resident on the current device.
+  // CTAs of this kernel that can be co-resident on the current device (whole clusters).
   static int max_ctas() {
     auto kernel = ep_forward_kernel<Cfg>;
     const int smem = int(EpForward<Cfg>::kSmemBytes);
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return -1;
     int dev = 0, sms = 0, per_sm = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+    if constexpr (Cfg::kCluster == 2) {
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 2;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cudaLaunchConfig_t cfg = {};
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+      cfg.gridDim = dim3(unsigned(sms));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = size_t(smem);
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(kernel), &cfg) != cudaSuccess) return -1;
+      return 2 * clusters;
+    }
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) return -1;
     return sms * per_sm;

@@ -6,6 +6,13 @@
 // (cute::GmmaDescriptor), the TMA copy (cute::SM90_TMA_LOAD_2D) and the register reconfiguration
 // (cutlass::arch::warpgroup_reg_alloc/dealloc). The pipeline, roles and epilogues are ours.
 //
+// Clusters of two CTAs (kCluster = 2): the two CTAs of a pair run two tiles that share one
+// operand, and each CTA's producer loads half of that operand with a TMA multicast into both
+// CTAs' shared memory (cute::SM90_TMA_LOAD_MULTICAST_2D): kShareB for row blocks m and m + 1 of
+// one expert and column tile (the weights), kShareA for one row block and column tiles n and
+// n + 1. A stage may be refilled only when the consumers of both CTAs released it, so empty[s]
+// counts four arrivals (two local, two from the peer); full[s] still expects the whole stage.
+//
 // Tile: BM = 128 rows (consumer warpgroup c owns rows 64c..64c+63) x kBNB B rows x BK = 64.
 //   gated (up projection): the B tile is 128 rows of w_gate[e] then the same 128 rows of w_up[e];
 //     one m64n256k16 wgmma yields gate and up for 128 columns in the same thread, SwiGLU in
@@ -20,6 +27,8 @@
 
 #include <cuda.h>
 
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -51,6 +60,28 @@ MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
       "@!p bra WAIT_%=;\n"
       "}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
+      : "memory");
+}
+// Arrive on the barrier at the same shared-memory offset in CTA cta_id of the cluster.
+MOKGEN_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_id) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(cta_id)
+      : "memory");
+}
+// Store a 32-bit value at the same shared-memory offset in CTA cta_id of the cluster.
+MOKGEN_DEVICE void st_cluster_u32(void* smem, uint32_t cta_id, uint32_t value) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "st.shared::cluster.u32 [remote], %2;\n"
+      "}\n" ::"r"(smem_u32(smem)),
+      "r"(cta_id), "r"(value)
       : "memory");
 }
 MOKGEN_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
@@ -107,10 +138,13 @@ MOKGEN_DEVICE void fence_operands(float (&acc)[kN]) {
   for (int i = 0; i < kN; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
+// How the two tiles of a cluster pair share a stage (see the header comment).
+enum TileShare : int { kShareNone = 0, kShareB = 1, kShareA = 2 };
+
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
-template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0>
+template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1>
 struct HopperTile {
   static constexpr int kBM = 128;
   static constexpr int kBK = 64;
@@ -130,6 +164,10 @@ struct HopperTile {
   static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
   static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
   static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
+  // TMA boxes: A in two halves of 64 rows, B in two halves (gate / up rows of a gated tile).
+  static constexpr int kABox = kBM / 2;
+  static constexpr int kBBox = kBNB / 2;
 
   // Dynamic shared memory: the full/empty barriers first, then the stages at the next 1024-byte
   // boundary. Both tile types of a kernel (up and down) carve the same way, so they can share
@@ -153,7 +191,7 @@ struct HopperTile {
   MOKGEN_DEVICE static void init_barriers(const Smem& s) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 2);
+      mbar_init(&s.empty[i], 2 * kCluster);
     }
     fence_barrier_init();
   }
@@ -161,23 +199,45 @@ struct HopperTile {
   using Pipe = PipeState<kStages>;
 
   // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate);
-  // b_row0/b_row1: first B rows of the gate/up (or down) weights in their [E*N, K] tensor maps.
+  // b_row0: first B row in the [E*N, K] tensor maps, of map_b0 and map_b1 (gate and up rows of a
+  // gated tile) or of map_b0 alone (both halves). share / crank (kCluster == 2): the operand this
+  // tile shares with the peer's tile, and this CTA's rank in the cluster; this CTA loads half
+  // crank of the shared operand into both CTAs, and its own operand whole.
   MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const CUtensorMap* map_a, int a_row0,
-                                    const CUtensorMap* map_b0, const CUtensorMap* map_b1, int b_row0) {
+                                    const CUtensorMap* map_b0, const CUtensorMap* map_b1, int b_row0,
+                                    int share = kShareNone, int crank = 0) {
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       uint64_t* full = &s.full[pipe.stage];
       mbar_arrive_expect_tx(full, kStageBytes);
-      cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st, kb * kBK, a_row0);
-      if constexpr (kGated) {
-        cute::SM90_TMA_LOAD_2D::copy(map_b0, full, 0, st + kABytes, kb * kBK, b_row0);
-        cute::SM90_TMA_LOAD_2D::copy(map_b1, full, 0, st + kABytes + kBBytes / 2, kb * kBK, b_row0);
-      } else {
-        cute::SM90_TMA_LOAD_2D::copy(map_b0, full, 0, st + kABytes, kb * kBK, b_row0);
+      const int k0 = kb * kBK;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const CUtensorMap* mb = kGated && h ? map_b1 : map_b0;
+        const int b_row = kGated ? b_row0 : b_row0 + h * kBBox;
+        unsigned char* sa = st + h * (kABox * kBK * 2);
+        unsigned char* sb = st + kABytes + h * (kBBox * kBK * 2);
+        if (kCluster == 2 && share == kShareA) {
+          if (h == crank) multicast(map_a, full, sa, k0, a_row0 + h * kABox);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, sa, k0, a_row0 + h * kABox);
+        }
+        if (kCluster == 2 && share == kShareB) {
+          if (h == crank) multicast(mb, full, sb, k0, b_row);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, sb, k0, b_row);
+        }
       }
       pipe.advance();
     }
+  }
+
+  // One box into the same offset of both CTAs of the pair; each CTA's full barrier (same offset)
+  // receives its bytes.
+  MOKGEN_DEVICE static void multicast(const CUtensorMap* map, uint64_t* full, void* smem, int c0, int c1) {
+    cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map, full, uint16_t(0b11), uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                           smem, c0, c1);
   }
 
   // Consumer warpgroup wg (0/1): all k-blocks of one tile into acc, then the epilogue for rows
@@ -207,13 +267,13 @@ struct HopperTile {
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<1>();
       fence_operands(acc);
-      if (prev_stage >= 0 && t == 0) mbar_arrive(&s.empty[prev_stage]);
+      if (prev_stage >= 0) release(s, prev_stage, t);
       prev_stage = pipe.stage;
       pipe.advance();
     }
     cute::warpgroup_wait<0>();
     fence_operands(acc);  // the epilogue reads acc only after the last wgmma retired
-    if (t == 0) mbar_arrive(&s.empty[prev_stage]);
+    release(s, prev_stage, t);
     if (abort_flag != nullptr && *abort_flag) rows = 0;
     // Accumulator layout (per warp w of the warpgroup, lane l): rows 16w + l/4 and +8;
     // n8 group i: columns 8i + 2(l%4) + {0,1} -> acc[4i + {0,1}] (row), acc[4i + {2,3}] (row + 8).
@@ -247,6 +307,14 @@ struct HopperTile {
         if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
       }
     }
+  }
+
+  // Hand stage st back: thread 0 of the warpgroup arrives on this CTA's empty barrier and, in a
+  // pair, thread 1 on the peer's (whose producer multicasts into this CTA's stage too).
+  MOKGEN_DEVICE static void release(const Smem& s, int st, int t) {
+    if (t == 0) mbar_arrive(&s.empty[st]);
+    if constexpr (kCluster == 2)
+      if (t == 1) mbar_arrive_cluster(&s.empty[st], cute::block_rank_in_cluster() ^ 1u);
   }
 
   // In: lane q of a quad holds word[u] = its 2 columns of group u (u = 0..3). Out: lane q gets
