@@ -289,6 +289,64 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     return rows
 
 
+def block_flops(spec: MoESpec, tokens: int) -> float:
+    """Forward FLOPs of the whole block: router GEMM, routed experts, shared expert(s)."""
+    se = spec.shared_experts
+    return routed_flops(spec, tokens) + 2.0 * tokens * spec.hidden_size * (
+        spec.num_experts + 3 * se.count * se.intermediate_size)
+
+
+def torch_block(x, block, clamp_limit=None):
+    """The PyTorch peer of mokgen.MoEBlock with the same weights: fp32 router logits, the
+    reference's selection and weights, the ``torch._grouped_mm`` pipeline, the shared expert(s)
+    as a separate PyTorch MLP."""
+    from mokgen import reference
+
+    spec = block.spec
+    logits = torch.nn.functional.linear(x.float(), block.router.weight.float())
+    ids, w = reference.route(logits, spec, block.router.e_score_correction_bias)
+    y = torch_grouped_mm_pipeline(x, ids, w, block.experts.w_gate, block.experts.w_up, block.experts.w_down,
+                                  clamp_limit)
+    return y if block.shared is None else y + block.shared(x)
+
+
+def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2, backward: bool = False) -> list[Row]:
+    """Whole MoE block on one GPU (issue 8): ``mokgen.MoEBlock`` (compiled router selection,
+    megakernel, shared expert in PyTorch for now) against ``torch_block`` on the same weights,
+    plus the shared expert MLP alone (the most a fused shared expert can save). ``backward``:
+    forward + backward under autograd, FLOPs counted as 3x the forward's."""
+    from mokgen.block import MoEBlock
+
+    block = MoEBlock(spec, max_tokens=tokens, device="cuda")
+    block.experts.check_ids = False
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    inputs = []
+    for _ in range(n_inputs):
+        x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        inputs.append((x.requires_grad_(backward), torch.randn_like(x)))
+    clamp = spec.activation.clamp_limit
+
+    def run(f):
+        if not backward:
+            return lambda i: f(inputs[i][0])
+        return lambda i: f(inputs[i][0]).backward(inputs[i][1])
+
+    impls = {"mokgen MoEBlock": run(block), "PyTorch block (torch._grouped_mm)": run(lambda x: torch_block(x, block, clamp))}
+    if block.shared is not None:
+        impls["shared expert MLP alone (PyTorch)"] = run(block.shared)
+    rows = []
+    scale = 3 if backward else 1
+    wl = "block fwd+bwd" if backward else "block"
+    with torch.set_grad_enabled(backward):
+        for name, fn in impls.items():
+            times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
+            ms = statistics.median(times)
+            flops = block_flops(spec, tokens) if "alone" not in name else (
+                6.0 * tokens * spec.hidden_size * spec.shared_experts.count * spec.shared_experts.intermediate_size)
+            rows.append(Row(wl, spec.name, tokens, name, ms, scale * flops / ms / 1e9, times))
+    return rows
+
+
 def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2) -> list[Row]:
     from mokgen.ep import virtual_ep_forward
 

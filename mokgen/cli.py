@@ -295,16 +295,18 @@ def _init_ep_group() -> bool:
 @main.command()
 @click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
 @click.option("--all", "all_specs", is_flag=True, help="every bundled spec")
-@click.option("--workload", type=click.Choice(["layer", "virtual", "local", "ep"]), multiple=True,
+@click.option("--workload", type=click.Choice(["layer", "virtual", "local", "ep", "block"]), multiple=True,
               help="layer: whole routed layer on one GPU; virtual: W=8 virtual EP; local: one rank's "
                    "work after dispatch at EP8 (EP64 for deepseek-v3); ep: real EP, one process per GPU "
-                   "under torchrun (default: layer and virtual)")
+                   "under torchrun; block: the whole MoE block (router, experts, shared expert) on one "
+                   "GPU (default: layer and virtual)")
 @click.option("--tokens", type=click.IntRange(min=1), default=None,
-              help="tokens (layer) or tokens per rank (virtual); default 4096 / 2048")
+              help="tokens (layer, block) or tokens per rank (virtual, local, ep); default 4096 / 2048")
 @click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs (median)")
 @click.option("--no-loop", is_flag=True, help="skip the slow per-expert PyTorch loop")
 @click.option("--skew", is_flag=True, help="ep: skewed routing (every token prefers experts of rank 0)")
-@click.option("--backward", is_flag=True, help="layer/local: time forward + backward (autograd) instead of forward")
+@click.option("--backward", is_flag=True,
+              help="layer/local/block: time forward + backward (autograd) instead of forward")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
 def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
@@ -318,8 +320,9 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         raise InputError("name at least one SPEC, or pass --all")
     specs = [_spec(r) for r in refs]
     workloads = workload or ("layer", "virtual")
-    if backward and not set(workloads) <= {"layer", "local"}:
-        raise InputError("--backward times the layer and local workloads only (pass --workload layer or local)")
+    if backward and not set(workloads) <= {"layer", "local", "block"}:
+        raise InputError("--backward times the layer, local and block workloads only (pass --workload layer, local "
+                         "or block)")
     import torch
 
     if not torch.cuda.is_available():
@@ -345,6 +348,8 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                     rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}")
                 elif wl == "local":
                     rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
+                elif wl == "block":
+                    rows += b.bench_block(spec, tokens or 4096, iters=iters, backward=backward)
                 elif wl == "ep":
                     ep_rows, figures = b.bench_ep(spec, tokens or 2048, iters=iters, skew=skew)
                     rows += ep_rows

@@ -696,8 +696,9 @@ def test_cli_bench_unknown_spec_before_the_gpu_check(invoke):
     assert "no-such-model" in line and "CUDA" not in line
 
 
-def test_cli_bench_backward_only_for_layer_and_local(invoke):
+def test_cli_bench_backward_only_for_layer_local_and_block(invoke):
     code, out, err, leftovers = invoke("bench", SMALL, "--backward", "--workload", "virtual")
     line = _one_error_line(code, out, err)
-    assert line == "error: --backward times the layer and local workloads only (pass --workload layer or local)"
+    assert line == ("error: --backward times the layer, local and block workloads only (pass --workload layer, "
+                    "local or block)")
     assert leftovers == []

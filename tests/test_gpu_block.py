@@ -50,3 +50,43 @@ def test_training_example_follows_the_reference_loss_curve():
     ours, ref = example.main(["--steps", "15"])
     assert ours[-1] < 0.8 * ours[0]  # it learns
     assert max(abs(a - b) for a, b in zip(ours, ref)) < 0.1 * ref[0]  # like the reference block
+
+
+def test_block_is_bitwise_deterministic_over_20_repeats():
+    """Issue 8: the same block output and gradients, bit for bit, over 20 forward + backward runs."""
+    spec = mokgen.load_spec("qwen3.5-35b-a3b")
+    torch.manual_seed(2)
+    block = MoEBlock(spec, max_tokens=1024)
+    x = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    g = torch.randn_like(x)
+    first = None
+    for _ in range(20):
+        x.grad = None
+        for p in block.parameters():
+            p.grad = None
+        out = block(x)
+        out.backward(g)
+        got = [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+        if first is None:
+            first = got
+        assert all(torch.equal(a, b) for a, b in zip(got, first))
+
+
+def test_bench_block_peer_matches_the_reference_block():
+    """The PyTorch peer of the block bench computes the same block (same weights), and the bench
+    runs forward and forward + backward."""
+    from mokgen import bench
+
+    spec = mokgen.load_spec("qwen3.5-35b-a3b")
+    torch.manual_seed(3)
+    block = MoEBlock(spec, max_tokens=512)
+    block.shared.gate_weight.data.normal_(std=0.05)
+    x = torch.randn(300, spec.hidden_size, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        peer, ref = bench.torch_block(x, block), block.reference_forward(x)
+    rel = ((peer.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 2e-2
+    for backward in (False, True):
+        rows = bench.bench_block(spec, 256, iters=20, backward=backward)
+        assert [r.impl for r in rows][:2] == ["mokgen MoEBlock", "PyTorch block (torch._grouped_mm)"]
+        assert all(r.ms > 0 and len(r.ms_all) == 20 for r in rows)
