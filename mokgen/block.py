@@ -15,14 +15,18 @@ import torch
 
 from mokgen.ep import MoELayer
 from mokgen.errors import InputError
-from mokgen.reference import shared_expert_forward
+from mokgen.reference import shared_expert_forward, swiglu
 from mokgen.router import Router
 from mokgen.spec import MoESpec, load_spec
 
 
 class SharedExpertMLP(torch.nn.Module):
     """``spec.shared_experts.count`` SwiGLU experts applied to every token, summed in order, and
-    with ``gate == "sigmoid"`` scaled by ``sigmoid(x @ gate_weight.T)`` (Qwen3.5)."""
+    with ``gate == "sigmoid"`` scaled by ``sigmoid(x @ gate_weight.T)`` (Qwen3.5).
+
+    BF16 inputs run as BF16 GEMMs (fp32 accumulation), SwiGLU in fp32 rounded to BF16 like the
+    megakernel's h rows; other dtypes go through the fp32 reference. (The fp32 reference took
+    2.7 ms of the 9.0 ms qwen3.5-35b-a3b block at 16384 tokens; docs/perf-notes.md, v0.4.)"""
 
     def __init__(self, spec: MoESpec, *, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -35,8 +39,18 @@ class SharedExpertMLP(torch.nn.Module):
         self.gate_weight = torch.nn.Parameter(torch.zeros(1, H, **kw)) if se.gate == "sigmoid" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return shared_expert_forward(x, self.w_gate, self.w_up, self.w_down, gate_weight=self.gate_weight,
-                                     out_dtype=x.dtype)
+        if x.dtype != torch.bfloat16 or self.w_gate.dtype != torch.bfloat16:
+            return shared_expert_forward(x, self.w_gate, self.w_up, self.w_down, gate_weight=self.gate_weight,
+                                         out_dtype=x.dtype)
+        F = torch.nn.functional
+        out = None
+        for s in range(self.w_gate.shape[0]):  # experts summed in order, fp32
+            h = swiglu(F.linear(x, self.w_gate[s]).float(), F.linear(x, self.w_up[s]).float()).to(x.dtype)
+            y = F.linear(h, self.w_down[s]).float()
+            out = y if out is None else out + y
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x.float(), self.gate_weight.float()))
+        return out.to(x.dtype)
 
 
 class MoEBlock(torch.nn.Module):
