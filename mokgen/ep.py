@@ -130,7 +130,11 @@ def _raise(bufs: EpBuffers, err: dict, timeout_ms: float) -> None:
     raise KernelError(abi.describe_error(err, timeout_ms))
 
 
-def _ctas(kernel, launch_ranks: int) -> tuple[int, int]:
+def _ctas(kernel, launch_ranks: int, world: int | None = None) -> tuple[int, int]:
+    """(CTAs per rank, dispatch CTAs of them) for a launch of ``launch_ranks`` ranks of an EP
+    group of ``world`` (default: launch_ranks). Dispatch gets an eighth of a rank's CTAs, a
+    sixteenth when the group is one rank (its pulls are local copies): measured 1-3% faster
+    than an eighth on one H200 (docs/perf-notes.md, v0.4)."""
     total = int(kernel.LIB.mokgen_ep_max_ctas())
     if total <= 0:
         raise KernelError("cannot query the megakernel's occupancy on this device")
@@ -140,7 +144,8 @@ def _ctas(kernel, launch_ranks: int) -> tuple[int, int]:
     if per_rank < 2 * pair:
         raise InputError(f"{launch_ranks} ranks in one launch need at least {2 * pair * launch_ranks} co-resident "
                          f"CTAs; this GPU holds {total}")
-    dispatch = max(1, per_rank // 8)
+    world = launch_ranks if world is None else world
+    dispatch = max(1, per_rank // (16 if world == 1 else 8))
     return per_rank, min(per_rank - pair, -(-dispatch // pair) * pair)
 
 
@@ -337,11 +342,14 @@ class MoELayer(torch.nn.Module):
     [E/W, H, I]). ``forward(x, topk_ids, topk_weights)`` takes this rank's tokens with GLOBAL
     expert ids and returns [T, H] bf16; every rank of the group must call it together.
     ``max_tokens``: the most tokens any rank will pass (sizes the symmetric buffers once).
+    ``chunk_rows`` / ``ring_chunks``: the receive ring (default: ``plan.ep_defaults``);
+    ``dispatch_ctas``: how many of the rank's CTAs pull rows while the rest compute (default: an
+    eighth of them; a sixteenth for a single rank).
     """
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
                  chunk_rows: int | None = None, ring_chunks: int | None = None,
-                 timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None):
+                 dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None):
         super().__init__()
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
@@ -381,7 +389,15 @@ class MoELayer(torch.nn.Module):
         with torch.cuda.device(device):
             geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
             self._ep = EpBuffers(self._kernel, geometry, device, group)
-            self._ctas, self._dispatch = _ctas(self._kernel, 1)
+            self._ctas, self._dispatch = _ctas(self._kernel, 1, self.world)
+        if dispatch_ctas is not None:
+            pair = int(self._kernel.LIB.mokgen_ep_cluster())
+            P = int(dispatch_ctas)
+            if not 1 <= P <= self._ctas - pair or P % pair:
+                extra = f" and a multiple of {pair} (CTA pairs)" if pair > 1 else ""
+                raise InputError(f"dispatch_ctas must be in 1..{self._ctas - pair}{extra} (this GPU runs "
+                                 f"{self._ctas} CTAs per rank), got {dispatch_ctas}")
+            self._dispatch = P
 
     @property
     def local_experts(self) -> range:

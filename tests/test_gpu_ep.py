@@ -240,6 +240,31 @@ def test_bad_inputs_rejected_before_launch():
         virtual_ep_forward(spec, xs * 3, ids * 3, ws * 3, wg, wu, wd)  # W = 6
 
 
+def test_dispatch_cta_count_changes_no_bits():
+    """MoELayer(dispatch_ctas=P): any split of the CTAs between pulling and computing gives the
+    same bits; out-of-range counts are refused with one clear error."""
+    from mokgen.ep import MoELayer
+
+    spec = load_spec(SMALL)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(1500, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(1500, spec.num_experts, generator=gen, device="cuda").topk(spec.top_k, dim=-1).indices
+    w = torch.rand(1500, spec.top_k, generator=gen, device="cuda")
+    outs = {}
+    for P in (None, 1, 2, 40):
+        layer = MoELayer(spec, max_tokens=1500, chunk_rows=512, ring_chunks=2, dispatch_ctas=P)
+        if P is None:
+            state = {k: v.clone() for k, v in layer.state_dict().items()}
+        layer.load_state_dict(state)
+        with torch.no_grad():
+            outs[P] = layer(x, ids, w)
+        assert P is None or layer._dispatch == P
+    assert all(torch.equal(o, outs[None]) for o in outs.values())
+    for bad in (0, layer._ctas):
+        with pytest.raises(InputError, match="dispatch_ctas must be in 1.."):
+            MoELayer(spec, max_tokens=16, dispatch_ctas=bad)
+
+
 def test_moe_layer_single_rank_eager_compile_graph_and_one_launch():
     spec = load_spec(SMALL)
     layer = MoELayer(spec, max_tokens=2048, chunk_rows=256, ring_chunks=2)
