@@ -23,19 +23,30 @@ of the CPU tests, fp32) take the per-expert loop in the inputs' precision.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mokgen.reference import swiglu
 
 
 def _swiglu_grads(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, clamp_limit):
-    """(dg, du) of h = swiglu(g, u) (clamps included) for the upstream gradient dh, by autograd of
-    the reference's elementwise definition (the exact same rule, clamp edges included)."""
-    with torch.enable_grad():
-        g_ = g.detach().requires_grad_(True)
-        u_ = u.detach().requires_grad_(True)
-        h = swiglu(g_, u_, clamp_limit)
-        dg, du = torch.autograd.grad(h, (g_, u_), dh)
+    """(dg, du) of h = swiglu(g, u) (mokgen.reference.swiglu, clamps included) for the upstream
+    gradient dh, in closed form (no autograd: this runs inside a torch operator):
+    gc = min(g, L), uc = clamp(u, -L, L), h = silu(gc) uc,
+    dg = dh uc silu'(gc) [g <= L], du = dh silu(gc) [-L <= u <= L],
+    silu'(z) = s (1 + z (1 - s)), s = sigmoid(z); the masks are those of torch.clamp's gradient."""
+    if clamp_limit is not None:
+        limit = float(clamp_limit)
+        gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    else:
+        gc, uc = g, u
+    s = torch.sigmoid(gc)
+    dg = dh * uc * (s * (1 + gc * (1 - s)))
+    du = dh * (gc * s)
+    if clamp_limit is not None:
+        dg = dg * (g <= limit)
+        du = du * ((u >= -limit) & (u <= limit))
     return dg, du
 
 
@@ -165,6 +176,26 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     return (*out, *(gw.to(w.dtype) for gw, w in zip(grads, (w_gate, w_up, w_down))))
 
 
+@torch.library.custom_op("mokgen::experts_backward", mutates_args=())
+def experts_backward_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                        w_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
+                        clamp_limit: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
+    """experts_backward as one opaque operator, so that torch.compile (AOTAutograd) traces the
+    megakernel's backward as a single node: its data-dependent sizes (rows per expert) stay
+    inside. Returns fresh tensors (dx, d_topk_weights, dw_gate, dw_up, dw_down)."""
+    out = experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit)
+    inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out)
+    # a custom op may not return its inputs: copy in the (theoretical) case a path returns one
+    return tuple(o.clone() if any(o is i for i in inputs) else o for o in out)
+
+
+@experts_backward_op.register_fake
+def _experts_backward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit):
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
+            torch.empty_like(w_down))
+
+
 def ep_op_backward(saved: dict, grads_out):
     """Backward of the megakernel op for the ranks of one process (one rank, or W virtual ranks
     whose experts are all here): ``saved`` holds the op's lists (xs, topk_ids, topk_weights,
@@ -184,7 +215,7 @@ def ep_op_backward(saved: dict, grads_out):
     w = torch.cat(list(ws))
     g = torch.cat([go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)])
     e_loc = [t.shape[0] for t in wg]
-    dx, dw, dwg, dwu, dwd = experts_backward(x, i, w, torch.cat(list(wg)), torch.cat(list(wu)), torch.cat(list(wd)), g,
-                                             saved["clamp_limit"])
+    dx, dw, dwg, dwu, dwd = experts_backward_op(x, i, w, torch.cat(list(wg)), torch.cat(list(wu)), torch.cat(list(wd)),
+                                                g.contiguous(), saved["clamp_limit"])
     return (list(dx.split(sizes)), list(dw.split(sizes)), list(dwg.split(e_loc)), list(dwu.split(e_loc)),
             list(dwd.split(e_loc)))

@@ -160,3 +160,15 @@ def test_grouped_bf16_path_matches_fp64_oracle(clamp):
     assert not got[2][5].any() and not got[4][5].any()
     z = experts_backward(bf[0][:0], ids[:0], w[:0].float(), bf[1], bf[2], bf[3], bf[4][:0])
     assert z[0].shape == (0, x.shape[1]) and not z[2].any()
+
+
+def test_backward_operator_opcheck_and_same_values():
+    """experts_backward as an opaque torch operator (what the megakernel's autograd calls, so
+    torch.compile traces it as one node): schema, fake implementation and values."""
+    from mokgen.backward import experts_backward_op
+
+    x, ids, w, wg, wu, wd, g = _problem(T=11, seed=4)
+    args = (x, ids, w, wg, wu, wd, g, 0.7)
+    torch.library.opcheck(experts_backward_op, args, test_utils=("test_schema", "test_faketensor"))
+    for a, b in zip(experts_backward_op(*args), experts_backward(*args)):
+        assert torch.equal(a, b)
