@@ -196,6 +196,53 @@ def _experts_backward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad
             torch.empty_like(w_down))
 
 
+def distributed_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, group):
+    """Backward of one expert-parallel rank across a ``torch.distributed`` group (every rank
+    calls it together): this rank's tokens ``x [T, H]`` with global ids and weights, its local
+    experts ``w_* [E/W, ...]``, ``grad_out [T, H]``. The mirror of the forward's dispatch:
+    (token, j) pairs go to their experts' owners with their x row, routing weight and dOut row
+    (all_to_all_single); each owner runs experts_backward on the rows it received (order:
+    source rank, then the source's pair order: a fixed order, so weight gradients are
+    reproducible), and sends each pair's dx row (in x's dtype, like the forward's combine rows)
+    and d weight back; the token owner sums dx over j = 0..k-1 in fp32, in order.
+    Returns (dx, d_topk_weights, dw_gate, dw_up, dw_down) of this rank."""
+    import torch.distributed as dist
+
+    from mokgen.reference import ep_dispatch_plan
+
+    T, K = topk_ids.shape
+    e_loc, _, H = w_gate.shape
+    W = dist.get_world_size(group)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    dest, order, send, recv = ep_dispatch_plan(flat, e_loc, W, group)
+    tok = torch.div(order, K, rounding_mode="floor")
+
+    def exchange(t, out_splits, in_splits):
+        out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    r_x = exchange(x.index_select(0, tok), recv, send)
+    r_g = exchange(grad_out.to(x.dtype).index_select(0, tok), recv, send)
+    r_w = exchange(topk_weights.reshape(-1).index_select(0, order), recv, send)
+    r_ids = exchange((flat - dest * e_loc).index_select(0, order), recv, send)
+    # each received row is a token routed to one local expert
+    dxr, dwr, dwg, dwu, dwd = experts_backward_op(r_x, r_ids.unsqueeze(1), r_w.unsqueeze(1), w_gate, w_up, w_down,
+                                                  r_g, clamp_limit)
+    b_dx = exchange(dxr, send, recv)
+    b_dw = exchange(dwr.reshape(-1), send, recv)
+    f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dx_pairs = torch.zeros(T * K, H, dtype=f32, device=x.device)
+    dx_pairs[order] = b_dx.to(f32)
+    dx_pairs = dx_pairs.view(T, K, H)
+    dx = torch.zeros(T, H, dtype=f32, device=x.device)
+    for j in range(K):
+        dx = dx + dx_pairs[:, j]
+    dw = torch.zeros(T * K, dtype=b_dw.dtype, device=x.device)
+    dw[order] = b_dw
+    return dx.to(x.dtype), dw.view(T, K).to(topk_weights.dtype), dwg, dwu, dwd
+
+
 def ep_op_backward(saved: dict, grads_out):
     """Backward of the megakernel op for the ranks of one process (one rank, or W virtual ranks
     whose experts are all here): ``saved`` holds the op's lists (xs, topk_ids, topk_weights,
@@ -206,9 +253,15 @@ def ep_op_backward(saved: dict, grads_out):
     wg, wu, wd = saved["w_gate"], saved["w_up"], saved["w_down"]
     n = len(xs)
     if saved["world"] != n:
-        raise NotImplementedError(
-            "backward of an expert-parallel layer across GPUs is not implemented yet (issue 5); "
-            "single-rank and virtual-rank layers have one")
+        from mokgen.ep import ep_group_of
+
+        group = ep_group_of(saved.get("local_ptr"))
+        if n != 1 or group is None:
+            raise NotImplementedError(
+                "backward across GPUs needs the layer's process group: use mokgen.MoELayer(spec, group)")
+        go = grads_out[0] if grads_out[0] is not None else torch.zeros_like(xs[0])
+        out = distributed_backward(xs[0], ids[0], ws[0], wg[0], wu[0], wd[0], go, saved["clamp_limit"], group)
+        return tuple([t] for t in out)
     sizes = [x.shape[0] for x in xs]
     x = torch.cat(list(xs))
     i = torch.cat(list(ids))

@@ -125,6 +125,16 @@ class EpBuffers:
         return out
 
 
+#: process group of each multi-GPU layer, by the address of its private region (the op's
+#: local_ptr argument): how the op's backward finds the group to exchange gradients over
+_EP_GROUPS: dict[int, object] = {}
+
+
+def ep_group_of(local_ptr: int | None):
+    """The process group of the MoELayer whose private region starts at ``local_ptr``, or None."""
+    return None if local_ptr is None else _EP_GROUPS.get(int(local_ptr))
+
+
 def _raise(bufs: EpBuffers, err: dict, timeout_ms: float) -> None:
     bufs.clear_error()
     raise KernelError(abi.describe_error(err, timeout_ms))
@@ -390,6 +400,8 @@ class MoELayer(torch.nn.Module):
             geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
             self._ep = EpBuffers(self._kernel, geometry, device, group)
             self._ctas, self._dispatch = _ctas(self._kernel, 1, self.world)
+        if self.world > 1:
+            _EP_GROUPS[int(self._ep.addresses()[1])] = group
         if dispatch_ctas is not None:
             pair = int(self._kernel.LIB.mokgen_ep_cluster())
             P = int(dispatch_ctas)

@@ -5,7 +5,8 @@ ranks on one GPU, on the same global weights and tokens, and agrees with the PyT
 For every bundled spec: 2048 tokens per GPU with uniform routing, then with skewed routing (every
 token prefers experts of rank 0), as launch epochs 1 and 2 of one layer (the second call must not
 see anything of the first). For the first spec also two calls with a different token count on every
-rank, one rank with none.
+rank, one rank with none. Backward (test_moe_layer_backward_across_gpus): the gradients of every
+rank's MoELayer, through the process-group backward, against virtual ranks on one GPU.
 
 W = min(GPUs, 8), lowered to a divisor of the expert counts. Each rank reports to a results queue;
 a rank that raises, dies, or does not report within the deadline fails the test with its
@@ -198,3 +199,105 @@ def test_moe_layer_across_gpus_matches_virtual_ranks():
     report = run_world(world)
     assert report == [f"{name}: {len(_calls(name, world))} calls at W={world} bitwise equal to virtual ranks"
                       for name in SPECS]
+
+
+# ---- backward across GPUs ----------------------------------------------------------------------
+
+BWD_SPECS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b")  # small enough for rank 0 to hold every gradient twice
+
+
+def _bwd_worker(rank: int, world: int, port: int, results) -> None:
+    """Each rank: forward + backward of its MoELayer on its tokens (rank 1 has none in the second
+    call), twice (same bits); rank 0 gathers every rank's gradients and checks them against
+    virtual ranks on one GPU (same global inputs) within bf16 tolerance, and reports whether they
+    are bitwise equal."""
+    try:
+        import mokgen
+        from mokgen.bench import expert_weights
+        from mokgen.spec import load_spec
+
+        os.environ.update(NO_MULTICAST)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MOKGEN_DISABLE_JIT="1")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        report = []
+        try:
+            for name in BWD_SPECS:
+                spec = load_spec(name)
+                layer = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device)
+                with torch.no_grad():
+                    for p_, v in zip((layer.w_gate, layer.w_up, layer.w_down),
+                                     expert_weights(spec, layer.local_experts, device)):
+                        p_.copy_(v)
+                for call, tokens in enumerate(([1024] * world, [700, 0] + [300] * (world - 2))):
+                    x, ids, w = _rank_inputs(spec, 10 + call, "uniform", tokens[rank], rank, world, device)
+                    gen = torch.Generator(device=device).manual_seed(1000 + 10 * call + rank)
+                    g = torch.randn(x.shape, generator=gen, device=device).to(torch.bfloat16)
+                    runs = []
+                    for _ in range(2):
+                        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                        for p_ in layer.parameters():
+                            p_.grad = None
+                        layer(xl, ids, wl).backward(g)
+                        runs.append([xl.grad, wl.grad] + [p_.grad.clone() for p_ in layer.parameters()])
+                    assert all(torch.equal(a, b) for a, b in zip(*runs)), f"{name}: rank {rank} not reproducible"
+                    pieces = []
+                    for k, t in enumerate(runs[0]):  # x and weights grads per token (padded), then experts
+                        shape = (1024,) + tuple(t.shape[1:]) if k < 2 else tuple(t.shape)
+                        pad = torch.zeros(shape, dtype=t.dtype, device=device)
+                        pad[: t.shape[0]] = t
+                        bufs = [torch.empty_like(pad) for _ in range(world)] if rank == 0 else None
+                        dist.gather(pad, bufs, dst=0)
+                        pieces.append(bufs)
+                    if rank == 0:
+                        report.append(_compare_backward(spec, world, call, tokens, g.device, pieces))
+                del layer
+                torch.cuda.empty_cache()
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, None, report if rank == 0 else "ok"))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, traceback.format_exc(), None))
+        raise
+
+
+def _compare_backward(spec, world, call, tokens, device, pieces) -> str:
+    import mokgen
+    from mokgen.bench import expert_weights
+
+    wg, wu, wd = (t.requires_grad_(True) for t in expert_weights(spec, range(spec.num_experts), device))
+    xs, ids, ws, gs = [], [], [], []
+    for r in range(world):
+        x, i, w = _rank_inputs(spec, 10 + call, "uniform", tokens[r], r, world, device)
+        gen = torch.Generator(device=device).manual_seed(1000 + 10 * call + r)
+        gs.append(torch.randn(x.shape, generator=gen, device=device).to(torch.bfloat16))
+        xs.append(x.requires_grad_(True)), ids.append(i), ws.append(w.requires_grad_(True))
+    outs = mokgen.virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd)
+    torch.autograd.backward(outs, gs)
+    want = [torch.cat([x.grad for x in xs]), torch.cat([w.grad for w in ws]), wg.grad, wu.grad, wd.grad]
+    got = [torch.cat([b[: tokens[r]] for r, b in enumerate(pieces[0])]),
+           torch.cat([b[: tokens[r]] for r, b in enumerate(pieces[1])]),
+           *(torch.cat(pieces[k]) for k in (2, 3, 4))]
+    bitwise = True
+    for name_, a, b in zip(("x", "weights", "w_gate", "w_up", "w_down"), got, want):
+        assert a.shape == b.shape, (name_, a.shape, b.shape)
+        err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+        assert err < 2e-2, f"{spec.name} call {call}: grad {name_} relative error {err:.3e} against virtual ranks"
+        bitwise = bitwise and torch.equal(a, b)
+    return f"{spec.name} call {call} W={world}: gradients match virtual ranks ({'bitwise' if bitwise else 'within bf16 tolerance'})"
+
+
+def test_moe_layer_backward_across_gpus():
+    from mokgen import build as build_mod
+    from mokgen.spec import load_spec
+
+    world = _world()
+    assert world >= 2
+    for name in BWD_SPECS:
+        build_mod.build(load_spec(name), publish_generated=False)
+    os.environ.update(NO_MULTICAST)
+    report = run_ranks(_bwd_worker, world, DEADLINE_S, "bwd-rank")[0]
+    print("\n".join(report))
+    assert len(report) == 2 * len(BWD_SPECS)
