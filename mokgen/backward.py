@@ -15,10 +15,13 @@ Math, per (token t, slot j) pair with expert e = ids[t, j] and row x = x[t]:
 Rows are processed expert-major (stable order), and each expert's weight gradient is one matmul
 over its rows in that order: no split-K, no scatter-add.
 
-Two paths compute this. BF16 inputs take the grouped path: seven ``torch._grouped_mm`` calls
-(bf16 operands, fp32 accumulation, like the PyTorch pipeline the bench compares against), with
-``d w[t, j] = <dOut[t] Wd[e], h>`` so that y is never recomputed. Other dtypes (the fp64 oracle
-of the CPU tests, fp32) take the per-expert loop in the inputs' precision.
+Two paths compute this. BF16 inputs take the grouped path (where torch._grouped_mm runs, see
+_grouped_ok): seven ``torch._grouped_mm`` calls (bf16 operands, fp32 accumulation, like the
+PyTorch pipeline the bench compares against), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y
+is never recomputed. Its GEMM outputs are bf16 (g and u are rounded before the SwiGLU, where the
+forward kernel applies it to fp32 accumulators; dx is the sum of two rounded products): within
+bf16 tolerance, like the PyTorch pipeline. Other dtypes (the fp64 oracle of the CPU tests, fp32)
+take the per-expert loop in the inputs' precision.
 """
 
 from __future__ import annotations
@@ -114,9 +117,20 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
     return (*out, *(gw.to(w.dtype) for gw, w in zip(grads, (w_gate, w_up, w_down))))
 
 
-def _grouped_ok(x, *weights) -> bool:
-    return (hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
-            and all(w.dtype == torch.bfloat16 for w in weights))
+def _grouped_ok(x, w_gate, w_up, w_down) -> bool:
+    """Whether torch._grouped_mm can run this backward: BF16 everywhere, 16-byte row strides
+    (H and I multiples of 8), and a device it supports (CUDA: sm_90 or newer; CPU: PyTorch 2.9
+    or newer). Otherwise the per-expert loop runs."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    if any(w.dtype != torch.bfloat16 for w in (w_gate, w_up, w_down)):
+        return False
+    if w_gate.shape[1] % 8 or w_gate.shape[2] % 8:
+        return False
+    if x.is_cuda:
+        return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 9)
 
 
 def _pairs_expert_major(topk_ids: torch.Tensor, E: int):

@@ -78,7 +78,8 @@ class Plan(BaseModel):
     schedule: str = "flow"
     # CTAs per cluster (flow schedule of the Hopper core only): 2 pairs compute CTAs whose tiles
     # share an operand, loaded once by TMA multicast into both (hopper_gemm.cuh); 1 runs them
-    # alone. 1 by default: pairs measured 2-15% slower on the H200 (docs/perf-notes.md, v0.4).
+    # alone. 1 by default: pairs measured slower on every local workload on the H200 (2-9% in
+    # the bench, 5-15% in the chunk sweep; docs/perf-notes.md, v0.4).
     gemm_cluster: int = 1
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"

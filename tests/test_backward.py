@@ -172,3 +172,17 @@ def test_backward_operator_opcheck_and_same_values():
     torch.library.opcheck(experts_backward_op, args, test_utils=("test_schema", "test_faketensor"))
     for a, b in zip(experts_backward_op(*args), experts_backward(*args)):
         assert torch.equal(a, b)
+
+
+def test_bf16_shapes_grouped_mm_cannot_take_use_the_loop():
+    """A hidden size that is not a multiple of 8 (rows not 16-byte aligned for torch._grouped_mm)
+    still gets correct BF16 gradients, through the per-expert loop."""
+    from mokgen.backward import _grouped_ok
+
+    x, ids, w, wg, wu, wd, g = _problem(T=19, H=20, I=16, seed=6)
+    bf = [t.to(torch.bfloat16) for t in (x, wg, wu, wd, g)]
+    assert not _grouped_ok(bf[0], *bf[1:4])
+    got = experts_backward(bf[0], ids, w.float(), *bf[1:])
+    want = experts_backward(*(t.to(F64) for t in bf[:1]), ids, w, *(t.to(F64) for t in bf[1:]))
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 2e-2

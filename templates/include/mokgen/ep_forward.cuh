@@ -781,7 +781,10 @@ struct EpLauncher {
         last_mode() = 2;
         return err;
       }
-      (void)cudaGetLastError();  // a refused attribute combination is not sticky: retry without it
+      (void)cudaGetLastError();  // a refused launch configuration is not sticky
+      // A grid too large to be co-resident stays an error; otherwise the attribute combination
+      // itself may be what was refused: retry as a plain cluster launch (mode 3).
+      if (err == cudaErrorCooperativeLaunchTooLarge) return err;
       cfg.numAttrs = 1;
       err = cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args);
       if (err == cudaSuccess) last_mode() = 3;
