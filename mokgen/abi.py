@@ -28,6 +28,8 @@ class EpParams(ctypes.Structure):
         ("w_up", _P * MAX_LAUNCH_RANKS),
         ("w_down", _P * MAX_LAUNCH_RANKS),
         ("out", _P * MAX_LAUNCH_RANKS),
+        ("shared_w", _P * 3),
+        ("shared_scale", _P * MAX_LAUNCH_RANKS),
         ("ctl", _P),
         ("timeout_ns", ctypes.c_longlong),
         ("num_tokens", ctypes.c_int * MAX_LAUNCH_RANKS),

@@ -257,6 +257,23 @@ def distributed_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_o
     return dx.to(x.dtype), dw.view(T, K).to(topk_weights.dtype), dwg, dwu, dwd
 
 
+def shared_op_backward(xs, w_gate, w_up, w_down, scale, grads_out):
+    """Backward of the fused shared expert (FUSE_SHARED builds): out_r[t] += scale[t] *
+    shared_expert(x_r[t]) for every rank r of the launch (scale None: 1). It is a one-expert
+    layer with top-1 and weight scale[t], so experts_backward_op computes it (no clamp, as the
+    reference's shared expert). Returns (per-rank dx lists, (d gate, d up, d down, d scale))."""
+    sizes = [x.shape[0] for x in xs]
+    x = torch.cat(list(xs))
+    g = torch.cat([go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)])
+    T = x.shape[0]
+    ids = torch.zeros(T, 1, dtype=torch.int64, device=x.device)
+    w = (scale.float() if scale is not None else torch.ones(T, device=x.device)).reshape(T, 1)
+    dx, dw, dg, du, dd = experts_backward_op(x, ids, w, w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0),
+                                             g.contiguous(), None)
+    d_scale = dw.reshape(T).to(scale.dtype) if scale is not None else None
+    return list(dx.split(sizes)), (dg[0], du[0], dd[0], d_scale)
+
+
 def ep_op_backward(saved: dict, grads_out):
     """Backward of the megakernel op for the ranks of one process (one rank, or W virtual ranks
     whose experts are all here): ``saved`` holds the op's lists (xs, topk_ids, topk_weights,

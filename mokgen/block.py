@@ -79,9 +79,16 @@ class MoEBlock(torch.nn.Module):
         x = hidden.reshape(-1, H).contiguous()
         ids, w = self.router(x, None if token_ids is None else token_ids.reshape(-1))
         self.last_routing = (ids.detach(), w.detach())
-        y = self.experts(x, ids, w)
-        if self.shared is not None:
-            y = y + self.shared(x)
+        sh = self.shared
+        if sh is not None and self.experts.fuses_shared:  # the megakernel runs the shared expert too
+            scale = None
+            if sh.gate_weight is not None:
+                scale = torch.sigmoid(torch.nn.functional.linear(x.float(), sh.gate_weight.float())).reshape(-1)
+            y = self.experts(x, ids, w, shared=(sh.w_gate[0], sh.w_up[0], sh.w_down[0], scale))
+        else:
+            y = self.experts(x, ids, w)
+            if sh is not None:
+                y = y + sh(x)
         return y.reshape(hidden.shape)
 
     def reference_forward(self, hidden: torch.Tensor) -> torch.Tensor:

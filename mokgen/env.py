@@ -20,6 +20,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BUILD_TIMEOUT": "seconds before an nvcc run is abandoned (default: 900)",
     "MOKGEN_GEMM_CORE": "wgmma (default: TMA + wgmma, sm_90a) or mma_sync (portable reference core)",
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
+    "MOKGEN_FUSE_SHARED": "1: run the shared expert inside the megakernel where the plan allows (default 0: in PyTorch)",
     "MOKGEN_CLUSTER": "1 (default: every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast)",
 }
 
@@ -109,4 +110,4 @@ def cluster() -> int:
 
 def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
-    return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster()}
+    return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": _flag("MOKGEN_FUSE_SHARED")}

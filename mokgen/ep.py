@@ -429,9 +429,32 @@ class MoELayer(torch.nn.Module):
         pulled, pushed and pulled from other ranks, and phase times (``mokgen.abi.parse_stats``)."""
         return self._ep.stats()[0]
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    @property
+    def fuses_shared(self) -> bool:
+        """Whether this build runs the shared expert inside the megakernel (plan.fuse_shared,
+        ``MOKGEN_FUSE_SHARED=1`` where the spec allows): forward then takes ``shared=``."""
+        return bool(getattr(self._kernel, "FUSE_SHARED", False))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: tuple | None = None) -> torch.Tensor:
+        """``shared`` (fused builds only, see ``fuses_shared``): ``(w_gate [I, H], w_up [I, H],
+        w_down [H, I], scale [T] fp32 or None)`` of the spec's shared expert; the output then
+        includes ``scale[t] * shared_expert(x[t])`` (differentiable in all four)."""
         s, bufs = self.spec, self._ep
         T = _check_rank_inputs(s, 0, x, topk_ids, topk_weights)
+        shared_args = ()
+        if shared is not None:
+            if not self.fuses_shared:
+                raise InputError("shared=: this build runs the shared expert in PyTorch (set MOKGEN_FUSE_SHARED=1 "
+                                 "where the spec allows; see mokgen.plan.can_fuse_shared)")
+            gate, up, down, scale = shared
+            H, I = s.hidden_size, s.moe_intermediate_size
+            _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))
+            _check(up, "shared w_up", shape=(I, H), dtypes=(torch.bfloat16,))
+            _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
+            if scale is not None:
+                _check(scale, "shared scale", shape=(T,), dtypes=(torch.float32,))
+            shared_args = (gate, up, down, scale)
         for t, n in ((x, "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
             _check_device(t, n, bufs.device)
         if T > self.max_tokens:
@@ -449,7 +472,7 @@ class MoELayer(torch.nn.Module):
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
             [self.w_gate], [self.w_up], [self.w_down],
             *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
-            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1,
+            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *shared_args,
         )
         if not compiling and not torch.cuda.is_current_stream_capturing():
             bufs.watch()

@@ -81,6 +81,10 @@ class Plan(BaseModel):
     # alone. 1 by default: pairs measured slower on every local workload on the H200 (2-9% in
     # the bench, 5-15% in the chunk sweep; docs/perf-notes.md, v0.4).
     gemm_cluster: int = 1
+    # The shared expert inside the megakernel (its tiles first in the flow order, on the rank's
+    # own tokens; the combine adds it): for one shared expert of the routed experts' size, under
+    # the flow schedule without clusters. Off by default until measured (issue 8).
+    fuse_shared: bool = False
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -108,10 +112,12 @@ SCHEDULES = ("flow", "phased")
 CLUSTERS = (1, 2)
 
 
-def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1) -> Plan:
+def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1,
+              fuse_shared: bool = False) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
-    of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise)."""
+    of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise); ``fuse_shared``
+    applies where ``can_fuse_shared`` says so (False otherwise)."""
     if gemm_core not in GEMM_CORES:
         raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
     if schedule not in SCHEDULES:
@@ -139,6 +145,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         **_tiles(spec, gemm_core),
         schedule=schedule if gemm_core == "wgmma" else "phased",
         gemm_cluster=cluster if gemm_core == "wgmma" and schedule == "flow" else 1,
+        fuse_shared=bool(fuse_shared) and can_fuse_shared(spec, gemm_core, schedule, cluster),
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,
@@ -146,6 +153,15 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         router_group_score=spec.routing.group_score,
     )
     return plan
+
+
+def can_fuse_shared(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1) -> bool:
+    """Whether the megakernel can run ``spec``'s shared expert: one shared expert with the
+    routed experts' intermediate size (its tiles reuse the routed tile types), on the Hopper
+    core's flow schedule without clusters."""
+    se = spec.shared_experts
+    return (se.count == 1 and se.intermediate_size == spec.moe_intermediate_size and gemm_core == "wgmma"
+            and schedule == "flow" and cluster == 1)
 
 
 def _tiles(spec: MoESpec, gemm_core: str) -> dict[str, Any]:

@@ -3,6 +3,8 @@ autograd through the reference, on the CPU in float64."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -186,3 +188,51 @@ def test_bf16_shapes_grouped_mm_cannot_take_use_the_loop():
     want = experts_backward(*(t.to(F64) for t in bf[:1]), ids, w, *(t.to(F64) for t in bf[1:]))
     for a, b in zip(got, want):
         assert _rel(a, b) < 2e-2
+
+
+def test_generated_binding_autograd_with_the_fused_shared_expert(monkeypatch):
+    """A MOKGEN_FUSE_SHARED build's autograd (CPU tensors, called directly): with the shared
+    expert's weights and per-token scale among the op's inputs, the gradients are the routed
+    ones plus those of scale[t] * shared_expert(x[t]) (a one-expert, top-1 layer), and the
+    result has one entry per input."""
+    import mokgen
+    from mokgen.load import load
+
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
+    spec = mokgen.load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"))
+    kernel = load(spec)
+    assert kernel.FUSE_SHARED
+    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    gen = torch.Generator().manual_seed(7)
+    sizes = [5, 3]
+    xs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
+    ids = [torch.rand(t, E, generator=gen).topk(K, dim=-1).indices for t in sizes]
+    ws = [torch.rand(t, K, generator=gen, dtype=F64) for t in sizes]
+    wg = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    wu = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    wd = list((torch.randn(E, H, I, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    sg, su = (torch.randn(I, H, generator=gen, dtype=F64) * 0.05 for _ in range(2))
+    sd = torch.randn(H, I, generator=gen, dtype=F64) * 0.05
+    scale = torch.rand(sum(sizes), generator=gen, dtype=F64)
+    inputs = (xs, ids, ws, wg, wu, wd, [0, 0], 0, 0, 0, 0, 16, 128, 2, 2, 1, 1, -1, sg, su, sd, scale)
+
+    class Ctx:
+        def save_for_backward(self, *t):
+            self.saved_tensors = t
+
+    ctx = Ctx()
+    kernel._ep_setup_context(ctx, inputs, None)
+    gs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
+    out = kernel._ep_backward(ctx, gs)
+    assert len(out) == len(inputs)
+    x, g = torch.cat(xs), torch.cat(gs)
+    routed = experts_backward(x, torch.cat(ids), torch.cat(ws), torch.cat(wg), torch.cat(wu), torch.cat(wd), g)
+    shared = experts_backward(x, torch.zeros(len(x), 1, dtype=torch.int64), scale[:, None], sg[None], su[None],
+                              sd[None], g)
+    torch.testing.assert_close(torch.cat(out[0]), routed[0] + shared[0])
+    torch.testing.assert_close(out[18], shared[2][0])
+    torch.testing.assert_close(out[19], shared[3][0])
+    torch.testing.assert_close(out[20], shared[4][0])
+    torch.testing.assert_close(out[21], shared[1][:, 0])
+    # and the shared part is not trivially zero
+    assert shared[0].abs().sum() > 0 and out[21].abs().sum() > 0

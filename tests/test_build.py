@@ -61,6 +61,19 @@ def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
     assert "UTMALDG.2D.MULTICAST" in sass and "HGMMA" in sass
 
 
+@pytest.mark.nvcc
+def test_fused_shared_expert_build(monkeypatch):
+    """MOKGEN_FUSE_SHARED=1 on a spec with a sigmoid-gated shared expert: the plan fuses it, the
+    library compiles with wgmma, and its binding takes the shared expert's weights."""
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
+    spec = load_spec("qwen3.5-35b-a3b")
+    result = build_mod.build(spec)
+    assert json.loads((result.entry / "plan.json").read_text())["plan"]["fuse_shared"] is True
+    binding = (result.entry / "binding.py").read_text()
+    assert "FUSE_SHARED = True" in binding and "shared_scale: Optional[torch.Tensor] = None" in binding
+    assert re.search(r"Used \d+ registers", (result.entry / "build.log").read_text())
+
+
 # ---- every bundled spec ------------------------------------------------------------------------
 
 

@@ -289,7 +289,7 @@ def test_schedule_from_environment(monkeypatch):
     from mokgen.errors import ToolchainError
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
-    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1}
+    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1, "fuse_shared": False}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -313,3 +313,23 @@ def test_cluster_option(monkeypatch):
     monkeypatch.setenv("MOKGEN_CLUSTER", "two")
     with pytest.raises(ToolchainError, match="MOKGEN_CLUSTER must be 1 or 2"):
         env.plan_options()
+
+
+def test_fuse_shared_option(monkeypatch):
+    from mokgen import env
+    from mokgen.plan import can_fuse_shared
+
+    for name in sorted(bundled_specs()):
+        spec = load_spec(name)
+        se = spec.shared_experts
+        want = se.count == 1 and se.intermediate_size == spec.moe_intermediate_size
+        assert can_fuse_shared(spec) == want, name
+        assert make_plan(spec).fuse_shared is False  # off by default
+        assert make_plan(spec, fuse_shared=True).fuse_shared == want, name
+    spec = load_spec("qwen3.5-35b-a3b")
+    assert not make_plan(spec, fuse_shared=True, cluster=2).fuse_shared
+    assert not make_plan(spec, fuse_shared=True, schedule="phased").fuse_shared
+    assert not make_plan(spec, fuse_shared=True, gemm_core="mma_sync").fuse_shared
+    assert cache_key(make_plan(spec, fuse_shared=True), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
+    assert env.plan_options()["fuse_shared"] is True

@@ -59,6 +59,10 @@ struct EpParams {
   const bf16* w_up[kMaxLaunchRanks];       // [E / W, I, H]
   const bf16* w_down[kMaxLaunchRanks];     // [E / W, H, I]
   bf16* out[kMaxLaunchRanks];              // [T_r, H]
+  // Fused shared expert (Cfg::kFuseShared; null w: none): w_gate / w_up [I, H], w_down [H, I],
+  // the same for every rank; scale [T_r] fp32 per token (null: 1), e.g. Qwen's sigmoid gate.
+  const bf16* shared_w[3];
+  const float* shared_scale[kMaxLaunchRanks];
   Control* ctl;                            // shared by the CTAs of this launch
   long long timeout_ns;                    // bound of every wait
   int num_tokens[kMaxLaunchRanks];         // T_r
@@ -80,12 +84,16 @@ struct EpMaps {
   CUtensorMap w_gate[kMaxLaunchRanks];  // [E/W*I, H]
   CUtensorMap w_up[kMaxLaunchRanks];    // [E/W*I, H]
   CUtensorMap w_down[kMaxLaunchRanks];  // [E/W*H, I]
+  // fused shared expert (Cfg::kFuseShared): the rank's published x and shared h, its weights
+  CUtensorMap sym_x[kMaxLaunchRanks];     // [max_tokens, H]  A of the shared up projection
+  CUtensorMap shared_h[kMaxLaunchRanks];  // [max_tokens, I]  A of the shared down projection
+  CUtensorMap sh_gate, sh_up, sh_down;    // [I, H], [I, H], [H, I]
 };
 
 // Byte offsets inside a rank's symmetric region (identical on every rank).
 template <class Cfg>
 struct SymLayout {
-  size_t routing_ready, done, send_count, send_offset, send_pairs, x, slots, total;
+  size_t routing_ready, done, send_count, send_offset, send_pairs, x, slots, shared_blk, shared_h, shared_y, total;
   MOKGEN_HOST_DEVICE explicit SymLayout(int64_t max_tokens) {
     size_t at = 0;
     auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
@@ -96,6 +104,11 @@ struct SymLayout {
     send_pairs = take(4 * max_tokens * Cfg::kTopK);
     x = take(sizeof(bf16) * max_tokens * Cfg::kHidden);
     slots = take(sizeof(bf16) * max_tokens * Cfg::kTopK * Cfg::kHidden);
+    // fused shared expert (empty without): up tiles done per 128-token block, h and y rows
+    const int64_t fuse = Cfg::kFuseShared ? 1 : 0;
+    shared_blk = take(8 * fuse * ((max_tokens + 127) / 128));
+    shared_h = take(sizeof(bf16) * fuse * max_tokens * Cfg::kInter);
+    shared_y = take(sizeof(bf16) * fuse * max_tokens * Cfg::kHidden);
     total = at;
   }
 };
@@ -130,6 +143,26 @@ struct LocalLayout {
 
 template <class T>
 MOKGEN_DEVICE T* at(char* base, size_t offset) { return reinterpret_cast<T*>(base + offset); }
+
+// Output-row functors of the fused-shared-expert build (one type per tile kind, so routed and
+// shared tiles share one inlined mainloop): row r of a tile -> bf16* of its column 0.
+template <int kLd>
+struct StridedRows {  // rows kLd elements apart from base (h rows of the ring or of the shared expert)
+  bf16* base;
+  MOKGEN_DEVICE bf16* operator()(int r) const { return base + int64_t(r) * kLd; }
+};
+template <int kH>
+struct SharedOrSlotRows {  // shared y rows when shared != null, else the owners' combine slots
+  bf16* shared;
+  const int2* meta;  // (source rank, pair) of each ring row of the tile
+  char* const* sym;
+  size_t slots_off;
+  MOKGEN_DEVICE bf16* operator()(int r) const {
+    if (shared != nullptr) return shared + int64_t(r) * kH;
+    const int2 d = meta[r];
+    return at<bf16>(sym[d.x], slots_off) + int64_t(d.y) * kH;
+  }
+};
 
 MOKGEN_HOST_DEVICE constexpr size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
@@ -232,6 +265,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         st[kStatTimePullLast] = 0;
         st[kStatTimeDone] = 0;
       }
+      if constexpr (Cfg::kFuseShared)  // counters of this launch's shared up tiles (read after barrier 2)
+        if (cta == 0)
+          for (int i = tid; i < (T + 127) / 128; i += kEpThreads) at<unsigned long long>(mine, S.shared_blk)[i] = 0;
       if (cta == 0)
         sender_routing<kE, kK, kEpThreads>(p.ids[g], T, at<int32_t>(mine, S.send_count),
                                            at<int32_t>(mine, S.send_offset), at<int32_t>(mine, S.send_pairs),
@@ -433,9 +469,27 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // n + 1 (odd column-tile count) becomes a tile of zero rows that writes nothing.
         constexpr int kPair = Cfg::kCluster;
         const int lag = R >= 2 ? 1 : 0;
+        // Fused shared expert (Cfg::kFuseShared, p.shared_w set): its tiles come first, kind 2
+        // (up: the rank's own published x rows, no transfer) then kind 3 (down), m = token row:
+        // they overlap the wait for the first chunk.
+        const bool has_shared = Cfg::kFuseShared && p.shared_w[0] != nullptr;
         auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
-          const int units = Gc / kPair, unit = cc / kPair, crank = cc % kPair;
+          const int units = Gc / kPair, unit = cc / kPair;
+          [[maybe_unused]] const int crank = cc % kPair;
           int t = 0;
+          if constexpr (Cfg::kFuseShared) {
+            if (has_shared) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
+              const int blocks = (T + 127) / 128;
+              const int n_up = blocks * Up::kNTiles, n_all = n_up + blocks * Down::kNTiles;
+              for (int q = unit; q < n_all; q += units) {  // this CTA's: q % units == unit
+                const bool up = q < n_up;
+                const int qq = up ? q : q - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
+                const int m = qq / nt * 128;
+                fn(up ? 2 : 3, -1, 0, min(128, T - m), m, qq % nt, int(sm90::kShareNone));
+              }
+              t = n_all;
+            }
+          }
           for (int step = 0; step < num_chunks + lag; ++step)
             for (int kind = 0; kind < 2; ++kind) {
               const int c = kind == 0 ? step : step - lag;
@@ -510,7 +564,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               const int slot = c % R;
               if (!*abort_flag && rows > 0) {  // a zero-row tile of a pair finishes nothing
                 __threadfence();  // the consumers' stores (acquired through sig_done) -> gpu scope
-                if (kind == 0) {
+                if (Cfg::kFuseShared && kind >= 2) {
+                  // shared up tiles release their block's down tiles; shared down tiles are
+                  // ordered before the combine by the compute CTAs' final barrier
+                  if (kind == 2) atomicAdd(at<unsigned long long>(mine, S.shared_blk) + m / 128, 1ull);
+                } else if (kind == 0) {
                   atomicAdd(&blk_done[int64_t(slot) * C + m], 1ull);
                 } else {
                   if (n == 0) count_pushed(rows);
@@ -529,6 +587,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
             for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int share) {
+              if (Cfg::kFuseShared && kind >= 2) {  // fused shared expert: up tiles read the published x rows
+                if (kind == 3 && !*abort_flag) {
+                  if (!w.wait_geq<false>(at<unsigned long long>(mine, S.shared_blk) + m / 128, Up::kNTiles,
+                                         kStageBlockReady, -1))
+                    *abort_flag = 1;
+                }
+                sm90::fence_proxy_async_global();  // x / shared h rows: generic writes -> TMA reads
+              }
               const int slot = c % R;
               if (!*abort_flag && acquired < c) {
                 while (acquired < c && !*abort_flag) {
@@ -539,6 +605,16 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 sm90::fence_proxy_async_global();  // ring rows: generic writes -> TMA reads
               }
               const int64_t row0 = int64_t(slot) * C + m;
+              if constexpr (Cfg::kFuseShared) {
+                if (kind == 2) {
+                  Up::produce(Up::carve(smem), pipe, &maps.sym_x[g], m, &maps.sh_gate, &maps.sh_up, n * Up::kBN);
+                  return;
+                }
+                if (kind == 3) {
+                  Down::produce(Down::carve(smem), pipe, &maps.shared_h[g], m, &maps.sh_down, nullptr, n * Down::kBN);
+                  return;
+                }
+              }
               if (kind == 0) {
                 Up::produce(Up::carve(smem), pipe, &maps.ring_x[g], int(row0), &maps.w_gate[g], &maps.w_up[g],
                             le * kI + n * Up::kBN, share, cc % kPair);
@@ -560,7 +636,20 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           int i = 0;
           for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
-            if (kind == 0) {
+            if constexpr (Cfg::kFuseShared) {
+              // one call site per tile type for routed and shared tiles (one inlined mainloop
+              // each): output rows through SharedOrSlotRows
+              if (kind == 0 || kind == 2) {  // the shared expert has no clamp (as the reference's)
+                bf16* base = kind == 2 ? at<bf16>(mine, S.shared_h) + int64_t(m) * kI : ring_h + row0 * kI;
+                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, StridedRows<kI>{base},
+                            kind == 2 ? 3.0e38f : Cfg::kClampLimit, abort_flag);
+                sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
+              } else {
+                const SharedOrSlotRows<kH> out{kind == 3 ? at<bf16>(mine, S.shared_y) + int64_t(m) * kH : nullptr,
+                                               meta + row0, sym, slots_off};
+                Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag);
+              }
+            } else if (kind == 0) {
               Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag);
               sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
             } else {
@@ -682,6 +771,15 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
 #pragma unroll
               for (int q = 0; q < 8; ++q) acc[q] = fmaf(wt[j], x8[q], acc[q]);
             }
+            if constexpr (Cfg::kFuseShared) {
+              if (p.shared_w[0] != nullptr) {  // + scale[t] * shared expert, after the routed sum
+                const float sc = p.shared_scale[g] != nullptr ? p.shared_scale[g][t] : 1.f;
+                float y8[8];
+                unpack_bf16x8(*reinterpret_cast<const uint4*>(at<const bf16>(mine, S.shared_y) + int64_t(t) * kH + v * 8), y8);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[q] = fmaf(sc, y8[q], acc[q]);
+              }
+            }
             *reinterpret_cast<uint4*>(p.out[g] + int64_t(t) * kH + v * 8) = pack_bf16x8(acc);
           }
         }
@@ -731,6 +829,26 @@ struct EpLauncher {
             sm90::encode_map_2d(&m.w_down[r], p.w_down[r], uint64_t(e_loc) * Cfg::kHidden, Cfg::kInter,
                                 Down::kBBox) == CUDA_SUCCESS;
         if (!ok) return cudaErrorInvalidValue;
+        if constexpr (Cfg::kFuseShared) {
+          if (p.shared_w[0] != nullptr) {
+            const SymLayout<Cfg> S(p.max_tokens);
+            char* mine = p.sym[p.rank_base + r];
+            const bool sh_ok =
+                sm90::encode_map_2d(&m.sym_x[r], mine + S.x, uint64_t(p.max_tokens), Cfg::kHidden, Up::kABox) == CUDA_SUCCESS &&
+                sm90::encode_map_2d(&m.shared_h[r], mine + S.shared_h, uint64_t(p.max_tokens), Cfg::kInter, Down::kABox) ==
+                    CUDA_SUCCESS;
+            if (!sh_ok) return cudaErrorInvalidValue;
+          }
+        }
+      }
+      if constexpr (Cfg::kFuseShared) {
+        if (p.shared_w[0] != nullptr) {
+          const bool ok =
+              sm90::encode_map_2d(&m.sh_gate, p.shared_w[0], Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
+              sm90::encode_map_2d(&m.sh_up, p.shared_w[1], Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
+              sm90::encode_map_2d(&m.sh_down, p.shared_w[2], Cfg::kHidden, Cfg::kInter, Down::kBBox) == CUDA_SUCCESS;
+          if (!ok) return cudaErrorInvalidValue;
+        }
       }
     }
     return cudaSuccess;
@@ -738,6 +856,8 @@ struct EpLauncher {
 
   static_assert(Cfg::kCluster == 1 || (Cfg::kCluster == 2 && Cfg::kWgmma && Cfg::kFlow),
                 "clusters of two need the Hopper core and the flow schedule");
+  static_assert(!Cfg::kFuseShared || (Cfg::kWgmma && Cfg::kFlow && Cfg::kCluster == 1),
+                "the fused shared expert needs the Hopper core's flow schedule without clusters");
 
   // How the last launch went: 1 cooperative, 2 cooperative with clusters, 3 clusters without the
   // cooperative attribute (co-residency then rests on max_ctas(); every wait is bounded anyway).
