@@ -267,7 +267,8 @@ def shared_op_backward(xs, w_gate, w_up, w_down, scale, grads_out):
     g = torch.cat([go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)])
     T = x.shape[0]
     ids = torch.zeros(T, 1, dtype=torch.int64, device=x.device)
-    w = (scale.float() if scale is not None else torch.ones(T, device=x.device)).reshape(T, 1)
+    wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = (scale.to(wdt) if scale is not None else torch.ones(T, dtype=wdt, device=x.device)).reshape(T, 1)
     dx, dw, dg, du, dd = experts_backward_op(x, ids, w, w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0),
                                              g.contiguous(), None)
     d_scale = dw.reshape(T).to(scale.dtype) if scale is not None else None

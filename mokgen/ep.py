@@ -454,6 +454,9 @@ class MoELayer(torch.nn.Module):
             _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
             if scale is not None:
                 _check(scale, "shared scale", shape=(T,), dtypes=(torch.float32,))
+            for t, n in ((gate, "shared w_gate"), (up, "shared w_up"), (down, "shared w_down"), (scale, "shared scale")):
+                if t is not None:
+                    _check_device(t, n, bufs.device)
             shared_args = (gate, up, down, scale)
         for t, n in ((x, "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
             _check_device(t, n, bufs.device)

@@ -255,6 +255,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       uint4* dst = at<uint4>(mine, S.x);
       const int64_t vecs = int64_t(T) * kH / 8;
       for (int64_t v = int64_t(cta) * kEpThreads + tid; v < vecs; v += int64_t(G) * kEpThreads) dst[v] = __ldg(src + v);
+      if constexpr (Cfg::kWgmma && Cfg::kFuseShared) sm90::fence_proxy_async_global();  // read by the shared expert's TMA
       if (cta == 0 && tid == 0) {  // counters of this launch (incremented only after barrier 2)
         long long* st = at<long long>(loc, L.stats);
         st[kStatRowsPulled] = 0;
