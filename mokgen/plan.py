@@ -110,18 +110,22 @@ class Plan(BaseModel):
 GEMM_CORES = ("wgmma", "mma_sync")
 SCHEDULES = ("flow", "phased")
 CLUSTERS = (1, 2)
+BLOCK_KS = (64, 32)
 
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1,
-              fuse_shared: bool = False) -> Plan:
+              fuse_shared: bool = False, block_k: int = 64) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise); ``fuse_shared``
-    applies where ``can_fuse_shared`` says so (False otherwise)."""
+    applies where ``can_fuse_shared`` says so (False otherwise); ``block_k`` 32 gives the Hopper
+    core 8 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core)."""
     if gemm_core not in GEMM_CORES:
         raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
     if schedule not in SCHEDULES:
         raise PlanError(f"{spec.name}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if block_k not in BLOCK_KS:
+        raise PlanError(f"{spec.name}: block_k must be one of {', '.join(map(str, BLOCK_KS))}, got {block_k!r}")
     if cluster not in CLUSTERS:
         raise PlanError(f"{spec.name}: cluster must be one of {', '.join(map(str, CLUSTERS))}, got {cluster!r}")
     t = spec.target
@@ -142,7 +146,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         top_k=spec.top_k,
         clamp_limit=spec.activation.clamp_limit,
         max_tokens_per_rank=t.max_tokens_per_rank,
-        **_tiles(spec, gemm_core),
+        **_tiles(spec, gemm_core, block_k),
         schedule=schedule if gemm_core == "wgmma" else "phased",
         gemm_cluster=cluster if gemm_core == "wgmma" and schedule == "flow" else 1,
         fuse_shared=bool(fuse_shared) and can_fuse_shared(spec, gemm_core, schedule, cluster),
@@ -164,13 +168,15 @@ def can_fuse_shared(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
             and schedule == "flow" and cluster == 1)
 
 
-def _tiles(spec: MoESpec, gemm_core: str) -> dict[str, Any]:
+def _tiles(spec: MoESpec, gemm_core: str, block_k: int = 64) -> dict[str, Any]:
     """Tile shapes per core. wgmma: 128-row tiles, up tiles of 128 output columns (256 B rows),
-    down tiles of 256 columns when the hidden size allows, else 128; 4 stages of 48 KB.
-    mma_sync: 128 x 64 up / 128 x 128 down tiles, 3 stages."""
+    down tiles of 256 columns when the hidden size allows, else 128; k-blocks of 64 in 4 stages
+    of 48 KB, or of 32 in 8 stages of 24 KB (the same 192 KB, more of it loading while the
+    consumers hold two stages). mma_sync: 128 x 64 up / 128 x 128 down tiles, 3 stages."""
     if gemm_core == "wgmma":
         down = 256 if spec.hidden_size % 256 == 0 else 128
-        return {"gemm_core": "wgmma", "gemm_block_n_up": 128, "gemm_block_n_down": down, "gemm_stages": 4}
+        return {"gemm_core": "wgmma", "gemm_block_n_up": 128, "gemm_block_n_down": down, "gemm_block_k": block_k,
+                "gemm_stages": 4 if block_k == 64 else 8}
     return {"gemm_core": "mma_sync", "gemm_block_n_up": 64, "gemm_block_n_down": 128, "gemm_stages": 3}
 
 

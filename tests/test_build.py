@@ -62,6 +62,25 @@ def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
 
 
 @pytest.mark.nvcc
+def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
+    """MOKGEN_BLOCK_K=32: 8 stages of 24 KB; compiles without spills for the largest spec, with
+    HGMMA, and the rendered source carries the k-block and stage count."""
+    monkeypatch.setenv("MOKGEN_BLOCK_K", "32")
+    spec = load_spec("kimi-k2.5")
+    result = build_mod.build(spec)
+    src = (result.entry / "moe_forward.cu").read_text()
+    assert "kBlockK = 32;" in src and "kStages = 8;" in src
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", (result.entry / "build.log").read_text())
+    assert spills and all(a == "0" and b == "0" for a, b in spills), build_mod.resource_report(result.entry)
+    cuobjdump = shutil.which("cuobjdump") or str(Path(build_mod.find_nvcc()).parent / "cuobjdump")
+    if not Path(cuobjdump).exists():
+        pytest.skip("cuobjdump not found")
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(result.library)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "HGMMA.64x256x16" in sass
+
+
+@pytest.mark.nvcc
 def test_fused_shared_expert_build(monkeypatch):
     """MOKGEN_FUSE_SHARED=1 on a spec with a sigmoid-gated shared expert: the plan fuses it, the
     library compiles with wgmma, and its binding takes the shared expert's weights."""

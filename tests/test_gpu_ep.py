@@ -182,6 +182,30 @@ def test_flow_and_phased_schedules_give_the_same_bits(monkeypatch):
         assert torch.equal(out, first), f"bits differ for {cfg}"
 
 
+def test_block_k_32_gives_the_same_bits(monkeypatch):
+    """MOKGEN_BLOCK_K=32 (8 stages of 24 KB, 64-byte rows with the 64-byte swizzle) against the
+    default 64: the wgmma k16 steps accumulate in the same order, so the bits are the same; on
+    two specs (H % 256 == 0 and a 128-column down tile), a few rings."""
+    from mokgen.spec import spec_from_dict
+
+    d = load_spec(SMALL).canonical_dict()
+    d.update(name="h1152-bk-test", aliases=[], hidden_size=1152, moe_intermediate_size=384, num_experts=16, top_k=4)
+    for spec in (load_spec("qwen3.5-35b-a3b"), spec_from_dict(d)):
+        wg, wu, wd = _weights(spec)
+        gen = torch.Generator(device="cuda").manual_seed(12)
+        xs, ids, ws = _inputs(spec, [1800, 0, 900], gen)
+        runs = {}
+        for bk in ("64", "32"):
+            monkeypatch.setenv("MOKGEN_BLOCK_K", bk)
+            for chunk, ring in ((256, 2), (1024, 3)):
+                runs[bk, chunk, ring] = torch.cat(
+                    virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+        first = runs["64", 256, 2]
+        _assert_close(spec, [first], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
+        for cfg, out in runs.items():
+            assert torch.equal(out, first), f"{spec.name}: bits differ for {cfg}"
+
+
 def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the
     same pipeline; under the flow schedule both are in flight at once (the stage stride must be

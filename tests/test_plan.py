@@ -289,7 +289,8 @@ def test_schedule_from_environment(monkeypatch):
     from mokgen.errors import ToolchainError
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
-    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1, "fuse_shared": False}
+    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1, "fuse_shared": False,
+                                  "block_k": 64}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -333,3 +334,20 @@ def test_fuse_shared_option(monkeypatch):
     assert cache_key(make_plan(spec, fuse_shared=True), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
     monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
     assert env.plan_options()["fuse_shared"] is True
+
+
+def test_block_k_option(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    spec = load_spec("kimi-k2.5")
+    a, b = make_plan(spec), make_plan(spec, block_k=32)
+    assert (a.gemm_block_k, a.gemm_stages) == (64, 4) and (b.gemm_block_k, b.gemm_stages) == (32, 8)
+    assert cache_key(a, **KEY_ARGS) != cache_key(b, **KEY_ARGS)
+    with pytest.raises(PlanError, match="block_k must be one of 64, 32"):
+        make_plan(spec, block_k=128)
+    monkeypatch.setenv("MOKGEN_BLOCK_K", "32")
+    assert env.plan_options()["block_k"] == 32
+    monkeypatch.setenv("MOKGEN_BLOCK_K", "16")
+    with pytest.raises(ToolchainError, match="MOKGEN_BLOCK_K must be 64 or 32"):
+        env.plan_options()

@@ -179,10 +179,11 @@ struct EpCore<Cfg, false> {
 template <class Cfg>
 struct EpCore<Cfg, true> {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
-  static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * 64 * 2;
-  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster>;
+  static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
+  using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster,
+                              Cfg::kBlockK>;
   using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
-                                Cfg::kCluster>;
+                                Cfg::kCluster, Cfg::kBlockK>;
   static_assert(Up::kStageStride == Down::kStageStride && Up::kStageStride >= Up::kStageBytes &&
                     Down::kStageStride >= Down::kStageBytes, "up and down tiles share the stage stride");
   static constexpr int kThreads = 384;
@@ -823,20 +824,20 @@ struct EpLauncher {
       using Down = typename EpForward<Cfg>::Down;
       for (int r = 0; r < p.launch_ranks; ++r) {
         const bool ok =
-            sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kABox) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kABox) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.w_up[r], p.w_up[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kABox, Up::kBK) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kABox, Up::kBK) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&
+            sm90::encode_map_2d(&m.w_up[r], p.w_up[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&
             sm90::encode_map_2d(&m.w_down[r], p.w_down[r], uint64_t(e_loc) * Cfg::kHidden, Cfg::kInter,
-                                Down::kBBox) == CUDA_SUCCESS;
+                                Down::kBBox, Up::kBK) == CUDA_SUCCESS;
         if (!ok) return cudaErrorInvalidValue;
         if constexpr (Cfg::kFuseShared) {
           if (p.shared_w[0] != nullptr) {
             const SymLayout<Cfg> S(p.max_tokens);
             char* mine = p.sym[p.rank_base + r];
             const bool sh_ok =
-                sm90::encode_map_2d(&m.sym_x[r], mine + S.x, uint64_t(p.max_tokens), Cfg::kHidden, Up::kABox) == CUDA_SUCCESS &&
-                sm90::encode_map_2d(&m.shared_h[r], mine + S.shared_h, uint64_t(p.max_tokens), Cfg::kInter, Down::kABox) ==
+                sm90::encode_map_2d(&m.sym_x[r], mine + S.x, uint64_t(p.max_tokens), Cfg::kHidden, Up::kABox, Up::kBK) == CUDA_SUCCESS &&
+                sm90::encode_map_2d(&m.shared_h[r], mine + S.shared_h, uint64_t(p.max_tokens), Cfg::kInter, Down::kABox, Up::kBK) ==
                     CUDA_SUCCESS;
             if (!sh_ok) return cudaErrorInvalidValue;
           }
@@ -845,9 +846,9 @@ struct EpLauncher {
       if constexpr (Cfg::kFuseShared) {
         if (p.shared_w[0] != nullptr) {
           const bool ok =
-              sm90::encode_map_2d(&m.sh_gate, p.shared_w[0], Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
-              sm90::encode_map_2d(&m.sh_up, p.shared_w[1], Cfg::kInter, Cfg::kHidden, Up::kBBox) == CUDA_SUCCESS &&
-              sm90::encode_map_2d(&m.sh_down, p.shared_w[2], Cfg::kHidden, Cfg::kInter, Down::kBBox) == CUDA_SUCCESS;
+              sm90::encode_map_2d(&m.sh_gate, p.shared_w[0], Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&
+              sm90::encode_map_2d(&m.sh_up, p.shared_w[1], Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&
+              sm90::encode_map_2d(&m.sh_down, p.shared_w[2], Cfg::kHidden, Cfg::kInter, Down::kBBox, Up::kBK) == CUDA_SUCCESS;
           if (!ok) return cudaErrorInvalidValue;
         }
       }

@@ -88,14 +88,17 @@ MOKGEN_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.rele
 // Generic-proxy writes to global memory -> later reads by the TMA (async proxy), and back.
 MOKGEN_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// K-major, 128B-swizzled shared-memory operand: rows of 64 bf16 (128 B), 8-row groups 1024 B apart.
-MOKGEN_DEVICE uint64_t smem_desc_sw128(const void* smem) {
+// K-major, swizzled shared-memory operand with kRowBytes-byte rows (128: 64 bf16 per row,
+// SWIZZLE_128B, 8-row groups 1024 B apart; 64: 32 bf16, SWIZZLE_64B, 8-row groups 512 B apart).
+template <int kRowBytes>
+MOKGEN_DEVICE uint64_t smem_desc_k(const void* smem) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "128- or 64-byte rows");
   cute::GmmaDescriptor d;
   d.bitfield.start_address_ = uint16_t(smem_u32(smem) >> 4);
-  d.bitfield.leading_byte_offset_ = 1;  // unused by swizzled K-major layouts
-  d.bitfield.stride_byte_offset_ = 1024 >> 4;
-  d.bitfield.base_offset_ = 0;          // stage buffers are 1024-byte aligned
-  d.bitfield.layout_type_ = 1;          // SWIZZLE_128B
+  d.bitfield.leading_byte_offset_ = 1;               // unused by swizzled K-major layouts
+  d.bitfield.stride_byte_offset_ = (8 * kRowBytes) >> 4;
+  d.bitfield.base_offset_ = 0;                       // stage buffers are 1024-byte aligned
+  d.bitfield.layout_type_ = kRowBytes == 128 ? 1 : 2;  // SWIZZLE_128B / SWIZZLE_64B
   return d.desc_;
 }
 
@@ -144,10 +147,13 @@ enum TileShare : int { kShareNone = 0, kShareB = 1, kShareA = 2 };
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
-template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1>
+template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1,
+          int kBlockK = 64>
 struct HopperTile {
   static constexpr int kBM = 128;
-  static constexpr int kBK = 64;
+  static constexpr int kBK = kBlockK;  // 64 (128-byte rows, SWIZZLE_128B) or 32 (64-byte rows, SWIZZLE_64B)
+  static constexpr int kRowBytes = kBK * 2;
+  static_assert(kBK == 64 || kBK == 32, "k-blocks of 64 or 32");
   static constexpr int kBN = kGated ? kBNB / 2 : kBNB;  // output columns per tile
   static constexpr int kAcc = kBNB / 2;                  // fp32 accumulators per consumer thread
   static constexpr int kABytes = kBM * kBK * 2;
@@ -160,7 +166,7 @@ struct HopperTile {
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   // full/empty barriers, then the 1024-aligned stages (+1024 of alignment slack)
   static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
-  static_assert(kK % kBK == 0, "K must be a multiple of 64");
+  static_assert(kK % kBK == 0, "K must be a multiple of the k-block");
   static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
   static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
   static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
@@ -256,13 +262,14 @@ struct HopperTile {
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
-      const unsigned char* sa = st + wg * (64 * 128);
+      const unsigned char* sa = st + wg * (64 * kRowBytes);
       const unsigned char* sb = st + kABytes;
       fence_operands(acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16)
-        wgmma_call<kBNB>(smem_desc_sw128(sa + k16 * 32), smem_desc_sw128(sb + k16 * 32), acc, kb > 0 || k16 > 0,
+        wgmma_call<kBNB>(smem_desc_k<kRowBytes>(sa + k16 * 32), smem_desc_k<kRowBytes>(sb + k16 * 32), acc,
+                         kb > 0 || k16 > 0,
                          std::make_index_sequence<kAcc>{});
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<1>();
@@ -337,7 +344,9 @@ struct HopperTile {
 };
 
 // ---- host: 2-D bf16 tensor maps for the tiles (row-major [rows, cols], 128B swizzle) ------------
-inline CUresult encode_map_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows) {
+// box_cols 64 (128-byte rows, SWIZZLE_128B) or 32 (64-byte rows, SWIZZLE_64B), as the tile's kBK.
+inline CUresult encode_map_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
+                              uint32_t box_cols = 64) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -352,10 +361,11 @@ inline CUresult encode_map_2d(CUtensorMap* map, const void* base, uint64_t rows,
   if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {cols * 2};
-  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
