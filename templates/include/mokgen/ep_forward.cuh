@@ -16,11 +16,12 @@
 //               each row into the owner's combine slot (t, j), a barrier, slot freed.
 //               When all chunks are done: system fence, done[rank] = tag(epoch, 1) on every owner.
 //   4. combine  every CTA of the rank waits for done from all W ranks, then reduces its tokens:
-//               out[t] = sum_{j=0..K-1} w[t, j] * slot[t, j], fp32, fixed order.
+//               out[t] = sum_{j=0..K-1} w[t, j] * slot[t, j], fp32, fixed order (combine.cuh).
 // Flags are epoch-tagged and every wait is bounded (sync.cuh). The last CTA to exit re-bases the
 // barrier counters and advances the epoch, so the next launch needs no reset.
 #pragma once
 
+#include "combine.cuh"
 #include "ep_routing.cuh"
 #include "grouped_gemm.cuh"
 #include "hopper_gemm.cuh"
@@ -754,37 +755,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       }
       __syncthreads();
       if (s_flag) {
-        const bf16* slots = at<const bf16>(mine, S.slots);
-        for (int t = cta; t < T; t += G) {
-          int32_t id[kK];
-          float wt[kK];
-#pragma unroll
-          for (int j = 0; j < kK; ++j) {
-            id[j] = p.ids[g][int64_t(t) * kK + j];
-            wt[j] = p.weights[g][int64_t(t) * kK + j];
-          }
-          for (int v = tid; v < kH / 8; v += kEpThreads) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < kK; ++j) {
-              if (id[j] < 0 || id[j] >= kE) continue;
-              float x8[8];
-              unpack_bf16x8(*reinterpret_cast<const uint4*>(slots + (int64_t(t) * kK + j) * kH + v * 8), x8);
-#pragma unroll
-              for (int q = 0; q < 8; ++q) acc[q] = fmaf(wt[j], x8[q], acc[q]);
-            }
-            if constexpr (Cfg::kFuseShared) {
-              if (p.shared_w[0] != nullptr) {  // + scale[t] * shared expert, after the routed sum
-                const float sc = p.shared_scale[g] != nullptr ? p.shared_scale[g][t] : 1.f;
-                float y8[8];
-                unpack_bf16x8(*reinterpret_cast<const uint4*>(at<const bf16>(mine, S.shared_y) + int64_t(t) * kH + v * 8), y8);
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[q] = fmaf(sc, y8[q], acc[q]);
-              }
-            }
-            *reinterpret_cast<uint4*>(p.out[g] + int64_t(t) * kH + v * 8) = pack_bf16x8(acc);
-          }
-        }
+        const bf16* shared_y = nullptr;
+        if constexpr (Cfg::kFuseShared)
+          if (p.shared_w[0] != nullptr) shared_y = at<const bf16>(mine, S.shared_y);
+        combine_tokens<kH, kK, kE, kEpThreads, Cfg::kFuseShared>(at<const bf16>(mine, S.slots), p.ids[g], p.weights[g],
+                                                                  T, cta, G, shared_y, p.shared_scale[g], p.out[g]);
       }
     }
   }
