@@ -13,13 +13,14 @@
 // n + 1. A stage may be refilled only when the consumers of both CTAs released it, so empty[s]
 // counts four arrivals (two local, two from the peer); full[s] still expects the whole stage.
 //
-// Tile: BM = 128 rows (consumer warpgroup c owns rows 64c..64c+63) x kBNB B rows x BK = 64.
+// Tile: BM = 128 rows (consumer warpgroup c owns rows 64c..64c+63) x kBNB B rows x BK (kBlockK:
+// 64 by default, or 32 with MOKGEN_BLOCK_K=32).
 //   gated (up projection): the B tile is 128 rows of w_gate[e] then the same 128 rows of w_up[e];
 //     one m64n256k16 wgmma yields gate and up for 128 columns in the same thread, SwiGLU in
 //     registers, 128 bf16 output columns per tile.
 //   down: kBNB = 256 (or 128) rows of w_down[e]; that many bf16 output columns per tile.
-// Shared memory per stage: A 128 x 64 and B kBNB x 64 bf16, 128-byte rows with the TMA/wgmma
-// 128B swizzle, 1024-byte aligned. full[s] completes when TMA has delivered stage s (transaction
+// Shared memory per stage: A 128 x BK and B kBNB x BK bf16, BK * 2-byte rows with the matching
+// TMA/wgmma swizzle (128B for BK = 64, 64B for BK = 32), 1024-byte aligned. full[s] completes when TMA has delivered stage s (transaction
 // bytes); empty[s] when both consumer warpgroups have finished reading it.
 // K is never split: a row's result depends only on its A row and the weights, whatever the
 // tiling or schedule, so the megakernel stays bitwise deterministic.
@@ -343,7 +344,7 @@ struct HopperTile {
   }
 };
 
-// ---- host: 2-D bf16 tensor maps for the tiles (row-major [rows, cols], 128B swizzle) ------------
+// ---- host: 2-D bf16 tensor maps for the tiles (row-major [rows, cols], swizzled boxes) -----------
 // box_cols 64 (128-byte rows, SWIZZLE_128B) or 32 (64-byte rows, SWIZZLE_64B), as the tile's kBK.
 inline CUresult encode_map_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
                               uint32_t box_cols = 64) {
