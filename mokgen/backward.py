@@ -68,12 +68,8 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
     T, K = topk_ids.shape
     E = w_gate.shape[0]
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32, or fp64 for an oracle
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    # pairs with an id outside [0, E) were dropped by the forward (its combine skips them): no
-    # gradient; sorting them last (key E) keeps them out of every expert's segment
-    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
-    order = torch.argsort(key, stable=True)  # pairs expert-major, then (t, j) order
-    counts = torch.bincount(key, minlength=E + 1).tolist() if flat.numel() else [0] * (E + 1)
+    order, counts, n = _pairs_expert_major(topk_ids, E)
+    order, counts = order[:n], counts.tolist()
     tok = torch.div(order, K, rounding_mode="floor")
     rows = x.index_select(0, tok).to(f32)
     go = grad_out.index_select(0, tok).to(f32)
@@ -83,7 +79,7 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
     dw_rows = torch.zeros(N, dtype=f32, device=x.device)
     grads = [torch.zeros(w.shape, dtype=f32, device=w.device) for w in (w_gate, w_up, w_down)] if need_weight_grads else None
     start = 0
-    for e, c in enumerate(counts[:E]):
+    for e, c in enumerate(counts):
         if c == 0:
             continue
         sl = slice(start, start + c)
@@ -102,19 +98,31 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
             grads[1][e] = du.T @ xr
             grads[2][e] = dy.T @ h
         start += c
-    # back to (t, j) order: a permutation (unique indices), then the fixed-order sum over j
-    dx_pairs = torch.empty_like(dx_rows)
-    dx_pairs[order] = dx_rows
-    dx_pairs = dx_pairs.view(T, K, H)
-    dx = torch.zeros(T, H, dtype=f32, device=x.device)
+    dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32)
+    return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
+
+
+def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype):
+    """Rows in expert-major order (row i is pair ``order[i]`` = t * K + j) back to the (t, j)
+    pairs (a permutation; pairs not in ``order``, the dropped ones, get zeros), then dx summed
+    over j = 0..K-1 in fixed order in ``dtype``. Returns (dx [T, H], d weights [T, K])."""
+    dx_pairs = torch.zeros(T * K, dx_rows.shape[1], dtype=dtype, device=dx_rows.device)
+    dx_pairs[order] = dx_rows.to(dtype)
+    dx_pairs = dx_pairs.view(T, K, -1)
+    dx = torch.zeros(T, dx_rows.shape[1], dtype=dtype, device=dx_rows.device)
     for j in range(K):
         dx = dx + dx_pairs[:, j]
-    dw = torch.empty(T * K, dtype=f32, device=x.device)
+    dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=dw_rows.device)
     dw[order] = dw_rows
-    out = [dx.to(x.dtype), dw.view(T, K).to(topk_weights.dtype)]
+    return dx, dw.view(T, K)
+
+
+def _finish(dx, dw, grads, x, topk_weights, weights):
+    """experts_backward's result in the inputs' dtypes (weight gradients None when not computed)."""
+    out = (dx.to(x.dtype), dw.to(topk_weights.dtype))
     if grads is None:
         return (*out, None, None, None)
-    return (*out, *(gw.to(w.dtype) for gw, w in zip(grads, (w_gate, w_up, w_down))))
+    return (*out, *(gw.to(w.dtype) for gw, w in zip(grads, weights)))
 
 
 def _grouped_ok(x, w_gate, w_up, w_down) -> bool:
@@ -147,7 +155,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
                               need_weight_grads):
     """The BF16 path of experts_backward: grouped GEMMs over the expert-major rows."""
     T, K = topk_ids.shape
-    E, I, H = w_gate.shape
+    E = w_gate.shape[0]
     f32 = torch.float32
     gmm = torch._grouped_mm
     order, counts, n = _pairs_expert_major(topk_ids, E)
@@ -175,19 +183,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         if bool(empty.any()):
             for gw in grads:
                 gw[empty] = 0
-    # back to (t, j) order (a permutation), then the fixed-order sum over j
-    dx_pairs = torch.zeros(T * K, H, dtype=f32, device=x.device)
-    dx_pairs[order] = dx_rows
-    dx_pairs = dx_pairs.view(T, K, H)
-    dx = torch.zeros(T, H, dtype=f32, device=x.device)
-    for j in range(K):
-        dx = dx + dx_pairs[:, j]
-    dw = torch.zeros(T * K, dtype=f32, device=x.device)
-    dw[order] = dw_rows
-    out = [dx.to(x.dtype), dw.view(T, K).to(topk_weights.dtype)]
-    if grads is None:
-        return (*out, None, None, None)
-    return (*out, *(gw.to(w.dtype) for gw, w in zip(grads, (w_gate, w_up, w_down))))
+    dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32)
+    return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
 
 
 @torch.library.custom_op("mokgen::experts_backward", mutates_args=())
@@ -225,7 +222,7 @@ def distributed_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_o
     from mokgen.reference import ep_dispatch_plan
 
     T, K = topk_ids.shape
-    e_loc, _, H = w_gate.shape
+    e_loc = w_gate.shape[0]
     W = dist.get_world_size(group)
     flat = topk_ids.reshape(-1).to(torch.int64)
     dest, order, send, recv = ep_dispatch_plan(flat, e_loc, W, group)
@@ -246,15 +243,8 @@ def distributed_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_o
     b_dx = exchange(dxr, send, recv)
     b_dw = exchange(dwr.reshape(-1), send, recv)
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dx_pairs = torch.zeros(T * K, H, dtype=f32, device=x.device)
-    dx_pairs[order] = b_dx.to(f32)
-    dx_pairs = dx_pairs.view(T, K, H)
-    dx = torch.zeros(T, H, dtype=f32, device=x.device)
-    for j in range(K):
-        dx = dx + dx_pairs[:, j]
-    dw = torch.zeros(T * K, dtype=b_dw.dtype, device=x.device)
-    dw[order] = b_dw
-    return dx.to(x.dtype), dw.view(T, K).to(topk_weights.dtype), dwg, dwu, dwd
+    dx, dw = _unpermute(order, b_dx, b_dw, T, K, f32)
+    return dx.to(x.dtype), dw.to(topk_weights.dtype), dwg, dwu, dwd
 
 
 def shared_op_backward(xs, w_gate, w_up, w_down, scale, grads_out):

@@ -243,18 +243,10 @@ def build(
             try:
                 render.write_tree({**files, "plan.json": _plan_json(plan, key, tc, spec)}, tmp)
                 try:
-                    text = _compile(tmp, plan, tc, log)
+                    text, ok = _compile(tmp, plan, tc, log), True
                 except _CompileFailed as failed:
-                    (tmp / "build.log").write_text(failed.log)
-                    kept = _keep_failed(tmp, entry)
-                    raise BuildError(
-                        f"nvcc failed on {kept / 'moe_forward.cu'}: {_first_error(failed.log)} "
-                        f"(full log: {kept / 'build.log'})"
-                    ) from None
-                (tmp / "build.log").write_text(text)
-                if entry.exists():
-                    shutil.rmtree(entry)
-                os.rename(tmp, entry)
+                    text, ok = failed.log, False
+                settle_entry(tmp, entry, "moe_forward.cu", text, ok)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -262,6 +254,19 @@ def build(
     if publish_generated:
         publish_to_generated(plan, entry)
     return BuildResult(plan.name, key, entry, entry / library_name(plan), cached, time.perf_counter() - start)
+
+
+def settle_entry(tmp: Path, entry: Path, source: str, log: str, ok: bool) -> None:
+    """After an nvcc run in the temporary directory ``tmp``: write its build.log, then either
+    publish ``tmp`` as the cache ``entry`` (replacing a stale one) or, on failure, keep it under
+    ``<cache>/<version>/failed/`` and raise a BuildError naming the source, first error and log."""
+    (tmp / "build.log").write_text(log)
+    if not ok:
+        kept = _keep_failed(tmp, entry)
+        raise BuildError(f"nvcc failed on {kept / source}: {_first_error(log)} (full log: {kept / 'build.log'})")
+    if entry.exists():
+        shutil.rmtree(entry)
+    os.rename(tmp, entry)
 
 
 def _keep_failed(tmp: Path, entry: Path) -> Path:

@@ -82,40 +82,30 @@ def build_timeout() -> float:
     return seconds
 
 
-def gemm_core() -> str:
-    value = _get("MOKGEN_GEMM_CORE") or "wgmma"
-    if value not in ("wgmma", "mma_sync"):
+def _choice(name: str, allowed: tuple[str, ...]) -> str:
+    """The value of switch ``name`` (default: allowed[0]); anything else is a ToolchainError."""
+    value = _get(name) or allowed[0]
+    if value not in allowed:
         from mokgen.errors import ToolchainError
 
-        raise ToolchainError(f"MOKGEN_GEMM_CORE must be wgmma or mma_sync, got {value!r}")
+        raise ToolchainError(f"{name} must be {' or '.join(allowed)}, got {value!r}")
     return value
+
+
+def gemm_core() -> str:
+    return _choice("MOKGEN_GEMM_CORE", ("wgmma", "mma_sync"))
 
 
 def schedule() -> str:
-    value = _get("MOKGEN_SCHEDULE") or "flow"
-    if value not in ("flow", "phased"):
-        from mokgen.errors import ToolchainError
-
-        raise ToolchainError(f"MOKGEN_SCHEDULE must be flow or phased, got {value!r}")
-    return value
+    return _choice("MOKGEN_SCHEDULE", ("flow", "phased"))
 
 
 def cluster() -> int:
-    value = _get("MOKGEN_CLUSTER") or "1"
-    if value not in ("1", "2"):
-        from mokgen.errors import ToolchainError
-
-        raise ToolchainError(f"MOKGEN_CLUSTER must be 1 or 2, got {value!r}")
-    return int(value)
+    return int(_choice("MOKGEN_CLUSTER", ("1", "2")))
 
 
 def block_k() -> int:
-    value = _get("MOKGEN_BLOCK_K") or "64"
-    if value not in ("64", "32"):
-        from mokgen.errors import ToolchainError
-
-        raise ToolchainError(f"MOKGEN_BLOCK_K must be 64 or 32, got {value!r}")
-    return int(value)
+    return int(_choice("MOKGEN_BLOCK_K", ("64", "32")))
 
 
 def plan_options() -> dict:

@@ -35,9 +35,9 @@ from typing import Sequence
 
 from mokgen import env
 from mokgen._version import __version__
-from mokgen.build import (ARCH_FLAGS, BASE_FLAGS, _first_error, _keep_failed, cache_root, file_lock,
-                          find_toolchain, run_nvcc)
-from mokgen.errors import BuildError, InputError, KernelError, LoadError, MokgenError
+from mokgen.build import (ARCH_FLAGS, BASE_FLAGS, cache_root, file_lock, find_toolchain, run_nvcc,
+                          settle_entry)
+from mokgen.errors import InputError, KernelError, LoadError, MokgenError
 from mokgen.paths import templates_dir
 
 ARCH = "sm_90a"
@@ -108,14 +108,7 @@ def build_library(*, force: bool = False) -> Path:
             shutil.copyfile(templates_dir() / SOURCE, tmp / SOURCE)
             cmd = [tc.nvcc, *_flags(), "-I", str(templates_dir() / "include"), SOURCE, "-o", LIBRARY]
             code, log = run_nvcc(cmd, tmp, SOURCE)
-            (tmp / "build.log").write_text(log)
-            if code != 0:
-                kept = _keep_failed(tmp, entry)
-                raise BuildError(f"nvcc failed on {kept / SOURCE}: {_first_error(log)} "
-                                 f"(full log: {kept / 'build.log'})")
-            if entry.exists():
-                shutil.rmtree(entry)
-            os.rename(tmp, entry)
+            settle_entry(tmp, entry, SOURCE, log, code == 0)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

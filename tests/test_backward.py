@@ -94,6 +94,26 @@ def test_virtual_ranks_split_and_join():
 
 
 @pytest.mark.nvcc
+def _two_rank_lists(spec, sizes, gen):
+    """The op's per-rank lists for two virtual ranks (fp64, CPU): xs, topk_ids, topk_weights and
+    each rank's half of the experts' w_gate, w_up, w_down."""
+    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    xs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
+    ids = [torch.rand(t, E, generator=gen).topk(K, dim=-1).indices for t in sizes]
+    ws = [torch.rand(t, K, generator=gen, dtype=F64) for t in sizes]
+    wg = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    wu = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    wd = list((torch.randn(E, H, I, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    return xs, ids, ws, wg, wu, wd
+
+
+class _Ctx:
+    """Stands in for autograd's ctx when the binding's functions are called directly."""
+
+    def save_for_backward(self, *t):
+        self.saved_tensors = t
+
+
 def test_generated_binding_autograd_plumbing():
     """The autograd functions registered by the generated binding (setup_context + backward),
     called directly with CPU tensors: saved lists are sliced back correctly, and every input of
@@ -106,19 +126,10 @@ def test_generated_binding_autograd_plumbing():
     E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
     gen = torch.Generator().manual_seed(5)
     sizes = [6, 3]
-    xs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
-    ids = [torch.rand(t, E, generator=gen).topk(K, dim=-1).indices for t in sizes]
-    ws = [torch.rand(t, K, generator=gen, dtype=F64) for t in sizes]
-    wg = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
-    wu = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
-    wd = list((torch.randn(E, H, I, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    xs, ids, ws, wg, wu, wd = _two_rank_lists(spec, sizes, gen)
     inputs = (xs, ids, ws, wg, wu, wd, [0, 0], 0, 0, 0, 0, 16, 128, 2, 2, 1, 1, -1)
 
-    class Ctx:
-        def save_for_backward(self, *t):
-            self.saved_tensors = t
-
-    ctx = Ctx()
+    ctx = _Ctx()
     kernel._ep_setup_context(ctx, inputs, None)
     gs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
     out = kernel._ep_backward(ctx, gs)
@@ -205,22 +216,13 @@ def test_generated_binding_autograd_with_the_fused_shared_expert(monkeypatch):
     E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
     gen = torch.Generator().manual_seed(7)
     sizes = [5, 3]
-    xs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
-    ids = [torch.rand(t, E, generator=gen).topk(K, dim=-1).indices for t in sizes]
-    ws = [torch.rand(t, K, generator=gen, dtype=F64) for t in sizes]
-    wg = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
-    wu = list((torch.randn(E, I, H, generator=gen, dtype=F64) * 0.05).split(E // 2))
-    wd = list((torch.randn(E, H, I, generator=gen, dtype=F64) * 0.05).split(E // 2))
+    xs, ids, ws, wg, wu, wd = _two_rank_lists(spec, sizes, gen)
     sg, su = (torch.randn(I, H, generator=gen, dtype=F64) * 0.05 for _ in range(2))
     sd = torch.randn(H, I, generator=gen, dtype=F64) * 0.05
     scale = torch.rand(sum(sizes), generator=gen, dtype=F64)
     inputs = (xs, ids, ws, wg, wu, wd, [0, 0], 0, 0, 0, 0, 16, 128, 2, 2, 1, 1, -1, sg, su, sd, scale)
 
-    class Ctx:
-        def save_for_backward(self, *t):
-            self.saved_tensors = t
-
-    ctx = Ctx()
+    ctx = _Ctx()
     kernel._ep_setup_context(ctx, inputs, None)
     gs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
     out = kernel._ep_backward(ctx, gs)

@@ -43,6 +43,21 @@ def _temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob(".tmp-*")) if root.exists() else []
 
 
+def _assert_no_spills(result) -> None:
+    """ptxas reported spill lines for every kernel, all zero."""
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", (result.entry / "build.log").read_text())
+    assert spills and all(a == "0" and b == "0" for a, b in spills), build_mod.resource_report(result.entry)
+
+
+def _sass(result) -> str:
+    """The built library's SASS (cuobjdump beside nvcc); skips the test without cuobjdump."""
+    cuobjdump = shutil.which("cuobjdump") or str(Path(build_mod.find_nvcc()).parent / "cuobjdump")
+    if not Path(cuobjdump).exists():
+        pytest.skip("cuobjdump not found")
+    return subprocess.run([cuobjdump, "--dump-sass", str(result.library)], capture_output=True, text=True,
+                          check=True).stdout
+
+
 @pytest.mark.nvcc
 def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
     """MOKGEN_CLUSTER=2 (CTA pairs sharing operands): the largest bundled spec compiles without
@@ -51,13 +66,8 @@ def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
     spec = load_spec("kimi-k2.5")
     result = build_mod.build(spec)
     assert json.loads((result.entry / "plan.json").read_text())["plan"]["gemm_cluster"] == 2
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", (result.entry / "build.log").read_text())
-    assert spills and all(a == "0" and b == "0" for a, b in spills), build_mod.resource_report(result.entry)
-    cuobjdump = shutil.which("cuobjdump") or str(Path(build_mod.find_nvcc()).parent / "cuobjdump")
-    if not Path(cuobjdump).exists():
-        pytest.skip("cuobjdump not found")
-    sass = subprocess.run([cuobjdump, "--dump-sass", str(result.library)], capture_output=True, text=True,
-                          check=True).stdout
+    _assert_no_spills(result)
+    sass = _sass(result)
     assert "UTMALDG.2D.MULTICAST" in sass and "HGMMA" in sass
 
 
@@ -70,13 +80,8 @@ def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
     result = build_mod.build(spec)
     src = (result.entry / "moe_forward.cu").read_text()
     assert "kBlockK = 32;" in src and "kStages = 8;" in src
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", (result.entry / "build.log").read_text())
-    assert spills and all(a == "0" and b == "0" for a, b in spills), build_mod.resource_report(result.entry)
-    cuobjdump = shutil.which("cuobjdump") or str(Path(build_mod.find_nvcc()).parent / "cuobjdump")
-    if not Path(cuobjdump).exists():
-        pytest.skip("cuobjdump not found")
-    sass = subprocess.run([cuobjdump, "--dump-sass", str(result.library)], capture_output=True, text=True,
-                          check=True).stdout
+    _assert_no_spills(result)
+    sass = _sass(result)
     assert "HGMMA.64x256x16" in sass
 
 

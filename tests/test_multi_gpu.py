@@ -69,13 +69,20 @@ def _rank_inputs(spec, call: int, routing: str, tokens: int, rank: int, world: i
 # ---- one rank ---------------------------------------------------------------------------------------
 
 
+def _init_rank(rank: int, world: int, port: int):
+    """This process's GPU and NCCL process group (NVLink multicast off, the JIT off: the parent
+    built every spec). Returns the device."""
+    os.environ.update(NO_MULTICAST)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MOKGEN_DISABLE_JIT="1")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    return device
+
+
 def _worker(rank: int, world: int, port: int, results) -> None:
     try:
-        os.environ.update(NO_MULTICAST)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MOKGEN_DISABLE_JIT="1")
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        device = _init_rank(rank, world, port)
         reports = []
         try:
             for name in SPECS:
@@ -216,11 +223,7 @@ def _bwd_worker(rank: int, world: int, port: int, results) -> None:
         from mokgen.bench import expert_weights
         from mokgen.spec import load_spec
 
-        os.environ.update(NO_MULTICAST)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MOKGEN_DISABLE_JIT="1")
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        device = _init_rank(rank, world, port)
         report = []
         try:
             for name in BWD_SPECS:
