@@ -106,10 +106,11 @@ def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype):
     """Rows in expert-major order (row i is pair ``order[i]`` = t * K + j) back to the (t, j)
     pairs (a permutation; pairs not in ``order``, the dropped ones, get zeros), then dx summed
     over j = 0..K-1 in fixed order in ``dtype``. Returns (dx [T, H], d weights [T, K])."""
-    dx_pairs = torch.zeros(T * K, dx_rows.shape[1], dtype=dtype, device=dx_rows.device)
+    H = dx_rows.shape[1]
+    dx_pairs = torch.zeros(T * K, H, dtype=dtype, device=dx_rows.device)
     dx_pairs[order] = dx_rows.to(dtype)
-    dx_pairs = dx_pairs.view(T, K, -1)
-    dx = torch.zeros(T, dx_rows.shape[1], dtype=dtype, device=dx_rows.device)
+    dx_pairs = dx_pairs.view(T, K, H)
+    dx = torch.zeros(T, H, dtype=dtype, device=dx_rows.device)
     for j in range(K):
         dx = dx + dx_pairs[:, j]
     dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=dw_rows.device)
