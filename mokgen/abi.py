@@ -47,14 +47,15 @@ class EpParams(ctypes.Structure):
 
 #: StatSlot of ep_forward.cuh: int64 per-rank statistics of the last launch, in slot order
 STAT_SLOTS = ("rows_received", "rows_pulled", "rows_pushed", "rows_remote",
-              "t_start_ns", "t_pull_first_ns", "t_pull_last_ns", "t_done_ns")
+              "t_start_ns", "t_pull_first_ns", "t_pull_last_ns", "t_done_ns", "t_push_first_ns")
 STAT_BYTES = 8 * len(STAT_SLOTS)
 
 
 def parse_stats(vals: list[int]) -> dict:
     """Raw stat slots -> rows received/pulled/pushed/remote and the rank's phase times (ms,
     from its first CTA's start): ``pull_ms`` from the first pull to the last landed chunk (None
-    when nothing was pulled), ``done_ms`` until every push was issued."""
+    when nothing was pulled), ``done_ms`` until every push was issued, ``push_ms`` from the first
+    row block's pushes to done (None when nothing was pushed): the combine's push window."""
     d = dict(zip(STAT_SLOTS, vals))
     out = {k: d[k] for k in ("rows_received", "rows_pulled", "rows_pushed", "rows_remote")}
     t0 = d["t_start_ns"]
@@ -62,6 +63,8 @@ def parse_stats(vals: list[int]) -> dict:
     out["pull_start_ms"] = (d["t_pull_first_ns"] - t0) / 1e6 if pulled else None
     out["pull_ms"] = (d["t_pull_last_ns"] - d["t_pull_first_ns"]) / 1e6 if pulled else None
     out["done_ms"] = (d["t_done_ns"] - t0) / 1e6 if d["t_done_ns"] >= t0 > 0 else None
+    pushed = d["rows_pushed"] > 0 and d["t_done_ns"] >= d["t_push_first_ns"]
+    out["push_ms"] = (d["t_done_ns"] - d["t_push_first_ns"]) / 1e6 if pushed else None
     return out
 
 

@@ -449,8 +449,11 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
     remote bytes: the busiest link direction): ``mokgen
     dispatch`` = bytes pulled from peers / the kernel's pull window, measured in-kernel
     (%globaltimer) once with the default ring (pulls throttled by the GEMMs' consumption) and
-    once with a ring holding every received row (pulls limited by the links); ``nccl
-    dispatch`` = the same bytes / the rows' all_to_all_single time."""
+    once with a ring holding every received row (pulls limited by the links); ``mokgen
+    combine`` = the same bytes (each pulled remote row is pushed back) / the push window, from
+    the first row block's pushes to the rank's done (pushes come from down-tile epilogues, so
+    throttled by the GEMMs); ``nccl dispatch`` / ``nccl combine`` = the same bytes / the rows'
+    all_to_all_single time, each way."""
     import torch.distributed as dist
 
     from mokgen.ep import MoELayer
@@ -502,6 +505,7 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
         layer(*inputs[0])
         st = layer.stats()
         link["mokgen dispatch (default ring)"] = (remote, st["pull_ms"])
+        link["mokgen combine (push window, default ring)"] = (remote, st["push_ms"])
         ring = max(1, -(-max(max_received) // layer.chunk_rows))
         del layer
         big = make_layer(ring_chunks=ring)
@@ -518,6 +522,11 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
         dist.barrier()
         a2a = statistics.median(time_cuda(lambda i: dist.all_to_all_single(got, rows, recv, send), n_inputs=1, iters=iters))
         link["NCCL dispatch (all_to_all_single of the rows)"] = (remote, a2a)
+        back = rows.new_empty(rows.shape)  # the combine's direction: expert outputs back to the owners
+        dist.barrier()
+        a2a_back = statistics.median(time_cuda(lambda i: dist.all_to_all_single(back, got, send, recv), n_inputs=1,
+                                               iters=iters))
+        link["NCCL combine (all_to_all_single of the rows back)"] = (remote, a2a_back)
     gathered = [None] * world
     dist.all_gather_object(gathered, (medians, link))
     if rank:

@@ -21,6 +21,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_GEMM_CORE": "wgmma (default: TMA + wgmma, sm_90a) or mma_sync (portable reference core)",
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
     "MOKGEN_FUSE_SHARED": "1: run the shared expert inside the megakernel where the plan allows (default 0: in PyTorch)",
+    "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (8 stages of 24 KB) for the Hopper core's k-blocks",
     "MOKGEN_CLUSTER": "1 (default: every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast)",
 }
@@ -108,7 +109,11 @@ def block_k() -> int:
     return int(_choice("MOKGEN_BLOCK_K", ("64", "32")))
 
 
+def pull_unroll() -> int:
+    return int(_choice("MOKGEN_PULL_UNROLL", ("12", "16", "8")))
+
+
 def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": _flag("MOKGEN_FUSE_SHARED"),
-            "block_k": block_k()}
+            "block_k": block_k(), "pull_unroll": pull_unroll()}

@@ -19,7 +19,7 @@ from mokgen.errors import PlanError
 from mokgen.spec import MoESpec
 
 #: bump when the C ABI of the launcher library changes (load checks it)
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
@@ -85,6 +85,9 @@ class Plan(BaseModel):
     # own tokens; the combine adds it): for one shared expert of the routed experts' size, under
     # the flow schedule without clusters. Off by default until measured (issue 8).
     fuse_shared: bool = False
+    # Dispatch copy: 16-byte loads in flight per lane of a dispatch warp (ep_forward.cuh). 12 by
+    # default (6 KB per warp; 16 spills on kimi-k2.5); 8 was the v0.3-v0.4 copy's.
+    pull_unroll: int = 12
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -111,21 +114,25 @@ GEMM_CORES = ("wgmma", "mma_sync")
 SCHEDULES = ("flow", "phased")
 CLUSTERS = (1, 2)
 BLOCK_KS = (64, 32)
+PULL_UNROLLS = (12, 16, 8)
 
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1,
-              fuse_shared: bool = False, block_k: int = 64) -> Plan:
+              fuse_shared: bool = False, block_k: int = 64, pull_unroll: int = 12) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise); ``fuse_shared``
     applies where ``can_fuse_shared`` says so (False otherwise); ``block_k`` 32 gives the Hopper
-    core 8 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core)."""
+    core 8 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core);
+    ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy."""
     if gemm_core not in GEMM_CORES:
         raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
     if schedule not in SCHEDULES:
         raise PlanError(f"{spec.name}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if block_k not in BLOCK_KS:
         raise PlanError(f"{spec.name}: block_k must be one of {', '.join(map(str, BLOCK_KS))}, got {block_k!r}")
+    if pull_unroll not in PULL_UNROLLS:
+        raise PlanError(f"{spec.name}: pull_unroll must be one of {', '.join(map(str, PULL_UNROLLS))}, got {pull_unroll!r}")
     if cluster not in CLUSTERS:
         raise PlanError(f"{spec.name}: cluster must be one of {', '.join(map(str, CLUSTERS))}, got {cluster!r}")
     t = spec.target
@@ -150,6 +157,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         schedule=schedule if gemm_core == "wgmma" else "phased",
         gemm_cluster=cluster if gemm_core == "wgmma" and schedule == "flow" else 1,
         fuse_shared=bool(fuse_shared) and can_fuse_shared(spec, gemm_core, schedule, cluster),
+        pull_unroll=pull_unroll,
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -82,12 +82,14 @@ def test_remote_bytes_counts_rows_from_other_ranks_only():
 def test_kernel_statistics_parsing():
     from mokgen.abi import STAT_SLOTS, parse_stats
 
-    ns = {"t_start_ns": 1_000_000, "t_pull_first_ns": 1_200_000, "t_pull_last_ns": 1_700_000, "t_done_ns": 3_000_000}
+    ns = {"t_start_ns": 1_000_000, "t_pull_first_ns": 1_200_000, "t_pull_last_ns": 1_700_000, "t_done_ns": 3_000_000,
+          "t_push_first_ns": 1_900_000}
     vals = [100, 100, 100, 40] + [ns[k] for k in STAT_SLOTS[4:]]
     st = parse_stats(vals)
     assert (st["rows_received"], st["rows_remote"]) == (100, 40)
     assert st["pull_start_ms"] == pytest.approx(0.2) and st["pull_ms"] == pytest.approx(0.5)
-    assert st["done_ms"] == pytest.approx(2.0)
-    # nothing pulled: the pull window is unknown (the kernel leaves first = max, last = 0)
-    idle = parse_stats([0, 0, 0, 0, 1_000_000, 2**63 - 1, 0, 1_500_000])
+    assert st["done_ms"] == pytest.approx(2.0) and st["push_ms"] == pytest.approx(1.1)
+    # nothing pulled or pushed: the windows are unknown (the kernel leaves first = max, last = 0)
+    idle = parse_stats([0, 0, 0, 0, 1_000_000, 2**63 - 1, 0, 1_500_000, 2**63 - 1])
     assert idle["pull_ms"] is None and idle["pull_start_ms"] is None and idle["done_ms"] == pytest.approx(0.5)
+    assert idle["push_ms"] is None

@@ -110,6 +110,10 @@ def test_virtual_ep_matches_reference(name, W):
         assert s["rows_remote"] == want, (r, s, want)
         if s["rows_pulled"]:
             assert s["pull_ms"] >= 0 and s["pull_start_ms"] >= 0 and s["done_ms"] >= s["pull_start_ms"], s
+            # the push window starts after the first pull and ends at done
+            assert 0 <= s["push_ms"] <= s["done_ms"] - s["pull_start_ms"], s
+        else:
+            assert s["push_ms"] is None, s
     # the ring (2 x 256 rows) is smaller than what some rank received: flow control was exercised
     assert max(s["rows_received"] for s in stats) > 512
     # and the bits equal the single-rank kernels'
@@ -193,7 +197,7 @@ def test_block_k_32_gives_the_same_bits(monkeypatch):
     for spec in (load_spec("qwen3.5-35b-a3b"), spec_from_dict(d)):
         wg, wu, wd = _weights(spec)
         gen = torch.Generator(device="cuda").manual_seed(12)
-        xs, ids, ws = _inputs(spec, [1800, 0, 900], gen)
+        xs, ids, ws = _inputs(spec, [1800, 0, 900, 600], gen)  # 4 ranks divide 16 and 256 experts
         runs = {}
         for bk in ("64", "32"):
             monkeypatch.setenv("MOKGEN_BLOCK_K", bk)

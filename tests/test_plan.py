@@ -290,7 +290,7 @@ def test_schedule_from_environment(monkeypatch):
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1, "fuse_shared": False,
-                                  "block_k": 64}
+                                  "block_k": 64, "pull_unroll": 12}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -351,3 +351,21 @@ def test_block_k_option(monkeypatch):
     monkeypatch.setenv("MOKGEN_BLOCK_K", "16")
     with pytest.raises(ToolchainError, match="MOKGEN_BLOCK_K must be 64 or 32"):
         env.plan_options()
+
+
+def test_pull_unroll_option(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    spec = load_spec("kimi-k2.5")
+    a, b = make_plan(spec), make_plan(spec, pull_unroll=8)
+    assert (a.pull_unroll, b.pull_unroll) == (12, 8)
+    assert cache_key(a, **KEY_ARGS) != cache_key(b, **KEY_ARGS)
+    with pytest.raises(PlanError, match="pull_unroll must be one of 12, 16, 8"):
+        make_plan(spec, pull_unroll=4)
+    monkeypatch.setenv("MOKGEN_PULL_UNROLL", "8")
+    assert env.plan_options()["pull_unroll"] == 8
+    monkeypatch.setenv("MOKGEN_PULL_UNROLL", "32")
+    with pytest.raises(ToolchainError, match="MOKGEN_PULL_UNROLL must be 12 or 16 or 8"):
+        env.plan_options()
+

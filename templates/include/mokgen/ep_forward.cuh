@@ -45,7 +45,8 @@ enum StatSlot : int {
   kStatTimePullFirst = 5, // the first chunk pull started
   kStatTimePullLast = 6,  // the last chunk landed
   kStatTimeDone = 7,      // every push of the rank issued and fenced (done flags raised)
-  kStatSlots = 8,
+  kStatTimePushFirst = 8, // the first row block's pushes were counted (flow: its first down tile finished)
+  kStatSlots = 9,
 };
 
 // Run-time parameters of one launch. Plain data, passed by value (__grid_constant__); the Python
@@ -267,6 +268,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         st[kStatTimePullFirst] = 0x7fffffffffffffffll;
         st[kStatTimePullLast] = 0;
         st[kStatTimeDone] = 0;
+        st[kStatTimePushFirst] = 0x7fffffffffffffffll;
       }
       if constexpr (Cfg::kFuseShared)  // counters of this launch's shared up tiles (read after barrier 2)
         if (cta == 0)
@@ -344,12 +346,16 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       // dispatch CTAs share every chunk (CTA q pulls the q-th of P contiguous parts), so a chunk
       // lands at the rate of P SMs, not one; the last CTA to finish its part publishes landed.
       // Per batch of rows, all threads first locate their rows' sources in parallel (each costs
-      // a read of the source's send list, across NVLink for a peer), then each warp copies whole
-      // rows with kPullUnroll 16-byte loads in flight per lane.
-      constexpr int kPullUnroll = 8;
-      constexpr int kBatch = 1024;  // rows located per batch (8 KB of shared memory)
-      static_assert(K_::kSmemBytes >= kBatch * sizeof(int2), "dispatch batch must fit in shared memory");
-      int2* s_rows = reinterpret_cast<int2*>(smem);  // dispatch CTAs run no GEMM: smem is free
+      // a read of the source's send list, across NVLink for a peer) into shared memory; then the
+      // batch is copied as one flat stream of 16-byte vectors (row-major over the batch's rows):
+      // each warp takes runs of 32 x kPullUnroll vectors, all loads of a run in flight before
+      // its stores, so a warp keeps 32 x kPullUnroll x 16 bytes in flight whatever the row width
+      // (a row-at-a-time copy left part of every last run idle and serialized rows per warp).
+      constexpr int kPullUnroll = Cfg::kPullUnroll;
+      constexpr int kVecs = kH / 8;  // 16-byte vectors per row
+      constexpr int kBatch = 1024;   // rows located per batch (8 KB of source row pointers)
+      static_assert(K_::kSmemBytes >= kBatch * sizeof(const uint4*), "dispatch batch must fit in shared memory");
+      const uint4** s_from = reinterpret_cast<const uint4**>(smem);  // dispatch CTAs run no GEMM: smem is free
       long long* st = at<long long>(loc, L.stats);
       unsigned long long* arrived = at<unsigned long long>(loc, L.chunk_arrived);
       unsigned remote = 0;  // rows this thread located on other ranks
@@ -369,26 +375,25 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           for (int i = b0 + tid; i < b1; i += kEpThreads) {
             int src = 0, pair = 0;
             locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
-            s_rows[i - b0] = make_int2(src, pair);
+            s_from[i - b0] = at<const uint4>(p.sym[src], S.x) + int64_t(pair / kK) * kVecs;
             meta[int64_t(slot) * C + (i - r0)] = make_int2(src, pair);
             remote += src != rank;
           }
           __syncthreads();
-          for (int i = b0 + warp; i < b1; i += kEpThreads / 32) {
-            const int2 d = s_rows[i - b0];
-            const uint4* from = at<const uint4>(p.sym[d.x], S.x) + int64_t(d.y / kK) * (kH / 8);
-            uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (i - r0)) * kH);
-            for (int v0 = lane; v0 < kH / 8; v0 += 32 * kPullUnroll) {
-              uint4 r[kPullUnroll];
+          uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
+          const int n_vecs = (b1 - b0) * kVecs;  // < 2^31: kBatch rows of at most 2^20 vectors
+          for (int v0 = warp * 32 * kPullUnroll + lane; v0 < n_vecs; v0 += kEpThreads * kPullUnroll) {
+            uint4 r[kPullUnroll];
 #pragma unroll
-              for (int u = 0; u < kPullUnroll; ++u)
-                if (v0 + u * 32 < kH / 8) r[u] = from[v0 + u * 32];
-#pragma unroll
-              for (int u = 0; u < kPullUnroll; ++u)
-                if (v0 + u * 32 < kH / 8) to[v0 + u * 32] = r[u];
+            for (int u = 0; u < kPullUnroll; ++u) {
+              const int v = v0 + u * 32;
+              if (v < n_vecs) r[u] = s_from[v / kVecs][v % kVecs];
             }
+#pragma unroll
+            for (int u = 0; u < kPullUnroll; ++u)
+              if (v0 + u * 32 < n_vecs) to[v0 + u * 32] = r[u];
           }
-          __syncthreads();  // s_rows is reused by the next batch
+          __syncthreads();  // s_from is reused by the next batch
         }
         if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
         if constexpr (Cfg::kFlow) {
@@ -439,8 +444,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         };
       };
       auto count_pushed = [&](int rows) {  // rows pushed, counted once per row (by its n = 0 tile)
-        atomicAdd(reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats) + kStatRowsPushed),
-                  (unsigned long long)rows);
+        unsigned long long* st = reinterpret_cast<unsigned long long*>(at<long long>(loc, L.stats));
+        atomicAdd(st + kStatRowsPushed, (unsigned long long)rows);
+        atomicMin(st + kStatTimePushFirst, globaltimer_ns());  // the push window's start
       };
       // Both roles of a CTA go through the same sequence of CTA-wide barriers: per chunk, one for
       // the landed wait and two per phase (group_barrier).
