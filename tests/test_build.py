@@ -86,6 +86,30 @@ def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
 
 
 @pytest.mark.nvcc
+def test_default_build_sass_roles():
+    """The default build of the largest spec, in its SASS: wgmma (HGMMA); the role-less warps of
+    the producer warpgroup parked on named barrier 1 (128 threads) before their setmaxnreg, which
+    comes after it; and the dispatch copy's run of 12 loads in flight (pull_unroll) before its
+    stores."""
+    result = build_mod.build(load_spec("kimi-k2.5"))
+    sass = _sass(result)
+    assert "HGMMA.64x256x16" in sass
+    lines = sass.splitlines()
+    park = [i for i, l in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80" in l]
+    assert len(park) == 1, "one named barrier 1 of 128 threads"
+    assert any("USETMAXREG" in l for l in lines[park[0]:park[0] + 40]), "setmaxnreg follows the parking barrier"
+    # the longest run of 128-bit generic loads with no store between them: the dispatch copy
+    run = best = 0
+    for l in lines:
+        if "LD.E.128" in l and "LDG" not in l:
+            run += 1
+            best = max(best, run)
+        elif "ST.E.128" in l or "STG.E.128" in l:
+            run = 0
+    assert best == make_plan(load_spec("kimi-k2.5")).pull_unroll == 12
+
+
+@pytest.mark.nvcc
 def test_fused_shared_expert_build(monkeypatch):
     """MOKGEN_FUSE_SHARED=1 on a spec with a sigmoid-gated shared expert: the plan fuses it, the
     library compiles with wgmma, and its binding takes the shared expert's weights."""
