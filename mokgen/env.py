@@ -22,7 +22,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
     "MOKGEN_FUSE_SHARED": "1: run the shared expert inside the megakernel where the plan allows (default 0: in PyTorch)",
     "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
-    "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (8 stages of 24 KB) for the Hopper core's k-blocks",
+    "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
     "MOKGEN_CLUSTER": "1 (default: every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast)",
 }
 

@@ -187,7 +187,7 @@ def test_flow_and_phased_schedules_give_the_same_bits(monkeypatch):
 
 
 def test_block_k_32_gives_the_same_bits(monkeypatch):
-    """MOKGEN_BLOCK_K=32 (8 stages of 24 KB, 64-byte rows with the 64-byte swizzle) against the
+    """MOKGEN_BLOCK_K=32 (9 stages of 24 KB, 64-byte rows with the 64-byte swizzle) against the
     default 64: the wgmma k16 steps accumulate in the same order, so the bits are the same; on
     two specs (H % 256 == 0 and a 128-column down tile), a few rings."""
     from mokgen.spec import spec_from_dict

@@ -200,6 +200,9 @@ struct EpForward {
   static constexpr int kH = Cfg::kHidden, kI = Cfg::kInter, kE = Cfg::kExperts, kK = Cfg::kTopK;
   static constexpr size_t kRoutingSmem = size_t(kThreads / 32) * kE * sizeof(int32_t);
   static constexpr size_t kSmemBytes = max3(Up::kSmemBytes, Down::kSmemBytes, kRoutingSmem);
+  // sm_90: 227 KB of shared memory per CTA, dynamic + static; the kernel's static part (flags,
+  // signal barriers) is under 2 KB, so 4 KB are kept for it
+  static_assert(kSmemBytes <= 227 * 1024 - 4096, "the stage ring does not fit in shared memory");
   static_assert(kH % 8 == 0, "hidden must be a multiple of 8");
 };
 
