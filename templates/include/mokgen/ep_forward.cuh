@@ -26,6 +26,7 @@
 #include "grouped_gemm.cuh"
 #include "hopper_gemm.cuh"
 #include "sync.cuh"
+#include "tile_order.cuh"
 
 #include <cstring>
 
@@ -435,14 +436,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       // Calls fn(le, rows, row0, n) for this CTA's tiles of `phase` (0 = up, 1 = down) in chunk c.
       auto for_my_tiles = [&](int c, int phase, auto&& fn) {
         const int r0 = c * C, r1 = min(n_rows, r0 + C);
-        const int n_tiles = phase == 0 ? Up::kNTiles : Down::kNTiles;
-        int t = 0;
-        for (int le = 0; le < e_loc; ++le) {
-          const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-          for (int m = a; m < b; m += 128)
-            for (int n = 0; n < n_tiles; ++n, ++t)
-              if (t % Gc == cc) fn(le, min(128, b - m), int64_t(c % R) * C + (m - r0), n);
-        }
+        const int64_t slot_row0 = int64_t(c % R) * C;
+        walk_group<1>(r_eoff, e_loc, find_expert(r_eoff, e_loc, r0), r0, r1, phase, c,
+                      phase == 0 ? Up::kNTiles : Down::kNTiles, cc, Gc, 0, 0,
+                      [&](int, int, int le, int rows, int m, int n, int) { fn(le, rows, slot_row0 + m, n); });
       };
       // Output-row functors. They capture only pointers: a by-value capture of `p` would copy
       // the whole parameter block into local memory.
@@ -496,7 +493,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         const bool has_shared = Cfg::kFuseShared && p.shared_w[0] != nullptr;
         auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
           const int units = Gc / kPair, unit = cc / kPair;
-          [[maybe_unused]] const int crank = cc % kPair;
+          const int crank = cc % kPair;
           int t = 0;
           if constexpr (Cfg::kFuseShared) {
             if (has_shared) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
@@ -511,46 +508,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               t = n_all;
             }
           }
-          for (int step = 0; step < num_chunks + lag; ++step)
-            for (int kind = 0; kind < 2; ++kind) {
-              const int c = kind == 0 ? step : step - lag;
-              if (c < 0 || c >= num_chunks || (kind == 0 && step >= num_chunks)) continue;
-              const int r0 = c * C, r1 = min(n_rows, r0 + C);
-              const int n_tiles = kind == 0 ? Up::kNTiles : Down::kNTiles;
-              for (int le = 0; le < e_loc; ++le) {
-                const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-                if constexpr (kPair == 1) {
-                  for (int m = a; m < b; m += 128)
-                    for (int n = 0; n < n_tiles; ++n, ++t)
-                      if (t % units == unit) fn(kind, c, le, min(128, b - m), m - r0, n, int(sm90::kShareNone));
-                } else {
-                  const int nb = b > a ? (b - a + 127) / 128 : 0;
-                  int mb = 0;
-                  for (; mb + 1 < nb; mb += 2)
-                    for (int n = 0; n < n_tiles; ++n, ++t)
-                      if (t % units == unit) {
-                        const int m = a + (mb + crank) * 128;
-                        fn(kind, c, le, min(128, b - m), m - r0, n, int(sm90::kShareB));
-                      }
-                  if (mb < nb)
-                    for (int n2 = 0; n2 < n_tiles; n2 += 2, ++t)
-                      if (t % units == unit) {
-                        const int m = a + mb * 128;
-                        const bool real = n2 + crank < n_tiles;
-                        fn(kind, c, le, real ? min(128, b - m) : 0, m - r0, real ? n2 + crank : n2, int(sm90::kShareA));
-                      }
-                }
-              }
-            }
+          static_assert(int(sm90::kShareNone) == 0 && int(sm90::kShareB) == 1 && int(sm90::kShareA) == 2,
+                        "tile_order.cuh's share codes");
+          walk_flow_tiles<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, unit, units, crank,
+                                 t, fn);
         };
         auto down_tiles = [&](int c) {  // down tiles of chunk c (all CTAs)
-          const int r0 = c * C, r1 = min(n_rows, r0 + C);
-          int blocks = 0;
-          for (int le = 0; le < e_loc; ++le) {
-            const int a = max(r0, r_eoff[le]), b = min(r1, r_eoff[le + 1]);
-            if (b > a) blocks += (b - a + 127) / 128;
-          }
-          return (unsigned long long)blocks * Down::kNTiles;
+          return (unsigned long long)group_tiles(r_eoff, e_loc, c * C, min(n_rows, c * C + C), Down::kNTiles);
         };
         // Signalling a finished tile to other CTAs needs a gpu-scope fence after the epilogue's
         // stores; a consumer thread doing it would stall its warpgroup's next wgmma. A signaller

@@ -1,0 +1,119 @@
+// The compute tile order of the megakernel (ep_forward.cuh), as functions of the receive plan
+// only: every role of every compute CTA (producer, signaller, consumers) walks the same order,
+// and host programs can check it (tests/test_tile_order.py).
+//
+// The received rows are expert-major: expert le owns rows [eoff[le], eoff[le + 1]) (eoff is
+// nondecreasing, eoff[e_loc] = n_rows), cut into chunks of C rows. A group (chunk c, kind: 0 = up
+// tiles, 1 = down tiles) lists, for each expert overlapping the chunk, its 128-row blocks in the
+// chunk times the kind's column tiles (block-major). With CTA pairs (kPair = 2) a group lists
+// pair-tiles instead: row blocks (2p, 2p + 1) of a segment with one column tile (the pair shares
+// the weight tile, share = 1), then, for an odd last block, column tiles (n2, n2 + 1) of it (the
+// pair shares the row tile, share = 2; past the last column tile, a partner of zero rows).
+// A CTA (or pair) `unit` of `units` takes the tiles t with t % units == unit of the running
+// index t.
+//
+// Each role visits only the experts overlapping a chunk (found by a running pointer or a binary
+// search) and jumps from one of its tiles to the next, so the walk costs O(its tiles + experts
+// per chunk), not O(all tiles): v0.5 measured the old walk (every tile of the order, a modulo
+// each, in every consumer thread and in the producer thread) at 9% of all warp samples.
+#pragma once
+
+#include "common.cuh"
+
+namespace mokgen {
+
+MOKGEN_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+MOKGEN_HOST_DEVICE int imax(int a, int b) { return a > b ? a : b; }
+
+// The first expert le >= lo whose rows end after row r0 (eoff[le + 1] > r0), or e_loc.
+MOKGEN_HOST_DEVICE int advance_expert(const int32_t* eoff, int e_loc, int lo, int r0) {
+  while (lo < e_loc && eoff[lo + 1] <= r0) ++lo;
+  return lo;
+}
+
+// The same from scratch, by binary search.
+MOKGEN_HOST_DEVICE int find_expert(const int32_t* eoff, int e_loc, int r0) {
+  int lo = 0, hi = e_loc;  // the answer is in [lo, hi]
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (eoff[mid + 1] <= r0) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Offset from t to the first tile t' >= t with t' % units == unit (0 <= unit < units, t >= 0).
+MOKGEN_HOST_DEVICE int to_owned(int t, int unit, int units) {
+  const int d = unit - t % units;
+  return d < 0 ? d + units : d;
+}
+
+// One group: the tiles of rows [r0, r1) (chunk c) of one kind with n_tiles column tiles, from
+// running index t; the experts from `le` on (the first that can overlap r0). Calls
+// fn(kind, c, le, rows, m (row in chunk), n, share) for this unit's tiles, in order; returns t
+// past the group.
+template <int kPair, class Fn>
+MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c, int n_tiles,
+                                  int unit, int units, int crank, int t, Fn&& fn) {
+  static_assert(kPair == 1 || kPair == 2, "CTAs alone or in pairs");
+  for (; le < e_loc && eoff[le] < r1; ++le) {
+    const int a = imax(r0, eoff[le]), b = imin(r1, eoff[le + 1]);
+    if (b <= a) continue;
+    const int nb = (b - a + 127) / 128;
+    if (kPair == 1) {
+      const int seg = nb * n_tiles;
+      for (int q = to_owned(t, unit, units); q < seg; q += units) {
+        const int m = a + q / n_tiles * 128;
+        fn(kind, c, le, imin(128, b - m), m - r0, q % n_tiles, 0);
+      }
+      t += seg;
+    } else {
+      const int pairs = nb / 2 * n_tiles;
+      for (int q = to_owned(t, unit, units); q < pairs; q += units) {
+        const int m = a + (q / n_tiles * 2 + crank) * 128;
+        fn(kind, c, le, imin(128, b - m), m - r0, q % n_tiles, 1);
+      }
+      t += pairs;
+      if (nb % 2) {
+        const int halves = (n_tiles + 1) / 2;
+        const int m = a + (nb - 1) * 128;
+        for (int q = to_owned(t, unit, units); q < halves; q += units) {
+          const bool real = 2 * q + crank < n_tiles;
+          fn(kind, c, le, real ? imin(128, b - m) : 0, m - r0, real ? 2 * q + crank : 2 * q, 2);
+        }
+        t += halves;
+      }
+    }
+  }
+  return t;
+}
+
+// The flow schedule's routed tiles: step s holds the up tiles (kind 0) of chunk s, then the down
+// tiles (kind 1) of chunk s - lag; running index from t. Returns t past the last tile.
+template <int kPair, class Fn>
+MOKGEN_HOST_DEVICE int walk_flow_tiles(const int32_t* eoff, int e_loc, int n_rows, int C, int num_chunks, int lag,
+                                       int up_tiles, int down_tiles, int unit, int units, int crank, int t, Fn&& fn) {
+  int lo[2] = {0, 0};  // per kind: the first expert that can overlap its current chunk
+  for (int step = 0; step < num_chunks + lag; ++step)
+    for (int kind = 0; kind < 2; ++kind) {
+      const int c = kind == 0 ? step : step - lag;
+      if (c < 0 || c >= num_chunks) continue;
+      const int r0 = c * C, r1 = imin(n_rows, r0 + C);
+      lo[kind] = advance_expert(eoff, e_loc, lo[kind], r0);
+      t = walk_group<kPair>(eoff, e_loc, lo[kind], r0, r1, kind, c, kind == 0 ? up_tiles : down_tiles, unit, units, crank,
+                            t, fn);
+    }
+  return t;
+}
+
+// Tiles of one group, all units (CTAs alone): sum over the experts overlapping [r0, r1) of
+// their 128-row blocks in it, times n_tiles.
+MOKGEN_HOST_DEVICE int group_tiles(const int32_t* eoff, int e_loc, int r0, int r1, int n_tiles) {
+  int blocks = 0;
+  for (int le = find_expert(eoff, e_loc, r0); le < e_loc && eoff[le] < r1; ++le) {
+    const int a = imax(r0, eoff[le]), b = imin(r1, eoff[le + 1]);
+    if (b > a) blocks += (b - a + 127) / 128;
+  }
+  return blocks * n_tiles;
+}
+
+}  // namespace mokgen

@@ -1,0 +1,132 @@
+// Host check of templates/include/mokgen/tile_order.cuh (run by tests/test_tile_order.py):
+// the walks visit, for every unit, exactly the tiles the v0.2-v0.4 walk visited (every tile of
+// the order with a modulo each), in the same order, on random receive plans. Prints "ok N" or
+// the first difference, and exits 1.
+#include <cstdio>
+#include <cstdlib>
+#include <tuple>
+#include <vector>
+
+#include "mokgen/tile_order.cuh"
+
+using Tile = std::tuple<int, int, int, int, int, int, int>;  // kind, c, le, rows, m, n, share
+
+// The v0.2-v0.4 walk, kept here as the reference: every tile t of the order, t % units == unit.
+static std::vector<Tile> reference_flow(const std::vector<int>& eoff, int e_loc, int n_rows, int C, int num_chunks,
+                                        int lag, int up_tiles, int down_tiles, int unit, int units, int crank, int kPair,
+                                        int t) {
+  std::vector<Tile> out;
+  for (int step = 0; step < num_chunks + lag; ++step)
+    for (int kind = 0; kind < 2; ++kind) {
+      const int c = kind == 0 ? step : step - lag;
+      if (c < 0 || c >= num_chunks || (kind == 0 && step >= num_chunks)) continue;
+      const int r0 = c * C, r1 = std::min(n_rows, r0 + C);
+      const int n_tiles = kind == 0 ? up_tiles : down_tiles;
+      for (int le = 0; le < e_loc; ++le) {
+        const int a = std::max(r0, eoff[le]), b = std::min(r1, eoff[le + 1]);
+        if (kPair == 1) {
+          for (int m = a; m < b; m += 128)
+            for (int n = 0; n < n_tiles; ++n, ++t)
+              if (t % units == unit) out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 0);
+        } else {
+          const int nb = b > a ? (b - a + 127) / 128 : 0;
+          int mb = 0;
+          for (; mb + 1 < nb; mb += 2)
+            for (int n = 0; n < n_tiles; ++n, ++t)
+              if (t % units == unit) {
+                const int m = a + (mb + crank) * 128;
+                out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 1);
+              }
+          if (mb < nb)
+            for (int n2 = 0; n2 < n_tiles; n2 += 2, ++t)
+              if (t % units == unit) {
+                const int m = a + mb * 128;
+                const bool real = n2 + crank < n_tiles;
+                out.emplace_back(kind, c, le, real ? std::min(128, b - m) : 0, m - r0, real ? n2 + crank : n2, 2);
+              }
+        }
+      }
+    }
+  return out;
+}
+
+static int fail(const char* what, int trial) {
+  std::printf("trial %d: %s\n", trial, what);
+  return 1;
+}
+
+int main(int argc, char** argv) {
+  const int trials = argc > 1 ? std::atoi(argv[1]) : 2000;
+  std::srand(12345);
+  auto rnd = [](int lo, int hi) { return lo + std::rand() % (hi - lo + 1); };  // [lo, hi]
+  long checked = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    const int e_loc = rnd(1, 48);
+    std::vector<int> eoff(e_loc + 1, 0);
+    const int shape = rnd(0, 3);  // uniform, skewed to one expert, many empty, tiny counts
+    for (int le = 0; le < e_loc; ++le) {
+      int rows = shape == 0 ? rnd(0, 700) : shape == 1 ? (le == e_loc / 2 ? rnd(500, 5000) : rnd(0, 40))
+                 : shape == 2 ? (rnd(0, 3) == 0 ? rnd(1, 900) : 0) : rnd(0, 130);
+      eoff[le + 1] = eoff[le] + rows;
+    }
+    const int n_rows = eoff[e_loc];
+    const int C = 128 * rnd(1, 16);
+    const int num_chunks = (n_rows + C - 1) / C;
+    const int lag = rnd(0, 1), up_tiles = rnd(1, 6), down_tiles = rnd(1, 9), t0 = rnd(0, 1) ? 0 : rnd(1, 60);
+    for (int kPair = 1; kPair <= 2; ++kPair) {
+      const int units = rnd(1, 24);
+      for (int unit = 0; unit < units; ++unit)
+        for (int crank = 0; crank < kPair; ++crank) {
+          const auto want = reference_flow(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit, units,
+                                           crank, kPair, t0);
+          std::vector<Tile> got;
+          auto fn = [&](int kind, int c, int le, int rows, int m, int n, int share) {
+            got.emplace_back(kind, c, le, rows, m, n, share);
+          };
+          if (kPair == 1)
+            mokgen::walk_flow_tiles<1>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit,
+                                       units, crank, t0, fn);
+          else
+            mokgen::walk_flow_tiles<2>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit,
+                                       units, crank, t0, fn);
+          if (got != want) {
+            std::printf("kPair %d unit %d/%d crank %d: %zu tiles, want %zu\n", kPair, unit, units, crank, got.size(),
+                        want.size());
+            return fail("flow walk differs", trial);
+          }
+          checked += long(got.size());
+        }
+    }
+    // one group at a time (the phased schedule), and the tile count per group (the signaller)
+    const int units = rnd(1, 24);
+    for (int c = 0; c < num_chunks; ++c)
+      for (int kind = 0; kind < 2; ++kind) {
+        const int r0 = c * C, r1 = std::min(n_rows, r0 + C), n_tiles = kind == 0 ? up_tiles : down_tiles;
+        int all = 0;
+        for (int unit = 0; unit < units; ++unit) {
+          std::vector<Tile> want, got;
+          int t = 0;
+          for (int le = 0; le < e_loc; ++le) {
+            const int a = std::max(r0, eoff[le]), b = std::min(r1, eoff[le + 1]);
+            for (int m = a; m < b; m += 128)
+              for (int n = 0; n < n_tiles; ++n, ++t)
+                if (t % units == unit) want.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 0);
+          }
+          const int end = mokgen::walk_group<1>(eoff.data(), e_loc, mokgen::find_expert(eoff.data(), e_loc, r0), r0, r1,
+                                                kind, c, n_tiles, unit, units, 0, 0,
+                                                [&](int k, int cc, int le, int rows, int m, int n, int s) {
+                                                  got.emplace_back(k, cc, le, rows, m, n, s);
+                                                });
+          if (got != want || end != t) return fail("group walk differs", trial);
+          all += int(got.size());
+        }
+        if (mokgen::group_tiles(eoff.data(), e_loc, r0, r1, n_tiles) != all) return fail("group tile count differs", trial);
+      }
+    // find_expert against the linear search
+    for (int r0 = 0; r0 <= n_rows; r0 += rnd(1, 97))
+      if (mokgen::find_expert(eoff.data(), e_loc, r0) != mokgen::advance_expert(eoff.data(), e_loc, 0, r0))
+        return fail("find_expert differs", trial);
+  }
+  std::printf("ok %ld\n", checked);
+  return 0;
+}
