@@ -63,13 +63,19 @@ MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// Arrive on the barrier at the same shared-memory offset in CTA cta_id of the cluster.
+// Arrive on the barrier at the same shared-memory offset in CTA cta_id of the cluster, with the
+// default semantics (release at CTA scope), as CUTLASS's ClusterBarrier::arrive(cta_id) does. The
+// consumers use it to hand a stage back to the peer's producer after wgmma.wait_group has retired
+// the reads of it; nothing else needs ordering. v0.4 used .release.cluster, which compiles to
+// ERRBAR + CGAERRBAR before every arrive: the arriving warp waits there for all its outstanding
+// memory operations, the previous tile's epilogue stores included, once per k-block. That held up
+// its warpgroup's next wgmma. It is the likely cost that made the pairs slower (v0.5 notes).
 MOKGEN_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_id) {
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(smem_u32(bar)),
       "r"(cta_id)
       : "memory");
