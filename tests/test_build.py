@@ -69,6 +69,12 @@ def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
     _assert_no_spills(result)
     sass = _sass(result)
     assert "UTMALDG.2D.MULTICAST" in sass and "HGMMA" in sass
+    # the remote stage releases (one per k-block and consumer warpgroup) carry no memory barrier:
+    # .release.cluster put ERRBAR + CGAERRBAR before each (v0.5 notes)
+    lines = sass.splitlines()
+    remote = [i for i, l in enumerate(lines) if "SYNCS.ARRIVE.TRANS64.RED" in l]
+    assert remote, "no remote mbarrier arrives in a pair build"
+    assert not [i for i in remote if any("ERRBAR" in l for l in lines[max(0, i - 6):i])]
 
 
 @pytest.mark.nvcc
