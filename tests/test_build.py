@@ -93,13 +93,14 @@ def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
 
 @pytest.mark.nvcc
 def test_default_build_sass_roles():
-    """The default build of the largest spec, in its SASS: wgmma (HGMMA); the role-less warps of
-    the producer warpgroup parked on named barrier 1 (128 threads) before their setmaxnreg, which
-    comes after it; and the dispatch copy's run of 12 loads in flight (pull_unroll) before its
-    stores."""
+    """The default build of the largest spec, in its SASS: wgmma (HGMMA); no local memory; the
+    role-less warps of the producer warpgroup parked on named barrier 1 (128 threads) before
+    their setmaxnreg, which comes after it; and the dispatch copy's run of 12 loads in flight
+    (pull_unroll) before its stores."""
     result = build_mod.build(load_spec("kimi-k2.5"))
     sass = _sass(result)
     assert "HGMMA.64x256x16" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the default kernel (a stack frame)"
     lines = sass.splitlines()
     park = [i for i, l in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80" in l]
     assert len(park) == 1, "one named barrier 1 of 128 threads"

@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
   auto rnd = [](int lo, int hi) { return lo + std::rand() % (hi - lo + 1); };  // [lo, hi]
   long checked = 0;
   for (int trial = 0; trial < trials; ++trial) {
-    const int e_loc = rnd(1, 48);
+    const bool big = trial % 10 == 0;  // a few large plans: many experts, many units
+    const int e_loc = big ? rnd(100, 256) : rnd(1, 48);
     std::vector<int> eoff(e_loc + 1, 0);
     const int shape = rnd(0, 3);  // uniform, skewed to one expert, many empty, tiny counts
     for (int le = 0; le < e_loc; ++le) {
@@ -70,11 +71,13 @@ int main(int argc, char** argv) {
       eoff[le + 1] = eoff[le] + rows;
     }
     const int n_rows = eoff[e_loc];
-    const int C = 128 * rnd(1, 16);
+    const int C = rnd(0, 3) == 0 ? rnd(1, 4096) : 128 * rnd(1, 16);  // multiples of 128, and any
     const int num_chunks = (n_rows + C - 1) / C;
-    const int lag = rnd(0, 1), up_tiles = rnd(1, 6), down_tiles = rnd(1, 9), t0 = rnd(0, 1) ? 0 : rnd(1, 60);
+    const int lag = rnd(0, 1), up_tiles = rnd(1, 6), down_tiles = rnd(1, 9);
+    const int t0 = rnd(0, 1) ? 0 : rnd(0, 1) ? rnd(1, 60) : rnd(61, 5000);
     for (int kPair = 1; kPair <= 2; ++kPair) {
-      const int units = rnd(1, 24);
+      const int units = big ? rnd(60, 140) : rnd(1, 24);
+      std::vector<int> real_down(num_chunks, 0);  // rows > 0 down tiles per chunk, over all units
       for (int unit = 0; unit < units; ++unit)
         for (int crank = 0; crank < kPair; ++crank) {
           const auto want = reference_flow(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit, units,
@@ -89,6 +92,8 @@ int main(int argc, char** argv) {
           else
             mokgen::walk_flow_tiles<2>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit,
                                        units, crank, t0, fn);
+          for (const Tile& tl : got)
+            if (std::get<0>(tl) == 1 && std::get<3>(tl) > 0) ++real_down[std::get<1>(tl)];
           if (got != want) {
             std::printf("kPair %d unit %d/%d crank %d: %zu tiles, want %zu\n", kPair, unit, units, crank, got.size(),
                         want.size());
@@ -96,9 +101,12 @@ int main(int argc, char** argv) {
           }
           checked += long(got.size());
         }
+      for (int c = 0; c < num_chunks; ++c)  // what the signaller counts to free a slot
+        if (mokgen::group_tiles(eoff.data(), e_loc, c * C, std::min(n_rows, c * C + C), down_tiles) != real_down[c])
+          return fail("group_tiles differs from the real down tiles", trial);
     }
     // one group at a time (the phased schedule), and the tile count per group (the signaller)
-    const int units = rnd(1, 24);
+    const int units = big ? rnd(60, 140) : rnd(1, 24);
     for (int c = 0; c < num_chunks; ++c)
       for (int kind = 0; kind < 2; ++kind) {
         const int r0 = c * C, r1 = std::min(n_rows, r0 + C), n_tiles = kind == 0 ? up_tiles : down_tiles;

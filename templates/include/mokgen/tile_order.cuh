@@ -94,6 +94,7 @@ MOKGEN_HOST_DEVICE int walk_flow_tiles(const int32_t* eoff, int e_loc, int n_row
                                        int up_tiles, int down_tiles, int unit, int units, int crank, int t, Fn&& fn) {
   int lo[2] = {0, 0};  // per kind: the first expert that can overlap its current chunk
   for (int step = 0; step < num_chunks + lag; ++step)
+#pragma unroll  // lo[] in registers (indexed by a run-time kind it went to local memory)
     for (int kind = 0; kind < 2; ++kind) {
       const int c = kind == 0 ? step : step - lag;
       if (c < 0 || c >= num_chunks) continue;
