@@ -352,86 +352,100 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     bf16* ring_h = at<bf16>(loc, L.ring_h);
 
     // ---- 3. stream the rows through the ring ---------------------------------------------------
-    if (ok && cta < P) {
-      // Dispatch: pull the rows of chunk c into slot c % R once chunk c - R is consumed. All P
-      // dispatch CTAs share every chunk (CTA q pulls the q-th of P contiguous parts), so a chunk
-      // lands at the rate of P SMs, not one; the last CTA to finish its part publishes landed.
-      // Per batch of rows, all threads first locate their rows' sources in parallel (each costs
-      // a read of the source's send list, across NVLink for a peer) into shared memory; then the
-      // batch is copied as one flat stream of 16-byte vectors (row-major over the batch's rows):
-      // each warp takes runs of 32 x kPullUnroll vectors, all loads of a run in flight before
-      // its stores, so a warp keeps 32 x kPullUnroll x 16 bytes in flight whatever the row width
-      // (a row-at-a-time copy left part of every last run idle and serialized rows per warp).
-      constexpr int kPullUnroll = Cfg::kPullUnroll;
-      constexpr int kVecs = kH / 8;  // 16-byte vectors per row
-      constexpr int kBatch = 1024;   // rows located per batch (8 KB of source row pointers)
-      static_assert(K_::kSmemBytes >= kBatch * sizeof(const uint4*), "dispatch batch must fit in shared memory");
-      const uint4** s_from = reinterpret_cast<const uint4**>(smem);  // dispatch CTAs run no GEMM: smem is free
-      long long* st = at<long long>(loc, L.stats);
-      unsigned long long* arrived = at<unsigned long long>(loc, L.chunk_arrived);
-      unsigned remote = 0;  // rows this thread located on other ranks
-      for (int c = 0; c < num_chunks; ++c) {
-        const int slot = c % R;
-        if (tid == 0) {
-          s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
-          if (c == 0) atomicMin(reinterpret_cast<unsigned long long*>(st + kStatTimePullFirst), globaltimer_ns());
+    // Pulling: chunk c goes to slot c % R in n_parts contiguous parts, part `part` by this CTA.
+    // Per batch of rows, all threads first locate their rows' sources in parallel (each costs a
+    // read of the source's send list, across NVLink for a peer) into shared memory; then the
+    // batch is copied as one flat stream of 16-byte vectors (row-major over the batch's rows):
+    // each warp takes runs of 32 x kPullUnroll vectors, all loads of a run in flight before its
+    // stores, so a warp keeps 32 x kPullUnroll x 16 bytes in flight whatever the row width. The
+    // CTA that lands the last part publishes landed[slot].
+    constexpr int kPullUnroll = Cfg::kPullUnroll;
+    constexpr int kVecs = kH / 8;  // 16-byte vectors per row
+    constexpr int kBatch = 1024;   // rows located per batch (8 KB of source row pointers)
+    static_assert(K_::kSmemBytes >= kBatch * sizeof(const uint4*), "dispatch batch must fit in shared memory");
+    long long* st = at<long long>(loc, L.stats);
+    unsigned long long* arrived = at<unsigned long long>(loc, L.chunk_arrived);
+    unsigned remote = 0;  // rows this thread located on other ranks
+    // Uses the start of shared memory: in compute CTAs, only before their pipeline is set up.
+    auto pull_chunk = [&](int c, int part, int n_parts) {
+      const uint4** s_from = reinterpret_cast<const uint4**>(smem);
+      const int slot = c % R;
+      if (c == 0 && tid == 0) atomicMin(reinterpret_cast<unsigned long long*>(st + kStatTimePullFirst), globaltimer_ns());
+      const int r0 = c * C, r1 = min(n_rows, r0 + C);
+      const int per = int(ceil_div(r1 - r0, n_parts));
+      const int q0 = min(r1, r0 + part * per), q1 = min(r1, q0 + per);
+      for (int b0 = q0; b0 < q1; b0 += kBatch) {
+        const int b1 = min(q1, b0 + kBatch);
+        for (int i = b0 + tid; i < b1; i += kEpThreads) {
+          int src = 0, pair = 0;
+          locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
+          // launch-local rank src - rank_base holds rank src's x when x_in_place (rank_base = 0 then)
+          const uint4* x_src = x_in_place ? reinterpret_cast<const uint4*>(p.x[src - p.rank_base]) : at<const uint4>(p.sym[src], S.x);
+          s_from[i - b0] = x_src + int64_t(pair / kK) * kVecs;
+          meta[int64_t(slot) * C + (i - r0)] = make_int2(src, pair);
+          remote += src != rank;
         }
         __syncthreads();
-        if (!s_flag) { ok = false; break; }
-        const int r0 = c * C, r1 = min(n_rows, r0 + C);
-        const int part = int(ceil_div(r1 - r0, P));
-        const int q0 = min(r1, r0 + cta * part), q1 = min(r1, q0 + part);
-        for (int b0 = q0; b0 < q1; b0 += kBatch) {
-          const int b1 = min(q1, b0 + kBatch);
-          for (int i = b0 + tid; i < b1; i += kEpThreads) {
-            int src = 0, pair = 0;
-            locate_row(i, e_loc, W, r_eoff, r_base, r_soff, p.sym, S.send_pairs, &src, &pair);
-            // launch-local rank src - rank_base holds rank src's x when x_in_place (rank_base = 0 then)
-            const uint4* x_src = x_in_place ? reinterpret_cast<const uint4*>(p.x[src - p.rank_base]) : at<const uint4>(p.sym[src], S.x);
-            s_from[i - b0] = x_src + int64_t(pair / kK) * kVecs;
-            meta[int64_t(slot) * C + (i - r0)] = make_int2(src, pair);
-            remote += src != rank;
-          }
-          __syncthreads();
-          uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
-          const int n_vecs = (b1 - b0) * kVecs;  // < 2^31: kBatch rows of at most 2^20 vectors
-          for (int v0 = warp * 32 * kPullUnroll + lane; v0 < n_vecs; v0 += kEpThreads * kPullUnroll) {
-            uint4 r[kPullUnroll];
+        uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
+        const int n_vecs = (b1 - b0) * kVecs;  // < 2^31: kBatch rows of at most 2^20 vectors
+        for (int v0 = warp * 32 * kPullUnroll + lane; v0 < n_vecs; v0 += kEpThreads * kPullUnroll) {
+          uint4 r[kPullUnroll];
 #pragma unroll
-            for (int u = 0; u < kPullUnroll; ++u) {
-              const int v = v0 + u * 32;
-              if (v < n_vecs) r[u] = s_from[v / kVecs][v % kVecs];
-            }
-#pragma unroll
-            for (int u = 0; u < kPullUnroll; ++u)
-              if (v0 + u * 32 < n_vecs) to[v0 + u * 32] = r[u];
+          for (int u = 0; u < kPullUnroll; ++u) {
+            const int v = v0 + u * 32;
+            if (v < n_vecs) r[u] = s_from[v / kVecs][v % kVecs];
           }
-          __syncthreads();  // s_from is reused by the next batch
+#pragma unroll
+          for (int u = 0; u < kPullUnroll; ++u)
+            if (v0 + u * 32 < n_vecs) to[v0 + u * 32] = r[u];
         }
-        if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
-        if constexpr (Cfg::kFlow) {
-          // the slot's dependency counters start over (this CTA's share of them); nobody reads
-          // them for chunk c - R any more: its slot was freed after its last down tile finished
-          const int zpart = int(ceil_div(C, P));
-          for (int i = cta * zpart + tid; i < min(C, (cta + 1) * zpart); i += kEpThreads) blk_done[int64_t(slot) * C + i] = 0;
-          if (cta == 0 && tid == 0) chk_done[slot] = 0;
-        }
-        __syncthreads();
-        if (tid == 0) {
-          if (q1 > q0) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsPulled), (unsigned long long)(q1 - q0));
+        __syncthreads();  // s_from is reused by the next batch
+      }
+      if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
+      if constexpr (Cfg::kFlow) {
+        // the slot's dependency counters start over (this part's share of them); nobody reads
+        // them for chunk c - R any more: its slot was freed after its last down tile finished
+        const int zpart = int(ceil_div(C, n_parts));
+        for (int i = part * zpart + tid; i < min(C, (part + 1) * zpart); i += kEpThreads) blk_done[int64_t(slot) * C + i] = 0;
+        if (part == 0 && tid == 0) chk_done[slot] = 0;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        if (q1 > q0) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsPulled), (unsigned long long)(q1 - q0));
+        __threadfence();
+        if (atomicAdd(&arrived[slot], 1ull) + 1 == (unsigned long long)n_parts) {  // the last part landed
+          arrived[slot] = 0;  // next use: after freed(c), which follows landed(c)
+          atomicMax(reinterpret_cast<unsigned long long*>(st + kStatTimePullLast), globaltimer_ns());
           __threadfence();
-          if (atomicAdd(&arrived[slot], 1ull) + 1 == (unsigned long long)P) {  // the last part landed
-            arrived[slot] = 0;  // next use: after freed(c), which follows landed(c)
-            atomicMax(reinterpret_cast<unsigned long long*>(st + kStatTimePullLast), globaltimer_ns());
-            __threadfence();
-            st_release_gpu(&landed[slot], tag(epoch, c + 1));
-          }
+          st_release_gpu(&landed[slot], tag(epoch, c + 1));
         }
       }
+    };
+    auto count_remote = [&]() {
       remote = __reduce_add_sync(0xffffffffu, remote);
       if (lane == 0 && remote) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsRemote), (unsigned long long)remote);
+    };
+    if (ok && cta < P) {
+      // Dispatch: pull chunk c into slot c % R once chunk c - R is consumed. All P dispatch CTAs
+      // share every chunk (CTA q pulls the q-th of P contiguous parts), so a chunk lands at the
+      // rate of P SMs, not one. Chunk 0 is shared by all G CTAs of the rank: the compute CTAs
+      // have nothing to do until it lands (the start-up bubble), so they pull parts P..G-1.
+      for (int c = 0; c < num_chunks; ++c) {
+        const int slot = c % R;
+        if (tid == 0) s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
+        __syncthreads();
+        if (!s_flag) { ok = false; break; }
+        pull_chunk(c, cta, c == 0 ? G : P);
+      }
+      count_remote();
     } else if (ok) {
-      // Compute: chunks in order; tiles of a chunk dealt round-robin over the Gc compute CTAs.
+      // Compute: first this CTA's part of chunk 0 (see dispatch above; smem is free until the
+      // pipeline below is set up, and pull_chunk ends with a CTA barrier), then chunks in order,
+      // tiles of a chunk dealt round-robin over the Gc compute CTAs.
+      if (num_chunks > 0) {
+        pull_chunk(0, cta, G);
+        count_remote();
+      }
       const int cc = cta - P;
       // Calls fn(le, rows, row0, n) for this CTA's tiles of `phase` (0 = up, 1 = down) in chunk c.
       auto for_my_tiles = [&](int c, int phase, auto&& fn) {
