@@ -11,7 +11,8 @@
 //   3. stream   the rows go through a ring of `ring_chunks` slots of `chunk_rows` rows.
 //               Dispatch CTAs PULL chunk c from the owners' x buffers into slot c % S once chunk
 //               c - S has been consumed (flow control: the ring never overflows, nothing is
-//               dropped). Compute CTAs take chunks in order as they land: up projection with
+//               dropped); chunk 0 is pulled by all CTAs of the rank, the compute CTAs having
+//               nothing else to do until it lands. Compute CTAs take chunks in order as they land: up projection with
 //               SwiGLU into the slot's h rows, a barrier, down projection whose epilogue PUSHES
 //               each row into the owner's combine slot (t, j), a barrier, slot freed.
 //               When all chunks are done: system fence, done[rank] = tag(epoch, 1) on every owner.
@@ -131,7 +132,7 @@ struct LocalLayout {
     stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
-    chunk_arrived = take(8 * ring_chunks);  // dispatch CTAs done with their part of the slot's chunk
+    chunk_arrived = take(8 * ring_chunks);  // CTAs done with their part of the slot's chunk (P parts; G for chunk 0)
     chunk_done = take(8 * ring_chunks);   // flow schedule: down tiles finished, per slot
     block_done = take(8 * ring_rows);     // flow schedule: up tiles finished, per row block start
     recv_expert_offset = take(4 * (e_loc + 1));
@@ -401,7 +402,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         }
         __syncthreads();  // s_from is reused by the next batch
       }
-      if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_global();  // read next by the TMA
+      // ring rows: read next by the TMA; and, in a compute CTA, the generic stores of s_from
+      // precede the TMA writes and wgmma reads of the same shared-memory bytes (stage 0)
+      if constexpr (Cfg::kWgmma) sm90::fence_proxy_async_all();
       if constexpr (Cfg::kFlow) {
         // the slot's dependency counters start over (this part's share of them); nobody reads
         // them for chunk c - R any more: its slot was freed after its last down tile finished
@@ -503,7 +506,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         const int lag = R >= 2 ? 1 : 0;
         // Fused shared expert (Cfg::kFuseShared, p.shared_w set): its tiles come first, kind 2
         // (up: the rank's own published x rows, no transfer) then kind 3 (down), m = token row:
-        // they overlap the wait for the first chunk.
+        // they overlap the wait for the first chunk (the rest of it, after this CTA's own part).
         const bool has_shared = Cfg::kFuseShared && p.shared_w[0] != nullptr;
         auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
           const int units = Gc / kPair, unit = cc / kPair;

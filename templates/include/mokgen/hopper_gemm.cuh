@@ -94,6 +94,8 @@ MOKGEN_DEVICE void st_cluster_u32(void* smem, uint32_t cta_id, uint32_t value) {
 MOKGEN_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Generic-proxy writes to global memory -> later reads by the TMA (async proxy), and back.
 MOKGEN_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// The same for every state space (global and this CTA's shared memory).
+MOKGEN_DEVICE void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }
 
 // K-major, swizzled shared-memory operand with kRowBytes-byte rows (128: 64 bf16 per row,
 // SWIZZLE_128B, 8-row groups 1024 B apart; 64: 32 bf16, SWIZZLE_64B, 8-row groups 512 B apart).
