@@ -40,6 +40,25 @@ class Row:
     ms: float
     tflops: float
     ms_all: list[float] = field(default_factory=list)
+    # mokgen rows: the kernel's own phase times of the last timed launch (``abi.parse_stats``:
+    # pull_start_ms, pull_ms, push_ms, done_ms, from the rank's first CTA start)
+    phases: dict = field(default_factory=dict)
+
+
+PHASES = ("pull_start_ms", "pull_ms", "push_ms", "done_ms")
+
+
+def phase_line(row: Row) -> str | None:
+    """One line of a mokgen row's kernel phases, or None without them: when the first pull
+    started, how long the pulls and pushes took, when every push was done, and what came after
+    (the median launch time minus done: the combine, the done waits and the launch itself)."""
+    ph = row.phases
+    if not ph or ph.get("done_ms") is None:
+        return None
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    return (f"{row.workload} {row.spec}: first pull at {fmt(ph.get('pull_start_ms'))} ms, pulls {fmt(ph.get('pull_ms'))} ms, "
+            f"pushes {fmt(ph.get('push_ms'))} ms, all pushed at {fmt(ph['done_ms'])} ms, "
+            f"then {row.ms - ph['done_ms']:.3f} ms to the end ({row.ms:.3f} ms median)")
 
 
 def time_cuda(fn: Callable[[int], object], *, n_inputs: int, warmup: int = 3, iters: int = 20) -> list[float]:
@@ -240,6 +259,9 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
             times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
             ms = statistics.median(times)
             rows.append(Row("layer", spec.name, tokens, name, ms, flops / ms / 1e9, times))
+            if fn is impls["mokgen megakernel (W=1)"]:
+                st = layer.stats()
+                rows[-1].phases = {k: st.get(k) for k in PHASES}
     return rows
 
 

@@ -369,6 +369,10 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
                       f"{100 * r.tflops / ceiling:.0f}%", speed)
     console.print(table)
+    for r in rows:
+        line = b.phase_line(r)
+        if line:
+            click.echo(line)
     if links:
         lt = Table(title="expert-parallel links: GB/s per GPU per direction, remote bytes only, busiest rank")
         for col in ("spec / workload", "transfer", "remote MB (busiest rank)", "ms", "GB/s"):

@@ -93,3 +93,16 @@ def test_kernel_statistics_parsing():
     idle = parse_stats([0, 0, 0, 0, 1_000_000, 2**63 - 1, 0, 1_500_000, 2**63 - 1])
     assert idle["pull_ms"] is None and idle["pull_start_ms"] is None and idle["done_ms"] == pytest.approx(0.5)
     assert idle["push_ms"] is None
+
+
+def test_phase_line_from_kernel_statistics():
+    from mokgen.bench import Row, phase_line
+
+    row = Row("local EP8", "kimi-k2.5-ep8-local", 16384, "mokgen megakernel (W=1)", 4.5, 300.0)
+    assert phase_line(row) is None  # no phases (a peer row, or stats not read)
+    row.phases = {"pull_start_ms": 0.04, "pull_ms": 2.4, "push_ms": 3.5, "done_ms": 3.96}
+    line = phase_line(row)
+    assert line.startswith("local EP8 kimi-k2.5-ep8-local: first pull at 0.040 ms")
+    assert "all pushed at 3.960 ms, then 0.540 ms to the end (4.500 ms median)" in line
+    row.phases = {"pull_start_ms": None, "pull_ms": None, "push_ms": None, "done_ms": None}  # an aborted launch
+    assert phase_line(row) is None
