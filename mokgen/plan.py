@@ -125,16 +125,11 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     applies where ``can_fuse_shared`` says so (False otherwise); ``block_k`` 32 gives the Hopper
     core 9 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core);
     ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy."""
-    if gemm_core not in GEMM_CORES:
-        raise PlanError(f"{spec.name}: gemm_core must be one of {', '.join(GEMM_CORES)}, got {gemm_core!r}")
-    if schedule not in SCHEDULES:
-        raise PlanError(f"{spec.name}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if block_k not in BLOCK_KS:
-        raise PlanError(f"{spec.name}: block_k must be one of {', '.join(map(str, BLOCK_KS))}, got {block_k!r}")
-    if pull_unroll not in PULL_UNROLLS:
-        raise PlanError(f"{spec.name}: pull_unroll must be one of {', '.join(map(str, PULL_UNROLLS))}, got {pull_unroll!r}")
-    if cluster not in CLUSTERS:
-        raise PlanError(f"{spec.name}: cluster must be one of {', '.join(map(str, CLUSTERS))}, got {cluster!r}")
+    for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
+                                   ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
+                                   ("cluster", cluster, CLUSTERS)):
+        if value not in allowed:
+            raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
     t = spec.target
     if t.numerics not in IMPLEMENTED_NUMERICS:
         raise PlanError(

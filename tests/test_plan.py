@@ -296,10 +296,20 @@ def test_schedule_from_environment(monkeypatch):
         env.plan_options()
 
 
-def test_cluster_option(monkeypatch):
+def _check_switch(monkeypatch, var, option, good, want, bad, message):
+    """Environment switch ``var``: ``good`` gives plan option ``option`` == ``want``; ``bad`` is a
+    ToolchainError matching ``message``."""
     from mokgen import env
     from mokgen.errors import ToolchainError
 
+    monkeypatch.setenv(var, good)
+    assert env.plan_options()[option] == want
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ToolchainError, match=message):
+        env.plan_options()
+
+
+def test_cluster_option(monkeypatch):
     spec = load_spec("qwen3-30b-a3b")
     assert make_plan(spec).gemm_cluster == 1  # the measured default (docs/perf-notes.md, v0.4)
     assert make_plan(spec, cluster=2).gemm_cluster == 2
@@ -309,11 +319,7 @@ def test_cluster_option(monkeypatch):
     with pytest.raises(PlanError, match="cluster must be one of 1, 2"):
         make_plan(spec, cluster=4)
     assert cache_key(make_plan(spec, cluster=2), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
-    monkeypatch.setenv("MOKGEN_CLUSTER", "2")
-    assert env.plan_options()["cluster"] == 2
-    monkeypatch.setenv("MOKGEN_CLUSTER", "two")
-    with pytest.raises(ToolchainError, match="MOKGEN_CLUSTER must be 1 or 2"):
-        env.plan_options()
+    _check_switch(monkeypatch, "MOKGEN_CLUSTER", "cluster", "2", 2, "two", "MOKGEN_CLUSTER must be 1 or 2")
 
 
 def test_fuse_shared_option(monkeypatch):
@@ -337,35 +343,22 @@ def test_fuse_shared_option(monkeypatch):
 
 
 def test_block_k_option(monkeypatch):
-    from mokgen import env
-    from mokgen.errors import ToolchainError
-
     spec = load_spec("kimi-k2.5")
     a, b = make_plan(spec), make_plan(spec, block_k=32)
     assert (a.gemm_block_k, a.gemm_stages) == (64, 4) and (b.gemm_block_k, b.gemm_stages) == (32, 9)
     assert cache_key(a, **KEY_ARGS) != cache_key(b, **KEY_ARGS)
     with pytest.raises(PlanError, match="block_k must be one of 64, 32"):
         make_plan(spec, block_k=128)
-    monkeypatch.setenv("MOKGEN_BLOCK_K", "32")
-    assert env.plan_options()["block_k"] == 32
-    monkeypatch.setenv("MOKGEN_BLOCK_K", "16")
-    with pytest.raises(ToolchainError, match="MOKGEN_BLOCK_K must be 64 or 32"):
-        env.plan_options()
+    _check_switch(monkeypatch, "MOKGEN_BLOCK_K", "block_k", "32", 32, "16", "MOKGEN_BLOCK_K must be 64 or 32")
 
 
 def test_pull_unroll_option(monkeypatch):
-    from mokgen import env
-    from mokgen.errors import ToolchainError
-
     spec = load_spec("kimi-k2.5")
     a, b = make_plan(spec), make_plan(spec, pull_unroll=8)
     assert (a.pull_unroll, b.pull_unroll) == (12, 8)
     assert cache_key(a, **KEY_ARGS) != cache_key(b, **KEY_ARGS)
     with pytest.raises(PlanError, match="pull_unroll must be one of 12, 16, 8"):
         make_plan(spec, pull_unroll=4)
-    monkeypatch.setenv("MOKGEN_PULL_UNROLL", "8")
-    assert env.plan_options()["pull_unroll"] == 8
-    monkeypatch.setenv("MOKGEN_PULL_UNROLL", "32")
-    with pytest.raises(ToolchainError, match="MOKGEN_PULL_UNROLL must be 12 or 16 or 8"):
-        env.plan_options()
+    _check_switch(monkeypatch, "MOKGEN_PULL_UNROLL", "pull_unroll", "8", 8, "32",
+                  "MOKGEN_PULL_UNROLL must be 12 or 16 or 8")
 

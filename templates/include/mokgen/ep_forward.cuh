@@ -12,8 +12,8 @@
 //               Dispatch CTAs PULL chunk c from the owners' x buffers into slot c % S once chunk
 //               c - S has been consumed (flow control: the ring never overflows, nothing is
 //               dropped); chunk 0 is pulled by all CTAs of the rank, the compute CTAs having
-//               nothing else to do until it lands. Compute CTAs take chunks in order as they land: up projection with
-//               SwiGLU into the slot's h rows, a barrier, down projection whose epilogue PUSHES
+//               nothing else to do until it lands. Compute CTAs take chunks in order as they
+//               land: up projection with SwiGLU into the slot's h rows, a barrier, down projection whose epilogue PUSHES
 //               each row into the owner's combine slot (t, j), a barrier, slot freed.
 //               When all chunks are done: system fence, done[rank] = tag(epoch, 1) on every owner.
 //   4. combine  every CTA of the rank waits for done from all W ranks, then reduces its tokens:
@@ -257,10 +257,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     unsigned long long n_rank = 0, n_comp = 0;
     bool ok = true;
 
+    // This launch runs the fused shared expert (its weights are set).
+    const bool has_shared = Cfg::kFuseShared && p.shared_w[0] != nullptr;
     // When every rank is in this launch (one GPU: W = 1 or virtual ranks), dispatch reads each
     // rank's x where it lies (p.x) and the publish copy is skipped; the fused shared expert's
     // TMA map reads the published copy, so a launch running it publishes.
-    const bool x_in_place = p.launch_ranks == p.world && !(Cfg::kFuseShared && p.shared_w[0] != nullptr);
+    const bool x_in_place = p.launch_ranks == p.world && !has_shared;
 
     // ---- 1. publish -----------------------------------------------------------------------
     {
@@ -507,7 +509,6 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // Fused shared expert (Cfg::kFuseShared, p.shared_w set): its tiles come first, kind 2
         // (up: the rank's own published x rows, no transfer) then kind 3 (down), m = token row:
         // they overlap the wait for the first chunk (the rest of it, after this CTA's own part).
-        const bool has_shared = Cfg::kFuseShared && p.shared_w[0] != nullptr;
         auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
           const int units = Gc / kPair, unit = cc / kPair;
           const int crank = cc % kPair;
