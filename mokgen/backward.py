@@ -110,9 +110,9 @@ def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype):
     dx_pairs = torch.zeros(T * K, H, dtype=dtype, device=dx_rows.device)
     dx_pairs[order] = dx_rows.to(dtype)
     dx_pairs = dx_pairs.view(T, K, H)
-    dx = torch.zeros(T, H, dtype=dtype, device=dx_rows.device)
-    for j in range(K):
-        dx = dx + dx_pairs[:, j]
+    dx = dx_pairs[:, 0].clone()
+    for j in range(1, K):
+        dx.add_(dx_pairs[:, j])
     dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=dw_rows.device)
     dw[order] = dw_rows
     return dx, dw.view(T, K)
@@ -174,7 +174,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     dw_rows = (dh_u * h).sum(dim=1)
     dg, du = _swiglu_grads(g, u, dh_u * wts, clamp_limit)
     dg, du = dg.to(torch.bfloat16), du.to(torch.bfloat16)
-    dx_rows = gmm(dg, w_gate, offs=offs).to(f32) + gmm(du, w_up, offs=offs).to(f32)
+    dx_rows = gmm(dg, w_gate, offs=offs).to(f32).add_(gmm(du, w_up, offs=offs))  # f32 + (bf16 -> f32), exact
     grads = None
     if need_weight_grads:
         dy = (go.to(f32) * wts).to(torch.bfloat16)
@@ -286,12 +286,13 @@ def ep_op_backward(saved: dict, grads_out):
         out = distributed_backward(xs[0], ids[0], ws[0], wg[0], wu[0], wd[0], go, saved["clamp_limit"], group)
         return tuple([t] for t in out)
     sizes = [x.shape[0] for x in xs]
-    x = torch.cat(list(xs))
-    i = torch.cat(list(ids))
-    w = torch.cat(list(ws))
-    g = torch.cat([go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)])
+    gos = [go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)]
+
+    def cat(ts):  # one rank: its own tensors (torch.cat of one would copy the weights: 4 GB on kimi-k2.5)
+        return ts[0].contiguous() if len(ts) == 1 else torch.cat(list(ts))
+
     e_loc = [t.shape[0] for t in wg]
-    dx, dw, dwg, dwu, dwd = experts_backward_op(x, i, w, torch.cat(list(wg)), torch.cat(list(wu)), torch.cat(list(wd)),
-                                                g.contiguous(), saved["clamp_limit"])
+    dx, dw, dwg, dwu, dwd = experts_backward_op(cat(xs), cat(ids), cat(ws), cat(wg), cat(wu), cat(wd), cat(gos),
+                                                saved["clamp_limit"])
     return (list(dx.split(sizes)), list(dw.split(sizes)), list(dwg.split(e_loc)), list(dwu.split(e_loc)),
             list(dwd.split(e_loc)))

@@ -20,10 +20,10 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BUILD_TIMEOUT": "seconds before an nvcc run is abandoned (default: 900)",
     "MOKGEN_GEMM_CORE": "wgmma (default: TMA + wgmma, sm_90a) or mma_sync (portable reference core)",
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
-    "MOKGEN_FUSE_SHARED": "1: run the shared expert inside the megakernel where the plan allows (default 0: in PyTorch)",
+    "MOKGEN_FUSE_SHARED": "1 or 0: the shared expert inside the megakernel where the plan allows, or in PyTorch (default: inside wherever the plan allows)",
     "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
-    "MOKGEN_CLUSTER": "1 (default: every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast)",
+    "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
 }
 
 
@@ -101,8 +101,14 @@ def schedule() -> str:
     return _choice("MOKGEN_SCHEDULE", ("flow", "phased"))
 
 
-def cluster() -> int:
-    return int(_choice("MOKGEN_CLUSTER", ("1", "2")))
+def cluster() -> int | None:
+    """MOKGEN_CLUSTER, or None (unset: the plan's default_cluster)."""
+    return int(_choice("MOKGEN_CLUSTER", ("1", "2"))) if _get("MOKGEN_CLUSTER") else None
+
+
+def fuse_shared() -> bool | None:
+    """MOKGEN_FUSE_SHARED, or None (unset: fused wherever the plan allows)."""
+    return _flag("MOKGEN_FUSE_SHARED") if _get("MOKGEN_FUSE_SHARED") else None
 
 
 def block_k() -> int:
@@ -115,5 +121,5 @@ def pull_unroll() -> int:
 
 def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
-    return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": _flag("MOKGEN_FUSE_SHARED"),
+    return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
             "block_k": block_k(), "pull_unroll": pull_unroll()}

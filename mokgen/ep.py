@@ -431,8 +431,9 @@ class MoELayer(torch.nn.Module):
 
     @property
     def fuses_shared(self) -> bool:
-        """Whether this build runs the shared expert inside the megakernel (plan.fuse_shared,
-        ``MOKGEN_FUSE_SHARED=1`` where the spec allows): forward then takes ``shared=``."""
+        """Whether this build runs the shared expert inside the megakernel (plan.fuse_shared: by
+        default wherever mokgen.plan.can_fuse_shared allows; ``MOKGEN_FUSE_SHARED=0`` turns it
+        off): forward then takes ``shared=``."""
         return bool(getattr(self._kernel, "FUSE_SHARED", False))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -445,8 +446,8 @@ class MoELayer(torch.nn.Module):
         shared_args = ()
         if shared is not None:
             if not self.fuses_shared:
-                raise InputError("shared=: this build runs the shared expert in PyTorch (set MOKGEN_FUSE_SHARED=1 "
-                                 "where the spec allows; see mokgen.plan.can_fuse_shared)")
+                raise InputError("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, CTA "
+                                 "pairs, or a shared expert it cannot fuse; see mokgen.plan.can_fuse_shared)")
             gate, up, down, scale = shared
             H, I = s.hidden_size, s.moe_intermediate_size
             _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))

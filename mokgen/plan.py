@@ -78,12 +78,13 @@ class Plan(BaseModel):
     schedule: str = "flow"
     # CTAs per cluster (flow schedule of the Hopper core only): 2 pairs compute CTAs whose tiles
     # share an operand, loaded once by TMA multicast into both (hopper_gemm.cuh); 1 runs them
-    # alone. 1 by default: pairs measured slower on every local workload on the H200 (2-9% in
-    # the bench, 5-15% in the chunk sweep; docs/perf-notes.md, v0.4).
+    # alone. make_plan's default is default_cluster(spec): pairs for hidden sizes from
+    # CLUSTER_MIN_HIDDEN (docs/perf-notes.md, v0.6).
     gemm_cluster: int = 1
     # The shared expert inside the megakernel (its tiles first in the flow order, on the rank's
     # own tokens; the combine adds it): for one shared expert of the routed experts' size, under
-    # the flow schedule without clusters. Off by default until measured (issue 8).
+    # the flow schedule without clusters. make_plan fuses it wherever can_fuse_shared allows
+    # (v0.6: the qwen3.5 blocks 2.7-14% faster; docs/perf-notes.md).
     fuse_shared: bool = False
     # Dispatch copy: 16-byte loads in flight per lane of a dispatch warp (ep_forward.cuh). 12 by
     # default (6 KB per warp; 16 spills on kimi-k2.5); 8 was the v0.3-v0.4 copy's.
@@ -117,19 +118,37 @@ BLOCK_KS = (64, 32)
 PULL_UNROLLS = (12, 16, 8)
 
 
-def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1,
-              fuse_shared: bool = False, block_k: int = 64, pull_unroll: int = 12) -> Plan:
+#: hidden size from which CTA pairs (gemm_cluster 2) are the default. Measured on the H200 (v0.6,
+#: docs/perf-notes.md): pairs 9-18% faster on the local work of kimi-k2.5, glm-5.2 and
+#: deepseek-v4-pro (hidden 6144-7168) and 11-13% at EP4; level on deepseek-v3 EP64; 6% slower on
+#: qwen3.5-397b-a17b's (hidden 4096) and 3% on the qwen3.5-35b-a3b layer (2048).
+CLUSTER_MIN_HIDDEN = 5120
+
+
+def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "flow") -> int:
+    """CTAs per cluster when the caller does not choose: 2 on the Hopper core's flow schedule for
+    hidden sizes from CLUSTER_MIN_HIDDEN, else 1."""
+    return 2 if gemm_core == "wgmma" and schedule == "flow" and spec.hidden_size >= CLUSTER_MIN_HIDDEN else 1
+
+
+def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
+              fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
-    of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise); ``fuse_shared``
-    applies where ``can_fuse_shared`` says so (False otherwise); ``block_k`` 32 gives the Hopper
+    of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
+    ``default_cluster``); ``fuse_shared`` applies where ``can_fuse_shared`` says so (False
+    otherwise; None: wherever it can); ``block_k`` 32 gives the Hopper
     core 9 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core);
     ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS)):
-        if value not in allowed:
+        if value not in allowed and not (option == "cluster" and value is None):
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+    if cluster is None:
+        cluster = default_cluster(spec, gemm_core, schedule)
+    if fuse_shared is None:
+        fuse_shared = True
     t = spec.target
     if t.numerics not in IMPLEMENTED_NUMERICS:
         raise PlanError(

@@ -153,12 +153,16 @@ def test_every_bundled_spec_compiles(name):
     assert doc["plan"] == plan.compile_fields()
     assert doc["mokgen"] == __version__
 
-    # ptxas's resource report: registers for every kernel, no spills anywhere
+    # ptxas's resource report: registers for every kernel, no spills anywhere; builds with the
+    # shared expert fused (the default where the plan can) have a known few, in per-tile scalars
+    # outside the k-loop (docs/architecture.md): bounded here so that growth fails
     log = (result.entry / "build.log").read_text()
     assert re.search(r"Used \d+ registers", log), log[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills, "no spill lines in the ptxas report"
-    assert all(a == "0" and b == "0" for a, b in spills), [l for l in build_mod.resource_report(result.entry) if "spill" in l]
+    limit = (96, 320) if plan.fuse_shared else (0, 0)
+    assert all(int(a) <= limit[0] and int(b) <= limit[1] for a, b in spills), \
+        [l for l in build_mod.resource_report(result.entry) if "spill" in l]
 
     # the C ABI: symbols exported, callable without a GPU
     if shutil.which("nm"):
@@ -230,7 +234,8 @@ def test_force_rebuilds(monkeypatch):
     assert len(calls) == 1 and "moe_forward.cu" in calls[0]
     assert again.entry == first.entry and again.library.is_file()
     assert (again.library.stat().st_ino, again.library.stat().st_mtime_ns) != before
-    assert _temporaries(env.cache_dir()) == []
+    # this process's temporaries only: another process may be building in a shared cache
+    assert [t for t in _temporaries(env.cache_dir()) if t.name.endswith(f"-{os.getpid()}")] == []
     assert build_mod.is_complete(again.entry, make_plan(spec))
 
 

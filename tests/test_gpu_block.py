@@ -110,6 +110,7 @@ def test_fused_shared_expert_matches_the_reference_block(monkeypatch, name):
     spec = {"tiny": lambda: mokgen.load_spec(str(EXAMPLES / "tiny-moe.yaml")), "dsv3-e16": _scaled_deepseek_v3,
             "qwen3.5-35b-a3b": lambda: mokgen.load_spec("qwen3.5-35b-a3b")}[name]()
     torch.manual_seed(5)
+    monkeypatch.setenv("MOKGEN_CLUSTER", "1")  # fusing needs no CTA pairs (the default from hidden 5120)
     monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
     fused = MoEBlock(spec, max_tokens=1024)
     assert fused.experts.fuses_shared

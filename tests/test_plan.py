@@ -289,7 +289,7 @@ def test_schedule_from_environment(monkeypatch):
     from mokgen.errors import ToolchainError
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
-    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": 1, "fuse_shared": False,
+    assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
                                   "block_k": 64, "pull_unroll": 12}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
@@ -310,8 +310,17 @@ def _check_switch(monkeypatch, var, option, good, want, bad, message):
 
 
 def test_cluster_option(monkeypatch):
+    from mokgen.plan import CLUSTER_MIN_HIDDEN
+
+    # the measured default (docs/perf-notes.md, v0.6): pairs from CLUSTER_MIN_HIDDEN on
+    for name in sorted(bundled_specs()):
+        spec = load_spec(name)
+        assert make_plan(spec).gemm_cluster == (2 if spec.hidden_size >= CLUSTER_MIN_HIDDEN else 1), name
+        assert make_plan(spec, schedule="phased").gemm_cluster == 1, name
+    assert make_plan(load_spec("kimi-k2.5")).gemm_cluster == 2
+    assert make_plan(load_spec("kimi-k2.5"), cluster=1).gemm_cluster == 1
     spec = load_spec("qwen3-30b-a3b")
-    assert make_plan(spec).gemm_cluster == 1  # the measured default (docs/perf-notes.md, v0.4)
+    assert make_plan(spec).gemm_cluster == 1
     assert make_plan(spec, cluster=2).gemm_cluster == 2
     # pairs need the Hopper core's flow schedule; elsewhere the option is ignored
     assert make_plan(spec, cluster=2, schedule="phased").gemm_cluster == 1
@@ -320,6 +329,10 @@ def test_cluster_option(monkeypatch):
         make_plan(spec, cluster=4)
     assert cache_key(make_plan(spec, cluster=2), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
     _check_switch(monkeypatch, "MOKGEN_CLUSTER", "cluster", "2", 2, "two", "MOKGEN_CLUSTER must be 1 or 2")
+    monkeypatch.setenv("MOKGEN_CLUSTER", "1")
+    from mokgen import env
+
+    assert make_plan(load_spec("kimi-k2.5"), **env.plan_options()).gemm_cluster == 1
 
 
 def test_fuse_shared_option(monkeypatch):
@@ -331,15 +344,22 @@ def test_fuse_shared_option(monkeypatch):
         se = spec.shared_experts
         want = se.count == 1 and se.intermediate_size == spec.moe_intermediate_size
         assert can_fuse_shared(spec) == want, name
-        assert make_plan(spec).fuse_shared is False  # off by default
-        assert make_plan(spec, fuse_shared=True).fuse_shared == want, name
+        # on by default wherever the plan can (not with the CTA pairs of the large hidden sizes)
+        assert make_plan(spec).fuse_shared == (want and make_plan(spec).gemm_cluster == 1), name
+        assert make_plan(spec, cluster=1).fuse_shared == want, name
+        assert make_plan(spec, fuse_shared=False).fuse_shared is False, name
+        assert make_plan(spec, fuse_shared=True).fuse_shared == (want and make_plan(spec).gemm_cluster == 1), name
     spec = load_spec("qwen3.5-35b-a3b")
     assert not make_plan(spec, fuse_shared=True, cluster=2).fuse_shared
     assert not make_plan(spec, fuse_shared=True, schedule="phased").fuse_shared
     assert not make_plan(spec, fuse_shared=True, gemm_core="mma_sync").fuse_shared
-    assert cache_key(make_plan(spec, fuse_shared=True), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
+    assert cache_key(make_plan(spec, fuse_shared=False), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
+    assert make_plan(spec).fuse_shared is True
     monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
     assert env.plan_options()["fuse_shared"] is True
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "0")
+    assert env.plan_options()["fuse_shared"] is False
+    assert make_plan(spec, **env.plan_options()).fuse_shared is False
 
 
 def test_block_k_option(monkeypatch):

@@ -1,0 +1,45 @@
+"""Where the forward + backward time goes: torch.profiler over a few fwd+bwd steps of mokgen
+(the megakernel, then the baseline backward of mokgen/backward.py) and of the torch._grouped_mm
+pipeline under autograd, on the inputs of `mokgen bench --backward`. Prints each side's top CUDA
+kernels by total time. Usage: python3 .ci/profile_backward.py SPEC [local|layer] [TOKENS]"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mokgen import bench
+from mokgen.ep import MoELayer
+from mokgen.spec import load_spec
+
+spec = load_spec(sys.argv[1])
+workload = sys.argv[2] if len(sys.argv) > 2 else "local"
+if workload == "local":
+    spec, tokens = bench.local_spec(spec, bench.LOCAL_EP.get(spec.name, 8))
+else:
+    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 16384
+wg, wu, wd = (w.detach().requires_grad_(True) for w in bench._weights(spec))
+gen = torch.Generator(device="cuda").manual_seed(3)
+x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
+ids, w = bench._routing(spec, tokens, gen)
+w.requires_grad_(True)
+g = torch.randn_like(x)
+layer = MoELayer(spec, max_tokens=tokens, device="cuda")
+with torch.no_grad():
+    layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+layer.check_ids = False
+clamp = spec.activation.clamp_limit
+sides = {
+    "mokgen": lambda: layer(x, ids, w).backward(g),
+    "torch._grouped_mm autograd": lambda: bench.torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g),
+}
+for name, step in sides.items():
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(f"== {name}: {spec.name} {workload} {tokens} rows, 3 steps")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=90))
