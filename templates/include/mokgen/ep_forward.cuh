@@ -2,8 +2,9 @@
 // virtual ranks on one GPU, one launch for all W ranks, each a group of CTAs).
 //
 // Per rank, in order:
-//   1. publish  all CTAs copy x into the rank's symmetric region; CTA 0 builds the expert-major
-//               send lists (ep_routing.cuh); a rank barrier; then routing_ready = tag(epoch, 1)
+//   1. publish  all CTAs copy x into the rank's symmetric region (unless it is read in place);
+//               the first CTAs build the expert-major send lists (ep_routing.cuh: counts, a rank
+//               barrier, assignment); a rank barrier; then routing_ready = tag(epoch, 1)
 //               (system-scope release).
 //   2. plan     CTA 0 waits for every peer's routing_ready, reads the counts for its own experts
 //               and lays out the received rows: expert-major, then source rank, then the source's
@@ -121,7 +122,7 @@ struct SymLayout {
 template <class Cfg>
 struct LocalLayout {
   size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done, recv_expert_offset,
-      recv_base, recv_src_off, ring_meta, ring_x, ring_h, total;
+      recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
     const int64_t e_loc = Cfg::kExperts / world;
     const int64_t ring_rows = int64_t(chunk_rows) * ring_chunks;
@@ -141,6 +142,7 @@ struct LocalLayout {
     ring_meta = take(8 * ring_rows);
     ring_x = take(sizeof(bf16) * ring_rows * Cfg::kHidden);
     ring_h = take(sizeof(bf16) * ring_rows * Cfg::kInter);
+    route_hist = take(4 * kRouteParts * Cfg::kExperts);  // routing prologue: pairs per (part, expert)
     total = at;
   }
 };
@@ -287,11 +289,17 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       if constexpr (Cfg::kFuseShared)  // counters of this launch's shared up tiles (read after barrier 2)
         if (cta == 0)
           for (int i = tid; i < (T + 127) / 128; i += kEpThreads) at<unsigned long long>(mine, S.shared_blk)[i] = 0;
-      if (cta == 0)
-        sender_routing<kE, kK, kEpThreads>(p.ids[g], T, at<int32_t>(mine, S.send_count),
+      // the send lists, built by the rank's first route_parts CTAs (ep_routing.cuh)
+      const int route_parts = min(G, kRouteParts);
+      int32_t* part_hist = at<int32_t>(loc, L.route_hist);
+      if (cta < route_parts)
+        routing_count<kE, kK, kEpThreads>(p.ids[g], T, cta, route_parts, part_hist, reinterpret_cast<int32_t*>(smem));
+      ok = group_barrier(bar_rank, tag(epoch, ++n_rank * G), w, &s_flag);
+      if (ok && cta < route_parts)
+        routing_assign<kE, kK, kEpThreads>(p.ids[g], T, cta, route_parts, part_hist, at<int32_t>(mine, S.send_count),
                                            at<int32_t>(mine, S.send_offset), at<int32_t>(mine, S.send_pairs),
                                            reinterpret_cast<int32_t*>(smem));
-      ok = group_barrier(bar_rank, tag(epoch, ++n_rank * G), w, &s_flag);
+      ok = group_barrier(bar_rank, tag(epoch, ++n_rank * G), w, &s_flag) && ok;
       if (ok && cta == 0 && tid == 0 && rank != p.silent_rank) {
         __threadfence_system();
         st_release_sys(at<unsigned long long>(mine, S.routing_ready), tag(epoch, 1));
