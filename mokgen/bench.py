@@ -246,7 +246,8 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
     layer.check_ids = False
     clamp = spec.activation.clamp_limit
-    ours = "mokgen megakernel (W=1)"
+    # a tuned entry (mokgen tune) in use is named in the row
+    ours = "mokgen megakernel (W=1" + (", tuned)" if layer.tuned_entry is not None else ")")
     impls = {
         ours: lambda i: layer(*inputs[i]),
         "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),
@@ -429,6 +430,37 @@ def write_results(rows: list[Row], ceiling: float, out_dir: Path, extra: dict | 
     return js, png
 
 
+def write_chunk_curve(spec: MoESpec, ep: int, tokens: int, curve: list, gpu: str, out_dir: Path) -> tuple[Path, Path | None]:
+    """``mokgen tune --chunk-sweep``'s result: JSON and a PNG of layer ms against chunk rows
+    (``curve``: (chunk rows, mokgen.tune.Outcome) pairs; failed points are left out of the plot)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"chunk-sweep-{spec.name}-ep{ep}-t{tokens}"
+    doc = {"spec": spec.name, "ep": ep, "tokens_per_rank": tokens, "gpu": gpu, "torch": torch.__version__,
+           "points": [{"chunk_rows": c, **o.to_json()} for c, o in curve]}
+    js = out_dir / f"{stem}.json"
+    js.write_text(json.dumps(doc, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return js, None
+    pts = [(c, o.ms) for c, o in curve if o.ms is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([c for c, _ in pts], [m for _, m in pts], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("chunk rows (received rows per compute batch)")
+    ax.set_ylabel("layer ms (median)")
+    ax.set_title(f"{spec.name}, EP{ep}, {tokens} tokens per rank, {gpu}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    png = out_dir / f"{stem}.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return js, png
+
+
 def expert_weights(spec: MoESpec, experts, device="cuda", seed: int = 1000):
     """w_gate, w_up [len(experts), I, H] and w_down [len(experts), H, I] bf16 of the global
     experts ``experts``; expert e is drawn from its own generator (seed + e) on ``device``, so
@@ -513,7 +545,7 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
     layer = make_layer()
     tag = "skewed" if skew else "uniform"
     impls = {
-        f"mokgen megakernel (EP{world})": lambda i: layer(*inputs[i]),
+        f"mokgen megakernel (EP{world}{', tuned' if layer.tuned_entry is not None else ''})": lambda i: layer(*inputs[i]),
         f"NCCL all-to-all + torch._grouped_mm (EP{world})": lambda i: torch_ep_pipeline(
             *inputs[i], wg, wu, wd, None, clamp),
     }

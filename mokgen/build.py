@@ -157,8 +157,11 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def plan_and_key(spec: MoESpec, toolchain: Toolchain | None = None) -> tuple[Plan, str, Toolchain]:
-    plan = make_plan(spec, **env.plan_options())
+def plan_and_key(spec: MoESpec, toolchain: Toolchain | None = None,
+                 options: dict | None = None) -> tuple[Plan, str, Toolchain]:
+    """The plan of ``spec`` under ``options`` (make_plan keyword arguments; default: the
+    environment's, ``env.plan_options()``), its cache key and the toolchain."""
+    plan = make_plan(spec, **(env.plan_options() if options is None else options))
     tc = toolchain or find_toolchain()
     key = cache_key(plan, sources_digest=render.sources_digest(), toolchain=tc.key_fields(plan.arch))
     return plan, key, tc
@@ -224,10 +227,12 @@ def build(
     force: bool = False,
     publish_generated: bool = True,
     log: Callable[[str], None] = lambda s: None,
+    options: dict | None = None,
 ) -> BuildResult:
-    """Compile ``spec`` (or find it in the cache) and return where the library is."""
+    """Compile ``spec`` (or find it in the cache) and return where the library is. ``options``:
+    make_plan keyword arguments (default: the environment's; tuned builds pass theirs)."""
     start = time.perf_counter()
-    plan, key, tc = plan_and_key(spec)
+    plan, key, tc = plan_and_key(spec, options=options)
     entry = entry_dir(plan, key)
     if not force and is_complete(entry, plan):
         if publish_generated:

@@ -1,4 +1,4 @@
-"""The command line: `mokgen list | show | render | build | doctor`.
+"""The command line: `mokgen list | show | render | build | doctor | bench | tune | wheel | prebuilt`.
 
 Errors a user can cause print one line (``error: ...``) on stderr and exit with code 2; no
 traceback. Long work shows progress with rich.
@@ -197,14 +197,44 @@ def render_cmd(spec_ref: str, numerics: str | None) -> None:
 @click.option("--force", is_flag=True, help="rebuild even when the cache has the build")
 @click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON line per build")
-def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_json: bool) -> None:
-    """Compile the kernel library of each SPEC (cached by content)."""
+@click.option("--ep", type=click.IntRange(min=1), default=None,
+              help="with --tokens: build the tuned variant for this EP degree (mokgen tune), if one exists")
+@click.option("--tokens", type=click.IntRange(min=1), default=None, help="tokens per rank of the tuned entry")
+@click.option("--gpu", default=None, help="GPU name of the tuned entry (default: the visible GPU's)")
+def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_json: bool, ep: int | None,
+              tokens: int | None, gpu: str | None) -> None:
+    """Compile the kernel library of each SPEC (cached by content). With --ep/--tokens, the build
+    options of the matching tuned entry (`mokgen tune`) where one exists."""
     from mokgen import build as build_mod
+    from mokgen.errors import InputError
 
     specs = [_spec(ref, numerics) for ref in spec_refs]  # validate everything before compiling
+    tuned_for = None
+    if ep is not None or tokens is not None or gpu is not None:
+        if ep is None or tokens is None:
+            raise InputError("a tuned build needs both --ep and --tokens")
+        if gpu is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise InputError("--ep/--tokens pick a tuned entry by GPU name: no GPU is visible, pass --gpu NAME")
+            gpu = torch.cuda.get_device_name()
+        tuned_for = (gpu, ep, tokens)
     for spec in specs:
+        options = None
+        if tuned_for is not None:
+            from mokgen import tune as tune_mod
+
+            entry = tune_mod.lookup(spec, gpu=tuned_for[0], ep=tuned_for[1], tokens=tuned_for[2])
+            if entry is None:
+                err_console.print(f"{spec.name}: no tuned entry for {tuned_for[0]}, EP{ep}, {tokens} tokens: "
+                                  "the plan's defaults", markup=False)
+            else:
+                options = env.plan_options_with(entry.best.build_options())
+                err_console.print(f"{spec.name}: tuned entry {entry.path} ({entry.best.label()})", markup=False)
         with err_console.status(f"building {spec.name} (nvcc, sm_90a) ...", spinner="dots"):
-            result = build_mod.build(spec, force=force, log=lambda s: err_console.print(s, markup=False))
+            result = build_mod.build(spec, force=force, log=lambda s: err_console.print(s, markup=False),
+                                     options=options)
         if as_json:
             click.echo(json.dumps(result.to_json()))
             continue
@@ -450,3 +480,122 @@ def prebuilt(as_json: bool) -> None:
                       "[green]yes[/green]" if r["verified"] else f"[red]no[/red]: {r['problems'][0]}")
     console.print(table)
     sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
+@click.option("--all", "all_specs", is_flag=True, help="every bundled spec")
+@click.option("--ep", type=click.IntRange(min=1), default=None,
+              help="EP degree (default: 1, or the process group's size under torchrun)")
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
+              help="tokens per rank (default: 16384 at EP 1, else 2048); entries cover its power-of-two bucket")
+@click.option("--iters", type=click.IntRange(min=20), default=20, show_default=True, help="timed runs per candidate")
+@click.option("--no-resume", is_flag=True, help="time every candidate again (ignore a previous run's partial file)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="where tuned files go (default: $MOKGEN_TUNED_DIR, else <cache dir>/tuned)")
+@click.option("--jobs", type=click.IntRange(min=1), default=4, show_default=True, help="parallel nvcc builds")
+@click.option("--dry-run", is_flag=True, help="print the search space (and what was pruned, why); no GPU needed")
+@click.option("--chunk-sweep", is_flag=True,
+              help="instead: the layer time against chunk rows (overlap granularity), a JSON and PNG curve per spec")
+@click.option("--chunks", default="512,1024,2048,3072,4096,6144,8192,12288,16384", show_default=True,
+              help="--chunk-sweep: the chunk sizes (received rows per compute batch)")
+@click.option("--plots", "plot_dir", type=click.Path(file_okay=False), default="tune-out", show_default=True,
+              help="--chunk-sweep: where the JSON and PNG go")
+def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_run, chunk_sweep, chunks,
+         plot_dir) -> None:
+    """Pick tile, pipeline and overlap parameters per SPEC on this GPU (mokgen.tune): build and
+    time every candidate of the search space against the plan's defaults, write the tuned file
+    that `mokgen.MoELayer` and `mokgen build --ep/--tokens` then use, print default vs tuned."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mokgen import tune as tune_mod
+    from mokgen.errors import InputError
+    from mokgen.spec import bundled_specs
+
+    refs = list(bundled_specs()) if all_specs else list(spec_refs)
+    if not refs:
+        raise InputError("name at least one SPEC, or pass --all")
+    specs = [_spec(r) for r in refs]
+    try:
+        sizes = [int(c) for c in chunks.split(",") if c.strip()]
+    except ValueError:
+        raise InputError(f"--chunks must be comma-separated integers, got {chunks!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise InputError(f"--chunks must be positive integers, got {chunks!r}")
+    group, main_rank = None, True
+    if not dry_run and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        main_rank = _init_ep_group()
+        group = dist.group.WORLD
+        world = dist.get_world_size()
+        if ep is not None and ep != world:
+            raise InputError(f"--ep {ep} under torchrun with {world} processes: they must be equal (or leave --ep out)")
+        ep = world
+    ep = ep or 1
+    tokens = tokens or (16384 if ep == 1 else 2048)
+    for spec in specs:  # every spec's arguments are checked before anything is built
+        if spec.num_experts % ep:
+            raise InputError(f"{spec.name}: --ep {ep} must divide num_experts ({spec.num_experts})")
+        if (ep == 1 or group is not None) and tokens > spec.target.max_tokens_per_rank:
+            raise InputError(f"{spec.name}: --tokens {tokens} is above the spec's target.max_tokens_per_rank "
+                             f"({spec.target.max_tokens_per_rank})")
+    if dry_run:
+        for spec in specs:
+            space = tune_mod.search_space(spec, ep=ep, tokens=tokens, distributed=False)
+            click.echo(f"{spec.name}: EP{ep}, {tokens} tokens per rank: {len(space.candidates)} candidates, "
+                       f"{len(space.pruned)} pruned")
+            for i, c in enumerate(space.candidates):
+                click.echo(f"  {i:3d}  {c.label()}" + ("  (plan defaults)" if i == 0 else ""))
+            for c, why in space.pruned:
+                click.echo(f"  pruned  {c.label()}: {why}")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError("mokgen tune times candidates on a CUDA GPU; none is visible (--dry-run shows the space)")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    if chunk_sweep:
+        from mokgen import bench as b
+
+        out = Path(plot_dir)
+        for spec in specs:
+            with Progress(*columns, console=err_console, transient=True, disable=not main_rank) as progress:
+                task = progress.add_task(f"chunk sweep {spec.name}", total=len(sizes))
+                curve = tune_mod.chunk_sweep(spec, ep=ep, tokens=tokens, chunks=sizes, iters=iters,
+                                             step=lambda i, n, c, o: progress.advance(task))
+            if not main_rank:
+                continue
+            js, png = b.write_chunk_curve(spec, ep, tokens, curve, torch.cuda.get_device_name(), out)
+            for chunk, o in curve:
+                click.echo(f"{spec.name} EP{ep} T={tokens} chunk {chunk}: "
+                           + (f"{o.ms:.3f} ms" if o.ms is not None else f"failed: {o.error}"))
+            click.echo(f"wrote {js}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
+        return
+    results = []
+    for spec in specs:
+        with Progress(*columns, console=err_console, transient=True, disable=not main_rank) as progress:
+            task = progress.add_task(f"tune {spec.name} (building)", total=None)
+
+            def step(i, n, c, o, task=task, progress=progress, name=spec.name):
+                progress.update(task, total=n, completed=i + 1, description=f"tune {name}")
+
+            results.append(tune_mod.tune(spec, ep=ep, tokens=tokens, iters=iters, resume=not no_resume, group=group,
+                                         root=Path(out_dir) if out_dir else None, jobs=jobs,
+                                         log=lambda s, p=progress: p.console.print(s, markup=False), step=step))
+    if not main_rank:
+        return
+    table = Table(title=f"mokgen tune on {torch.cuda.get_device_name()}: EP{ep}, {tokens} tokens per rank")
+    for col in ("spec", "candidates", "default ms", "tuned ms", "speedup", "tuned setting"):
+        table.add_column(col)
+    for r in results:
+        best = r.space.candidates[r.best_index]
+        speed = f"{r.default_ms / r.best_ms:.3f}x" if r.default_ms and r.best_ms else "-"
+        table.add_row(r.key.spec, str(len(r.space.candidates)), "-" if r.default_ms is None else f"{r.default_ms:.3f}",
+                      "-" if r.best_ms is None else f"{r.best_ms:.3f}", speed,
+                      "plan defaults" if r.best_index == 0 else best.label())
+    console.print(table)
+    for r in results:
+        click.echo(f"wrote {r.path}")

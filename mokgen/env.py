@@ -24,6 +24,8 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
+    "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
+    "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
 }
 
 
@@ -117,6 +119,36 @@ def block_k() -> int:
 
 def pull_unroll() -> int:
     return int(_choice("MOKGEN_PULL_UNROLL", ("12", "16", "8")))
+
+
+def tuned_dir() -> Path:
+    value = _get("MOKGEN_TUNED_DIR")
+    return Path(value).expanduser() if value else cache_dir() / "tuned"
+
+
+def tuned_enabled() -> bool:
+    value = _get("MOKGEN_TUNED")
+    return value is None or value.strip().lower() not in ("0", "false", "no", "off")
+
+
+#: plan option -> the switch that sets it
+PLAN_SWITCHES = {"gemm_core": "MOKGEN_GEMM_CORE", "schedule": "MOKGEN_SCHEDULE", "cluster": "MOKGEN_CLUSTER",
+                 "fuse_shared": "MOKGEN_FUSE_SHARED", "block_k": "MOKGEN_BLOCK_K", "pull_unroll": "MOKGEN_PULL_UNROLL"}
+
+
+def switch_set(option: str) -> bool:
+    """Whether the switch of plan option ``option`` is set (it then wins over tuned values)."""
+    return _get(PLAN_SWITCHES[option]) is not None
+
+
+def plan_options_with(tuned: dict | None) -> dict:
+    """Build options from tuned values (plan option -> value) under the environment: a switch
+    that is set wins over the tuned value, the tuned value over the plan's default."""
+    options = plan_options()
+    for option, value in (tuned or {}).items():
+        if not switch_set(option):
+            options[option] = value
+    return options
 
 
 def plan_options() -> dict:

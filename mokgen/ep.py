@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mokgen import abi
-from mokgen.errors import InputError, KernelError
+from mokgen import abi, env
+from mokgen.errors import InputError, KernelError, LoadError, MokgenError, ToolchainError
 from mokgen.load import load
 from mokgen.ops import _can_sync, _check, _check_device
 from mokgen.plan import ep_defaults
@@ -355,11 +355,17 @@ class MoELayer(torch.nn.Module):
     ``chunk_rows`` / ``ring_chunks``: the receive ring (default: ``plan.ep_defaults``);
     ``dispatch_ctas``: how many of the rank's CTAs pull rows while the rest compute (default: an
     eighth of them; a sixteenth for a single rank).
+    ``tuned``: use the tuned entry of (spec, this GPU, EP degree, max_tokens' bucket) where one
+    exists and fits (``mokgen tune``; ``tuned_entry`` then names its file): its build options
+    and, for those not passed here, its chunk_rows / ring_chunks / dispatch_ctas. Without one,
+    the plan's defaults. ``build_options``: make_plan keyword arguments for the kernel (instead
+    of the environment and tuned entry; what `mokgen tune` uses to time candidates).
     """
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
                  chunk_rows: int | None = None, ring_chunks: int | None = None,
-                 dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None):
+                 dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None,
+                 tuned: bool = True, build_options: dict | None = None):
         super().__init__()
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
@@ -375,17 +381,50 @@ class MoELayer(torch.nn.Module):
         self.max_tokens = s.target.max_tokens_per_rank if max_tokens is None else int(max_tokens)
         if not 1 <= self.max_tokens <= s.target.max_tokens_per_rank:
             raise InputError(f"max_tokens must be in 1..{s.target.max_tokens_per_rank}, got {self.max_tokens}")
+        _ring(s, chunk_rows, ring_chunks)  # explicit values are checked before anything else happens
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise InputError(f"MoELayer: device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        #: the tuned entry in use (mokgen.tune.Entry), or None: the plan's defaults
+        self.tuned_entry = None
+        if build_options is None:
+            tuned_build = None
+            explicit = (chunk_rows, ring_chunks, dispatch_ctas)  # the caller's, before any tuned value
+            if tuned:
+                from mokgen import tune
+
+                entry = tune.lookup(s, gpu=torch.cuda.get_device_name(device), ep=self.world, tokens=self.max_tokens)
+                if entry is not None:
+                    self.tuned_entry, best = entry, entry.best
+                    tuned_build = best.build_options()
+                    chunk_rows = best.chunk_rows if chunk_rows is None else chunk_rows
+                    ring_chunks = best.ring_chunks if ring_chunks is None else ring_chunks
+                    dispatch_ctas = best.dispatch_ctas if dispatch_ctas is None else dispatch_ctas
+            if group is not None and tuned:
+                # every rank of the layer must run the same kernel and ring: if their lookups
+                # differ (other files or versions per node), all take the defaults
+                import torch.distributed as dist
+
+                mine = None if self.tuned_entry is None else self.tuned_entry.best.to_json()
+                theirs: list = [None] * self.world
+                dist.all_gather_object(theirs, mine, group=group)
+                if any(t != mine for t in theirs):
+                    import warnings
+
+                    warnings.warn("mokgen: the ranks of this MoELayer found different tuned entries; all use the "
+                                  "plan's defaults", stacklevel=2)
+                    chunk_rows, ring_chunks, dispatch_ctas = explicit
+                    self.tuned_entry, tuned_build = None, None
+            build_options = env.plan_options_with(tuned_build)
+        self.build_options = dict(build_options)
         self.chunk_rows, self.ring_chunks = _ring(s, chunk_rows, ring_chunks)
         self.timeout_ms = float(timeout_ms)
         #: validate the expert-id range before each launch (one device sync; off for graphs)
         self.check_ids = True
         e_loc = s.num_experts // self.world
         H, I = s.hidden_size, s.moe_intermediate_size
-        device = torch.device("cuda") if device is None else torch.device(device)
-        if device.type != "cuda":
-            raise InputError(f"MoELayer: device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         kw = dict(device=device, dtype=torch.bfloat16)
         self.w_gate = torch.nn.Parameter(torch.empty(e_loc, I, H, **kw))
         self.w_up = torch.nn.Parameter(torch.empty(e_loc, I, H, **kw))
@@ -395,7 +434,19 @@ class MoELayer(torch.nn.Module):
             torch.nn.init.normal_(self.w_up, std=1 / math.sqrt(H))
             torch.nn.init.normal_(self.w_down, std=1 / math.sqrt(I))
         # Resolve the kernel and allocate the buffers now, outside any torch.compile region.
-        self._kernel = load(s)
+        try:
+            self._kernel = load(s, self.build_options)
+        except MokgenError as err:
+            if self.tuned_entry is None or not isinstance(err, (LoadError, ToolchainError)):
+                raise
+            # a tuned variant that is neither installed, cached nor buildable here (a prebuilt
+            # wheel holds the default build): the defaults' kernel, the entry's run-time values
+            import warnings
+
+            warnings.warn(f"mokgen: the tuned build of {s.name} ({self.tuned_entry.path.name}) is not available "
+                          f"({err}); using the default build", stacklevel=2)
+            self.build_options = env.plan_options_with(None)
+            self._kernel = load(s, self.build_options)
         with torch.cuda.device(device):
             geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
             self._ep = EpBuffers(self._kernel, geometry, device, group)
@@ -485,7 +536,8 @@ class MoELayer(torch.nn.Module):
     def extra_repr(self) -> str:
         s = self.spec
         return (f"spec={s.name}, rank={self.rank}/{self.world}, local_experts={len(self.local_experts)}, "
-                f"max_tokens={self.max_tokens}, ring={self.ring_chunks}x{self.chunk_rows} rows")
+                f"max_tokens={self.max_tokens}, ring={self.ring_chunks}x{self.chunk_rows} rows"
+                + (f", tuned={self.tuned_entry.path.name}" if self.tuned_entry is not None else ""))
 
 
 class MoEExperts(MoELayer):

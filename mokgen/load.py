@@ -49,8 +49,12 @@ def _import_binding(entry: Path, key: str, name: str) -> ModuleType:
     return module
 
 
-def _find_without_toolchain(spec: MoESpec) -> tuple[Path, str]:
-    plan = make_plan(spec, **env.plan_options())
+def _options(options: dict | None) -> dict:
+    return env.plan_options() if options is None else options
+
+
+def _find_without_toolchain(spec: MoESpec, options: dict | None = None) -> tuple[Path, str]:
+    plan = make_plan(spec, **_options(options))
     root = build_mod.cache_root(plan.arch)
     digest = render.sources_digest()
     candidates = sorted(root.glob(f"{plan.name}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -72,13 +76,13 @@ def _find_without_toolchain(spec: MoESpec) -> tuple[Path, str]:
     )
 
 
-def find_prebuilt(spec: MoESpec) -> tuple[Path, str] | None:
+def find_prebuilt(spec: MoESpec, options: dict | None = None) -> tuple[Path, str] | None:
     """(artifact directory, key) of ``spec`` in an installed prebuilt package, or None when no
     package provides it (or provides a different plan). A package that is present but unusable
     (other mokgen version, no build for this GPU, modified artifacts) is an error, not a miss."""
     from mokgen import package
 
-    plan = make_plan(spec, **env.plan_options())
+    plan = make_plan(spec, **_options(options))
     for spec_name, module_name in package.installed_packages():
         if spec_name != spec.name:
             continue
@@ -107,22 +111,25 @@ def find_prebuilt(spec: MoESpec) -> tuple[Path, str] | None:
     return None
 
 
-def load(spec: MoESpec) -> ModuleType:
-    """The binding module of ``spec``'s build (building it first when needed and allowed)."""
-    spec_id = json.dumps([spec.canonical_dict(), env.plan_options()], sort_keys=True)
+def load(spec: MoESpec, options: dict | None = None) -> ModuleType:
+    """The binding module of ``spec``'s build (building it first when needed and allowed).
+    ``options``: make_plan keyword arguments (default: the environment's, env.plan_options();
+    tuned layers pass theirs, mokgen.tune)."""
+    options = _options(options)
+    spec_id = json.dumps([spec.canonical_dict(), options], sort_keys=True)
     if spec_id in _by_spec:
         return _by_spec[spec_id]
-    prebuilt = find_prebuilt(spec)
+    prebuilt = find_prebuilt(spec, options)
     if prebuilt is not None:
         entry, key = prebuilt
-        module = _import_binding(entry, key, make_plan(spec, **env.plan_options()).name)
+        module = _import_binding(entry, key, make_plan(spec, **options).name)
         _by_spec[spec_id] = module
         return module
     try:
-        plan, key, _ = build_mod.plan_and_key(spec)
+        plan, key, _ = build_mod.plan_and_key(spec, options=options)
     except ToolchainError:
-        entry, key = _find_without_toolchain(spec)
-        name = make_plan(spec, **env.plan_options()).name
+        entry, key = _find_without_toolchain(spec, options)
+        name = make_plan(spec, **options).name
     else:
         entry = build_mod.entry_dir(plan, key)
         name = plan.name
@@ -131,7 +138,7 @@ def load(spec: MoESpec) -> ModuleType:
                 raise LoadError(
                     f"{name} is not built and MOKGEN_DISABLE_JIT is set: run `mokgen build {spec.name}` first"
                 )
-            build_mod.build(spec, publish_generated=False)
+            build_mod.build(spec, publish_generated=False, options=options)
     module = _import_binding(entry, key, name)
     _by_spec[spec_id] = module
     return module

@@ -181,6 +181,23 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     return plan
 
 
+#: dynamic shared memory a megakernel CTA may use: sm_90's 227 KB less 4 KB kept for the
+#: kernel's static part (the kernel's own static_assert, ep_forward.cuh, is the authority)
+SMEM_LIMIT = 227 * 1024 - 4096
+
+
+def smem_bytes(plan: Plan) -> int:
+    """Dynamic shared memory per CTA of ``plan``'s megakernel, as EpForward::kSmemBytes computes
+    it (ep_forward.cuh, hopper_gemm.cuh, grouped_gemm.cuh): the GEMM stage ring (both tile kinds
+    step through one ring with the larger stage) or the routing prologue's histograms."""
+    if plan.gemm_core == "wgmma":
+        stride = (128 + max(256, plan.gemm_block_n_down)) * plan.gemm_block_k * 2
+        gemm, threads = plan.gemm_stages * stride + 2 * plan.gemm_stages * 8 + 1024, 384
+    else:
+        gemm, threads = plan.gemm_stages * (128 + 128) * 64 * 2, 256
+    return max(gemm, threads // 32 * plan.num_experts * 4)
+
+
 def can_fuse_shared(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1) -> bool:
     """Whether the megakernel can run ``spec``'s shared expert: one shared expert with the
     routed experts' intermediate size (its tiles reuse the routed tile types), on the Hopper

@@ -1,0 +1,634 @@
+"""Tune: build + load + time candidates -> tuned JSON (the only writer of tuned files).
+
+A candidate is one setting of the megakernel's tunable parameters: two build options (CTA pairs,
+k-block size; each a different compiled library) and three run-time ones (chunk rows = the
+overlap granularity, ring slots, dispatch CTAs of a rank). The search space comes from the plan
+(index 0 is always the plan's defaults), pruned up front by shared-memory, register and memory
+limits and by what the workload can use. Every remaining candidate is built (in parallel,
+through the build cache), loaded and timed by the bench method (CUDA events, warm-up, median of
+at least 20 runs on rotating inputs). A failure (compile error, register spills beyond the
+default build's, launch error) counts as infinite time. The winner is the fastest candidate;
+times within NOISE of the best count as a tie, which goes to the lower index, so every rank and
+every rerun on equal timings picks the same one.
+
+Results are stored as JSON per (spec, GPU name, numerics, EP degree, token bucket, workload)
+with a ``_metadata`` block: compared on lookup are its format, the mokgen version, the GPU, the
+template digest, the plan options that are not tuned (core, schedule, fused shared expert,
+dispatch unroll) and the CUDA and CUTLASS versions where both sides know them; the PyTorch
+version is recorded only. Files live under
+``$MOKGEN_TUNED_DIR`` (default <cache dir>/tuned) and, committed with the project, in the
+package's ``tuned/`` folder, looked up in that order. A file whose metadata does not match this
+installation is ignored with a warning (the plan's defaults apply). ``mokgen.MoELayer`` and
+``mokgen build --ep --tokens`` use the matching entry; ``MOKGEN_TUNED=0`` turns lookups off, and
+a set MOKGEN_CLUSTER / MOKGEN_BLOCK_K switch wins over a tuned value.
+
+Workloads: EP degree 1 times the whole layer on one GPU at T tokens; a larger EP degree on one
+GPU times one rank's local work after dispatch (bench.local_spec: the rows a rank receives
+under uniform routing) as a stand-in, stored as the "local" workload; under torchrun (a process
+group) it times the real EP layer ("layer"), every rank's median is reduced to the slowest
+rank's, and rank 0 decides and broadcasts. Lookups prefer "layer" entries to "local" ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from mokgen import env
+from mokgen._version import __version__
+from mokgen.errors import InputError
+from mokgen.plan import SMEM_LIMIT, default_cluster, ep_defaults, make_plan, smem_bytes
+from mokgen.spec import MoESpec
+
+#: relative difference below which two timings are a tie (the lower candidate index wins)
+NOISE = 0.01
+#: chunk sizes (received rows per compute batch) the search tries beside the plan's default
+CHUNKS = (1024, 2048, 4096, 8192)
+#: ring slots tried beside the default
+RINGS = (4, 8)
+#: dispatch CTAs per rank tried beside the default, under a process group only (real transfers)
+DISPATCH = (8, 24)  # the default is an eighth of the CTAs: 16 of an H200's 132
+#: the ring may take at most this share of the GPU's memory
+RING_MEMORY_SHARE = 0.25
+#: the package's own tuned files (committed with the project)
+PACKAGE_TUNED = Path(__file__).resolve().parent / "tuned"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the tunable parameters. ``dispatch_ctas`` None: the layer's default."""
+
+    cluster: int
+    block_k: int
+    chunk_rows: int
+    ring_chunks: int
+    dispatch_ctas: Optional[int] = None
+
+    def build_options(self) -> dict[str, int]:
+        """The make_plan keyword arguments this candidate sets."""
+        return {"cluster": self.cluster, "block_k": self.block_k}
+
+    def runtime(self) -> dict[str, Optional[int]]:
+        """The MoELayer keyword arguments this candidate sets."""
+        return {"chunk_rows": self.chunk_rows, "ring_chunks": self.ring_chunks, "dispatch_ctas": self.dispatch_ctas}
+
+    def label(self) -> str:
+        d = "default" if self.dispatch_ctas is None else str(self.dispatch_ctas)
+        return (f"cluster {self.cluster}, BK {self.block_k}, chunk {self.chunk_rows}, ring {self.ring_chunks}, "
+                f"dispatch {d}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Candidate":
+        if not isinstance(doc, dict) or set(doc) != {f for f in cls.__dataclass_fields__}:
+            raise ValueError(f"a candidate has the fields {sorted(cls.__dataclass_fields__)}, got {doc!r}")
+        from mokgen.plan import BLOCK_KS, CLUSTERS
+
+        allowed = {"cluster": CLUSTERS, "block_k": BLOCK_KS}
+        limits = {"chunk_rows": 1 << 20, "ring_chunks": 1024, "dispatch_ctas": 1024}
+        for name, value in doc.items():
+            if value is None and name == "dispatch_ctas":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"candidate field {name} must be an integer, got {value!r}")
+            if name in allowed and value not in allowed[name]:
+                raise ValueError(f"candidate field {name} must be one of {allowed[name]}, got {value}")
+            if name in limits and not 1 <= value <= limits[name]:
+                raise ValueError(f"candidate field {name} must be in 1..{limits[name]}, got {value}")
+        return cls(**doc)
+
+
+def token_bucket(tokens: int) -> int:
+    """Tokens per rank -> the bucket a tuned entry covers: the next power of two, at least 256."""
+    if tokens < 0:
+        raise InputError(f"tokens must be >= 0, got {tokens}")
+    return max(256, 1 << max(0, int(tokens) - 1).bit_length())
+
+
+def _slug(text: str) -> str:
+    """A GPU name as a file-name part: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+#: what a tuned entry was timed on: the layer itself (one GPU at EP 1, or every rank under
+#: torchrun), or one rank's local work on one GPU as a stand-in for EP > 1
+WORKLOADS = ("layer", "local")
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    spec: str
+    gpu: str
+    numerics: str
+    ep: int
+    bucket: int
+    workload: str = "layer"
+
+    @classmethod
+    def of(cls, spec: MoESpec, *, gpu: str, ep: int, tokens: int, workload: str = "layer") -> "TuneKey":
+        if ep < 1 or spec.num_experts % ep:
+            raise InputError(f"{spec.name}: the EP degree ({ep}) must divide num_experts ({spec.num_experts})")
+        if workload not in WORKLOADS or (workload == "local" and ep == 1):
+            raise InputError(f"workload must be 'layer', or 'local' for EP > 1, got {workload!r} at EP {ep}")
+        return cls(spec.name, gpu, spec.target.numerics, int(ep), token_bucket(tokens), workload)
+
+    def relpath(self) -> Path:
+        tail = "-local" if self.workload == "local" else ""
+        return Path(self.spec) / f"{_slug(self.gpu)}-{self.numerics}-ep{self.ep}-t{self.bucket}{tail}.json"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rows_per_rank(spec: MoESpec, ep: int, tokens: int) -> int:
+    """Rows one rank's experts receive on average (uniform routing): tokens x k; for EP 1, all."""
+    return int(tokens) * spec.top_k
+
+
+def default_candidate(spec: MoESpec) -> Candidate:
+    """The plan's defaults under the environment's switches (MOKGEN_CLUSTER, MOKGEN_BLOCK_K, the
+    core and schedule decide the build options), the ring of ``plan.ep_defaults``."""
+    plan = make_plan(spec, **env.plan_options())
+    d = ep_defaults(spec)
+    return Candidate(plan.gemm_cluster, plan.gemm_block_k, d["chunk_rows"], d["ring_chunks"], None)
+
+
+@dataclass
+class Space:
+    candidates: list[Candidate]
+    pruned: list[tuple[Candidate, str]] = field(default_factory=list)
+
+
+def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = False,
+                 gpu_memory: Optional[int] = None) -> Space:
+    """The candidates for ``spec`` at EP ``ep`` and ``tokens`` per rank, index 0 = the plan's
+    defaults, and the ones pruned up front with the reason. ``distributed``: timed with real
+    transfers (dispatch CTAs are tried); ``gpu_memory``: bytes of the GPU (ring memory limit)."""
+    base = default_candidate(spec)
+    options = env.plan_options()
+    # an axis whose switch is set stays at the switch's value (the build would override it)
+    pairs_possible = options["gemm_core"] == "wgmma" and options["schedule"] == "flow"
+    clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not env.switch_set("cluster") else [])
+    block_ks = [base.block_k] + ([b for b in (64, 32) if b != base.block_k]
+                                 if options["gemm_core"] == "wgmma" and not env.switch_set("block_k") else [])
+    chunks = [base.chunk_rows] + [c for c in CHUNKS if c != base.chunk_rows]
+    rings = [base.ring_chunks] + [r for r in RINGS if r != base.ring_chunks]
+    dispatch = [None] + (list(DISPATCH) if distributed and ep > 1 else [])
+    rows = rows_per_rank(spec, ep, tokens)
+    # the chunk that holds all rows (the default's if it does, else the smallest tried): larger
+    # ones run the same single chunk
+    holding = base.chunk_rows if base.chunk_rows >= rows else min((c for c in chunks if c >= rows), default=None)
+    H, I = spec.hidden_size, spec.moe_intermediate_size
+    space = Space([])
+    for cluster in clusters:
+        for block_k in block_ks:
+            plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k})
+            for chunk in chunks:
+                for ring in rings:
+                    for p in dispatch:
+                        c = Candidate(cluster, block_k, chunk, ring, p)
+                        why = None
+                        if smem_bytes(plan) > SMEM_LIMIT:
+                            why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
+                        elif plan.gemm_cluster == 2 and plan.gemm_block_n_down == 128:
+                            why = "registers: CTA pairs spill on down tiles of 128 columns (docs/architecture.md)"
+                        elif c != base and holding is not None and chunk >= rows and chunk != holding:
+                            why = f"chunk of {chunk} rows: a rank has {rows}, the chunk of {holding} holds them all"
+                        elif c != base and _same_ring(ring, rings, math.ceil(rows / chunk)) is not None:
+                            n = math.ceil(rows / chunk)
+                            why = f"ring of {ring} slots: the same as {_same_ring(ring, rings, n)} for {n} chunk(s)"
+                        elif gpu_memory and chunk * ring * (H + I) * 2 > RING_MEMORY_SHARE * gpu_memory:
+                            why = f"memory: the ring takes {chunk * ring * (H + I) * 2 / 2**30:.1f} GiB"
+                        if why is None:
+                            space.candidates.append(c)
+                        else:
+                            space.pruned.append((c, why))
+    if not space.candidates or space.candidates[0] != base:
+        # the defaults are always measured: they are what the tuned entry is compared against
+        space.candidates.insert(0, base)
+        space.pruned = [(c, w) for c, w in space.pruned if c != base]
+    return space
+
+
+def _same_ring(ring: int, rings: list[int], n_chunks: int) -> Optional[int]:
+    """An earlier ring size in ``rings`` that runs ``n_chunks`` chunks exactly as ``ring`` does
+    (slots beyond the chunk count stay unused), or None."""
+    eff = min(ring, max(1, n_chunks))
+    for r in rings[: rings.index(ring)]:
+        if min(r, max(1, n_chunks)) == eff:
+            return r
+    return None
+
+
+def choose(times: list[Optional[float]], noise: float = NOISE) -> int:
+    """Index of the winner: the fastest finite time; any time within ``noise`` (relative) of it
+    is a tie, won by the lowest index. None / inf / nan are failures."""
+    finite = [(i, t) for i, t in enumerate(times) if t is not None and math.isfinite(t)]
+    if not finite:
+        raise InputError("no candidate ran: every build or launch failed (see the tuned file's errors)")
+    best = min(t for _, t in finite)
+    return min(i for i, t in finite if t <= best * (1 + noise))
+
+
+# ---- storage -----------------------------------------------------------------------------------
+
+def metadata(gpu: str) -> dict[str, Any]:
+    """What a tuned entry depends on besides its key."""
+    from mokgen import render
+
+    fixed = {k: v for k, v in env.plan_options().items() if k not in ("cluster", "block_k")}
+    doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.sources_digest(), "format": FORMAT,
+                           "plan_options": fixed}
+    doc.update(_toolchain_versions())
+    try:
+        import torch
+
+        doc["torch"] = torch.__version__.split("+")[0]
+    except ImportError:  # pragma: no cover - torch is a dependency
+        doc["torch"] = None
+    return doc
+
+
+def _toolchain_versions() -> dict[str, Optional[str]]:
+    """nvcc and CUTLASS versions where this machine can tell (None where it cannot)."""
+    from mokgen import build as build_mod
+    from mokgen.errors import ToolchainError
+
+    out: dict[str, Optional[str]] = {"cuda": None, "cutlass": None}
+    try:
+        out["cutlass"] = build_mod.find_cutlass()[1]
+        out["cuda"] = build_mod.find_toolchain().nvcc_version
+    except ToolchainError:
+        pass
+    return out
+
+
+def mismatch(meta: Any, current: dict[str, Any]) -> Optional[str]:
+    """Why a tuned file's ``_metadata`` does not fit this installation (None if it does). The
+    CUDA and CUTLASS versions count only where both are known."""
+    if not isinstance(meta, dict):
+        return "it has no _metadata block"
+    for name in ("format", "mokgen", "gpu", "templates", "plan_options"):
+        if meta.get(name) != current.get(name):
+            return f"{name} {meta.get(name)!r} (here {current.get(name)!r})"
+    for name in ("cuda", "cutlass"):
+        if meta.get(name) and current.get(name) and meta[name] != current[name]:
+            return f"{name} {meta[name]!r} (here {current[name]!r})"
+    return None
+
+
+def roots() -> list[Path]:
+    """Where tuned files are looked up, in order."""
+    return [env.tuned_dir(), PACKAGE_TUNED]
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Atomic write: a temporary file in the same folder, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A tuned entry that fits this installation."""
+
+    path: Path
+    key: TuneKey
+    best: Candidate
+    doc: dict[str, Any]
+
+
+def lookup(spec: MoESpec, *, gpu: str, ep: int, tokens: int, current: Optional[dict[str, Any]] = None) -> Optional[Entry]:
+    """The tuned entry for (spec, gpu, numerics, ep, token bucket), or None: per root (user dir,
+    then the package's), an entry timed on the layer before one timed on the local stand-in. A
+    file that does not parse, holds impossible values or whose metadata does not fit is skipped
+    with a warning."""
+    if not env.tuned_enabled():
+        return None
+    keys = [TuneKey.of(spec, gpu=gpu, ep=ep, tokens=tokens)]
+    if ep > 1:
+        keys.append(TuneKey.of(spec, gpu=gpu, ep=ep, tokens=tokens, workload="local"))
+    for root in roots():
+        for key in keys:
+            path = root / key.relpath()
+            if not path.is_file():
+                continue
+            try:
+                doc = json.loads(path.read_text())
+                best = Candidate.from_json(doc["best"])
+                if doc.get("key") != key.to_json():
+                    raise ValueError(f"its key {doc.get('key')} is not {key.to_json()}")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                warnings.warn(f"mokgen: tuned file {path} is unreadable ({err}); ignored", stacklevel=2)
+                continue
+            current = metadata(gpu) if current is None else current
+            why = mismatch(doc.get("_metadata"), current)
+            if why is not None:
+                warnings.warn(f"mokgen: tuned file {path} was made for {why}; ignored, the plan's defaults apply "
+                              f"(rerun `mokgen tune {spec.name} --ep {ep} --tokens {tokens}`)", stacklevel=2)
+                continue
+            return Entry(path, key, best, doc)
+    return None
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    ms: Optional[float] = None
+    error: Optional[str] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ms": self.ms, "error": self.error}
+
+
+def _spill_bytes(entry: Path) -> int:
+    from mokgen import build as build_mod
+
+    total = 0
+    for line in build_mod.resource_report(entry):
+        m = re.search(r"(\d+) bytes spill stores", line)
+        total += int(m.group(1)) if m else 0
+    return total
+
+
+def build_candidates(spec: MoESpec, candidates: list[Candidate], *, jobs: int = 4,
+                     progress: Callable[[str], None] = lambda s: None) -> dict[tuple, Optional[str]]:
+    """Builds every distinct build-option set of ``candidates`` (in parallel, through the cache).
+    Returns build options (as a sorted tuple) -> None, or why that build cannot be used (a
+    compile error; register spills beyond the default build's, the first set)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mokgen import build as build_mod
+
+    sets: list[tuple] = []
+    for c in candidates:
+        t = tuple(sorted(c.build_options().items()))
+        if t not in sets:
+            sets.append(t)
+
+    def one(t: tuple):
+        try:
+            result = build_mod.build(spec, publish_generated=False, options=env.plan_options_with(dict(t)))
+            return _spill_bytes(result.entry), None
+        except Exception as err:  # a failed build is a failed candidate, recorded with its reason
+            return None, " ".join(str(err).splitlines())[:300]
+
+    out: dict[tuple, Optional[str]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(one, sets))
+    base_spills = results[0][0] if results and results[0][0] is not None else 0
+    for t, (spills, error) in zip(sets, results):
+        if error is None and spills is not None and spills > base_spills:
+            error = f"register spills: {spills} B of spill stores (the default build: {base_spills})"
+        out[t] = error
+        progress(f"build {dict(t)}: {'ok' if error is None else error}")
+    return out
+
+
+def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
+    """A function (candidate) -> median ms of ``spec``'s layer on ``rows`` tokens per rank,
+    uniform routing, bench's weights and inputs (shared by every candidate). Under a process
+    group the ranks first agree that the kernel loaded everywhere (the layer's constructor is
+    collective), so a failure on one rank fails the candidate on all of them in step."""
+    import torch
+
+    from mokgen import bench
+    from mokgen.ep import MoELayer
+    from mokgen.load import load
+
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
+    if group is None:
+        wg, wu, wd = bench._weights(spec)
+    else:  # this rank's experts only
+        e_loc = spec.num_experts // torch.distributed.get_world_size(group)
+        wg, wu, wd = bench.expert_weights(spec, range(rank * e_loc, (rank + 1) * e_loc))
+    inputs = []
+    for _ in range(3):
+        x = torch.randn(rows, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        inputs.append((x, *bench._routing(spec, rows, gen)))
+
+    def time_one(c: Candidate) -> float:
+        options = env.plan_options_with(c.build_options())
+        error = None
+        try:
+            load(spec, options)
+        except Exception as err:  # recorded as the candidate's failure below, on every rank
+            error = err
+        if group is not None:
+            ok = torch.tensor([0 if error is not None else 1], device="cuda")
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
+            if error is None and ok.item() == 0:
+                raise RuntimeError("the kernel did not load on another rank")
+        if error is not None:
+            raise error
+        layer = MoELayer(spec, group, max_tokens=rows, tuned=False, build_options=options, **c.runtime())
+        with torch.no_grad():
+            layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+        layer.check_ids = False
+        with torch.no_grad():
+            times = bench.time_cuda(lambda i: layer(*inputs[i]), n_inputs=len(inputs), iters=iters)
+        layer.check_errors()  # a launch that timed out fails the candidate
+        del layer
+        return statistics.median(times)
+
+    return time_one
+
+
+@dataclass
+class Result:
+    key: TuneKey
+    path: Path
+    space: Space
+    outcomes: list[Outcome]
+    best_index: int
+    workload: str
+
+    @property
+    def default_ms(self) -> Optional[float]:
+        return self.outcomes[0].ms
+
+    @property
+    def best_ms(self) -> Optional[float]:
+        return self.outcomes[self.best_index].ms
+
+
+def _read_partial(partial: Path, meta: dict[str, Any], cands: list[Candidate]) -> list[Optional[Outcome]]:
+    """The successful outcomes of an interrupted run with the same metadata and candidates
+    (failures are timed again: their cause may be gone); anything unusable counts as nothing."""
+    none: list[Optional[Outcome]] = [None] * len(cands)
+    try:
+        old = json.loads(partial.read_text())
+        if not isinstance(old, dict) or old.get("_metadata") != meta:
+            return none
+        if [Candidate.from_json(c) for c in old["candidates"]] != cands or len(old["outcomes"]) != len(cands):
+            return none
+        out: list[Optional[Outcome]] = []
+        for o in old["outcomes"]:
+            ms = o.get("ms") if isinstance(o, dict) else None
+            ok = isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0
+            out.append(Outcome(float(ms), None) if ok else None)
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return none
+
+
+def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bool = True, group=None,
+         root: Optional[Path] = None, jobs: int = 4, log: Callable[[str], None] = lambda s: None,
+         step: Callable[[int, int, Candidate, Outcome], None] = lambda i, n, c, o: None) -> Result:
+    """Measure every candidate of ``spec`` at EP ``ep`` and ``tokens`` per rank on this GPU, write
+    the tuned file (under ``root``, default $MOKGEN_TUNED_DIR) and return the result. Resumable:
+    the timings so far are kept in ``<file>.partial`` after every candidate and reused by a rerun
+    with the same metadata and candidates. Under a process group (``group``), the ranks time
+    together, every rank making the same collective calls: rank 0 reads the partial file and
+    broadcasts it, a candidate's time is the slowest rank's (a failure on any rank fails it),
+    rank 0 writes the file and decides the winner."""
+    import torch
+
+    from mokgen import bench
+
+    if not torch.cuda.is_available():
+        raise InputError("mokgen tune times candidates on a CUDA GPU; none is visible")
+    distributed = group is not None
+    dist = torch.distributed
+    if distributed and dist.get_world_size(group) != ep:
+        raise InputError(f"--ep {ep} under a process group of {dist.get_world_size(group)} ranks: they must be equal")
+    local = ep > 1 and not distributed
+    if not local and not 1 <= tokens <= spec.target.max_tokens_per_rank:
+        raise InputError(f"{spec.name}: tokens per rank must be in 1..{spec.target.max_tokens_per_rank}, got {tokens}")
+    rank0 = not distributed or dist.get_rank(group) == 0
+    src0 = dist.get_global_rank(group, 0) if distributed else 0
+    gpu = torch.cuda.get_device_name()
+    key = TuneKey.of(spec, gpu=gpu, ep=ep, tokens=tokens, workload="local" if local else "layer")
+    path = (env.tuned_dir() if root is None else Path(root)) / key.relpath()
+    partial = path.with_name(path.name + ".partial")
+    meta = metadata(gpu)
+    if local:
+        work, rows = bench.local_spec(spec, ep, tokens)
+        workload = f"local work of one rank at EP{ep} ({rows} rows, uniform routing), one GPU"
+        space = search_space(work, ep=1, tokens=rows,
+                             gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    else:
+        work, rows = spec, int(tokens)
+        workload = f"EP{ep} layer, {tokens} tokens per rank, uniform routing" + (" (torchrun)" if distributed else "")
+        space = search_space(spec, ep=ep, tokens=tokens, distributed=distributed,
+                             gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    cands = space.candidates
+    outcomes: list[Optional[Outcome]] = [None] * len(cands)
+    if resume and rank0 and partial.is_file():
+        outcomes = _read_partial(partial, meta, cands)
+    if distributed:  # every rank resumes exactly what rank 0 resumed
+        box = [[None if o is None else o.ms for o in outcomes]]
+        dist.broadcast_object_list(box, src=src0, group=group)
+        outcomes = [None if ms is None else Outcome(ms, None) for ms in box[0]]
+    if any(o is not None for o in outcomes):
+        log(f"resuming: {sum(o is not None for o in outcomes)} of {len(cands)} candidates already timed ({partial})")
+    # the defaults' build first: spills are judged against it
+    builds = build_candidates(work, cands[:1] + [c for c, o in zip(cands, outcomes) if o is None], jobs=jobs,
+                              progress=log)
+    timer = _layer_timer(work, rows, iters, group)
+    for i, c in enumerate(cands):
+        if outcomes[i] is None:
+            error = builds.get(tuple(sorted(c.build_options().items())))
+            if distributed:  # a build that failed on any rank fails the candidate on every rank
+                flag = torch.tensor([0 if error is not None else 1], device="cuda")
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+                if error is None and flag.item() == 0:
+                    error = "the build failed on another rank"
+            if error is not None:
+                outcome = Outcome(None, error)
+            else:
+                try:
+                    outcome = Outcome(timer(c), None)
+                except Exception as err:  # a candidate that cannot run is a failed candidate
+                    outcome = Outcome(None, " ".join(str(err).splitlines())[:300] or type(err).__name__)
+                if distributed:  # the slowest rank's time; a failure anywhere fails the candidate
+                    t = torch.tensor([math.inf if outcome.ms is None else outcome.ms], device="cuda")
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                    if math.isinf(t.item()):
+                        outcome = Outcome(None, outcome.error or "failed on another rank")
+                    else:
+                        outcome = Outcome(t.item(), None)
+            outcomes[i] = outcome
+            if rank0:
+                write_json(partial, {"_metadata": meta, "candidates": [x.to_json() for x in cands],
+                                     "outcomes": [None if o is None else o.to_json() for o in outcomes]})
+        step(i, len(cands), c, outcomes[i])
+    done = [o for o in outcomes if o is not None]
+    best: Any = None
+    if rank0:
+        try:
+            best = choose([o.ms for o in done])
+        except InputError:
+            first = next((o.error for o in done if o.error), "no error recorded")
+            best = f"every candidate failed (the first: {first}); the outcomes are in {partial}"
+    if distributed:
+        box = [best]
+        dist.broadcast_object_list(box, src=src0, group=group)
+        best = box[0]
+    if isinstance(best, str):
+        raise InputError(f"{spec.name}: {best}")
+    result = Result(key, path, space, done, best, workload)
+    if rank0:
+        write_json(path, to_doc(result, meta))
+        if partial.exists():
+            partial.unlink()
+    return result
+
+
+def to_doc(result: Result, meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "_metadata": meta,
+        "key": result.key.to_json(),
+        "workload": result.workload,
+        "noise": NOISE,
+        "best": result.space.candidates[result.best_index].to_json(),
+        "best_index": result.best_index,
+        "default_ms": result.default_ms,
+        "best_ms": result.best_ms,
+        "candidates": [{"index": i, **c.to_json(), **o.to_json()}
+                       for i, (c, o) in enumerate(zip(result.space.candidates, result.outcomes))],
+        "pruned": [{**c.to_json(), "reason": why} for c, why in result.space.pruned],
+    }
+
+
+def chunk_sweep(spec: MoESpec, *, ep: int, tokens: int, chunks: list[int], iters: int = 20,
+                step: Callable[[int, int, int, Outcome], None] = lambda i, n, c, o: None) -> list[tuple[int, Outcome]]:
+    """The layer time against chunk rows (the overlap granularity), the rest at the defaults, on
+    this GPU (EP > 1: one rank's local work, as tune)."""
+    from mokgen import bench
+
+    if ep > 1:
+        work, rows = bench.local_spec(spec, ep, tokens)
+    else:
+        work, rows = spec, int(tokens)
+    base = default_candidate(work)
+    build_candidates(work, [base])
+    timer = _layer_timer(work, rows, iters)
+    out = []
+    for i, chunk in enumerate(chunks):
+        c = Candidate(base.cluster, base.block_k, chunk, base.ring_chunks, None)
+        try:
+            o = Outcome(timer(c), None)
+        except Exception as err:
+            o = Outcome(None, " ".join(str(err).splitlines())[:300])
+        out.append((chunk, o))
+        step(i, len(chunks), chunk, o)
+    return out

@@ -1,0 +1,387 @@
+"""mokgen.tune: the search space and its pruning, token buckets, tie-breaking, tuned-file storage,
+metadata checks and lookup order, the build options a tuned entry gives, and `mokgen tune` on
+the command line. CPU only, except the last tests (marked gpu): a real tune on the H200."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+
+from mokgen import env
+from mokgen import tune as tune_mod
+from mokgen.errors import InputError
+from mokgen.plan import ep_defaults, make_plan
+from mokgen.spec import bundled_specs, load_spec, spec_from_dict
+from mokgen.tune import Candidate, TuneKey, choose, search_space, token_bucket
+
+ALL_SPECS = sorted(bundled_specs())
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"
+GPU = "NVIDIA H200"
+
+
+@pytest.fixture
+def tuned_dirs(tmp_path, monkeypatch):
+    """A private user tuned dir and package tuned dir; returns (user, package)."""
+    user, package = tmp_path / "user", tmp_path / "package"
+    monkeypatch.setenv("MOKGEN_TUNED_DIR", str(user))
+    monkeypatch.setattr(tune_mod, "PACKAGE_TUNED", package)
+    monkeypatch.delenv("MOKGEN_TUNED", raising=False)
+    return user, package
+
+
+# ---- buckets, candidates, keys -------------------------------------------------------------------
+
+
+def test_token_bucket():
+    assert [token_bucket(t) for t in (0, 1, 255, 256, 257, 2048, 2049, 16384)] == [256, 256, 256, 256, 512, 2048,
+                                                                                    4096, 16384]
+    with pytest.raises(InputError, match="tokens must be >= 0"):
+        token_bucket(-1)
+
+
+def test_candidate_json_round_trip_and_validation():
+    c = Candidate(2, 32, 4096, 8, 16)
+    assert Candidate.from_json(json.loads(json.dumps(c.to_json()))) == c
+    assert c.build_options() == {"cluster": 2, "block_k": 32}
+    assert c.runtime() == {"chunk_rows": 4096, "ring_chunks": 8, "dispatch_ctas": 16}
+    for bad in ({**c.to_json(), "extra": 1}, {k: v for k, v in c.to_json().items() if k != "ring_chunks"},
+                {**c.to_json(), "chunk_rows": 0}, {**c.to_json(), "block_k": "64"}, {**c.to_json(), "cluster": True},
+                {**c.to_json(), "dispatch_ctas": -2}, [1, 2], {**c.to_json(), "cluster": 3},
+                {**c.to_json(), "block_k": 48}, {**c.to_json(), "chunk_rows": (1 << 20) + 1},
+                {**c.to_json(), "ring_chunks": 1025}):
+        with pytest.raises(ValueError):
+            Candidate.from_json(bad)
+
+
+def test_key_path_names_spec_gpu_numerics_ep_and_bucket():
+    spec = load_spec("kimi-k2.5")
+    key = TuneKey.of(spec, gpu="NVIDIA H200", ep=8, tokens=2000)
+    assert key.relpath() == Path("kimi-k2.5") / "nvidia-h200-bf16-ep8-t2048.json"
+    local = TuneKey.of(spec, gpu="NVIDIA H200", ep=8, tokens=2048, workload="local")
+    assert local.relpath() == Path("kimi-k2.5") / "nvidia-h200-bf16-ep8-t2048-local.json"
+    with pytest.raises(InputError, match="must divide num_experts"):
+        TuneKey.of(spec, gpu=GPU, ep=5, tokens=2048)
+    with pytest.raises(InputError, match="'local' for EP > 1"):
+        TuneKey.of(spec, gpu=GPU, ep=1, tokens=2048, workload="local")
+
+
+# ---- search space --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_space_starts_at_the_defaults_and_has_no_duplicates(name):
+    spec = load_spec(name)
+    for ep, tokens in ((1, 16384), (8, 2048)):
+        space = search_space(spec, ep=ep, tokens=tokens)
+        d = ep_defaults(spec)
+        assert space.candidates[0] == Candidate(make_plan(spec).gemm_cluster, 64, d["chunk_rows"], d["ring_chunks"], None)
+        assert len(set(space.candidates)) == len(space.candidates)
+        assert not set(space.candidates) & {c for c, _ in space.pruned}
+        rows = tokens * spec.top_k
+        holding = min((x for x in (d["chunk_rows"], *tune_mod.CHUNKS) if x >= rows), default=None)
+        ring0 = space.candidates[0].ring_chunks
+        for c in space.candidates[1:]:  # nothing that runs the same as an earlier candidate
+            assert holding is None or c.chunk_rows <= holding
+            n = math.ceil(rows / c.chunk_rows)
+            assert c.ring_chunks == ring0 or min(c.ring_chunks, n) != min(ring0, n)
+        assert all(c.dispatch_ctas is None for c in space.candidates)  # one GPU: no transfers to tune
+        base = space.candidates[0]
+        same_as_defaults = [c for c in space.candidates[1:]  # one chunk either way: the same run
+                            if c.build_options() == base.build_options() and c.dispatch_ctas == base.dispatch_ctas
+                            and c.chunk_rows >= rows and base.chunk_rows >= rows]
+        assert same_as_defaults == []
+        dist = search_space(spec, ep=ep, tokens=tokens, distributed=True)
+        assert {c.dispatch_ctas for c in dist.candidates} == ({None} if ep == 1 else {None, *tune_mod.DISPATCH})
+
+
+def test_space_prunes_with_reasons(monkeypatch):
+    spec = load_spec("qwen3-30b-a3b")
+    space = search_space(spec, ep=8, tokens=2048)  # 16384 rows per rank
+    reasons = dict(((c.cluster, c.block_k, c.chunk_rows, c.ring_chunks), why) for c, why in space.pruned)
+    # 8192-row chunks: 2 chunks, so a ring of 8 runs as the default ring of 4
+    assert reasons[(1, 64, 8192, 8)] == "ring of 8 slots: the same as 4 for 2 chunk(s)"
+    assert (1, 64, 8192, 4) not in reasons
+    # a rank of 4096 rows: the default chunk (5504) holds them all, so 4096 and 8192 run the same
+    small = search_space(spec, ep=8, tokens=512)
+    assert ep_defaults(spec)["chunk_rows"] == 5504
+    assert {c.chunk_rows for c in small.candidates} == {1024, 2048, 5504}
+    assert any("chunk of 4096 rows: a rank has 4096, the chunk of 5504 holds them all" == why for _, why in small.pruned)
+    # ... and when the default does not hold them, the smallest tried chunk that does is kept
+    big = search_space(spec, ep=8, tokens=1024)  # 8192 rows
+    assert {c.chunk_rows for c in big.candidates} == {1024, 2048, 4096, 5504, 8192}
+    # shared memory: a limit below BK = 32's 9 stages prunes them (the kernel's static_assert)
+    monkeypatch.setattr(tune_mod, "SMEM_LIMIT", 200 * 1024)
+    tight = search_space(spec, ep=8, tokens=2048)
+    assert all(c.block_k == 64 for c in tight.candidates)
+    assert any(why.startswith("shared memory: 222352 B per CTA") for _, why in tight.pruned)
+    # memory: a tiny GPU prunes big rings
+    mem = search_space(spec, ep=1, tokens=16384, gpu_memory=1 << 30)
+    assert any(why.startswith("memory: the ring takes") for _, why in mem.pruned)
+    assert all(c.chunk_rows * c.ring_chunks * (2048 + 768) * 2 <= (1 << 30) / 4 for c in mem.candidates[1:])
+
+
+def test_space_prunes_pairs_on_128_column_down_tiles():
+    d = load_spec("deepseek-v3").canonical_dict()
+    d.update(name="h1152-test", aliases=[], hidden_size=1152, num_experts=16, target={**d["target"], "max_ep_ranks": 1})
+    spec = spec_from_dict(d)
+    space = search_space(spec, ep=1, tokens=1024)
+    assert all(c.cluster == 1 for c in space.candidates)
+    assert any(why.startswith("registers: CTA pairs spill") for c, why in space.pruned if c.cluster == 2)
+
+
+def test_space_follows_the_switches(monkeypatch):
+    kimi = load_spec("kimi-k2.5")
+    monkeypatch.setenv("MOKGEN_GEMM_CORE", "mma_sync")  # no pairs, no BK 32: the plan's cluster 1
+    assert {(c.cluster, c.block_k) for c in search_space(kimi, ep=8, tokens=2048).candidates} == {(1, 64)}
+    monkeypatch.delenv("MOKGEN_GEMM_CORE")
+    monkeypatch.setenv("MOKGEN_CLUSTER", "1")  # a set switch fixes its axis (the build would override it)
+    space = search_space(kimi, ep=8, tokens=2048)
+    assert space.candidates[0].cluster == 1 and {c.cluster for c in space.candidates} == {1}
+    assert {c.block_k for c in space.candidates} == {64, 32}
+    monkeypatch.setenv("MOKGEN_BLOCK_K", "32")
+    space = search_space(kimi, ep=8, tokens=2048)
+    assert {(c.cluster, c.block_k) for c in space.candidates} == {(1, 32)}
+
+
+# ---- choosing ------------------------------------------------------------------------------------
+
+
+def test_choose_breaks_ties_by_index():
+    assert choose([1.0, 0.995, 0.996]) == 0  # within 1% of the best: the lowest index wins
+    assert choose([1.0, 0.98]) == 1
+    assert choose([None, math.inf, float("nan"), 2.0, 1.9999]) == 3
+    assert choose([3.0, 1.0, 1.005, 0.999]) == 1
+    assert choose([1.0, 0.98], noise=0.05) == 0
+    with pytest.raises(InputError, match="no candidate ran"):
+        choose([None, math.inf])
+
+
+# ---- storage and lookup --------------------------------------------------------------------------
+
+
+def _doc(spec, key: TuneKey, best: Candidate, meta: dict) -> dict:
+    return {"_metadata": meta, "key": key.to_json(), "best": best.to_json(), "best_index": 1}
+
+
+def _meta(**changes):
+    meta = tune_mod.metadata(GPU)
+    meta.update(changes)
+    return meta
+
+
+def test_lookup_finds_a_fitting_entry_user_dir_first(tuned_dirs):
+    user, package = tuned_dirs
+    spec = load_spec("qwen3-30b-a3b")
+    key = TuneKey.of(spec, gpu=GPU, ep=8, tokens=2048)
+    a, b = Candidate(2, 32, 4096, 8, None), Candidate(1, 64, 1024, 4, None)
+    assert tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=2048) is None
+    tune_mod.write_json(package / key.relpath(), _doc(spec, key, b, _meta()))
+    got = tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=1500)  # same bucket
+    assert got is not None and got.best == b and got.path == package / key.relpath()
+    tune_mod.write_json(user / key.relpath(), _doc(spec, key, a, _meta()))
+    assert tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=2048).best == a
+    assert tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=4096) is None  # another bucket
+    assert tune_mod.lookup(spec, gpu="NVIDIA H100 80GB HBM3", ep=8, tokens=2048) is None
+    assert [p.name for p in user.rglob("*")] == ["qwen3-30b-a3b", key.relpath().name]  # no temporaries
+
+
+@pytest.mark.parametrize("field,value", [("mokgen", "0.0.1"), ("templates", "0" * 64), ("gpu", "NVIDIA H100"),
+                                         ("format", 0), ("cutlass", "3.0.0"), ("cuda", "release 11.0")])
+def test_lookup_ignores_a_mismatched_file_with_a_warning(tuned_dirs, field, value):
+    user, _ = tuned_dirs
+    spec = load_spec("qwen3-30b-a3b")
+    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=16384)
+    meta = _meta(**{field: value})
+    if field in ("cuda", "cutlass") and tune_mod.metadata(GPU)[field] is None:
+        pytest.skip(f"this machine cannot tell its {field} version")
+    tune_mod.write_json(user / key.relpath(), _doc(spec, key, Candidate(1, 32, 1024, 4), meta))
+    with pytest.warns(UserWarning, match=rf"was made for {field} .*ignored, the plan's defaults apply"):
+        assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384) is None
+
+
+def test_mismatch_skips_versions_this_machine_cannot_tell():
+    current = {"format": 1, "mokgen": "x", "gpu": "g", "templates": "t", "cuda": None, "cutlass": "4.2"}
+    assert tune_mod.mismatch({**current, "cuda": "12.8"}, current) is None
+    assert tune_mod.mismatch({**current, "cutlass": None}, current) is None
+    assert "cutlass" in tune_mod.mismatch({**current, "cutlass": "4.1"}, current)
+    assert tune_mod.mismatch(None, current) == "it has no _metadata block"
+
+
+def test_lookup_skips_unreadable_files_and_can_be_switched_off(tuned_dirs, monkeypatch):
+    user, package = tuned_dirs
+    spec = load_spec("qwen3-30b-a3b")
+    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=16384)
+    (user / key.relpath()).parent.mkdir(parents=True)
+    (user / key.relpath()).write_text("{not json")
+    good = Candidate(1, 64, 2048, 4)
+    tune_mod.write_json(package / key.relpath(), _doc(spec, key, good, _meta()))
+    with pytest.warns(UserWarning, match="is unreadable"):
+        assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384).best == good  # the next root
+    other = TuneKey.of(spec, gpu=GPU, ep=2, tokens=16384)
+    tune_mod.write_json(user / key.relpath(), _doc(spec, other, good, _meta()))  # a file under the wrong name
+    with pytest.warns(UserWarning, match="its key"):
+        tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384)
+    monkeypatch.setenv("MOKGEN_TUNED", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384) is None
+
+
+def test_lookup_prefers_the_layer_over_the_local_stand_in(tuned_dirs, monkeypatch):
+    user, _ = tuned_dirs
+    spec = load_spec("kimi-k2.5")
+    layer_key = TuneKey.of(spec, gpu=GPU, ep=8, tokens=2048)
+    local_key = TuneKey.of(spec, gpu=GPU, ep=8, tokens=2048, workload="local")
+    a, b = Candidate(2, 64, 4096, 4), Candidate(1, 64, 1024, 8)
+    tune_mod.write_json(user / local_key.relpath(), _doc(spec, local_key, b, _meta()))
+    got = tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=2048)
+    assert got.best == b and got.key.workload == "local"
+    tune_mod.write_json(user / layer_key.relpath(), _doc(spec, layer_key, a, _meta()))
+    assert tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=2048).best == a
+    # an entry made under other fixed plan options (here the shared expert outside) does not fit
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "0")
+    with pytest.warns(UserWarning, match="was made for plan_options"):
+        tune_mod.lookup(spec, gpu=GPU, ep=8, tokens=2048)
+
+
+def test_impossible_values_in_a_file_are_skipped(tuned_dirs):
+    user, _ = tuned_dirs
+    spec = load_spec("qwen3-30b-a3b")
+    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=16384)
+    doc = _doc(spec, key, Candidate(1, 64, 1024, 4), _meta())
+    doc["best"]["block_k"] = 48
+    tune_mod.write_json(user / key.relpath(), doc)
+    with pytest.warns(UserWarning, match="block_k must be one of"):
+        assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384) is None
+
+
+def test_partial_file_resume_is_strict(tmp_path):
+    cands = [Candidate(1, 64, 1024, 4), Candidate(1, 32, 1024, 4), Candidate(2, 64, 1024, 4)]
+    meta = {"format": 1, "mokgen": "x"}
+    partial = tmp_path / "f.json.partial"
+
+    def write(doc):
+        partial.write_text(json.dumps(doc))
+        return tune_mod._read_partial(partial, meta, cands)
+
+    good = {"_metadata": meta, "candidates": [c.to_json() for c in cands],
+            "outcomes": [{"ms": 1.5, "error": None}, {"ms": None, "error": "spills"}, None]}
+    got = write(good)
+    assert got[0].ms == 1.5 and got[1] is None and got[2] is None  # failures are timed again
+    none = [None] * 3
+    assert write({**good, "_metadata": {"format": 1, "mokgen": "y"}}) == none
+    assert write({**good, "candidates": good["candidates"][:2]}) == none
+    assert write({**good, "outcomes": good["outcomes"] + [None]}) == none
+    assert write({**good, "outcomes": [{"ms": "1.0"}, {"ms": float("inf")}, {"ms": True}]}) == none
+    assert write([1, 2]) == none
+    partial.write_text("{broken")
+    assert tune_mod._read_partial(partial, meta, cands) == none
+
+
+def test_tuned_build_options_yield_to_set_switches(monkeypatch):
+    for var in ("MOKGEN_CLUSTER", "MOKGEN_BLOCK_K"):
+        monkeypatch.delenv(var, raising=False)
+    opts = env.plan_options_with({"cluster": 2, "block_k": 32})
+    assert (opts["cluster"], opts["block_k"]) == (2, 32)
+    assert env.plan_options_with(None) == env.plan_options()
+    monkeypatch.setenv("MOKGEN_BLOCK_K", "64")
+    opts = env.plan_options_with({"cluster": 2, "block_k": 32})
+    assert (opts["cluster"], opts["block_k"]) == (2, 64)
+    plan = make_plan(load_spec("qwen3-30b-a3b"), **opts)
+    assert (plan.gemm_cluster, plan.gemm_block_k) == (2, 64)
+
+
+def test_tuned_dir_default_and_switch(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOKGEN_TUNED_DIR", raising=False)
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "c"))
+    assert env.tuned_dir() == tmp_path / "c" / "tuned"
+    assert tune_mod.roots() == [tmp_path / "c" / "tuned", tune_mod.PACKAGE_TUNED]
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def test_cli_dry_run_lists_candidates_and_pruned(tuned_dirs):
+    from test_cli import invoke
+
+    code, out, err = invoke("tune", "qwen3-30b-a3b", "--ep", "8", "--tokens", "2048", "--dry-run")
+    assert code == 0, err
+    assert "(plan defaults)" in out and "the same as 4" in out
+    n = len(search_space(load_spec("qwen3-30b-a3b"), ep=8, tokens=2048).candidates)
+    assert f"{n} candidates" in out
+    assert "pruned  cluster 1, BK 64, chunk 8192, ring 8, dispatch default: ring of 8 slots: the same as 4" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "name at least one SPEC"),
+    (("qwen3-30b-a3b", "--ep", "3"), "--ep 3 must divide num_experts (128)"),
+    (("qwen3-30b-a3b", "--chunks", "1,x"), "--chunks must be comma-separated integers"),
+    (("qwen3-30b-a3b", "--chunks", "0"), "--chunks must be positive integers"),
+])
+def test_cli_bad_input_is_one_line(tuned_dirs, args, message):
+    from test_cli import _one_error_line, invoke
+
+    line = _one_error_line(*invoke("tune", *args))
+    assert message in line
+
+
+def test_cli_without_a_gpu_says_so(tuned_dirs):
+    import torch
+
+    from test_cli import _one_error_line, invoke
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    line = _one_error_line(*invoke("tune", "qwen3-30b-a3b"))
+    assert "needs a CUDA GPU" in line or "on a CUDA GPU" in line
+    line = _one_error_line(*invoke("build", "qwen3-30b-a3b", "--ep", "1"))
+    assert "needs both --ep and --tokens" in line
+    line = _one_error_line(*invoke("build", "qwen3-30b-a3b", "--ep", "1", "--tokens", "4096"))
+    assert "pass --gpu NAME" in line
+    assert not tuned_dirs[0].exists()
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_tune_writes_an_entry_the_layer_uses_with_the_same_bits(tuned_dirs):
+    """A real tune of the tiny spec: the file is written with every candidate's outcome, the
+    winner is chosen from them, a resumed rerun times nothing again, and MoELayer picks the entry
+    up; chunk size and pairs do not change the bits (DESIGN.md), so the tuned layer's output
+    equals the untuned one's."""
+    import torch
+
+    from mokgen.ep import MoELayer
+    from mokgen.spec import load_spec as load
+
+    spec = load(str(TINY))
+    result = tune_mod.tune(spec, ep=1, tokens=256, iters=20)
+    doc = json.loads(result.path.read_text())
+    assert result.path.is_relative_to(tuned_dirs[0])
+    assert len(doc["candidates"]) == len(result.space.candidates) and doc["default_ms"] is not None
+    times = [c["ms"] for c in doc["candidates"]]
+    assert doc["best_index"] == choose(times)
+    assert not list(tuned_dirs[0].rglob("*.partial"))
+    # resume: a partial file with every outcome makes the rerun time nothing
+    partial = result.path.with_name(result.path.name + ".partial")
+    tune_mod.write_json(partial, {"_metadata": doc["_metadata"], "candidates": [c.to_json() for c in result.space.candidates],
+                                  "outcomes": [{"ms": 1.0 + i, "error": None} for i in range(len(times))]})
+    logs = []
+    again = tune_mod.tune(spec, ep=1, tokens=256, iters=20, log=logs.append)
+    assert any(line.startswith("resuming:") for line in logs)
+    assert again.best_index == 0 and again.outcomes[0].ms == 1.0
+    tune_mod.write_json(result.path, doc)  # back to the measured entry
+    layer = MoELayer(spec, max_tokens=256)
+    assert layer.tuned_entry is not None and layer.tuned_entry.best == result.space.candidates[doc["best_index"]]
+    plain = MoELayer(spec, max_tokens=256, tuned=False)
+    assert plain.tuned_entry is None
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(256, spec.hidden_size, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(spec.num_experts, device="cuda")[: spec.top_k] for _ in range(256)]).int()
+    w = torch.rand(256, spec.top_k, device="cuda").softmax(-1)
+    assert torch.equal(layer(x, ids, w), plain(x, ids, w))
