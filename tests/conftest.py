@@ -79,11 +79,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_dirs(tmp_path_factory):
     """Builds of the test run go to a session cache (shared by all tests, so each spec compiles
-    once) unless MOKGEN_CACHE_DIR is set; generated/ output goes to a temporary folder."""
-    saved = {k: os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "MOKGEN_GENERATED_DIR")}
+    once) unless MOKGEN_CACHE_DIR is set; generated/ output goes to a temporary folder. Tuned
+    files are off (MOKGEN_TUNED=0): a test runs the configuration it names, whatever this machine
+    or the package has tuned (tests/test_tune.py turns them back on where it tests them)."""
+    saved = {k: os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "MOKGEN_GENERATED_DIR", "MOKGEN_TUNED")}
     if not saved["MOKGEN_CACHE_DIR"]:
         os.environ["MOKGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["MOKGEN_GENERATED_DIR"] = str(tmp_path_factory.mktemp("generated"))
+    os.environ["MOKGEN_TUNED"] = "0"
     yield
     for k, v in saved.items():
         if v is None:
