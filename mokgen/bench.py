@@ -224,15 +224,24 @@ def local_spec(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> tuple[MoES
 def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2048, iters: int = 20,
                 loop: bool = False) -> list[Row]:
     """Workload (a): one rank's expert work after dispatch (ep from LOCAL_EP, default 8)."""
+    from mokgen import env, tune
+
     ep = LOCAL_EP.get(spec.name, 8) if ep is None else ep
     local, rows = local_spec(spec, ep, tokens_per_gpu)
-    out = bench_layer(local, rows, iters=iters, loop=loop)
+    # the layer of a stand-in spec: the real spec's tuned entry at this EP degree, if any
+    entry = tune.lookup(spec, gpu=torch.cuda.get_device_name(), ep=ep, tokens=tokens_per_gpu)
+    kwargs = None if entry is None else {"build_options": env.plan_options_with(entry.best.build_options()),
+                                         **entry.best.runtime()}
+    out = bench_layer(local, rows, iters=iters, loop=loop, layer_kwargs=kwargs)
     for r in out:
         r.workload = f"local EP{ep}"
     return out
 
 
-def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True) -> list[Row]:
+def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True,
+                layer_kwargs: dict | None = None) -> list[Row]:
+    """mokgen against its peers on ``spec``'s layer at ``tokens`` tokens on one GPU.
+    ``layer_kwargs``: MoELayer arguments of a tuned entry found for another spec (bench_local)."""
     from mokgen.ep import MoELayer
 
     wg, wu, wd = _weights(spec)
@@ -241,13 +250,14 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     for _ in range(n_inputs):
         x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         inputs.append((x, *_routing(spec, tokens, gen)))
-    layer = MoELayer(spec, max_tokens=tokens, device="cuda")
+    layer = MoELayer(spec, max_tokens=tokens, device="cuda", **(layer_kwargs or {}))
     with torch.no_grad():
         layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
     layer.check_ids = False
     clamp = spec.activation.clamp_limit
     # a tuned entry (mokgen tune) in use is named in the row
-    ours = "mokgen megakernel (W=1" + (", tuned)" if layer.tuned_entry is not None else ")")
+    tuned = layer.tuned_entry is not None or layer_kwargs is not None
+    ours = "mokgen megakernel (W=1" + (", tuned)" if tuned else ")")
     impls = {
         ours: lambda i: layer(*inputs[i]),
         "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mokgen import abi, env
-from mokgen.errors import InputError, KernelError, LoadError, MokgenError, ToolchainError
+from mokgen.errors import InputError, KernelError, LoadError, ToolchainError
 from mokgen.load import load
 from mokgen.ops import _can_sync, _check, _check_device
 from mokgen.plan import ep_defaults
@@ -343,6 +343,74 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
     return out
 
 
+def _tuned_choice(spec: MoESpec, group, world: int, max_tokens: int, device, tuned: bool, build_options,
+                  explicit: tuple):
+    """(tuned entry or None, build options, (chunk_rows, ring_chunks, dispatch_ctas)) of a new
+    MoELayer: ``build_options`` as given; else the tuned entry of (spec, GPU, world, max_tokens'
+    bucket) where one fits and, under a group, every rank found the same one; else the plan's
+    defaults. The caller's explicit run-time values (``explicit``, None = unset) always win."""
+    import warnings
+
+    if build_options is not None:
+        return None, build_options, explicit
+    entry = None
+    if tuned:
+        from mokgen import tune
+
+        try:
+            entry = tune.lookup(spec, gpu=torch.cuda.get_device_name(device), ep=world, tokens=max_tokens)
+        except Exception as err:  # a lookup never breaks a layer, nor leaves one rank behind the others
+            warnings.warn(f"mokgen: looking up tuned parameters failed ({err}); the plan's defaults apply", stacklevel=3)
+        if group is not None:
+            import torch.distributed as dist
+
+            mine = None if entry is None else entry.best.to_json()
+            theirs: list = [None] * world
+            dist.all_gather_object(theirs, mine, group=group)
+            if any(t != mine for t in theirs):
+                warnings.warn("mokgen: the ranks of this MoELayer found different tuned entries; all use the plan's "
+                              "defaults", stacklevel=3)
+                entry = None
+    if entry is None:
+        return None, env.plan_options_with(None), explicit
+    best, (c, r, d) = entry.best, explicit
+    return entry, env.plan_options_with(best.build_options()), (best.chunk_rows if c is None else c,
+                                                                 best.ring_chunks if r is None else r,
+                                                                 best.dispatch_ctas if d is None else d)
+
+
+def _load_agreed(spec: MoESpec, options: dict, group, entry):
+    """(kernel module, build options) of a new MoELayer. A tuned variant (``entry`` set) that is
+    neither installed, cached nor buildable here (a prebuilt wheel holds the default build)
+    gives way to the default build, with the entry's run-time values. Under a group the ranks
+    agree first: if any rank falls back, all do; if any fails otherwise, all raise."""
+    status, error, kernel = 0, None, None
+    try:
+        kernel = load(spec, options)
+    except (LoadError, ToolchainError) as err:
+        status, error = (1 if entry is not None else 2), err
+    except Exception as err:  # raised below, after the other ranks know
+        status, error = 2, err
+    worst = status
+    if group is not None:
+        import torch.distributed as dist
+
+        flag = torch.tensor([status], device="cuda")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        worst = int(flag.item())
+    if worst == 2:
+        raise error if status == 2 else LoadError(f"{spec.name}: the kernel failed to load on another rank")
+    if worst == 1:
+        import warnings
+
+        why = f" ({error})" if error is not None else " (on another rank)"
+        warnings.warn(f"mokgen: the tuned build of {spec.name} ({entry.path.name}) is not available{why}; "
+                      "using the default build", stacklevel=3)
+        options = env.plan_options_with(None)
+        kernel = load(spec, options)
+    return kernel, options
+
+
 class MoELayer(torch.nn.Module):
     """The routed experts of one expert-parallel rank, run by the megakernel.
 
@@ -388,36 +456,10 @@ class MoELayer(torch.nn.Module):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         #: the tuned entry in use (mokgen.tune.Entry), or None: the plan's defaults
-        self.tuned_entry = None
-        if build_options is None:
-            tuned_build = None
-            explicit = (chunk_rows, ring_chunks, dispatch_ctas)  # the caller's, before any tuned value
-            if tuned:
-                from mokgen import tune
-
-                entry = tune.lookup(s, gpu=torch.cuda.get_device_name(device), ep=self.world, tokens=self.max_tokens)
-                if entry is not None:
-                    self.tuned_entry, best = entry, entry.best
-                    tuned_build = best.build_options()
-                    chunk_rows = best.chunk_rows if chunk_rows is None else chunk_rows
-                    ring_chunks = best.ring_chunks if ring_chunks is None else ring_chunks
-                    dispatch_ctas = best.dispatch_ctas if dispatch_ctas is None else dispatch_ctas
-            if group is not None and tuned:
-                # every rank of the layer must run the same kernel and ring: if their lookups
-                # differ (other files or versions per node), all take the defaults
-                import torch.distributed as dist
-
-                mine = None if self.tuned_entry is None else self.tuned_entry.best.to_json()
-                theirs: list = [None] * self.world
-                dist.all_gather_object(theirs, mine, group=group)
-                if any(t != mine for t in theirs):
-                    import warnings
-
-                    warnings.warn("mokgen: the ranks of this MoELayer found different tuned entries; all use the "
-                                  "plan's defaults", stacklevel=2)
-                    chunk_rows, ring_chunks, dispatch_ctas = explicit
-                    self.tuned_entry, tuned_build = None, None
-            build_options = env.plan_options_with(tuned_build)
+        with torch.cuda.device(device):  # its collectives (under a group) run on this layer's GPU
+            self.tuned_entry, build_options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
+                s, group, self.world, self.max_tokens, device, tuned, build_options,
+                (chunk_rows, ring_chunks, dispatch_ctas))
         self.build_options = dict(build_options)
         self.chunk_rows, self.ring_chunks = _ring(s, chunk_rows, ring_chunks)
         self.timeout_ms = float(timeout_ms)
@@ -434,19 +476,8 @@ class MoELayer(torch.nn.Module):
             torch.nn.init.normal_(self.w_up, std=1 / math.sqrt(H))
             torch.nn.init.normal_(self.w_down, std=1 / math.sqrt(I))
         # Resolve the kernel and allocate the buffers now, outside any torch.compile region.
-        try:
-            self._kernel = load(s, self.build_options)
-        except MokgenError as err:
-            if self.tuned_entry is None or not isinstance(err, (LoadError, ToolchainError)):
-                raise
-            # a tuned variant that is neither installed, cached nor buildable here (a prebuilt
-            # wheel holds the default build): the defaults' kernel, the entry's run-time values
-            import warnings
-
-            warnings.warn(f"mokgen: the tuned build of {s.name} ({self.tuned_entry.path.name}) is not available "
-                          f"({err}); using the default build", stacklevel=2)
-            self.build_options = env.plan_options_with(None)
-            self._kernel = load(s, self.build_options)
+        with torch.cuda.device(device):
+            self._kernel, self.build_options = _load_agreed(s, self.build_options, group, self.tuned_entry)
         with torch.cuda.device(device):
             geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
             self._ep = EpBuffers(self._kernel, geometry, device, group)

@@ -246,7 +246,12 @@ def metadata(gpu: str) -> dict[str, Any]:
     """What a tuned entry depends on besides its key."""
     from mokgen import render
 
-    fixed = {k: v for k, v in env.plan_options().items() if k not in ("cluster", "block_k")}
+    options = env.plan_options()
+    # the options that are not tuned; the tuned ones only where a switch pinned them (the
+    # search then held that axis, so the entry fits only where the switch says the same)
+    fixed = {k: v for k, v in options.items() if k not in ("cluster", "block_k")}
+    fixed["fuse_shared"] = "auto" if fixed["fuse_shared"] in (None, True) else False  # True: the same builds
+    fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k") if env.switch_set(k)}
     doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.sources_digest(), "format": FORMAT,
                            "plan_options": fixed}
     doc.update(_toolchain_versions())
@@ -315,8 +320,8 @@ class Entry:
 
 
 def lookup(spec: MoESpec, *, gpu: str, ep: int, tokens: int, current: Optional[dict[str, Any]] = None) -> Optional[Entry]:
-    """The tuned entry for (spec, gpu, numerics, ep, token bucket), or None: per root (user dir,
-    then the package's), an entry timed on the layer before one timed on the local stand-in. A
+    """The tuned entry for (spec, gpu, numerics, ep, token bucket), or None: an entry timed on the
+    layer before one timed on the local stand-in, and per kind the user dir before the package's. A
     file that does not parse, holds impossible values or whose metadata does not fit is skipped
     with a warning."""
     if not env.tuned_enabled():
@@ -324,8 +329,8 @@ def lookup(spec: MoESpec, *, gpu: str, ep: int, tokens: int, current: Optional[d
     keys = [TuneKey.of(spec, gpu=gpu, ep=ep, tokens=tokens)]
     if ep > 1:
         keys.append(TuneKey.of(spec, gpu=gpu, ep=ep, tokens=tokens, workload="local"))
-    for root in roots():
-        for key in keys:
+    for key in keys:  # an entry timed on the layer anywhere before a stand-in's
+        for root in roots():
             path = root / key.relpath()
             if not path.is_file():
                 continue
@@ -534,10 +539,15 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     outcomes: list[Optional[Outcome]] = [None] * len(cands)
     if resume and rank0 and partial.is_file():
         outcomes = _read_partial(partial, meta, cands)
-    if distributed:  # every rank resumes exactly what rank 0 resumed
-        box = [[None if o is None else o.ms for o in outcomes]]
+    if distributed:  # every rank has rank 0's candidates and resumes exactly what rank 0 resumed
+        box = [([c.to_json() for c in cands], [None if o is None else o.ms for o in outcomes])]
         dist.broadcast_object_list(box, src=src0, group=group)
-        outcomes = [None if ms is None else Outcome(ms, None) for ms in box[0]]
+        differs = torch.tensor([int(box[0][0] != [c.to_json() for c in cands])], device="cuda")
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+        if differs.item():
+            raise InputError(f"{spec.name}: the ranks built different search spaces (other switches or GPUs); run "
+                             "every rank with the same environment")
+        outcomes = [None if ms is None else Outcome(ms, None) for ms in box[0][1]]
     if any(o is not None for o in outcomes):
         log(f"resuming: {sum(o is not None for o in outcomes)} of {len(cands)} candidates already timed ({partial})")
     # the defaults' build first: spills are judged against it

@@ -75,14 +75,16 @@ def test_key_path_names_spec_gpu_numerics_ep_and_bucket():
 @pytest.mark.parametrize("name", ALL_SPECS)
 def test_space_starts_at_the_defaults_and_has_no_duplicates(name):
     spec = load_spec(name)
-    for ep, tokens in ((1, 16384), (8, 2048)):
+    for ep, tokens in ((1, 16384), (8, 2048), (8, 512), (8, 128)):
         space = search_space(spec, ep=ep, tokens=tokens)
         d = ep_defaults(spec)
         assert space.candidates[0] == Candidate(make_plan(spec).gemm_cluster, 64, d["chunk_rows"], d["ring_chunks"], None)
         assert len(set(space.candidates)) == len(space.candidates)
         assert not set(space.candidates) & {c for c, _ in space.pruned}
         rows = tokens * spec.top_k
-        holding = min((x for x in (d["chunk_rows"], *tune_mod.CHUNKS) if x >= rows), default=None)
+        # the chunk that holds every row: the default's if it does, else the smallest tried
+        holding = d["chunk_rows"] if d["chunk_rows"] >= rows else min(
+            (x for x in tune_mod.CHUNKS if x >= rows), default=None)
         ring0 = space.candidates[0].ring_chunks
         for c in space.candidates[1:]:  # nothing that runs the same as an earlier candidate
             assert holding is None or c.chunk_rows <= holding
@@ -145,6 +147,15 @@ def test_space_follows_the_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BLOCK_K", "32")
     space = search_space(kimi, ep=8, tokens=2048)
     assert {(c.cluster, c.block_k) for c in space.candidates} == {(1, 32)}
+
+
+def test_space_small_rank_keeps_one_single_chunk_candidate():
+    spec = load_spec("qwen3-30b-a3b")  # default chunk 5504
+    space = search_space(spec, ep=8, tokens=128)  # 1024 rows: every chunk holds them
+    assert {c.chunk_rows for c in space.candidates} == {5504}
+    assert {c.ring_chunks for c in space.candidates} == {4}
+    assert len(space.candidates) == 4  # the build options only
+    assert any(why == "chunk of 1024 rows: a rank has 1024, the chunk of 5504 holds them all" for _, why in space.pruned)
 
 
 # ---- choosing ------------------------------------------------------------------------------------
@@ -300,6 +311,100 @@ def test_tuned_dir_default_and_switch(monkeypatch, tmp_path):
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "c"))
     assert env.tuned_dir() == tmp_path / "c" / "tuned"
     assert tune_mod.roots() == [tmp_path / "c" / "tuned", tune_mod.PACKAGE_TUNED]
+
+
+# ---- tune() on a stand-in GPU ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tuned_dirs):
+    """tune() with the GPU, the builds and the timer replaced: ``times[i]`` is candidate i's
+    time (an Exception instance: it raises); returns (times, timed indexes, space)."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=141 << 30))
+    spec = load_spec("qwen3-30b-a3b")
+    space = search_space(spec, ep=1, tokens=2048, gpu_memory=141 << 30)
+    times: dict[int, object] = {i: 2.0 + 0.1 * i for i in range(len(space.candidates))}
+    timed: list[int] = []
+    monkeypatch.setattr(tune_mod, "build_candidates", lambda *a, **k: {})
+
+    def fake_timer(work, rows, iters, group=None):
+        def time_one(c):
+            i = space.candidates.index(c)
+            timed.append(i)
+            if isinstance(times[i], Exception):
+                raise times[i]
+            return times[i]
+        return time_one
+
+    monkeypatch.setattr(tune_mod, "_layer_timer", fake_timer)
+    return spec, space, times, timed
+
+
+def test_tune_writes_the_winner_and_no_partial(fake_gpu, tuned_dirs):
+    spec, space, times, timed = fake_gpu
+    times[3] = 1.0
+    times[5] = 0.995  # within 1% of candidate 3: a tie, the lower index wins
+    times[2] = RuntimeError("launch failed")
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20)
+    assert timed == list(range(len(space.candidates)))
+    assert result.best_index == 3 and result.path == tuned_dirs[0] / TuneKey.of(spec, gpu=GPU, ep=1, tokens=2048).relpath()
+    doc = json.loads(result.path.read_text())
+    assert doc["best"] == space.candidates[3].to_json() and doc["default_ms"] == 2.0 and doc["best_ms"] == 1.0
+    assert doc["candidates"][2]["ms"] is None and doc["candidates"][2]["error"] == "launch failed"
+    assert not list(tuned_dirs[0].rglob("*.partial"))
+    assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=2048).best == space.candidates[3]
+
+
+def test_tune_resumes_successes_and_retries_failures(fake_gpu, tuned_dirs):
+    spec, space, times, timed = fake_gpu
+    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=2048)
+    partial = tuned_dirs[0] / key.relpath().with_name(key.relpath().name + ".partial")
+    outcomes = [{"ms": 5.0, "error": None}, {"ms": None, "error": "spills"}] + [None] * (len(space.candidates) - 2)
+    tune_mod.write_json(partial, {"_metadata": tune_mod.metadata(GPU), "candidates": [c.to_json() for c in space.candidates],
+                                  "outcomes": outcomes})
+    logs: list[str] = []
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, log=logs.append)
+    assert 0 not in timed and timed == list(range(1, len(space.candidates)))  # the failure is timed again
+    assert result.outcomes[0].ms == 5.0 and result.outcomes[1].ms == times[1]
+    assert any(line.startswith("resuming: 1 of") for line in logs)
+    # --no-resume times everything again
+    timed.clear()
+    tune_mod.write_json(partial, {"_metadata": tune_mod.metadata(GPU), "candidates": [c.to_json() for c in space.candidates],
+                                  "outcomes": outcomes})
+    tune_mod.tune(spec, ep=1, tokens=2048, iters=20, resume=False)
+    assert timed == list(range(len(space.candidates)))
+
+
+def test_tune_all_failed_names_the_partial_file(fake_gpu, tuned_dirs):
+    spec, space, times, timed = fake_gpu
+    for i in times:
+        times[i] = RuntimeError(f"out of memory {i}")
+    with pytest.raises(InputError, match=r"every candidate failed \(the first: out of memory 0\); the outcomes are in .*\.partial"):
+        tune_mod.tune(spec, ep=1, tokens=2048, iters=20)
+    assert list(tuned_dirs[0].rglob("*.partial")) and not list(tuned_dirs[0].rglob("*.json"))
+
+
+def test_tune_rejects_too_many_tokens_before_building(fake_gpu):
+    spec, *_ = fake_gpu
+    with pytest.raises(InputError, match=r"tokens per rank must be in 1\.\.16384, got 20000"):
+        tune_mod.tune(spec, ep=1, tokens=20000)
+
+
+def test_an_entry_tuned_under_a_pinned_switch_needs_that_switch(fake_gpu, monkeypatch):
+    spec, space, times, timed = fake_gpu
+    monkeypatch.setenv("MOKGEN_BLOCK_K", "64")
+    tune_mod.tune(spec, ep=1, tokens=2048, iters=20)
+    assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=2048) is not None
+    monkeypatch.delenv("MOKGEN_BLOCK_K")
+    with pytest.warns(UserWarning, match="was made for plan_options"):
+        assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=2048) is None
 
 
 # ---- command line --------------------------------------------------------------------------------
