@@ -84,7 +84,7 @@ class Plan(BaseModel):
     # The shared expert inside the megakernel (its tiles first in the flow order, on the rank's
     # own tokens; the combine adds it): for one shared expert of the routed experts' size, under
     # the flow schedule without clusters. make_plan fuses it wherever can_fuse_shared allows
-    # (v0.6: the qwen3.5 blocks 2.7-14% faster; docs/perf-notes.md).
+    # (v0.6: the qwen3.5 blocks 3-14% faster over two runs; docs/perf-notes.md).
     fuse_shared: bool = False
     # Dispatch copy: 16-byte loads in flight per lane of a dispatch warp (ep_forward.cuh). 12 by
     # default (6 KB per warp; 16 spills on kimi-k2.5); 8 was the v0.3-v0.4 copy's.
