@@ -304,3 +304,87 @@ def test_moe_layer_backward_across_gpus():
     report = run_ranks(_bwd_worker, world, DEADLINE_S, "bwd-rank")[0]
     print("\n".join(report))
     assert len(report) == 2 * len(BWD_SPECS)
+
+
+# ---- tuned entries across ranks -------------------------------------------------------------------
+
+TUNE_SPEC = "qwen3-30b-a3b"
+
+
+def _tune_worker(rank: int, world: int, port: int, results) -> None:
+    """Each rank writes its own tuned file for (TUNE_SPEC, this GPU, EP world, 1024 tokens) into
+    its own MOKGEN_TUNED_DIR, then makes the layer. Same file on every rank: every rank uses the
+    entry (BK 32, 1024-row chunks), and the output equals the untuned layer's bit for bit (chunk
+    size and k-block do not change the bits). Rank 0's file different: every rank warns and takes
+    the plan's defaults."""
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    try:
+        import mokgen
+        from mokgen import tune
+        from mokgen.bench import expert_weights
+        from mokgen.plan import make_plan
+        from mokgen.spec import load_spec
+
+        device = _init_rank(rank, world, port)
+        os.environ.pop("MOKGEN_TUNED", None)  # the test session turns tuned files off; these turn them on
+        os.environ["MOKGEN_TUNED_DIR"] = tempfile.mkdtemp(prefix=f"tuned-{rank}-")
+        spec = load_spec(TUNE_SPEC)
+        gpu = torch.cuda.get_device_name(device)
+        key = tune.TuneKey.of(spec, gpu=gpu, ep=world, tokens=1024)
+        base = make_plan(spec)
+
+        def write(chunk: int) -> None:
+            best = tune.Candidate(base.gemm_cluster, 32, chunk, 4, None)
+            tune.write_json(Path(os.environ["MOKGEN_TUNED_DIR"]) / key.relpath(),
+                            {"_metadata": tune.metadata(gpu), "key": key.to_json(), "best": best.to_json()})
+
+        report = {}
+        try:
+            write(1024)
+            layer = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device)
+            plain = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device, tuned=False)
+            assert layer.tuned_entry is not None and plain.tuned_entry is None
+            assert (layer.chunk_rows, layer.build_options["block_k"]) == (1024, 32), (layer.chunk_rows, layer.build_options)
+            with torch.no_grad():
+                for a, b, v in zip((layer.w_gate, layer.w_up, layer.w_down), (plain.w_gate, plain.w_up, plain.w_down),
+                                   expert_weights(spec, layer.local_experts, device)):
+                    a.copy_(v), b.copy_(v)
+                x, ids, w = _rank_inputs(spec, 20, "uniform", 1024, rank, world, device)
+                same = torch.equal(layer(x, ids, w), plain(x, ids, w))
+            assert same, f"rank {rank}: the tuned layer's output differs from the untuned one's"
+            report["same entry"] = "used on every rank, same bits"
+            del layer, plain
+            write(2048 if rank == 0 else 1024)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                layer = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device)
+            assert layer.tuned_entry is None and layer.build_options["block_k"] == 64, layer.build_options
+            assert any("found different tuned entries" in str(c.message) for c in caught), [str(c.message) for c in caught]
+            report["different entries"] = "plan defaults on every rank"
+            del layer
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, None, report))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, traceback.format_exc(), None))
+        raise
+
+
+def test_tuned_entries_agree_across_ranks():
+    from mokgen import build as build_mod
+    from mokgen import env
+    from mokgen.spec import load_spec
+
+    world = _world()
+    assert world >= 2
+    spec = load_spec(TUNE_SPEC)
+    build_mod.build(spec, publish_generated=False)  # the ranks load with the JIT off
+    build_mod.build(spec, publish_generated=False, options=env.plan_options_with({"block_k": 32}))
+    os.environ.update(NO_MULTICAST)
+    reports = run_ranks(_tune_worker, world, 600, "tune-rank")
+    assert all(r == {"same entry": "used on every rank, same bits", "different entries": "plan defaults on every rank"}
+               for r in reports.values()), reports
