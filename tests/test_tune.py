@@ -490,3 +490,72 @@ def test_tune_writes_an_entry_the_layer_uses_with_the_same_bits(tuned_dirs):
     ids = torch.stack([torch.randperm(spec.num_experts, device="cuda")[: spec.top_k] for _ in range(256)]).int()
     w = torch.rand(256, spec.top_k, device="cuda").softmax(-1)
     assert torch.equal(layer(x, ids, w), plain(x, ids, w))
+
+
+# ---- how a layer takes an entry (CPU: the helpers MoELayer calls) ------------------------------------
+
+
+def _entry(best: Candidate) -> "tune_mod.Entry":
+    spec = load_spec("qwen3-30b-a3b")
+    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=2048)
+    return tune_mod.Entry(Path("/tuned") / key.relpath(), key, best, {})
+
+
+def test_layer_takes_the_entry_and_explicit_values_win(monkeypatch):
+    import torch
+
+    from mokgen import ep as ep_mod
+
+    spec = load_spec("qwen3-30b-a3b")
+    best = Candidate(2, 32, 1024, 8, 24)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    monkeypatch.setattr(tune_mod, "lookup", lambda *a, **k: _entry(best))
+    for var in ("MOKGEN_CLUSTER", "MOKGEN_BLOCK_K"):
+        monkeypatch.delenv(var, raising=False)
+    entry, options, runtime = ep_mod._tuned_choice(spec, None, 1, 2048, "cuda:0", True, None, (None, None, None))
+    assert entry.best == best and (options["cluster"], options["block_k"]) == (2, 32) and runtime == (1024, 8, 24)
+    _, _, runtime = ep_mod._tuned_choice(spec, None, 1, 2048, "cuda:0", True, None, (4096, None, 16))
+    assert runtime == (4096, 8, 16)  # the caller's values win, the rest come from the entry
+    entry, options, runtime = ep_mod._tuned_choice(spec, None, 1, 2048, "cuda:0", False, None, (None, None, None))
+    assert entry is None and options == env.plan_options() and runtime == (None, None, None)
+    given = {"cluster": 1, "block_k": 64}
+    assert ep_mod._tuned_choice(spec, None, 1, 2048, "cuda:0", True, given, (None, 2, None)) == (None, given, (None, 2, None))
+
+    def broken(*a, **k):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(tune_mod, "lookup", broken)
+    with pytest.warns(UserWarning, match="looking up tuned parameters failed"):
+        entry, options, _ = ep_mod._tuned_choice(spec, None, 1, 2048, "cuda:0", True, None, (None, None, None))
+    assert entry is None and options == env.plan_options()
+
+
+def test_layer_falls_back_to_the_default_build_when_the_tuned_one_cannot_load(monkeypatch):
+    from mokgen import ep as ep_mod
+    from mokgen.errors import LoadError
+
+    spec = load_spec("qwen3-30b-a3b")
+    tuned_opts = env.plan_options_with({"cluster": 2, "block_k": 32})
+    loaded = []
+
+    def fake_load(spec_, options):
+        loaded.append(options)
+        if options == tuned_opts:
+            raise LoadError("no build of it here and no nvcc")
+        return "default kernel"
+
+    monkeypatch.setattr(ep_mod, "load", fake_load)
+    entry = _entry(Candidate(2, 32, 1024, 4))
+    with pytest.warns(UserWarning, match="tuned build of qwen3-30b-a3b .* is not available"):
+        kernel, options = ep_mod._load_agreed(spec, tuned_opts, None, entry)
+    assert kernel == "default kernel" and options == env.plan_options() and loaded == [tuned_opts, env.plan_options()]
+    # without an entry a load error is the user's to see, as is any other error with one
+    with pytest.raises(LoadError):
+        ep_mod._load_agreed(spec, tuned_opts, None, None)
+
+    def other(spec_, options):
+        raise RuntimeError("bad")
+
+    monkeypatch.setattr(ep_mod, "load", other)
+    with pytest.raises(RuntimeError, match="bad"):
+        ep_mod._load_agreed(spec, tuned_opts, None, entry)
