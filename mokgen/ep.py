@@ -478,7 +478,6 @@ class MoELayer(torch.nn.Module):
         # Resolve the kernel and allocate the buffers now, outside any torch.compile region.
         with torch.cuda.device(device):
             self._kernel, self.build_options = _load_agreed(s, self.build_options, group, self.tuned_entry)
-        with torch.cuda.device(device):
             geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
             self._ep = EpBuffers(self._kernel, geometry, device, group)
             self._ctas, self._dispatch = _ctas(self._kernel, 1, self.world)

@@ -76,6 +76,10 @@ class Candidate:
         """The make_plan keyword arguments this candidate sets."""
         return {"cluster": self.cluster, "block_k": self.block_k}
 
+    def build_key(self) -> tuple:
+        """The build this candidate needs, hashable (candidates with equal keys share a library)."""
+        return tuple(sorted(self.build_options().items()))
+
     def runtime(self) -> dict[str, Optional[int]]:
         """The MoELayer keyword arguments this candidate sets."""
         return {"chunk_rows": self.chunk_rows, "ring_chunks": self.ring_chunks, "dispatch_ctas": self.dispatch_ctas}
@@ -150,11 +154,6 @@ class TuneKey:
         return asdict(self)
 
 
-def rows_per_rank(spec: MoESpec, ep: int, tokens: int) -> int:
-    """Rows one rank's experts receive on average (uniform routing): tokens x k; for EP 1, all."""
-    return int(tokens) * spec.top_k
-
-
 def default_candidate(spec: MoESpec) -> Candidate:
     """The plan's defaults under the environment's switches (MOKGEN_CLUSTER, MOKGEN_BLOCK_K, the
     core and schedule decide the build options), the ring of ``plan.ep_defaults``."""
@@ -184,7 +183,7 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     chunks = [base.chunk_rows] + [c for c in CHUNKS if c != base.chunk_rows]
     rings = [base.ring_chunks] + [r for r in RINGS if r != base.ring_chunks]
     dispatch = [None] + (list(DISPATCH) if distributed and ep > 1 else [])
-    rows = rows_per_rank(spec, ep, tokens)
+    rows = int(tokens) * spec.top_k  # rows a rank receives on average (uniform routing)
     # the chunk that holds all rows (the default's if it does, else the smallest tried): larger
     # ones run the same single chunk
     holding = base.chunk_rows if base.chunk_rows >= rows else min((c for c in chunks if c >= rows), default=None)
@@ -193,21 +192,23 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     for cluster in clusters:
         for block_k in block_ks:
             plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k})
+            build_why = None  # a reason that prunes every candidate of this build
+            if smem_bytes(plan) > SMEM_LIMIT:
+                build_why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
+            elif plan.gemm_cluster == 2 and plan.gemm_block_n_down == 128:
+                build_why = "registers: CTA pairs spill on down tiles of 128 columns (docs/architecture.md)"
             for chunk in chunks:
+                n = math.ceil(rows / chunk)
                 for ring in rings:
+                    same = _same_ring(ring, rings, n)
                     for p in dispatch:
                         c = Candidate(cluster, block_k, chunk, ring, p)
-                        why = None
-                        if smem_bytes(plan) > SMEM_LIMIT:
-                            why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
-                        elif plan.gemm_cluster == 2 and plan.gemm_block_n_down == 128:
-                            why = "registers: CTA pairs spill on down tiles of 128 columns (docs/architecture.md)"
-                        elif c != base and holding is not None and chunk >= rows and chunk != holding:
+                        why = build_why
+                        if why is None and c != base and holding is not None and chunk >= rows and chunk != holding:
                             why = f"chunk of {chunk} rows: a rank has {rows}, the chunk of {holding} holds them all"
-                        elif c != base and _same_ring(ring, rings, math.ceil(rows / chunk)) is not None:
-                            n = math.ceil(rows / chunk)
-                            why = f"ring of {ring} slots: the same as {_same_ring(ring, rings, n)} for {n} chunk(s)"
-                        elif gpu_memory and chunk * ring * (H + I) * 2 > RING_MEMORY_SHARE * gpu_memory:
+                        if why is None and c != base and same is not None:
+                            why = f"ring of {ring} slots: the same as {same} for {n} chunk(s)"
+                        if why is None and gpu_memory and chunk * ring * (H + I) * 2 > RING_MEMORY_SHARE * gpu_memory:
                             why = f"memory: the ring takes {chunk * ring * (H + I) * 2 / 2**30:.1f} GiB"
                         if why is None:
                             space.candidates.append(c)
@@ -363,6 +364,11 @@ class Outcome:
         return {"ms": self.ms, "error": self.error}
 
 
+def _one_line(err: BaseException) -> str:
+    """An exception as the one-line reason stored with a failed candidate."""
+    return " ".join(str(err).splitlines())[:300] or type(err).__name__
+
+
 def _spill_bytes(entry: Path) -> int:
     from mokgen import build as build_mod
 
@@ -382,18 +388,14 @@ def build_candidates(spec: MoESpec, candidates: list[Candidate], *, jobs: int = 
 
     from mokgen import build as build_mod
 
-    sets: list[tuple] = []
-    for c in candidates:
-        t = tuple(sorted(c.build_options().items()))
-        if t not in sets:
-            sets.append(t)
+    sets = list(dict.fromkeys(c.build_key() for c in candidates))  # distinct, first-seen order
 
     def one(t: tuple):
         try:
             result = build_mod.build(spec, publish_generated=False, options=env.plan_options_with(dict(t)))
             return _spill_bytes(result.entry), None
         except Exception as err:  # a failed build is a failed candidate, recorded with its reason
-            return None, " ".join(str(err).splitlines())[:300]
+            return None, _one_line(err)
 
     out: dict[tuple, Optional[str]] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -410,13 +412,12 @@ def build_candidates(spec: MoESpec, candidates: list[Candidate], *, jobs: int = 
 def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
     """A function (candidate) -> median ms of ``spec``'s layer on ``rows`` tokens per rank,
     uniform routing, bench's weights and inputs (shared by every candidate). Under a process
-    group the ranks first agree that the kernel loaded everywhere (the layer's constructor is
-    collective), so a failure on one rank fails the candidate on all of them in step."""
+    group a failure to load the kernel on one rank fails the candidate on all of them in step
+    (the layer's constructor agrees on the load first)."""
     import torch
 
     from mokgen import bench
     from mokgen.ep import MoELayer
-    from mokgen.load import load
 
     rank = 0 if group is None else torch.distributed.get_rank(group)
     gen = torch.Generator(device="cuda").manual_seed(11 + rank)
@@ -431,20 +432,10 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
         inputs.append((x, *bench._routing(spec, rows, gen)))
 
     def time_one(c: Candidate) -> float:
-        options = env.plan_options_with(c.build_options())
-        error = None
-        try:
-            load(spec, options)
-        except Exception as err:  # recorded as the candidate's failure below, on every rank
-            error = err
-        if group is not None:
-            ok = torch.tensor([0 if error is not None else 1], device="cuda")
-            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group)
-            if error is None and ok.item() == 0:
-                raise RuntimeError("the kernel did not load on another rank")
-        if error is not None:
-            raise error
-        layer = MoELayer(spec, group, max_tokens=rows, tuned=False, build_options=options, **c.runtime())
+        # MoELayer's constructor agrees on the kernel's load before its first collective
+        # (ep._load_agreed): a load failing on one rank raises on every rank
+        layer = MoELayer(spec, group, max_tokens=rows, tuned=False, build_options=env.plan_options_with(c.build_options()),
+                         **c.runtime())
         with torch.no_grad():
             layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
         layer.check_ids = False
@@ -495,6 +486,16 @@ def _read_partial(partial: Path, meta: dict[str, Any], cands: list[Candidate]) -
         return none
 
 
+def _workload(spec: MoESpec, ep: int, tokens: int, distributed: bool) -> tuple[MoESpec, int]:
+    """(spec to time, tokens per rank of its layer): the spec itself, or on one GPU at EP > 1 the
+    stand-in for one rank's local work (bench.local_spec: its rows are the tokens, top-1)."""
+    from mokgen import bench
+
+    if ep > 1 and not distributed:
+        return bench.local_spec(spec, ep, tokens)
+    return spec, int(tokens)
+
+
 def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bool = True, group=None,
          root: Optional[Path] = None, jobs: int = 4, log: Callable[[str], None] = lambda s: None,
          step: Callable[[int, int, Candidate, Outcome], None] = lambda i, n, c, o: None) -> Result:
@@ -506,8 +507,6 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     broadcasts it, a candidate's time is the slowest rank's (a failure on any rank fails it),
     rank 0 writes the file and decides the winner."""
     import torch
-
-    from mokgen import bench
 
     if not torch.cuda.is_available():
         raise InputError("mokgen tune times candidates on a CUDA GPU; none is visible")
@@ -525,16 +524,14 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     path = (env.tuned_dir() if root is None else Path(root)) / key.relpath()
     partial = path.with_name(path.name + ".partial")
     meta = metadata(gpu)
+    work, rows = _workload(spec, ep, tokens, distributed)
     if local:
-        work, rows = bench.local_spec(spec, ep, tokens)
         workload = f"local work of one rank at EP{ep} ({rows} rows, uniform routing), one GPU"
-        space = search_space(work, ep=1, tokens=rows,
-                             gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     else:
-        work, rows = spec, int(tokens)
         workload = f"EP{ep} layer, {tokens} tokens per rank, uniform routing" + (" (torchrun)" if distributed else "")
-        space = search_space(spec, ep=ep, tokens=tokens, distributed=distributed,
-                             gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    # the stand-in is a one-rank problem: its rows are the rank's received rows, top-1
+    space = search_space(work, ep=1 if local else ep, tokens=rows if local else tokens, distributed=distributed,
+                         gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     cands = space.candidates
     outcomes: list[Optional[Outcome]] = [None] * len(cands)
     if resume and rank0 and partial.is_file():
@@ -556,7 +553,7 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     timer = _layer_timer(work, rows, iters, group)
     for i, c in enumerate(cands):
         if outcomes[i] is None:
-            error = builds.get(tuple(sorted(c.build_options().items())))
+            error = builds.get(c.build_key())
             if distributed:  # a build that failed on any rank fails the candidate on every rank
                 flag = torch.tensor([0 if error is not None else 1], device="cuda")
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -568,7 +565,7 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
                 try:
                     outcome = Outcome(timer(c), None)
                 except Exception as err:  # a candidate that cannot run is a failed candidate
-                    outcome = Outcome(None, " ".join(str(err).splitlines())[:300] or type(err).__name__)
+                    outcome = Outcome(None, _one_line(err))
                 if distributed:  # the slowest rank's time; a failure anywhere fails the candidate
                     t = torch.tensor([math.inf if outcome.ms is None else outcome.ms], device="cuda")
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -623,12 +620,7 @@ def chunk_sweep(spec: MoESpec, *, ep: int, tokens: int, chunks: list[int], iters
                 step: Callable[[int, int, int, Outcome], None] = lambda i, n, c, o: None) -> list[tuple[int, Outcome]]:
     """The layer time against chunk rows (the overlap granularity), the rest at the defaults, on
     this GPU (EP > 1: one rank's local work, as tune)."""
-    from mokgen import bench
-
-    if ep > 1:
-        work, rows = bench.local_spec(spec, ep, tokens)
-    else:
-        work, rows = spec, int(tokens)
+    work, rows = _workload(spec, ep, tokens, distributed=False)
     base = default_candidate(work)
     build_candidates(work, [base])
     timer = _layer_timer(work, rows, iters)
@@ -638,7 +630,7 @@ def chunk_sweep(spec: MoESpec, *, ep: int, tokens: int, chunks: list[int], iters
         try:
             o = Outcome(timer(c), None)
         except Exception as err:
-            o = Outcome(None, " ".join(str(err).splitlines())[:300])
+            o = Outcome(None, _one_line(err))
         out.append((chunk, o))
         step(i, len(chunks), chunk, o)
     return out
