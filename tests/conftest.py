@@ -1,7 +1,8 @@
 """Shared test configuration: marker-based skips with reasons, and an isolated build cache.
 
 Markers (registered in pyproject.toml): nvcc (needs the CUDA compiler), gpu (one sm_90 GPU),
-multi_gpu (several), slow. The default `pytest` runs what this machine can run and skips the
+multi_gpu (several), slow; gpu + nvcc: a GPU test
+that builds a non-default variant (skipped where the JIT is off, e.g. the prebuilt-wheel check). The default `pytest` runs what this machine can run and skips the
 rest with a reason that says what is missing.
 """
 
@@ -70,6 +71,11 @@ def pytest_collection_modifyitems(config, items):
             reason = _gpu_missing(2)
         elif "gpu" in item.keywords:
             reason = _gpu_missing(1)
+            if not reason and "nvcc" in item.keywords:  # a GPU test that builds a non-default variant
+                from mokgen import env
+
+                reason = "builds a variant: needs the JIT (MOKGEN_DISABLE_JIT is set)" if env.jit_disabled() else None
+                reason = reason or _nvcc_missing()
         elif "nvcc" in item.keywords:
             reason = _nvcc_missing()
         if reason:
