@@ -89,6 +89,10 @@ class Plan(BaseModel):
     # Dispatch copy: 16-byte loads in flight per lane of a dispatch warp (ep_forward.cuh). 12 by
     # default (6 KB per warp; 16 spills on kimi-k2.5); 8 was the v0.3-v0.4 copy's.
     pull_unroll: int = 12
+    # Dispatch copy engine: "copy" (16-byte loads and stores by every thread of the CTA) or
+    # "bulk" (one thread per CTA drives TMA bulk copies through shared memory, bulk_copy.cuh;
+    # Hopper core only).
+    pull_mode: str = "copy"
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -116,6 +120,7 @@ SCHEDULES = ("flow", "phased")
 CLUSTERS = (1, 2)
 BLOCK_KS = (64, 32)
 PULL_UNROLLS = (12, 16, 8)
+PULL_MODES = ("copy", "bulk")
 
 
 #: hidden size from which CTA pairs (gemm_cluster 2) are the default. Measured on the H200 (v0.6,
@@ -132,19 +137,23 @@ def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
 
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
-              fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12) -> Plan:
+              fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
+              pull_mode: str = "copy") -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
     ``default_cluster``); ``fuse_shared`` applies where ``can_fuse_shared`` says so (False
     otherwise; None: wherever it can); ``block_k`` 32 gives the Hopper
     core 9 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core);
-    ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy."""
+    ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy; ``pull_mode``: the
+    dispatch's copy engine ("bulk": TMA bulk copies, Hopper core only)."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
-                                   ("cluster", cluster, CLUSTERS)):
+                                   ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES)):
         if value not in allowed and not (option == "cluster" and value is None):
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+    if pull_mode == "bulk" and gemm_core != "wgmma":
+        raise PlanError(f"{spec.name}: pull_mode bulk needs the Hopper core (gemm_core wgmma), got {gemm_core}")
     if cluster is None:
         cluster = default_cluster(spec, gemm_core, schedule)
     if fuse_shared is None:
@@ -172,6 +181,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         gemm_cluster=cluster if gemm_core == "wgmma" and schedule == "flow" else 1,
         fuse_shared=bool(fuse_shared) and can_fuse_shared(spec, gemm_core, schedule, cluster),
         pull_unroll=pull_unroll,
+        pull_mode=pull_mode,
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -213,6 +213,29 @@ def test_block_k_32_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
+@pytest.mark.parametrize("name", ["kimi-k2.5", "qwen3.5-35b-a3b"])
+def test_bulk_pull_gives_the_same_bits(monkeypatch, name):
+    """MOKGEN_PULL_MODE=bulk (dispatch rows by TMA bulk copies through shared memory) against the
+    default copy: rows are moved, not computed, so the bits are the same, for rings that wrap
+    (chunks reuse slots), a rank with no tokens and one rank's experts taking every token. Rows
+    of 14 KB (one per stage) and of 4 KB (four per stage)."""
+    spec = load_spec(name)
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    runs = {}
+    for skew in (None, "one_rank"):
+        xs, ids, ws = _inputs(spec, [2100, 0, 1300, 700], gen, skew=skew)
+        for mode in ("copy", "bulk"):
+            monkeypatch.setenv("MOKGEN_PULL_MODE", mode)
+            for chunk, ring in ((256, 2), (2048, 3)):
+                runs[skew, mode, chunk, ring] = torch.cat(
+                    virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+        _assert_close(spec, [runs[skew, "bulk", 256, 2]], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
+    for (skew, mode, chunk, ring), out in runs.items():
+        assert torch.equal(out, runs[skew, "copy", 256, 2]), f"bits differ for {skew, mode, chunk, ring}"
+
+
+@pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
 def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the
     same pipeline; under the flow schedule both are in flight at once (the stage stride must be

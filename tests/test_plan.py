@@ -290,7 +290,7 @@ def test_schedule_from_environment(monkeypatch):
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
-                                  "block_k": 64, "pull_unroll": 12}
+                                  "block_k": 64, "pull_unroll": 12, "pull_mode": "copy"}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -370,6 +370,19 @@ def test_block_k_option(monkeypatch):
     with pytest.raises(PlanError, match="block_k must be one of 64, 32"):
         make_plan(spec, block_k=128)
     _check_switch(monkeypatch, "MOKGEN_BLOCK_K", "block_k", "32", 32, "16", "MOKGEN_BLOCK_K must be 64 or 32")
+
+
+def test_pull_mode_option(monkeypatch):
+    spec = load_spec("kimi-k2.5")
+    a, b = make_plan(spec), make_plan(spec, pull_mode="bulk")
+    assert (a.pull_mode, b.pull_mode) == ("copy", "bulk")
+    assert cache_key(a, **KEY_ARGS) != cache_key(b, **KEY_ARGS)
+    with pytest.raises(PlanError, match="pull_mode must be one of copy, bulk"):
+        make_plan(spec, pull_mode="dma")
+    with pytest.raises(PlanError, match="pull_mode bulk needs the Hopper core"):
+        make_plan(spec, gemm_core="mma_sync", pull_mode="bulk")
+    _check_switch(monkeypatch, "MOKGEN_PULL_MODE", "pull_mode", "bulk", "bulk", "tma",
+                  "MOKGEN_PULL_MODE must be copy or bulk")
 
 
 def test_pull_unroll_option(monkeypatch):

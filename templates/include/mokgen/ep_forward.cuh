@@ -23,6 +23,7 @@
 // barrier counters and advances the epoch, so the next launch needs no reset.
 #pragma once
 
+#include "bulk_copy.cuh"
 #include "combine.cuh"
 #include "ep_routing.cuh"
 #include "grouped_gemm.cuh"
@@ -368,8 +369,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     // read of the source's send list, across NVLink for a peer) into shared memory; then the
     // batch is copied as one flat stream of 16-byte vectors (row-major over the batch's rows):
     // each warp takes runs of 32 x kPullUnroll vectors, all loads of a run in flight before its
-    // stores, so a warp keeps 32 x kPullUnroll x 16 bytes in flight whatever the row width. The
-    // CTA that lands the last part publishes landed[slot].
+    // stores, so a warp keeps 32 x kPullUnroll x 16 bytes in flight whatever the row width. With
+    // Cfg::kPullBulk (plan pull_mode "bulk") one thread copies the batch's rows instead, through
+    // the TMA's bulk-copy engine and the CTA's free shared memory (bulk_copy.cuh). The CTA that
+    // lands the last part publishes landed[slot].
     constexpr int kPullUnroll = Cfg::kPullUnroll;
     constexpr int kVecs = kH / 8;  // 16-byte vectors per row
     constexpr int kBatch = 1024;   // rows located per batch (8 KB of source row pointers)
@@ -398,6 +401,19 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         }
         __syncthreads();
         uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
+        if constexpr (Cfg::kPullBulk) {
+          // s_from, then 16 mbarriers, then the stage buffers (128-byte aligned)
+          constexpr size_t kBars = kBatch * sizeof(const uint4*), kBuf = kBars + 16 * sizeof(uint64_t);
+          static_assert(K_::kSmemBytes > kBuf, "no shared memory left for the bulk row copy");
+          if (tid == 0) {
+            sm90::fence_proxy_async_global();  // published x rows (generic writes, acquired) -> bulk reads
+            bulk::copy_rows<kH * 2, K_::kSmemBytes - kBuf>(reinterpret_cast<const void* const*>(s_from),
+                                                          reinterpret_cast<unsigned char*>(to), b1 - b0,
+                                                          reinterpret_cast<uint64_t*>(smem + kBars), smem + kBuf);
+          }
+          __syncthreads();  // s_from is reused by the next batch
+          continue;
+        }
         const int n_vecs = (b1 - b0) * kVecs;  // < 2^31: kBatch rows of at most 2^20 vectors
         for (int v0 = warp * 32 * kPullUnroll + lane; v0 < n_vecs; v0 += kEpThreads * kPullUnroll) {
           uint4 r[kPullUnroll];
