@@ -66,8 +66,8 @@ struct Stages {
   static_assert(kCount >= 2, "the bulk row copy needs two stages of shared memory");
 };
 
-// One thread: rows from[0 .. n) (kRowBytes each) -> to[0 .. n) (contiguous). smem: 16 bytes of
-// mbarriers per stage (bars, 8-byte aligned) and the stage buffers (buf, 128-byte aligned).
+// One thread: rows from[0 .. n) (kRowBytes each) -> to[0 .. n) (contiguous). smem: one 8-byte
+// mbarrier per stage, 16 of them (bars, 8-byte aligned) and the stage buffers (buf, 128-byte aligned).
 // Returns after every row has been written (wait_all), so a release by this thread that follows
 // publishes them. The barriers are initialized and invalidated here: the memory is free again
 // afterwards.

@@ -406,7 +406,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           constexpr size_t kBars = kBatch * sizeof(const uint4*), kBuf = kBars + 16 * sizeof(uint64_t);
           static_assert(K_::kSmemBytes > kBuf, "no shared memory left for the bulk row copy");
           if (tid == 0) {
-            sm90::fence_proxy_async_global();  // published x rows (generic writes, acquired) -> bulk reads
+            // published x rows (generic writes, acquired) and this shared memory (the routing
+            // prologue's generic stores) -> bulk reads and writes
+            sm90::fence_proxy_async_all();
             bulk::copy_rows<kH * 2, K_::kSmemBytes - kBuf>(reinterpret_cast<const void* const*>(s_from),
                                                           reinterpret_cast<unsigned char*>(to), b1 - b0,
                                                           reinterpret_cast<uint64_t*>(smem + kBars), smem + kBuf);
