@@ -1,7 +1,8 @@
 """Tune: build + load + time candidates -> tuned JSON (the only writer of tuned files).
 
-A candidate is one setting of the megakernel's tunable parameters: two build options (CTA pairs,
-k-block size; each a different compiled library) and three run-time ones (chunk rows = the
+A candidate is one setting of the megakernel's tunable parameters: three build options (CTA pairs,
+k-block size, the dispatch's copy engine, the last only under torchrun; each a different compiled
+library) and three run-time ones (chunk rows = the
 overlap granularity, ring slots, dispatch CTAs of a rank). The search space comes from the plan
 (index 0 is always the plan's defaults), pruned up front by shared-memory, register and memory
 limits and by what the workload can use. Every remaining candidate is built (in parallel,
@@ -20,7 +21,7 @@ version is recorded only. Files live under
 package's ``tuned/`` folder, looked up in that order. A file whose metadata does not match this
 installation is ignored with a warning (the plan's defaults apply). ``mokgen.MoELayer`` and
 ``mokgen build --ep --tokens`` use the matching entry; ``MOKGEN_TUNED=0`` turns lookups off, and
-a set MOKGEN_CLUSTER / MOKGEN_BLOCK_K switch wins over a tuned value.
+a set MOKGEN_CLUSTER / MOKGEN_BLOCK_K / MOKGEN_PULL_MODE switch wins over a tuned value.
 
 Workloads: EP degree 1 times the whole layer on one GPU at T tokens; a larger EP degree on one
 GPU times one rank's local work after dispatch (bench.local_spec: the rows a rank receives
@@ -44,7 +45,7 @@ from typing import Any, Callable, Optional
 from mokgen import env
 from mokgen._version import __version__
 from mokgen.errors import InputError
-from mokgen.plan import SMEM_LIMIT, default_cluster, ep_defaults, make_plan, smem_bytes
+from mokgen.plan import PULL_MODES, SMEM_LIMIT, default_cluster, ep_defaults, make_plan, smem_bytes
 from mokgen.spec import MoESpec
 
 #: relative difference below which two timings are a tie (the lower candidate index wins)
@@ -64,17 +65,19 @@ FORMAT = 1
 
 @dataclass(frozen=True)
 class Candidate:
-    """One setting of the tunable parameters. ``dispatch_ctas`` None: the layer's default."""
+    """One setting of the tunable parameters. ``dispatch_ctas`` None: the layer's default.
+    ``pull_mode``: the dispatch's copy engine (a build option, tried only with real transfers)."""
 
     cluster: int
     block_k: int
     chunk_rows: int
     ring_chunks: int
     dispatch_ctas: Optional[int] = None
+    pull_mode: str = "copy"
 
-    def build_options(self) -> dict[str, int]:
+    def build_options(self) -> dict[str, Any]:
         """The make_plan keyword arguments this candidate sets."""
-        return {"cluster": self.cluster, "block_k": self.block_k}
+        return {"cluster": self.cluster, "block_k": self.block_k, "pull_mode": self.pull_mode}
 
     def build_key(self) -> tuple:
         """The build this candidate needs, hashable (candidates with equal keys share a library)."""
@@ -86,17 +89,25 @@ class Candidate:
 
     def label(self) -> str:
         d = "default" if self.dispatch_ctas is None else str(self.dispatch_ctas)
+        pull = ", bulk pull" if self.pull_mode == "bulk" else ""
         return (f"cluster {self.cluster}, BK {self.block_k}, chunk {self.chunk_rows}, ring {self.ring_chunks}, "
-                f"dispatch {d}")
+                f"dispatch {d}{pull}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "Candidate":
-        if not isinstance(doc, dict) or set(doc) != {f for f in cls.__dataclass_fields__}:
+        fields = set(cls.__dataclass_fields__)
+        # files written before pull_mode was tuned have no such field: they ran the copy
+        if not isinstance(doc, dict) or set(doc) not in (fields, fields - {"pull_mode"}):
             raise ValueError(f"a candidate has the fields {sorted(cls.__dataclass_fields__)}, got {doc!r}")
-        from mokgen.plan import BLOCK_KS, CLUSTERS
+        from mokgen.plan import BLOCK_KS, CLUSTERS, PULL_MODES
+
+        doc = dict(doc)
+        pull_mode = doc.pop("pull_mode", "copy")
+        if pull_mode not in PULL_MODES:
+            raise ValueError(f"candidate field pull_mode must be one of {PULL_MODES}, got {pull_mode!r}")
 
         allowed = {"cluster": CLUSTERS, "block_k": BLOCK_KS}
         limits = {"chunk_rows": 1 << 20, "ring_chunks": 1024, "dispatch_ctas": 1024}
@@ -109,7 +120,7 @@ class Candidate:
                 raise ValueError(f"candidate field {name} must be one of {allowed[name]}, got {value}")
             if name in limits and not 1 <= value <= limits[name]:
                 raise ValueError(f"candidate field {name} must be in 1..{limits[name]}, got {value}")
-        return cls(**doc)
+        return cls(**doc, pull_mode=pull_mode)
 
 
 def token_bucket(tokens: int) -> int:
@@ -155,11 +166,12 @@ class TuneKey:
 
 
 def default_candidate(spec: MoESpec) -> Candidate:
-    """The plan's defaults under the environment's switches (MOKGEN_CLUSTER, MOKGEN_BLOCK_K, the
-    core and schedule decide the build options), the ring of ``plan.ep_defaults``."""
+    """The plan's defaults under the environment's switches (MOKGEN_CLUSTER, MOKGEN_BLOCK_K,
+    MOKGEN_PULL_MODE, the core and schedule decide the build options), the ring of
+    ``plan.ep_defaults``."""
     plan = make_plan(spec, **env.plan_options())
     d = ep_defaults(spec)
-    return Candidate(plan.gemm_cluster, plan.gemm_block_k, d["chunk_rows"], d["ring_chunks"], None)
+    return Candidate(plan.gemm_cluster, plan.gemm_block_k, d["chunk_rows"], d["ring_chunks"], None, plan.pull_mode)
 
 
 @dataclass
@@ -183,37 +195,41 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     chunks = [base.chunk_rows] + [c for c in CHUNKS if c != base.chunk_rows]
     rings = [base.ring_chunks] + [r for r in RINGS if r != base.ring_chunks]
     dispatch = [None] + (list(DISPATCH) if distributed and ep > 1 else [])
+    # the bulk-copy dispatch only where rows cross links: on one GPU every pull is a local copy,
+    # and the two modes measured level there (docs/perf-notes.md, v0.7)
+    pulls = [base.pull_mode] + ([m for m in PULL_MODES if m != base.pull_mode]
+                                if distributed and ep > 1 and options["gemm_core"] == "wgmma"
+                                and not env.switch_set("pull_mode") else [])
     rows = int(tokens) * spec.top_k  # rows a rank receives on average (uniform routing)
     # the chunk that holds all rows (the default's if it does, else the smallest tried): larger
     # ones run the same single chunk
     holding = base.chunk_rows if base.chunk_rows >= rows else min((c for c in chunks if c >= rows), default=None)
     H, I = spec.hidden_size, spec.moe_intermediate_size
     space = Space([])
-    for cluster in clusters:
-        for block_k in block_ks:
-            plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k})
-            build_why = None  # a reason that prunes every candidate of this build
-            if smem_bytes(plan) > SMEM_LIMIT:
-                build_why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
-            elif plan.gemm_cluster == 2 and plan.gemm_block_n_down == 128:
-                build_why = "registers: CTA pairs spill on down tiles of 128 columns (docs/architecture.md)"
-            for chunk in chunks:
-                n = math.ceil(rows / chunk)
-                for ring in rings:
-                    same = _same_ring(ring, rings, n)
-                    for p in dispatch:
-                        c = Candidate(cluster, block_k, chunk, ring, p)
-                        why = build_why
-                        if why is None and c != base and holding is not None and chunk >= rows and chunk != holding:
-                            why = f"chunk of {chunk} rows: a rank has {rows}, the chunk of {holding} holds them all"
-                        if why is None and c != base and same is not None:
-                            why = f"ring of {ring} slots: the same as {same} for {n} chunk(s)"
-                        if why is None and gpu_memory and chunk * ring * (H + I) * 2 > RING_MEMORY_SHARE * gpu_memory:
-                            why = f"memory: the ring takes {chunk * ring * (H + I) * 2 / 2**30:.1f} GiB"
-                        if why is None:
-                            space.candidates.append(c)
-                        else:
-                            space.pruned.append((c, why))
+    for cluster, block_k, pull_mode in ((c, b, m) for c in clusters for b in block_ks for m in pulls):
+        plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k, "pull_mode": pull_mode})
+        build_why = None  # a reason that prunes every candidate of this build
+        if smem_bytes(plan) > SMEM_LIMIT:
+            build_why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
+        elif plan.gemm_cluster == 2 and plan.gemm_block_n_down == 128:
+            build_why = "registers: CTA pairs spill on down tiles of 128 columns (docs/architecture.md)"
+        for chunk in chunks:
+            n = math.ceil(rows / chunk)
+            for ring in rings:
+                same = _same_ring(ring, rings, n)
+                for p in dispatch:
+                    c = Candidate(cluster, block_k, chunk, ring, p, pull_mode)
+                    why = build_why
+                    if why is None and c != base and holding is not None and chunk >= rows and chunk != holding:
+                        why = f"chunk of {chunk} rows: a rank has {rows}, the chunk of {holding} holds them all"
+                    if why is None and c != base and same is not None:
+                        why = f"ring of {ring} slots: the same as {same} for {n} chunk(s)"
+                    if why is None and gpu_memory and chunk * ring * (H + I) * 2 > RING_MEMORY_SHARE * gpu_memory:
+                        why = f"memory: the ring takes {chunk * ring * (H + I) * 2 / 2**30:.1f} GiB"
+                    if why is None:
+                        space.candidates.append(c)
+                    else:
+                        space.pruned.append((c, why))
     if not space.candidates or space.candidates[0] != base:
         # the defaults are always measured: they are what the tuned entry is compared against
         space.candidates.insert(0, base)
@@ -252,7 +268,7 @@ def metadata(gpu: str) -> dict[str, Any]:
     # search then held that axis, so the entry fits only where the switch says the same)
     fixed = {k: v for k, v in options.items() if k not in ("cluster", "block_k")}
     fixed["fuse_shared"] = "auto" if fixed["fuse_shared"] in (None, True) else False  # True: the same builds
-    fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k") if env.switch_set(k)}
+    fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k", "pull_mode") if env.switch_set(k)}
     doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.sources_digest(), "format": FORMAT,
                            "plan_options": fixed}
     doc.update(_toolchain_versions())
@@ -626,7 +642,7 @@ def chunk_sweep(spec: MoESpec, *, ep: int, tokens: int, chunks: list[int], iters
     timer = _layer_timer(work, rows, iters)
     out = []
     for i, chunk in enumerate(chunks):
-        c = Candidate(base.cluster, base.block_k, chunk, base.ring_chunks, None)
+        c = Candidate(base.cluster, base.block_k, chunk, base.ring_chunks, None, base.pull_mode)
         try:
             o = Outcome(timer(c), None)
         except Exception as err:

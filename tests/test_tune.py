@@ -46,13 +46,19 @@ def test_token_bucket():
 def test_candidate_json_round_trip_and_validation():
     c = Candidate(2, 32, 4096, 8, 16)
     assert Candidate.from_json(json.loads(json.dumps(c.to_json()))) == c
-    assert c.build_options() == {"cluster": 2, "block_k": 32}
+    assert c.build_options() == {"cluster": 2, "block_k": 32, "pull_mode": "copy"}
+    bulk = Candidate(2, 32, 4096, 8, 16, "bulk")
+    assert Candidate.from_json(bulk.to_json()) == bulk and bulk.build_options()["pull_mode"] == "bulk"
+    assert "bulk pull" in bulk.label() and "bulk" not in c.label()
+    # files written before the pull mode was tuned: no such field, they ran the copy
+    assert Candidate.from_json({k: v for k, v in c.to_json().items() if k != "pull_mode"}) == c
     assert c.runtime() == {"chunk_rows": 4096, "ring_chunks": 8, "dispatch_ctas": 16}
     for bad in ({**c.to_json(), "extra": 1}, {k: v for k, v in c.to_json().items() if k != "ring_chunks"},
                 {**c.to_json(), "chunk_rows": 0}, {**c.to_json(), "block_k": "64"}, {**c.to_json(), "cluster": True},
                 {**c.to_json(), "dispatch_ctas": -2}, [1, 2], {**c.to_json(), "cluster": 3},
                 {**c.to_json(), "block_k": 48}, {**c.to_json(), "chunk_rows": (1 << 20) + 1},
-                {**c.to_json(), "ring_chunks": 1025}):
+                {**c.to_json(), "ring_chunks": 1025}, {**c.to_json(), "pull_mode": "dma"},
+                {**c.to_json(), "pull_mode": None}):
         with pytest.raises(ValueError):
             Candidate.from_json(bad)
 
@@ -98,6 +104,10 @@ def test_space_starts_at_the_defaults_and_has_no_duplicates(name):
         assert same_as_defaults == []
         dist = search_space(spec, ep=ep, tokens=tokens, distributed=True)
         assert {c.dispatch_ctas for c in dist.candidates} == ({None} if ep == 1 else {None, *tune_mod.DISPATCH})
+        # the bulk-copy dispatch: only where rows cross links (one GPU: local copies, measured level)
+        assert {c.pull_mode for c in space.candidates} == {"copy"}
+        assert {c.pull_mode for c in dist.candidates} == ({"copy"} if ep == 1 else {"copy", "bulk"})
+        assert dist.candidates[0] == space.candidates[0]
 
 
 def test_space_prunes_with_reasons(monkeypatch):
@@ -147,6 +157,9 @@ def test_space_follows_the_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BLOCK_K", "32")
     space = search_space(kimi, ep=8, tokens=2048)
     assert {(c.cluster, c.block_k) for c in space.candidates} == {(1, 32)}
+    monkeypatch.setenv("MOKGEN_PULL_MODE", "bulk")  # pins the dispatch's copy engine, even under torchrun
+    dist = search_space(kimi, ep=8, tokens=2048, distributed=True)
+    assert {c.pull_mode for c in dist.candidates} == {"bulk"}
 
 
 def test_space_small_rank_keeps_one_single_chunk_candidate():
