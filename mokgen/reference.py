@@ -555,3 +555,124 @@ def ep_experts_forward(
     inv[order] = torch.arange(order.numel(), device=order.device)
     y = back.index_select(0, inv).view(num_tokens, k, hidden)
     return _finish(_combine(y, topk_weights_local.to(acc_dtype)), out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# MX quantization (issue 6): the oracle for `numerics: mxfp8`
+#
+# OCP Microscaling (MX) v1.0 semantics, MXFP8 with E4M3 elements:
+#
+# * A block is 32 consecutive elements along the reduction dimension (``dim``); it shares one
+#   scale X = 2**s stored as E8M0: 8 exponent bits, bias 127, codes 0..254 for 2**-127..2**127,
+#   255 = NaN; no zero, no sign, no infinity.
+# * s = floor(log2(max |V_i|)) - 8, 8 being the exponent of E4M3's largest normal (448 = 1.75 *
+#   2**8), clamped to [-127, 127]. An all-zero block takes s = -127.
+# * Each element is V_i / X (exact: a power of two) rounded to E4M3 with round-to-nearest-even;
+#   magnitudes above 448 saturate to 448 (E4M3 has no infinity). With the floor rule above
+#   |V_i / X| < 512, so at most the block maximum's binade saturates: a block maximum in
+#   [480, 512) * X comes back as 448 * X, a relative error of up to 12.5% on that element only.
+# * E4M3 (the OCP "E4M3FN" element type): 1 sign, 4 exponent (bias 7), 3 mantissa bits; normals
+#   2**-6 .. 448, subnormals m * 2**-9 (m = 1..7), NaN = S.1111.111 (0x7F / 0xFF), signed zeros.
+#   Values below half the smallest subnormal (2**-10) round to zero, keeping their sign.
+# * NaN and infinity (left implementation-defined for the scale by MX v1.0): a block that holds
+#   a NaN or an infinity gets the NaN scale (0xFF) and NaN element codes (0x7F), so the value
+#   propagates through dequantization instead of saturating to a finite 448 * X.
+#
+# Codes are uint8 tensors: elements with the input's shape, scales with ``dim`` divided by 32.
+# The arithmetic is float64, where every step above is exact except the one rounding to E4M3.
+
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+E4M3_NAN = 0x7F
+E8M0_NAN = 0xFF
+_E4M3_EMAX = 8           # exponent of the largest normal
+_E4M3_MIN_NORMAL = 2.0 ** -6
+_E4M3_SUBNORMAL = 2.0 ** -9  # spacing of subnormals (the smallest one)
+
+__all__ += ["MX_BLOCK", "e4m3_encode", "e4m3_decode", "e8m0_decode", "mx_quantize", "mx_dequantize",
+            "mx_fake_quantize"]
+
+
+def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes (uint8) of ``values``: round-to-nearest-even, saturating to +-448 (infinities
+    too), NaN -> 0x7F, the sign of zero kept."""
+    v = values.detach().to(torch.float64)
+    a = v.abs()
+    nan = torch.isnan(v)
+    a = torch.where(nan, torch.zeros_like(a), a).clamp(max=E4M3_MAX)
+    # the spacing of representable values at a: 2**(e - 3) for normals, 2**-9 below 2**-6
+    e = torch.floor(torch.log2(a.clamp(min=_E4M3_MIN_NORMAL))).clamp(max=_E4M3_EMAX)
+    step = torch.where(a < _E4M3_MIN_NORMAL, torch.full_like(a, _E4M3_SUBNORMAL), torch.exp2(e - 3))
+    q = (torch.round(a / step) * step).clamp(max=E4M3_MAX)  # torch.round: ties to even
+    # q -> fields: subnormal (exponent field 0) or normal (q may have reached the next binade)
+    sub = q < _E4M3_MIN_NORMAL
+    qe = torch.floor(torch.log2(q.clamp(min=_E4M3_MIN_NORMAL)))
+    exp_field = torch.where(sub, torch.zeros_like(qe), qe + 7)
+    mant = torch.where(sub, q / _E4M3_SUBNORMAL, (q / torch.exp2(qe) - 1.0) * 8.0)
+    code = (exp_field * 8 + mant).to(torch.int64)
+    code = code + torch.signbit(v).to(torch.int64) * 0x80
+    code = torch.where(nan, torch.full_like(code, E4M3_NAN), code)
+    return code.to(torch.uint8)
+
+
+def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float64 values of E4M3 codes (uint8); 0x7F / 0xFF decode to NaN."""
+    c = codes.to(torch.int64)
+    sign = torch.where(c >= 0x80, -1.0, 1.0).to(torch.float64)
+    exp_field, mant = (c >> 3) & 0xF, (c & 0x7).to(torch.float64)
+    normal = (1.0 + mant / 8.0) * torch.exp2((exp_field - 7).to(torch.float64))
+    value = torch.where(exp_field == 0, mant * _E4M3_SUBNORMAL, normal) * sign
+    return torch.where((c & 0x7F) == E4M3_NAN, torch.full_like(value, float("nan")), value)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float64 scales 2**(code - 127) of E8M0 codes (uint8); 0xFF decodes to NaN."""
+    c = codes.to(torch.int64)
+    value = torch.exp2((c - 127).to(torch.float64))
+    return torch.where(c == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def _blocks(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    if x.dim() == 0:
+        raise ValueError("MX quantization needs at least one dimension")
+    d = dim % x.dim()
+    if x.shape[d] % MX_BLOCK:
+        raise ValueError(f"MX blocks are {MX_BLOCK} elements along dim {dim}, which has {x.shape[d]} "
+                         f"(not a multiple of {MX_BLOCK})")
+    moved = x.movedim(d, -1)
+    return moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK), d
+
+
+def mx_quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (E4M3 elements, E8M0 scales per 32 elements along ``dim``) of ``x``: returns
+    ``(codes, scales)``, uint8, codes shaped like ``x``, scales like ``x`` with ``dim`` / 32.
+    Raises ValueError when ``dim``'s size is not a multiple of 32."""
+    blocks, d = _blocks(x.detach().to(torch.float64), dim)
+    amax = blocks.abs().amax(-1)
+    finite = torch.isfinite(blocks).all(-1)
+    tiny = torch.where(amax > 0, amax, torch.ones_like(amax))  # an all-zero block: s = -127 below
+    s = torch.where(amax > 0, torch.floor(torch.log2(tiny)) - _E4M3_EMAX, torch.full_like(amax, -127.0))
+    s = torch.where(finite, s, torch.zeros_like(s)).clamp(-127, 127)
+    codes = e4m3_encode(blocks / torch.exp2(s)[..., None])
+    codes = torch.where(finite[..., None], codes, torch.full_like(codes, E4M3_NAN))
+    scales = torch.where(finite, (s + 127).to(torch.int64), torch.full_like(s, E8M0_NAN, dtype=torch.int64))
+    codes = codes.reshape(*codes.shape[:-2], -1).movedim(-1, d)
+    return codes.contiguous(), scales.to(torch.uint8).movedim(-1, d).contiguous()
+
+
+def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dim: int = -1,
+                  out_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The values of MXFP8 ``(codes, scales)`` as ``mx_quantize`` returns them, in ``out_dtype``."""
+    blocks, d = _blocks(codes, dim)
+    sc = scales.movedim(dim % scales.dim(), -1)
+    if sc.shape != blocks.shape[:-1]:
+        raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)} "
+                         f"(one per {MX_BLOCK} elements along dim {dim})")
+    values = e4m3_decode(blocks) * e8m0_decode(sc)[..., None]
+    return values.reshape(*values.shape[:-2], -1).movedim(-1, d).to(out_dtype).contiguous()
+
+
+def mx_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x`` through MXFP8 and back, in ``x``'s dtype: what a kernel computing on MXFP8 operands
+    sees (no gradient: the oracle of the quantized forward)."""
+    return mx_dequantize(*mx_quantize(x, dim), dim=dim, out_dtype=x.dtype)
