@@ -573,7 +573,8 @@ def ep_experts_forward(
 #   [480, 512) * X comes back as 448 * X, a relative error of up to 12.5% on that element only.
 # * E4M3 (the OCP "E4M3FN" element type): 1 sign, 4 exponent (bias 7), 3 mantissa bits; normals
 #   2**-6 .. 448, subnormals m * 2**-9 (m = 1..7), NaN = S.1111.111 (0x7F / 0xFF), signed zeros.
-#   Values below half the smallest subnormal (2**-10) round to zero, keeping their sign.
+#   Values up to half the smallest subnormal (2**-10, a tie: to even) round to zero, keeping
+#   their sign.
 # * NaN and infinity (left implementation-defined for the scale by MX v1.0): a block that holds
 #   a NaN or an infinity gets the NaN scale (0xFF) and NaN element codes (0x7F), so the value
 #   propagates through dequantization instead of saturating to a finite 448 * X.
@@ -593,6 +594,12 @@ __all__ += ["MX_BLOCK", "e4m3_encode", "e4m3_decode", "e8m0_decode", "mx_quantiz
             "mx_fake_quantize"]
 
 
+def _exponent(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2(a)) for a > 0, exactly (from the binary exponent; log2 may round up to the next
+    integer for a float64 just below a power of two)."""
+    return (torch.frexp(a)[1] - 1).to(torch.float64)
+
+
 def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (uint8) of ``values``: round-to-nearest-even, saturating to +-448 (infinities
     too), NaN -> 0x7F, the sign of zero kept."""
@@ -601,12 +608,12 @@ def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
     nan = torch.isnan(v)
     a = torch.where(nan, torch.zeros_like(a), a).clamp(max=E4M3_MAX)
     # the spacing of representable values at a: 2**(e - 3) for normals, 2**-9 below 2**-6
-    e = torch.floor(torch.log2(a.clamp(min=_E4M3_MIN_NORMAL))).clamp(max=_E4M3_EMAX)
+    e = _exponent(a.clamp(min=_E4M3_MIN_NORMAL)).clamp(max=_E4M3_EMAX)
     step = torch.where(a < _E4M3_MIN_NORMAL, torch.full_like(a, _E4M3_SUBNORMAL), torch.exp2(e - 3))
     q = (torch.round(a / step) * step).clamp(max=E4M3_MAX)  # torch.round: ties to even
     # q -> fields: subnormal (exponent field 0) or normal (q may have reached the next binade)
     sub = q < _E4M3_MIN_NORMAL
-    qe = torch.floor(torch.log2(q.clamp(min=_E4M3_MIN_NORMAL)))
+    qe = _exponent(q.clamp(min=_E4M3_MIN_NORMAL))
     exp_field = torch.where(sub, torch.zeros_like(qe), qe + 7)
     mant = torch.where(sub, q / _E4M3_SUBNORMAL, (q / torch.exp2(qe) - 1.0) * 8.0)
     code = (exp_field * 8 + mant).to(torch.int64)
@@ -651,12 +658,12 @@ def mx_quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Ten
     amax = blocks.abs().amax(-1)
     finite = torch.isfinite(blocks).all(-1)
     tiny = torch.where(amax > 0, amax, torch.ones_like(amax))  # an all-zero block: s = -127 below
-    s = torch.where(amax > 0, torch.floor(torch.log2(tiny)) - _E4M3_EMAX, torch.full_like(amax, -127.0))
+    s = torch.where(amax > 0, _exponent(tiny) - _E4M3_EMAX, torch.full_like(amax, -127.0))
     s = torch.where(finite, s, torch.zeros_like(s)).clamp(-127, 127)
     codes = e4m3_encode(blocks / torch.exp2(s)[..., None])
     codes = torch.where(finite[..., None], codes, torch.full_like(codes, E4M3_NAN))
     scales = torch.where(finite, (s + 127).to(torch.int64), torch.full_like(s, E8M0_NAN, dtype=torch.int64))
-    codes = codes.reshape(*codes.shape[:-2], -1).movedim(-1, d)
+    codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * MX_BLOCK).movedim(-1, d)
     return codes.contiguous(), scales.to(torch.uint8).movedim(-1, d).contiguous()
 
 
@@ -669,7 +676,7 @@ def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dim: int = -1,
         raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)} "
                          f"(one per {MX_BLOCK} elements along dim {dim})")
     values = e4m3_decode(blocks) * e8m0_decode(sc)[..., None]
-    return values.reshape(*values.shape[:-2], -1).movedim(-1, d).to(out_dtype).contiguous()
+    return values.reshape(*values.shape[:-2], values.shape[-2] * MX_BLOCK).movedim(-1, d).to(out_dtype).contiguous()
 
 
 def mx_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

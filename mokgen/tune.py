@@ -268,7 +268,9 @@ def metadata(gpu: str) -> dict[str, Any]:
     # search then held that axis, so the entry fits only where the switch says the same)
     fixed = {k: v for k, v in options.items() if k not in ("cluster", "block_k")}
     fixed["fuse_shared"] = "auto" if fixed["fuse_shared"] in (None, True) else False  # True: the same builds
-    fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k", "pull_mode") if env.switch_set(k)}
+    # (pull_mode stays among the fixed options: an entry made under MOKGEN_PULL_MODE=bulk fits
+    # only there, and one made without it fits under an explicit =copy too)
+    fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k") if env.switch_set(k)}
     doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.sources_digest(), "format": FORMAT,
                            "plan_options": fixed}
     doc.update(_toolchain_versions())

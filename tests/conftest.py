@@ -67,10 +67,9 @@ def pytest_collection_modifyitems(config, items):
             items[:] = keep
     for item in items:
         reason = None
-        if "multi_gpu" in item.keywords:
-            reason = _gpu_missing(2)
-        elif "gpu" in item.keywords:
-            reason = _gpu_missing(1)
+        gpus = 2 if "multi_gpu" in item.keywords else 1 if "gpu" in item.keywords else 0
+        if gpus:
+            reason = _gpu_missing(gpus)
             if not reason and "nvcc" in item.keywords:  # a GPU test that builds a non-default variant
                 from mokgen import env
 

@@ -107,6 +107,21 @@ def test_non_finite_blocks_become_nan(bad):
     assert torch.isnan(out[:MX_BLOCK]).all() and out[MX_BLOCK:MX_BLOCK + 2].tolist() == [2.0, 3.0]
 
 
+def test_scale_exponent_is_exact_below_a_power_of_two():
+    # log2 of the float64 just below 8 rounds to 3.0; the scale must still use exponent 2
+    below = torch.nextafter(torch.tensor(8.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)).item()
+    _, scales = mx_quantize(_block(below))
+    assert _hexes(scales) == [127 + 2 - 8]
+    assert _hexes(e4m3_encode(torch.tensor([below], dtype=torch.float64))) == [0x50]  # rounds up to 8.0
+
+
+def test_empty_inputs():
+    for shape in ((0, 32), (0, 64), (4, 0)):
+        codes, scales = mx_quantize(torch.zeros(shape))
+        assert codes.shape == shape and scales.shape == (shape[0], shape[1] // MX_BLOCK)
+        assert mx_dequantize(codes, scales).shape == shape
+
+
 def test_blocks_along_any_dimension_and_errors():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 64, 5, generator=gen, dtype=torch.float64)

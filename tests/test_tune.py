@@ -467,6 +467,7 @@ def test_cli_without_a_gpu_says_so(tuned_dirs):
 
 
 @pytest.mark.gpu
+@pytest.mark.nvcc  # builds the candidates' variants
 def test_tune_writes_an_entry_the_layer_uses_with_the_same_bits(tuned_dirs):
     """A real tune of the tiny spec: the file is written with every candidate's outcome, the
     winner is chosen from them, a resumed rerun times nothing again, and MoELayer picks the entry
