@@ -120,8 +120,10 @@ def _bad_ids(ids: torch.Tensor, num_experts: int) -> bool:
     return bool(ids.numel()) and bool(((ids < 0) | (ids >= num_experts)).any())
 
 
-def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit):
+def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit, h_fn=None):
     """Unweighted expert FFN for each row: ``out[n] = FFN_{expert_ids[n]}(rows[n])``.
+    ``h_fn``: applied to each group's intermediate activation before the down projection (the
+    MXFP8 oracle quantizes it there, as the kernel's up-projection epilogue will).
 
     Rows are grouped per expert (stable sort by expert id), each group runs as one batched
     projection, and the results are scattered back to the rows' original order. Everything is
@@ -148,6 +150,8 @@ def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit):
         # Upcast one expert at a time: the stacked weights of a large model may not fit twice.
         dt = r.dtype
         h = swiglu(r @ w_gate[e].to(dt).T, r @ w_up[e].to(dt).T, clamp_limit)
+        if h_fn is not None:
+            h = h_fn(h)
         outs.append(h @ w_down[e].to(dt).T)
         start += c
     out_sorted = torch.cat(outs, dim=0)
@@ -591,7 +595,7 @@ _E4M3_MIN_NORMAL = 2.0 ** -6
 _E4M3_SUBNORMAL = 2.0 ** -9  # spacing of subnormals (the smallest one)
 
 __all__ += ["MX_BLOCK", "e4m3_encode", "e4m3_decode", "e8m0_decode", "mx_quantize", "mx_dequantize",
-            "mx_fake_quantize"]
+            "mx_fake_quantize", "mx_experts_forward"]
 
 
 def _exponent(a: torch.Tensor) -> torch.Tensor:
@@ -683,3 +687,33 @@ def mx_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x`` through MXFP8 and back, in ``x``'s dtype: what a kernel computing on MXFP8 operands
     sees (no gradient: the oracle of the quantized forward)."""
     return mx_dequantize(*mx_quantize(x, dim), dim=dim, out_dtype=x.dtype)
+
+
+def mx_experts_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    clamp_limit: float | None = None,
+    acc_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`experts_forward` on the operands an MXFP8 layer computes with (issue 6): the token
+    rows (quantized on dispatch) and the intermediate activation h (quantized in the
+    up-projection epilogue) go through MXFP8 along their reduction dimension (H, then I), the
+    weights along theirs (``w_gate`` / ``w_up`` along H, ``w_down`` along I); products and sums
+    in ``acc_dtype``, the combine as in BF16. The oracle of the quantized forward (no gradient).
+    H and I must be multiples of 32."""
+    with torch.no_grad():
+        wq = [mx_fake_quantize(w.to(acc_dtype)) for w in (w_gate, w_up, w_down)]
+        num_tokens, k = _check_routing(x, topk_ids, topk_weights)
+        num_experts, _, hidden = _check_weights(*wq, x.shape[1])
+        if _bad_ids(topk_ids, num_experts):
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}); got min "
+                             f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
+        rows = mx_fake_quantize(x.to(acc_dtype)).repeat_interleave(k, dim=0)
+        ids = topk_ids.to(torch.int64).reshape(-1)
+        y = _expert_rows(rows, ids, *wq, clamp_limit, h_fn=mx_fake_quantize).view(num_tokens, k, hidden)
+        return _finish(_combine(y, topk_weights.to(acc_dtype)), out_dtype)
