@@ -120,10 +120,13 @@ def _bad_ids(ids: torch.Tensor, num_experts: int) -> bool:
     return bool(ids.numel()) and bool(((ids < 0) | (ids >= num_experts)).any())
 
 
-def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit, h_fn=None):
+def _matmul_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return a @ w.T
+
+
+def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit, mm=_matmul_t):
     """Unweighted expert FFN for each row: ``out[n] = FFN_{expert_ids[n]}(rows[n])``.
-    ``h_fn``: applied to each group's intermediate activation before the down projection (the
-    MXFP8 oracle quantizes it there, as the kernel's up-projection epilogue will).
+    ``mm(a, w)``: the projection ``a @ w.T`` (the MXFP8 oracle passes its quantizing one).
 
     Rows are grouped per expert (stable sort by expert id), each group runs as one batched
     projection, and the results are scattered back to the rows' original order. Everything is
@@ -136,8 +139,8 @@ def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit, h_fn=None)
         # in the autograd graph of rows and weights, so that in expert parallelism a rank that
         # serves no pair still takes part in the backward all-to-alls.
         dt = rows.dtype
-        h = swiglu(rows @ w_gate[0].to(dt).T, rows @ w_up[0].to(dt).T, clamp_limit)
-        return h @ w_down[0].to(dt).T
+        h = swiglu(mm(rows, w_gate[0].to(dt)), mm(rows, w_up[0].to(dt)), clamp_limit)
+        return mm(h, w_down[0].to(dt))
     perm = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
     sorted_rows = rows.index_select(0, perm)
@@ -149,10 +152,8 @@ def _expert_rows(rows, expert_ids, w_gate, w_up, w_down, clamp_limit, h_fn=None)
         r = sorted_rows[start : start + c]
         # Upcast one expert at a time: the stacked weights of a large model may not fit twice.
         dt = r.dtype
-        h = swiglu(r @ w_gate[e].to(dt).T, r @ w_up[e].to(dt).T, clamp_limit)
-        if h_fn is not None:
-            h = h_fn(h)
-        outs.append(h @ w_down[e].to(dt).T)
+        h = swiglu(mm(r, w_gate[e].to(dt)), mm(r, w_up[e].to(dt)), clamp_limit)
+        outs.append(mm(h, w_down[e].to(dt)))
         start += c
     out_sorted = torch.cat(outs, dim=0)
     inv = torch.empty_like(perm)
@@ -689,6 +690,34 @@ def mx_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return mx_dequantize(*mx_quantize(x, dim), dim=dim, out_dtype=x.dtype)
 
 
+def _fake_quantize_rows(t: torch.Tensor) -> torch.Tensor:
+    """MXFP8 along dim 0 (the rows a weight gradient sums over), zero rows padding it to a
+    multiple of 32 (zeros change no block's maximum)."""
+    pad = -t.shape[0] % MX_BLOCK
+    padded = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+    return mx_fake_quantize(padded, dim=0)[: t.shape[0]]
+
+
+class _MXMatmul(torch.autograd.Function):
+    """``a [n, K] @ w [N, K]^T`` as an MXFP8 GEMM: forward with a and w quantized along K; backward
+    with each GEMM's operands quantized along its own reduction dimension (the transposed
+    quantization of MX training): dgrad ``dA = q_N(dY) q_N(W)`` (dY along its columns, W along its
+    rows), wgrad ``dW = q_n(dY)^T q_n(A)`` (both along the token rows). Straight-through: the
+    gradient is of the unquantized inputs."""
+
+    @staticmethod
+    def forward(ctx, a, w):
+        ctx.save_for_backward(a, w)
+        return mx_fake_quantize(a) @ mx_fake_quantize(w).T
+
+    @staticmethod
+    def backward(ctx, gy):
+        a, w = ctx.saved_tensors
+        ga = mx_fake_quantize(gy, dim=-1) @ mx_fake_quantize(w, dim=0) if ctx.needs_input_grad[0] else None
+        gw = _fake_quantize_rows(gy).T @ _fake_quantize_rows(a) if ctx.needs_input_grad[1] else None
+        return ga, gw
+
+
 def mx_experts_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -704,16 +733,21 @@ def mx_experts_forward(
     rows (quantized on dispatch) and the intermediate activation h (quantized in the
     up-projection epilogue) go through MXFP8 along their reduction dimension (H, then I), the
     weights along theirs (``w_gate`` / ``w_up`` along H, ``w_down`` along I); products and sums
-    in ``acc_dtype``, the combine as in BF16. The oracle of the quantized forward (no gradient).
-    H and I must be multiples of 32."""
-    with torch.no_grad():
-        wq = [mx_fake_quantize(w.to(acc_dtype)) for w in (w_gate, w_up, w_down)]
-        num_tokens, k = _check_routing(x, topk_ids, topk_weights)
-        num_experts, _, hidden = _check_weights(*wq, x.shape[1])
-        if _bad_ids(topk_ids, num_experts):
-            raise ValueError(f"topk_ids must lie in [0, {num_experts}); got min "
-                             f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
-        rows = mx_fake_quantize(x.to(acc_dtype)).repeat_interleave(k, dim=0)
-        ids = topk_ids.to(torch.int64).reshape(-1)
-        y = _expert_rows(rows, ids, *wq, clamp_limit, h_fn=mx_fake_quantize).view(num_tokens, k, hidden)
-        return _finish(_combine(y, topk_weights.to(acc_dtype)), out_dtype)
+    in ``acc_dtype``, the combine as in BF16. Differentiable: every backward GEMM quantizes its
+    operands along its own reduction dimension (``_MXMatmul``), the SwiGLU and combine backward
+    stay in ``acc_dtype``; the oracle of the MXFP8 forward and backward. H and I must be
+    multiples of 32."""
+    num_tokens, k = _check_routing(x, topk_ids, topk_weights)
+    num_experts, _, hidden = _check_weights(w_gate, w_up, w_down, x.shape[1])
+    if _bad_ids(topk_ids, num_experts):
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}); got min "
+                         f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
+    inter = w_gate.shape[1]
+    if hidden % MX_BLOCK or inter % MX_BLOCK:
+        raise ValueError(f"MX blocks are {MX_BLOCK} elements: the hidden ({hidden}) and intermediate ({inter}) "
+                         f"sizes must be multiples of {MX_BLOCK}")
+    rows = x.to(acc_dtype).repeat_interleave(k, dim=0)
+    ids = topk_ids.to(torch.int64).reshape(-1)
+    wq = [w.to(acc_dtype) for w in (w_gate, w_up, w_down)]
+    y = _expert_rows(rows, ids, *wq, clamp_limit, mm=_MXMatmul.apply).view(num_tokens, k, hidden)
+    return _finish(_combine(y, topk_weights.to(acc_dtype)), out_dtype)
