@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -46,15 +47,51 @@ def template_files() -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
-def sources_digest() -> str:
-    """sha256 over the relative path and content of every template and header."""
-    root = templates_dir()
+def _digest(paths: list[Path]) -> str:
+    root = templates_dir().resolve()
     h = hashlib.sha256()
-    for path in template_files():
-        rel = path.relative_to(root).as_posix()
+    for path in paths:
+        rel = path.resolve().relative_to(root).as_posix()
         h.update(rel.encode() + b"\0")
         h.update(path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def sources_digest() -> str:
+    """sha256 over the relative path and content of every template and header (the build cache's
+    key: any change rebuilds)."""
+    return _digest(template_files())
+
+
+#: the templates the expert megakernel's library is rendered from
+KERNEL_TEMPLATES = ("moe_forward.cu.j2", "binding.py.j2")
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+def kernel_sources() -> list[Path]:
+    """The files the expert megakernel's library is built from: its templates and every local
+    header they include, transitively (``#include "..."``, looked up in templates/include, then
+    beside the including file), sorted."""
+    root = templates_dir().resolve()
+    todo, seen = [root / t for t in KERNEL_TEMPLATES], set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for name in _LOCAL_INCLUDE.findall(path.read_text()):
+            for base in (root / INCLUDE_SUBDIR, path.parent):
+                if (base / name).is_file():
+                    todo.append((base / name).resolve())
+                    break
+    return sorted(seen)
+
+
+def kernel_digest() -> str:
+    """sha256 over the kernel's own sources (``kernel_sources``): what tuned parameters were
+    measured with. A template or header the kernel does not include (the link benchmark, a
+    kernel still being written) leaves it, and so the tuned files, unchanged."""
+    return _digest(kernel_sources())
 
 
 def banner(template: str, spec_name: str, comment: str) -> str:

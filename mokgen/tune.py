@@ -14,7 +14,8 @@ every rerun on equal timings picks the same one.
 
 Results are stored as JSON per (spec, GPU name, numerics, EP degree, token bucket, workload)
 with a ``_metadata`` block: compared on lookup are its format, the mokgen version, the GPU, the
-template digest, the plan options that are not tuned (core, schedule, fused shared expert,
+digest of the kernel's sources (``render.kernel_digest``: the megakernel's templates and the
+headers they include, so a template no kernel includes leaves the files valid), the plan options that are not tuned (core, schedule, fused shared expert,
 dispatch unroll) and the CUDA and CUTLASS versions where both sides know them; the PyTorch
 version is recorded only. Files live under
 ``$MOKGEN_TUNED_DIR`` (default <cache dir>/tuned) and, committed with the project, in the
@@ -271,7 +272,7 @@ def metadata(gpu: str) -> dict[str, Any]:
     # (pull_mode stays among the fixed options: an entry made under MOKGEN_PULL_MODE=bulk fits
     # only there, and one made without it fits under an explicit =copy too)
     fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k") if env.switch_set(k)}
-    doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.sources_digest(), "format": FORMAT,
+    doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.kernel_digest(), "format": FORMAT,
                            "plan_options": fixed}
     doc.update(_toolchain_versions())
     try:

@@ -260,3 +260,24 @@ def test_write_tree_concurrent_writers_all_succeed(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == ["a.txt", "b.txt"]
     assert (dest / "a.txt").read_text().endswith(" 149\n")
     assert [p.name for p in tmp_path.iterdir()] == ["dest"]
+
+
+def test_kernel_digest_follows_only_the_kernels_sources(tmp_path, monkeypatch):
+    """The tuned files' digest (render.kernel_digest) covers the megakernel's templates and the
+    headers they include, transitively; the build cache's digest covers every file. A new header
+    nothing includes, or the link benchmark's sources, leave the kernel digest alone."""
+    names = {p.name for p in render.kernel_sources()}
+    assert {"moe_forward.cu.j2", "binding.py.j2", "ep_forward.cuh", "hopper_gemm.cuh", "common.cuh",
+            "tile_order.cuh", "router.cuh"} <= names
+    assert not names & {"linkbench.cu", "linkbench.cuh", "prebuilt_init.py.j2"}
+    copy = tmp_path / "templates"
+    shutil.copytree(render.templates_dir(), copy)
+    monkeypatch.setattr(render, "templates_dir", lambda: copy)
+    kernel, every = render.kernel_digest(), render.sources_digest()
+    (copy / "include" / "mokgen" / "ep_backward.cuh").write_text("#pragma once\n// not included yet\n")
+    link = copy / "include" / "mokgen" / "linkbench.cuh"
+    link.write_text(link.read_text() + "\n// an edit\n")
+    assert render.kernel_digest() == kernel and render.sources_digest() != every
+    common = copy / "include" / "mokgen" / "common.cuh"  # included by way of ep_forward.cuh
+    common.write_text(common.read_text() + "\n// an edit\n")
+    assert render.kernel_digest() != kernel
