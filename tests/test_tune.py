@@ -573,3 +573,25 @@ def test_layer_falls_back_to_the_default_build_when_the_tuned_one_cannot_load(mo
     monkeypatch.setattr(ep_mod, "load", other)
     with pytest.raises(RuntimeError, match="bad"):
         ep_mod._load_agreed(spec, tuned_opts, None, entry)
+
+
+def test_shipped_tuned_files_fit_this_tree(monkeypatch):
+    """Every file in mokgen/tuned/ was measured with this tree's kernel (render.kernel_digest), this
+    mokgen version and the default plan options, and parses: an edit to the kernel's sources
+    without a re-tune (or without removing the files) fails here instead of warning every H200
+    user and running the defaults."""
+    from mokgen import __version__, render
+
+    for name in ("MOKGEN_GEMM_CORE", "MOKGEN_SCHEDULE", "MOKGEN_CLUSTER", "MOKGEN_FUSE_SHARED", "MOKGEN_BLOCK_K",
+                 "MOKGEN_PULL_UNROLL", "MOKGEN_PULL_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    files = sorted(tune_mod.PACKAGE_TUNED.glob("*/*.json"))
+    kernel = render.kernel_digest()
+    for path in files:
+        doc = json.loads(path.read_text())
+        meta = doc["_metadata"]
+        assert meta["templates"] == kernel, f"{path}: tuned with other kernel sources: re-tune or remove it"
+        assert meta["mokgen"] == __version__ and meta["format"] == tune_mod.FORMAT, path
+        assert meta["plan_options"] == tune_mod.metadata(meta["gpu"])["plan_options"], path
+        Candidate.from_json(doc["best"])
+        assert path.parent.name in ALL_SPECS, path
