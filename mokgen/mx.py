@@ -17,26 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from mokgen.reference import E4M3_MAX, E4M3_NAN, E8M0_NAN, MX_BLOCK
+from mokgen.reference import E4M3_MAX, E4M3_NAN, E8M0_NAN, MX_BLOCK, mx_block_scales, mx_blocks, mx_unblocks
 
 __all__ = ["quantize", "dequantize", "quantize_experts"]
-
-
-def _move(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-    if x.dim() == 0:
-        raise ValueError("MX quantization needs at least one dimension")
-    d = dim % x.dim()
-    if x.shape[d] % MX_BLOCK:
-        raise ValueError(f"MX blocks are {MX_BLOCK} elements along dim {dim}, which has {x.shape[d]} "
-                         f"(not a multiple of {MX_BLOCK})")
-    moved = x.movedim(d, -1)
-    return moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK), d
 
 
 def quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of ``x`` along ``dim``: ``(codes float8_e4m3fn shaped like x, scales uint8 with dim /
     32)``, on ``x``'s device. Raises ValueError when ``dim``'s size is not a multiple of 32."""
-    blocks, d = _move(x.detach(), dim)
+    blocks, d = mx_blocks(x.detach(), dim)
     b = blocks.float()
     amax = b.abs().amax(-1)
     finite = torch.isfinite(b).all(-1)
@@ -48,24 +37,18 @@ def quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor
     codes = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     codes = torch.where(finite.unsqueeze(-1), codes, torch.full_like(codes, E4M3_NAN))
     scales = torch.where(finite, (s + 127).to(torch.int32), torch.full_like(s, E8M0_NAN, dtype=torch.int32))
-    codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * MX_BLOCK).movedim(-1, d)
-    return codes.contiguous().view(torch.float8_e4m3fn), scales.to(torch.uint8).movedim(-1, d).contiguous()
+    return mx_unblocks(codes, d).view(torch.float8_e4m3fn), scales.to(torch.uint8).movedim(-1, d).contiguous()
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dim: int = -1,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of ``quantize``'s ``(codes, scales)`` in ``out_dtype`` (exact in float32)."""
-    blocks, d = _move(codes.view(torch.float8_e4m3fn), dim)
-    sc = scales.movedim(dim % scales.dim(), -1)
-    if sc.shape != blocks.shape[:-1]:
-        raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)} "
-                         f"(one per {MX_BLOCK} elements along dim {dim})")
-    e = sc.to(torch.int32)
+    blocks, d = mx_blocks(codes.view(torch.float8_e4m3fn), dim)
+    e = mx_block_scales(scales, dim, blocks, codes.shape).to(torch.int32)
     # 2**(code - 127) >= 2**-127 and every E4M3 value times it (>= 2**-136) are float32 values
     factor = torch.ldexp(torch.ones(e.shape, device=e.device), (e - 127).float())
     factor = torch.where(e == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
-    values = blocks.float() * factor.unsqueeze(-1)
-    return values.reshape(*values.shape[:-2], values.shape[-2] * MX_BLOCK).movedim(-1, d).to(out_dtype).contiguous()
+    return mx_unblocks(blocks.float() * factor.unsqueeze(-1), d).to(out_dtype)
 
 
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

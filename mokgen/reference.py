@@ -120,6 +120,16 @@ def _bad_ids(ids: torch.Tensor, num_experts: int) -> bool:
     return bool(ids.numel()) and bool(((ids < 0) | (ids >= num_experts)).any())
 
 
+def _check_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> tuple[int, int, int]:
+    """The checks of an expert layer's inputs: (T, k, H), or ValueError."""
+    num_tokens, k = _check_routing(x, topk_ids, topk_weights)
+    num_experts, _, hidden = _check_weights(w_gate, w_up, w_down, x.shape[1])
+    if _bad_ids(topk_ids, num_experts):
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}); got min "
+                         f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
+    return num_tokens, k, hidden
+
+
 def _matmul_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return a @ w.T
 
@@ -333,11 +343,7 @@ def experts_forward(
     expert); the output is ``sum_j topk_weights[t, j] * slot[t, j]`` accumulated in the fixed
     order j = 0..k-1. Raises ``ValueError`` for ids outside ``[0, E)``. ``T`` may be 0.
     """
-    num_tokens, k = _check_routing(x, topk_ids, topk_weights)
-    num_experts, _, hidden = _check_weights(w_gate, w_up, w_down, x.shape[1])
-    if _bad_ids(topk_ids, num_experts):
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}); got min "
-                         f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
+    num_tokens, k, hidden = _check_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)
     xa = x.to(acc_dtype)
     ids = topk_ids.to(torch.int64).reshape(-1)
     rows = xa.repeat_interleave(k, dim=0)  # row t*k + j is x[t]
@@ -644,7 +650,9 @@ def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c == E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
-def _blocks(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+def mx_blocks(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    """``x`` with ``dim`` moved last and split into blocks of 32: ``[..., dim / 32, 32]``, and
+    ``dim`` as a non-negative index; ValueError when ``dim``'s size is not a multiple of 32."""
     if x.dim() == 0:
         raise ValueError("MX quantization needs at least one dimension")
     d = dim % x.dim()
@@ -655,11 +663,25 @@ def _blocks(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     return moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK), d
 
 
+def mx_unblocks(blocks: torch.Tensor, d: int) -> torch.Tensor:
+    """The inverse of :func:`mx_blocks`: ``[..., n, 32]`` back to ``dim`` ``d`` (contiguous)."""
+    return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * MX_BLOCK).movedim(-1, d).contiguous()
+
+
+def mx_block_scales(scales: torch.Tensor, dim: int, blocks: torch.Tensor, codes_shape) -> torch.Tensor:
+    """``scales`` with ``dim`` moved last, checked against the code blocks they scale."""
+    sc = scales.movedim(dim % scales.dim(), -1)
+    if sc.shape != blocks.shape[:-1]:
+        raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes_shape)} "
+                         f"(one per {MX_BLOCK} elements along dim {dim})")
+    return sc
+
+
 def mx_quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 (E4M3 elements, E8M0 scales per 32 elements along ``dim``) of ``x``: returns
     ``(codes, scales)``, uint8, codes shaped like ``x``, scales like ``x`` with ``dim`` / 32.
     Raises ValueError when ``dim``'s size is not a multiple of 32."""
-    blocks, d = _blocks(x.detach().to(torch.float64), dim)
+    blocks, d = mx_blocks(x.detach().to(torch.float64), dim)
     amax = blocks.abs().amax(-1)
     finite = torch.isfinite(blocks).all(-1)
     tiny = torch.where(amax > 0, amax, torch.ones_like(amax))  # an all-zero block: s = -127 below
@@ -668,20 +690,15 @@ def mx_quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Ten
     codes = e4m3_encode(blocks / torch.exp2(s)[..., None])
     codes = torch.where(finite[..., None], codes, torch.full_like(codes, E4M3_NAN))
     scales = torch.where(finite, (s + 127).to(torch.int64), torch.full_like(s, E8M0_NAN, dtype=torch.int64))
-    codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * MX_BLOCK).movedim(-1, d)
-    return codes.contiguous(), scales.to(torch.uint8).movedim(-1, d).contiguous()
+    return mx_unblocks(codes, d), scales.to(torch.uint8).movedim(-1, d).contiguous()
 
 
 def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dim: int = -1,
                   out_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The values of MXFP8 ``(codes, scales)`` as ``mx_quantize`` returns them, in ``out_dtype``."""
-    blocks, d = _blocks(codes, dim)
-    sc = scales.movedim(dim % scales.dim(), -1)
-    if sc.shape != blocks.shape[:-1]:
-        raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)} "
-                         f"(one per {MX_BLOCK} elements along dim {dim})")
-    values = e4m3_decode(blocks) * e8m0_decode(sc)[..., None]
-    return values.reshape(*values.shape[:-2], values.shape[-2] * MX_BLOCK).movedim(-1, d).to(out_dtype).contiguous()
+    blocks, d = mx_blocks(codes, dim)
+    sc = mx_block_scales(scales, dim, blocks, codes.shape)
+    return mx_unblocks(e4m3_decode(blocks) * e8m0_decode(sc)[..., None], d).to(out_dtype)
 
 
 def mx_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -737,11 +754,7 @@ def mx_experts_forward(
     operands along its own reduction dimension (``_MXMatmul``), the SwiGLU and combine backward
     stay in ``acc_dtype``; the oracle of the MXFP8 forward and backward. H and I must be
     multiples of 32."""
-    num_tokens, k = _check_routing(x, topk_ids, topk_weights)
-    num_experts, _, hidden = _check_weights(w_gate, w_up, w_down, x.shape[1])
-    if _bad_ids(topk_ids, num_experts):
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}); got min "
-                         f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
+    num_tokens, k, hidden = _check_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)
     inter = w_gate.shape[1]
     if hidden % MX_BLOCK or inter % MX_BLOCK:
         raise ValueError(f"MX blocks are {MX_BLOCK} elements: the hidden ({hidden}) and intermediate ({inter}) "
