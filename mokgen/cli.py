@@ -365,8 +365,11 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
     rows, links = [], {}
     with err_console.status("measuring the dense bf16 GEMM ceiling ...", spinner="dots"):
         ceiling = b.dense_ceiling_tflops()
+    import time
+
     for spec in specs:
         for wl in workloads:
+            start, first = time.perf_counter(), len(rows)
             with err_console.status(f"{wl}: {spec.name} ...", spinner="dots"):
                 if wl == "layer" and backward:
                     rows += b.bench_layer_backward(spec, tokens or 4096, iters=iters)
@@ -387,6 +390,9 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                         links[f"{spec.name} {ep_rows[0].workload}"] = figures
                 elif spec.num_experts % 8 == 0:
                     rows += b.bench_virtual(spec, tokens or 2048, iters=iters)
+            if main_rank and len(rows) > first:  # progress in logs too (the table comes at the end)
+                err_console.print(f"{wl} {spec.name}: " + ", ".join(f"{r.impl} {r.ms:.3f} ms" for r in rows[first:])
+                                  + f" ({time.perf_counter() - start:.0f} s)", highlight=False)
     if not main_rank:
         return
     table = Table(title=f"mokgen bench on {torch.cuda.get_device_name()} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
