@@ -16,7 +16,10 @@ Rows are processed expert-major (stable order), and each expert's weight gradien
 over its rows in that order: no split-K, no scatter-add.
 
 Two paths compute this. BF16 inputs take the grouped path (where torch._grouped_mm runs, see
-_grouped_ok): seven ``torch._grouped_mm`` calls (bf16 operands, fp32 accumulation, like the
+_grouped_ok): seven grouped GEMMs, mokgen's own Hopper kernels where ``MOKGEN_BWD_GEMM=1`` on an
+sm_90 GPU (``mokgen.bwd_gemm``: fp32 outputs, dx as one accumulation over both products, weight
+gradients by one CTA per (expert, tile) in row order; off by default until measured), else
+``torch._grouped_mm`` calls (bf16 operands, fp32 accumulation, like the
 PyTorch pipeline the bench compares against), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y
 is never recomputed. Its GEMM outputs are bf16 (g and u are rounded before the SwiGLU, where the
 forward kernel applies it to fp32 accumulators; dx is the sum of two rounded products): within
@@ -186,23 +189,41 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     rows = x.index_select(0, tok).contiguous()
     go = grad_out.to(torch.bfloat16).index_select(0, tok).contiguous()
     wts = topk_weights.reshape(-1).index_select(0, order).to(f32).unsqueeze(1)
+    from mokgen import bwd_gemm
+
+    # MOKGEN_BWD_GEMM=1 on an H100/H200: mokgen's Hopper GEMMs (fp32 outputs, bf16 weight grads)
+    ours = bwd_gemm.usable(x.shape[1], w_gate.shape[1], x.device)
+    if ours:
+        w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # recompute the up projection; dOut back through the down projection (unweighted)
-    g = gmm(rows, w_gate.transpose(1, 2), offs=offs).to(f32)
-    u = gmm(rows, w_up.transpose(1, 2), offs=offs).to(f32)
-    dh_u = gmm(go, w_down, offs=offs).to(f32)
+    if ours:
+        g = bwd_gemm.rows_gemm([(rows, w_gate)], offs, b_major="k")
+        u = bwd_gemm.rows_gemm([(rows, w_up)], offs, b_major="k")
+        dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
+    else:
+        g = gmm(rows, w_gate.transpose(1, 2), offs=offs).to(f32)
+        u = gmm(rows, w_up.transpose(1, 2), offs=offs).to(f32)
+        dh_u = gmm(go, w_down, offs=offs).to(f32)
     h, dg, du = _swiglu_fwd_bwd(g, u, dh_u * wts, clamp_limit)
     dw_rows = (dh_u * h).sum(dim=1)
     del g, u, dh_u
-    dx_rows = gmm(dg, w_gate, offs=offs).to(f32).add_(gmm(du, w_up, offs=offs))  # f32 + (bf16 -> f32), exact
+    if ours:  # one fp32 accumulation over both products
+        dx_rows = bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn")
+    else:
+        dx_rows = gmm(dg, w_gate, offs=offs).to(f32).add_(gmm(du, w_up, offs=offs))  # f32 + (bf16 -> f32), exact
     grads = None
     if need_weight_grads:
         dy = (go * wts).to(torch.bfloat16)  # bf16 * f32 promotes exactly to f32
         hb = h.to(torch.bfloat16)
-        grads = [gmm(dg.t(), rows, offs=offs), gmm(du.t(), rows, offs=offs), gmm(dy.t(), hb, offs=offs)]
-        empty = counts == 0  # an expert with no rows gets an exact zero gradient
-        if bool(empty.any()):
-            for gw in grads:
-                gw[empty] = 0
+        if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
+            grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs),
+                     bwd_gemm.weight_grads(dy, hb, offs)]
+        else:
+            grads = [gmm(dg.t(), rows, offs=offs), gmm(du.t(), rows, offs=offs), gmm(dy.t(), hb, offs=offs)]
+            empty = counts == 0  # an expert with no rows gets an exact zero gradient
+            if bool(empty.any()):
+                for gw in grads:
+                    gw[empty] = 0
     dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32)
     return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
 

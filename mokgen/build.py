@@ -11,6 +11,7 @@ and log go to ``<cache>/<version>/failed/<name>-<key12>/`` and the error names t
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -121,6 +122,92 @@ def cache_root(arch: str) -> Path:
 
 def library_name(plan: Plan) -> str:
     return f"lib{plan.name}.so"
+
+
+# ---- fixed-source libraries (one build for every spec: the link benchmark, the backward GEMMs) -
+
+
+def _source_flags(arch: str) -> list[str]:
+    return [*BASE_FLAGS, *ARCH_FLAGS[arch]]
+
+
+def _source_toolchain(cutlass: bool) -> Toolchain:
+    """nvcc, and the CUTLASS headers only where the source needs them (the link benchmark builds
+    without the nvidia-cutlass package)."""
+    if cutlass:
+        return find_toolchain()
+    nvcc = find_nvcc()
+    return Toolchain(nvcc, _nvcc_version(nvcc, os.path.getmtime(nvcc)), "", "")
+
+
+def source_key(source: str, tc: Toolchain, *, cutlass: bool, arch: str = "sm_90a") -> str:
+    """sha256 over ``templates/<source>``, every header it could include, the flags, the nvcc
+    version and (``cutlass``: built against the CUTLASS headers) the CUTLASS version; the
+    mokgen version is in the cache path."""
+    root = templates_dir()
+    h = hashlib.sha256()
+    for path in [root / source, *sorted(p for p in (root / "include" / "mokgen").iterdir() if p.is_file())]:
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    meta = {"flags": _source_flags(arch), "nvcc": tc.nvcc_version, "arch": arch}
+    if cutlass:
+        meta["cutlass"] = tc.cutlass_version
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def source_library_path(source: str, library: str, *, cutlass: bool, arch: str = "sm_90a",
+                        toolchain: Toolchain | None = None) -> Path:
+    """Where this toolchain's build of ``templates/<source>`` lives (built or not):
+    ``<cache>/<version>/<arch>/<source stem>-<key[:12]>/<library>``."""
+    tc = toolchain or _source_toolchain(cutlass)
+    key = source_key(source, tc, cutlass=cutlass, arch=arch)
+    return cache_root(arch) / f"{Path(source).stem}-{key[:12]}" / library
+
+
+def build_source(source: str, library: str, *, cutlass: bool, arch: str = "sm_90a", force: bool = False) -> Path:
+    """Compile ``templates/<source>`` into the build cache once (or find it there); returns the
+    library's path. Built in a temporary sibling and renamed into place under a file lock; a
+    failed build keeps its source and log under ``<cache>/<version>/failed/`` and names them."""
+    tc = _source_toolchain(cutlass)
+    lib = source_library_path(source, library, cutlass=cutlass, arch=arch, toolchain=tc)
+    entry = lib.parent
+    if lib.is_file() and not force:
+        return lib
+    with file_lock(entry.parent / f".{entry.name}.lock"):
+        if lib.is_file() and not force:  # another process built it meanwhile
+            return lib
+        tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            shutil.copyfile(templates_dir() / source, tmp / source)
+            cmd = [tc.nvcc, *_source_flags(arch), "-I", str(templates_dir() / "include")]
+            if cutlass:
+                cmd += ["-I", tc.cutlass_include]
+            code, log = run_nvcc([*cmd, source, "-o", library], tmp, source)
+            settle_entry(tmp, entry, source, log, code == 0)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return lib
+    nvcc = tc.nvcc if tc else find_nvcc()
+    with file_lock(entry.parent / f".{entry.name}.lock"):
+        if lib.is_file() and not force:  # another process built it meanwhile
+            return lib
+        tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            shutil.copyfile(templates_dir() / source, tmp / source)
+            cmd = [nvcc, *_source_flags(arch), "-I", str(templates_dir() / "include")]
+            if tc is not None:
+                cmd += ["-I", tc.cutlass_include]
+            code, log = run_nvcc([*cmd, source, "-o", library], tmp, source)
+            settle_entry(tmp, entry, source, log, code == 0)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return lib
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
+    "MOKGEN_BWD_GEMM": "1: the experts' backward runs its GEMMs on mokgen's Hopper kernels (mokgen/bwd_gemm.py) instead of torch._grouped_mm (default 0 until measured)",
 }
 
 
@@ -124,6 +125,10 @@ def pull_unroll() -> int:
 
 def pull_mode() -> str:
     return _choice("MOKGEN_PULL_MODE", ("copy", "bulk"))
+
+
+def bwd_gemm_enabled() -> bool:
+    return _flag("MOKGEN_BWD_GEMM")
 
 
 def tuned_dir() -> Path:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import os
-import shutil
 import statistics
 import sys
 from functools import lru_cache
@@ -35,10 +33,8 @@ from typing import Sequence
 
 from mokgen import env
 from mokgen._version import __version__
-from mokgen.build import (ARCH_FLAGS, BASE_FLAGS, cache_root, file_lock, find_toolchain, run_nvcc,
-                          settle_entry)
+from mokgen.build import build_source, source_library_path
 from mokgen.errors import InputError, KernelError, LoadError, MokgenError
-from mokgen.paths import templates_dir
 
 ARCH = "sm_90a"
 SOURCE = "linkbench.cu"
@@ -68,51 +64,16 @@ def _no_multicast() -> None:
 # ---- build -------------------------------------------------------------------------------------
 
 
-def _flags() -> list[str]:
-    return [*BASE_FLAGS, *ARCH_FLAGS[ARCH]]
-
-
-def _key(nvcc_version: str) -> str:
-    """sha256 over the source, every header it could include, the flags and the nvcc version
-    (the mokgen version is in the cache path)."""
-    root = templates_dir()
-    h = hashlib.sha256()
-    for path in [root / SOURCE, *sorted(p for p in (root / "include" / "mokgen").iterdir() if p.is_file())]:
-        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(json.dumps({"flags": _flags(), "nvcc": nvcc_version, "arch": ARCH}, sort_keys=True).encode())
-    return h.hexdigest()
-
-
 def library_path() -> Path:
     """Where this toolchain's build of the library lives (built or not)."""
-    key = _key(find_toolchain().nvcc_version)
-    return cache_root(ARCH) / f"linkbench-{key[:12]}" / LIBRARY
+    return source_library_path(SOURCE, LIBRARY, cutlass=False, arch=ARCH)
 
 
 def build_library(*, force: bool = False) -> Path:
     """Compile ``templates/linkbench.cu`` into the build cache once (or find it there); returns
-    the library's path. Built in a temporary sibling and renamed into place under a file lock; a
-    failed build keeps its source and log under ``<cache>/<version>/failed/`` and names them."""
-    tc = find_toolchain()
-    lib = library_path()
-    entry = lib.parent
-    if lib.is_file() and not force:
-        return lib
-    with file_lock(entry.parent / f".{entry.name}.lock"):
-        if lib.is_file() and not force:  # another process built it meanwhile
-            return lib
-        tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            shutil.copyfile(templates_dir() / SOURCE, tmp / SOURCE)
-            cmd = [tc.nvcc, *_flags(), "-I", str(templates_dir() / "include"), SOURCE, "-o", LIBRARY]
-            code, log = run_nvcc(cmd, tmp, SOURCE)
-            settle_entry(tmp, entry, SOURCE, log, code == 0)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return lib
+    the library's path (mokgen.build.build_source: cached by the source, the headers, the flags
+    and nvcc; a failed build keeps its source and log and names them)."""
+    return build_source(SOURCE, LIBRARY, cutlass=False, arch=ARCH, force=force)
 
 
 class _Lib:

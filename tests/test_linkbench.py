@@ -20,6 +20,7 @@ import traceback
 import pytest
 
 from conftest import run_ranks
+from mokgen import build as build_mod
 from mokgen import linkbench
 from mokgen.errors import BuildError, InputError, LoadError
 
@@ -66,9 +67,9 @@ def test_library_builds_without_spills_and_exports_the_entry_points():
 @pytest.mark.nvcc
 def test_broken_source_fails_with_the_log_and_leaves_no_entry(private_dirs, tmp_path, monkeypatch):
     templates = tmp_path / "templates"
-    shutil.copytree(linkbench.templates_dir(), templates)
+    shutil.copytree(build_mod.templates_dir(), templates)
     (templates / "linkbench.cu").write_text((templates / "linkbench.cu").read_text() + "\nnot_a_type x;\n")
-    monkeypatch.setattr(linkbench, "templates_dir", lambda: templates)
+    monkeypatch.setattr(build_mod, "templates_dir", lambda: templates)
     with pytest.raises(BuildError, match=r"nvcc failed on .*linkbench\.cu: .*error.*full log: (\S+build\.log)") as info:
         linkbench.build_library()
     log = re.search(r"full log: (\S+build\.log)", str(info.value)).group(1)

@@ -1,0 +1,193 @@
+"""The experts' backward GEMMs on mokgen's Hopper core (issue 5, step 2 of the backward plan).
+
+``templates/bwd_gemm.cu`` (device code in ``templates/include/mokgen/bwd_gemm.cuh``) is one
+library for every spec (shapes are run-time values), compiled once into the build cache and
+loaded with ctypes, like the link benchmark. Two grouped GEMMs over rows sorted expert-major
+(expert ``e`` owns rows ``[offs[e-1], offs[e])``, ``offs`` the inclusive prefix sums of the rows
+per expert, int32 on the GPU):
+
+* :func:`rows_gemm`: ``out[r] = sum_p A_p[r] @ B_p[e(r)]`` in fp32, B either ``[E, K, N]``
+  (``b_major="mn"``: dh = dOut Wd, dx = dg Wg + du Wu) or ``[E, N, K]`` (``"k"``: the recompute
+  of g = x Wg^T, u = x Wu^T);
+* :func:`weight_grads`: ``out[e] = A[rows of e]^T @ B[rows of e]`` in bf16 (dWg = dg^T x,
+  dWu = du^T x, dWd = dy^T h); an expert without rows gets zeros.
+
+One CTA owns each output tile and sums its K in order (for the weight gradients, the expert's
+rows in their order): no split-K, no atomics, the same bits on every run. Tiles are 128 x 256
+with k-blocks of 64, so N must be a multiple of 256, K (rows GEMMs) of 64 and M (weight
+gradients) of 128: every bundled spec's H and I are. ``mokgen.backward`` uses these where
+``MOKGEN_BWD_GEMM=1`` (off by default until measured on the H200: docs/perf-notes.md). The
+library is compiled where it is first used (nvcc and the nvidia-cutlass headers needed); the
+prebuilt wheels do not carry it yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+from mokgen import env
+from mokgen.build import build_source, source_library_path
+from mokgen.errors import InputError, KernelError, LoadError
+
+ARCH = "sm_90a"
+SOURCE = "bwd_gemm.cu"
+LIBRARY = "libbwdgemm.so"
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+
+
+def library_path() -> Path:
+    """Where this toolchain's build of the library lives (built or not)."""
+    return source_library_path(SOURCE, LIBRARY, cutlass=True, arch=ARCH)
+
+
+def build_library(*, force: bool = False) -> Path:
+    """Compile ``templates/bwd_gemm.cu`` into the build cache once (or find it there)."""
+    return build_source(SOURCE, LIBRARY, cutlass=True, arch=ARCH, force=force)
+
+
+class _Lib:
+    """The library's entry points with ctypes signatures; a non-zero code raises KernelError."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.mokgen_bwd_error_string.argtypes, lib.mokgen_bwd_error_string.restype = [i], ctypes.c_char_p
+        lib.mokgen_bwd_rows.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, vp]
+        lib.mokgen_bwd_rows.restype = i
+        lib.mokgen_bwd_weights.argtypes = [vp, vp, vp, vp, i, i, i, i, vp]
+        lib.mokgen_bwd_weights.restype = i
+        self._lib = lib
+
+    def check(self, what: str, code: int) -> None:
+        if code != 0:
+            raise KernelError(f"{what} failed to launch: error {code} ({self._lib.mokgen_bwd_error_string(code).decode()})")
+
+    def rows(self, *args) -> None:
+        self.check("mokgen_bwd_rows", self._lib.mokgen_bwd_rows(*args))
+
+    def weights(self, *args) -> None:
+        self.check("mokgen_bwd_weights", self._lib.mokgen_bwd_weights(*args))
+
+
+@lru_cache(maxsize=None)
+def _load(path: str) -> _Lib:
+    return _Lib(Path(path))
+
+
+def load_library() -> _Lib:
+    """The library, built first if needed (with MOKGEN_DISABLE_JIT=1 a missing build is an error)."""
+    lib = library_path()
+    if not lib.is_file():
+        if env.jit_disabled():
+            raise LoadError(f"no build of {SOURCE} at {lib} and MOKGEN_DISABLE_JIT=1: "
+                            "run mokgen.bwd_gemm.build_library() first")
+        lib = build_library()
+    return _load(str(lib))
+
+
+def supported(device) -> bool:
+    """Whether the library's sm_90a code runs on ``device`` (a CUDA device of compute capability 9.0)."""
+    import torch
+
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _check_operand(name: str, t, ndim: int) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16 or t.dim() != ndim or not t.is_contiguous():
+        raise InputError(f"{name} must be a contiguous {ndim}-d bfloat16 tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    if not supported(t.device):
+        raise InputError(f"{name} must be on a CUDA device of compute capability 9.0 (sm_90), got {t.device}")
+
+
+def _check_offs(offs, experts: int, device) -> None:
+    import torch
+
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or tuple(offs.shape) != (experts,) \
+            or offs.device != device:
+        raise InputError(f"offs must be an int32 tensor of shape ({experts},) on {device} (the rows per expert, "
+                         f"inclusive prefix sums), got {getattr(offs, 'dtype', type(offs).__name__)} "
+                         f"{tuple(getattr(offs, 'shape', ()))} on {getattr(offs, 'device', '?')}")
+
+
+def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn"):
+    """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
+    ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
+    bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
+    are left at zero)."""
+    import torch
+
+    if b_major not in ("mn", "k"):
+        raise InputError(f"b_major must be 'mn' or 'k', got {b_major!r}")
+    if not 1 <= len(pairs) <= 2:
+        raise InputError(f"rows_gemm takes one or two (A, B) pairs, got {len(pairs)}")
+    for p, (a, b) in enumerate(pairs):
+        _check_operand(f"A[{p}]", a, 2)
+        _check_operand(f"B[{p}]", b, 3)
+    a0, b0 = pairs[0]
+    rows, K = a0.shape
+    E = b0.shape[0]
+    N = b0.shape[2] if b_major == "mn" else b0.shape[1]
+    want_b = (E, K, N) if b_major == "mn" else (E, N, K)
+    for p, (a, b) in enumerate(pairs):
+        if tuple(a.shape) != (rows, K) or tuple(b.shape) != want_b or a.device != a0.device or b.device != a0.device:
+            raise InputError(f"pair {p}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit A [rows, K] = "
+                             f"{(rows, K)} and B {'[E, K, N]' if b_major == 'mn' else '[E, N, K]'} = {want_b} "
+                             f"on {a0.device}")
+    if N % BLOCK_N or K % BLOCK_K:
+        raise InputError(f"rows_gemm needs N % {BLOCK_N} == 0 and K % {BLOCK_K} == 0, got N = {N}, K = {K}")
+    _check_offs(offs, E, a0.device)
+    out = torch.zeros(rows, N, dtype=torch.float32, device=a0.device)
+    if rows == 0 or E == 0:
+        return out
+    a1, b1 = pairs[1] if len(pairs) > 1 else (a0, b0)
+    stream = torch.cuda.current_stream(a0.device).cuda_stream
+    with torch.cuda.device(a0.device):
+        load_library().rows(out.data_ptr(), a0.data_ptr(), b0.data_ptr(), a1.data_ptr(), b1.data_ptr(), len(pairs),
+                            offs.data_ptr(), E, rows, K, N, int(b_major == "mn"), stream)
+    return out
+
+
+def weight_grads(a, b, offs):
+    """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
+    row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
+    without rows."""
+    import torch
+
+    _check_operand("A", a, 2)
+    _check_operand("B", b, 2)
+    rows, M = a.shape
+    N = b.shape[1]
+    if b.shape[0] != rows or b.device != a.device:
+        raise InputError(f"A {tuple(a.shape)} and B {tuple(b.shape)} must have the same rows, on one device")
+    if M % BLOCK_M or N % BLOCK_N:
+        raise InputError(f"weight_grads needs M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got M = {M}, N = {N}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
+        raise InputError("offs must be a 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
+    E = offs.shape[0]
+    _check_offs(offs, E, a.device)
+    if rows == 0 or E == 0:
+        return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
+    out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    with torch.cuda.device(a.device):
+        load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, stream)
+    return out
+
+
+def usable(hidden: int, inter: int, device) -> bool:
+    """Whether mokgen.backward can take these GEMMs for a layer of hidden size ``hidden`` and
+    intermediate size ``inter`` on ``device``: MOKGEN_BWD_GEMM=1, an sm_90 device, and tile-sized
+    H and I (N % 256 for both orientations, M % 128)."""
+    if not env.bwd_gemm_enabled():
+        return False
+    return supported(device) and hidden % BLOCK_N == 0 and inter % BLOCK_N == 0

@@ -1,0 +1,171 @@
+// The experts' backward GEMMs (issue 5, step 2): grouped rows GEMMs and weight-gradient GEMMs on
+// the Hopper core of bwd_gemm.cuh, behind a C ABI that mokgen/bwd_gemm.py loads with ctypes. One
+// library for every spec: the shapes (rows, K, N, M, experts) are run-time values; the tiles are
+// fixed (128 x 256 x 64, four stages).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "mokgen/bwd_gemm.cuh"
+
+namespace {
+
+using namespace mokgen;
+
+struct Maps {
+  CUtensorMap a[2];
+  CUtensorMap b[2];
+};
+
+// Rows GEMM: out[r, :] (fp32, ld = N) = sum_p A_p[r, :] B_p[e(r)], K per pair. B MN-major: B_p is
+// [E, K, N] (map over [E K, N]); B K-major: B_p is [E, N, K] (map over [E N, K]).
+template <bool kBMN>
+__global__ void __launch_bounds__(bwd::kThreads, 1)
+    rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
+                float* out) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const bwd::Smem s = bwd::carve(smem);
+  const int tid = threadIdx.x, wgi = tid / 128;
+  if (tid == 0) {
+    for (int i = 0; i < bwd::kStages; ++i) {
+      bwd::mbar_init(&s.full[i], 1);
+      bwd::mbar_init(&s.empty[i], 2);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
+  bwd::Pipe pipe;
+  if (wgi == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<72>();
+    if (tid != 0) return;
+    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+      bwd::TileSrc t;
+      for (int p = 0; p < 2; ++p) {
+        t.a[p] = &maps.a[p];
+        t.b[p] = &maps.b[p];
+      }
+      t.a_row = row0;
+      t.a_col = 0;
+      t.b_row = kBMN ? e * K : e * N + n * bwd::kBN;
+      t.b_col = n * bwd::kBN;
+      t.n_k = pairs * kb_per_pair;
+      t.kb_per_pair = kb_per_pair;
+      bwd::produce<false, kBMN>(s, pipe, t);
+    });
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<216>();
+    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+      float acc[bwd::kAcc];
+      bwd::consume<false, kBMN>(s, pipe, wgi - 1, pairs * kb_per_pair, bwd::kBK, acc);
+      bwd::store_tile(acc, wgi - 1, rows, out + int64_t(row0) * N + n * bwd::kBN, N);
+    });
+  }
+}
+
+// Weight gradients: out[e] (bf16 [M, N]) = A[rows of e]^T B[rows of e]; A [rows, M], B [rows, N].
+__global__ void __launch_bounds__(bwd::kThreads, 1)
+    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, bf16* out) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const bwd::Smem s = bwd::carve(smem);
+  const int tid = threadIdx.x, wgi = tid / 128;
+  if (tid == 0) {
+    for (int i = 0; i < bwd::kStages; ++i) {
+      bwd::mbar_init(&s.full[i], 1);
+      bwd::mbar_init(&s.empty[i], 2);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
+  bwd::Pipe pipe;
+  if (wgi == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<72>();
+    if (tid != 0) return;
+    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, [&](int e, int row0, int rows, int m, int n) {
+      bwd::TileSrc t;
+      t.a[0] = t.a[1] = &maps.a[0];
+      t.b[0] = t.b[1] = &maps.b[0];
+      t.a_row = row0;
+      t.a_col = m * bwd::kBM;
+      t.b_row = row0;
+      t.b_col = n * bwd::kBN;
+      t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+      t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
+      bwd::produce<true, true>(s, pipe, t);
+    });
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<216>();
+    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, [&](int e, int row0, int rows, int m, int n) {
+      float acc[bwd::kAcc];
+      const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+      bwd::consume<true, true>(s, pipe, wgi - 1, n_k, rows - (n_k - 1) * bwd::kBK, acc);
+      bwd::store_tile(acc, wgi - 1, bwd::kBM, out + (int64_t(e) * M + m * bwd::kBM) * N + n * bwd::kBN, N);
+    });
+  }
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 0;
+  return n;
+}
+
+// The shared-memory attribute is set at every launch (a few microseconds; per device, and the
+// kernels share one function-pointer type, so a per-type "done" flag could not tell them apart).
+template <class Kernel, class... Args>
+int launch(Kernel kernel, int grid, cudaStream_t stream, const Maps& maps, Args... args) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes));
+  if (err != cudaSuccess) return int(err);
+  kernel<<<grid, bwd::kThreads, bwd::kSmemBytes, stream>>>(maps, args...);
+  return int(cudaGetLastError());
+}
+
+constexpr int kBadMap = 1000;  // a tensor map could not be encoded (mokgen_bwd_error_string)
+
+}  // namespace
+
+extern "C" {
+
+const char* mokgen_bwd_error_string(int code) {
+  if (code == kBadMap) return "cuTensorMapEncodeTiled refused an operand (alignment or size)";
+  return cudaGetErrorString(cudaError_t(code));
+}
+
+// out [rows, N] fp32 = sum_p a_p [rows, K] (bf16, row-major) x B_p[e(r)], b_mn: B_p [E, K, N]
+// (else [E, N, K]); offs [E] int32 on the device: end row of each expert (inclusive prefix sums;
+// clamped to [0, rows], so a bad offs cannot make the kernel write past out).
+// N % 256 == 0, K % 64 == 0, rows >= 1 (checked by the caller).
+int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, const void* b1, int pairs,
+                    const int32_t* offs, int E, int rows, int K, int N, int b_mn, cudaStream_t stream) {
+  Maps maps;
+  const void* as[2] = {a0, pairs > 1 ? a1 : a0};
+  const void* bs[2] = {b0, pairs > 1 ? b1 : b0};
+  for (int p = 0; p < 2; ++p) {
+    if (sm90::encode_map_2d(&maps.a[p], as[p], uint64_t(rows), uint64_t(K), 64) != CUDA_SUCCESS) return kBadMap;
+    const CUresult rb = b_mn ? sm90::encode_map_2d(&maps.b[p], bs[p], uint64_t(E) * K, uint64_t(N), 64)
+                             : sm90::encode_map_2d(&maps.b[p], bs[p], uint64_t(E) * N, uint64_t(K), 128);
+    if (rb != CUDA_SUCCESS) return kBadMap;
+  }
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out)
+              : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out);
+}
+
+// out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16
+// row-major; an expert without rows gets zeros. M % 128 == 0, N % 256 == 0, rows >= 1.
+int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* offs, int E, int rows, int M, int N,
+                       cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.a[0], a, uint64_t(rows), uint64_t(M), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS)
+    return kBadMap;
+  maps.a[1] = maps.a[0];
+  maps.b[1] = maps.b[0];
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  return launch(weight_kernel, grid, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out));
+}
+
+}  // extern "C"

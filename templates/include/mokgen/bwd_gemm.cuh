@@ -1,0 +1,256 @@
+// Grouped GEMMs of the experts' backward on Hopper (sm_90a): issue 5, step 2 of the backward
+// plan (docs/architecture.md). The forward's HopperTile reads both operands K-major (rows of x or
+// h, rows of the weights); the backward also needs operands read along M or N ("MN-major"):
+//   rows GEMMs, C[r, :] = sum over the operand pairs p of A_p[r, :] B_p[e(r)], per received row r
+//   of expert e(r) (rows expert-major, expert e owning rows [offs[e-1], offs[e])):
+//     dh = dOut Wd[e]                 A K-major [rows, H], B = Wd[e] [H, I]: MN-major
+//     dx = dg Wg[e] + du Wu[e]        two pairs, B = Wg[e], Wu[e] [I, H]: MN-major
+//     g = x Wg[e]^T, u = x Wu[e]^T     B K-major (the forward's operands; the recompute policy)
+//   weight gradients, C_e = A[seg e]^T B[seg e], K = the expert's rows (ragged, may be 0):
+//     dWg[e] = dg^T x, dWu[e] = du^T x, dWd[e] = dy^T h     A and B both MN-major
+// One CTA owns each output tile and walks its K in order (for the weight gradients: the expert's
+// rows in their fixed order), so there is no split-K and no float atomic: the bits do not depend
+// on the grid, the tile order or the run.
+//
+// Roles as in the forward (hopper_gemm.cuh): 384 threads, warpgroup 0's thread 0 issues TMA loads
+// into a ring of kStages stages (full/empty mbarriers), warpgroups 1 and 2 run wgmma on rows
+// 64c..64c+63 of a 128 x 256 tile with one k-block of 64 in flight. Stage: A 128 x 64 in two
+// boxes of 64, B 256 x 64 in four MN-major boxes of 64 columns x 64 k rows (or two K-major boxes
+// of 128 rows); 48 KB. Every box has 128-byte rows with the 128-byte swizzle, which keeps a row
+// within its own 128 bytes: that is what lets the consumers zero the k rows of a short last
+// k-block (the next expert's rows, loaded by the TMA box) in place.
+//
+// This header is not included by the forward megakernel, so editing it does not make the tuned
+// files (keyed by the forward's sources, render.kernel_digest) stale.
+#pragma once
+
+#include "hopper_gemm.cuh"
+
+namespace mokgen {
+namespace bwd {
+
+using sm90::fence_operands;
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_wait;
+using sm90::smem_desc_k;
+
+constexpr int kBM = 128, kBN = 256, kBK = 64;
+constexpr int kBox = 64 * kBK * 2;               // 8 KB: 64 rows of 128 bytes
+constexpr int kABytes = 2 * kBox;                // 128 x 64
+constexpr int kBBytes = 4 * kBox;                // 256 x 64
+constexpr int kStageBytes = kABytes + kBBytes;  // 48 KB
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64n256)
+constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+
+// MN-major operand with the 128-byte swizzle, as the TMA writes a box of 64 M/N elements x k
+// rows: k row r at byte 128 r, so 8 k rows form one 1024-byte swizzle atom (the stride byte
+// offset), and the next 64 M/N elements are the next box, kBox bytes on (the leading byte
+// offset). CuTe's canonical GMMA MN-major layout for SWIZZLE_128B ((8,n),(8,k)):((1,LBO),(8,SBO))
+// in 16-byte units.
+MOKGEN_DEVICE uint64_t smem_desc_mn(const void* smem) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = uint16_t(smem_u32(smem) >> 4);
+  d.bitfield.leading_byte_offset_ = kBox >> 4;
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;  // boxes are 1024-byte aligned, k16 steps move 2048 bytes
+  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+  return d.desc_;
+}
+
+using cute::SM90::GMMA::Major;
+template <bool kAMN, bool kBMN>
+using Mma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<kAMN ? Major::MN : Major::K, kBMN ? Major::MN : Major::K>;
+
+template <bool kAMN, bool kBMN, size_t... Is>
+MOKGEN_DEVICE void mma(uint64_t da, uint64_t db, float* acc, bool accumulate, std::index_sequence<Is...>) {
+  Mma<kAMN, kBMN>::fma(da, db, acc[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+struct Smem {
+  uint64_t* full;
+  uint64_t* empty;
+  unsigned char* stages;
+};
+
+MOKGEN_DEVICE Smem carve(unsigned char* raw) {
+  Smem s;
+  s.full = reinterpret_cast<uint64_t*>(raw);
+  s.empty = s.full + kStages;
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(raw) + 2 * kStages * 8 + 1023) & ~uintptr_t(1023);
+  s.stages = reinterpret_cast<unsigned char*>(base);
+  return s;
+}
+
+using Pipe = sm90::PipeState<kStages>;
+
+// Where the k-blocks of a tile come from. A tile has n_k k-blocks of 64; k-block kb reads pair
+// 0 for kb < kb_per_pair, else pair 1 (dx has two operand pairs), at k0 = 64 (kb mod kb_per_pair).
+//   A K-major (rows GEMMs): box (k0, a_row + 64 h), h = 0, 1 (the tile's rows).
+//   A MN-major (weight gradients): box (a_col + 64 h, k_row + k0): M columns, k = rows.
+//   B MN-major: box (b_col + 64 j, b_row + k0), j = 0..3 (N columns; k = rows of B).
+//   B K-major: box (k0, b_row + 128 h), h = 0, 1 (N = rows of B, each box 128 rows).
+struct TileSrc {
+  const CUtensorMap* a[2];
+  const CUtensorMap* b[2];
+  int a_row, a_col;  // A K-major: first row; A MN-major: first M column (a_row: first k row)
+  int b_row, b_col;  // B MN-major: first k row and N column; B K-major: first N row (b_col unused)
+  int n_k, kb_per_pair;
+};
+
+// Producer (one thread): every k-block of one tile.
+template <bool kAMN, bool kBMN>
+MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
+  for (int kb = 0; kb < t.n_k; ++kb) {
+    mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
+    unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+    uint64_t* full = &s.full[pipe.stage];
+    mbar_arrive_expect_tx(full, kStageBytes);
+    const bool p1 = kb >= t.kb_per_pair;  // the second operand pair (a select: an indexed array would live in local memory)
+    const int k0 = (p1 ? kb - t.kb_per_pair : kb) * kBK;
+    const CUtensorMap* map_a = p1 ? t.a[1] : t.a[0];
+    const CUtensorMap* map_b = p1 ? t.b[1] : t.b[0];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kAMN)
+        cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, t.a_col + 64 * h, t.a_row + k0);
+      else
+        cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, k0, t.a_row + 64 * h);
+    }
+    unsigned char* sb = st + kABytes;
+    if constexpr (kBMN) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + j * kBox, t.b_col + 64 * j, t.b_row + k0);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + h * (2 * kBox), k0, t.b_row + 128 * h);
+    }
+    pipe.advance();
+  }
+}
+
+// Zero k rows [valid, 64) of every box of a stage (a short last k-block of a weight-gradient
+// tile: the TMA box also brought the next expert's rows). Consumer warpgroup wg clears its own A
+// box and B boxes 2 wg, 2 wg + 1; the caller then orders these generic-proxy writes before the
+// wgmma reads (fence.proxy.async + a barrier of both consumer warpgroups). MN-major boxes only.
+MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int t) {
+  const int bytes = (kBK - valid) * 128;  // per box
+  unsigned char* boxes[3] = {st + wg * kBox, st + kABytes + (2 * wg) * kBox, st + kABytes + (2 * wg + 1) * kBox};
+#pragma unroll
+  for (int b = 0; b < 3; ++b)
+    for (int i = t * 16; i < bytes; i += 128 * 16)
+      *reinterpret_cast<uint4*>(boxes[b] + valid * 128 + i) = make_uint4(0, 0, 0, 0);
+}
+
+// Consumer warpgroup wg (0/1): every k-block of one tile into acc (fp32, m64n256 layout: warp w,
+// lane l hold rows 16 w + l / 4 (+ 8) and columns 8 i + 2 (l % 4) + {0, 1} of group i, in
+// acc[4 i + {0, 1}] (+ {2, 3} for the row + 8)). k_valid: the rows of the last k-block that
+// belong to the tile's K (64 unless the K is ragged). With no k-block, acc is zero.
+template <bool kAMN, bool kBMN>
+MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc]) {
+  const int t = threadIdx.x & 127;
+  if (n_k == 0) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    return;
+  }
+  int prev_stage = -1;
+#pragma unroll 1
+  for (int kb = 0; kb < n_k; ++kb) {
+    mbar_wait(&s.full[pipe.stage], pipe.phase);
+    unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+    if (kb == n_k - 1 && k_valid_last < kBK) {
+      zero_tail(st, wg, k_valid_last, t);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+    }
+    const unsigned char* sa = st + wg * kBox;
+    const unsigned char* sb = st + kABytes;
+    fence_operands(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k16 = 0; k16 < kBK / 16; ++k16) {
+      // K-major: the next 16 k are 32 bytes on within each 128-byte row; MN-major: 16 k rows on
+      const uint64_t da = kAMN ? smem_desc_mn(sa + k16 * 2048) : smem_desc_k<128>(sa + k16 * 32);
+      const uint64_t db = kBMN ? smem_desc_mn(sb + k16 * 2048) : smem_desc_k<128>(sb + k16 * 32);
+      mma<kAMN, kBMN>(da, db, acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();
+    fence_operands(acc);
+    if (prev_stage >= 0 && t == 0) mbar_arrive(&s.empty[prev_stage]);
+    prev_stage = pipe.stage;
+    pipe.advance();
+  }
+  cute::warpgroup_wait<0>();
+  fence_operands(acc);
+  if (t == 0) mbar_arrive(&s.empty[prev_stage]);
+}
+
+// Epilogue stores of one consumer warpgroup: rows r < rows of the tile (r = 64 wg + ...), 256
+// columns from col. Out: fp32 (row stride ld floats) or bf16 (row stride ld elements).
+template <class OutT>
+MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* out, int64_t ld) {
+  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+    if (r >= rows) continue;
+    OutT* row = out + int64_t(r) * ld + 2 * (lane & 3);
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const float v0 = acc[4 * i + 2 * half], v1 = acc[4 * i + 2 * half + 1];
+      if constexpr (sizeof(OutT) == 4)
+        *reinterpret_cast<float2*>(row + 8 * i) = make_float2(v0, v1);
+      else
+        *reinterpret_cast<uint32_t*>(row + 8 * i) = pack_bf16x2(v0, v1);
+    }
+  }
+}
+
+// ---- tile walks (the producer and the consumers walk the same sequence) -------------------------
+
+// Rows GEMMs: the tiles of expert e are its row blocks x n_tiles column tiles (column-major within
+// an expert's block: consecutive tiles share the A rows). Tiles are numbered over the experts in
+// order; CTA b takes tiles b, b + G, ... fn(e, row0 (global), rows, n (column tile)). Rows past
+// `total` (the operands' row count) are never visited, whatever offs says.
+template <class Fn>
+MOKGEN_DEVICE void walk_row_tiles(const int32_t* offs, int E, int total, int n_tiles, Fn&& fn) {
+  int64_t base = 0;  // first tile number of expert e
+  int64_t next = blockIdx.x;
+  int start = 0;
+  for (int e = 0; e < E; ++e) {
+    const int end = max(start, min(offs[e], total));
+    const int blocks = (end - start + kBM - 1) / kBM;
+    const int64_t count = int64_t(blocks) * n_tiles;
+    while (next < base + count) {
+      const int64_t q = next - base;
+      const int mb = int(q / n_tiles), n = int(q % n_tiles);
+      fn(e, start + mb * kBM, min(kBM, end - start - mb * kBM), n);
+      next += gridDim.x;
+    }
+    base += count;
+    start = end;
+  }
+}
+
+// Weight gradients: E x m_tiles x n_tiles tiles, expert-major; fn(e, row0, rows (the K), m, n).
+// Segments are clamped to [0, total) as above.
+template <class Fn>
+MOKGEN_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total, int m_tiles, int n_tiles, Fn&& fn) {
+  const int per_e = m_tiles * n_tiles;
+  for (int64_t q = blockIdx.x; q < int64_t(E) * per_e; q += gridDim.x) {
+    const int e = int(q / per_e), r = int(q % per_e);
+    const int start = e ? max(0, min(offs[e - 1], total)) : 0;
+    const int end = max(start, min(offs[e], total));
+    fn(e, start, end - start, r / n_tiles, r % n_tiles);
+  }
+}
+
+}  // namespace bwd
+}  // namespace mokgen

@@ -1,0 +1,72 @@
+"""The backward GEMM library (mokgen/bwd_gemm.py, templates/bwd_gemm.cu): build and input checks,
+no GPU needed. Its GPU tests are in test_gpu_bwd_gemm.py."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mokgen import bwd_gemm  # noqa: E402
+from mokgen.errors import InputError  # noqa: E402
+
+EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_error_string")
+
+
+@pytest.mark.nvcc
+def test_library_builds_without_spills_and_exports_the_entry_points(private_dirs):
+    from mokgen.build import cache_root
+
+    lib = bwd_gemm.build_library()
+    assert lib.name == "libbwdgemm.so" and lib.parent.parent == cache_root("sm_90a")
+    assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
+    log = (lib.parent / "build.log").read_text()
+    kernels = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert len(kernels) == 3, kernels  # rows<B MN-major>, rows<B K-major>, weights
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    for name in EXPORTS:
+        assert re.search(rf"\bT {name}$", nm, re.MULTILINE), name
+    cdll = ctypes.CDLL(str(lib))  # loading needs no driver
+    for name in EXPORTS:
+        getattr(cdll, name)
+    wrapped = bwd_gemm._Lib(lib)
+    assert "cuTensorMapEncodeTiled" in wrapped._lib.mokgen_bwd_error_string(1000).decode()
+    # a second call finds it in the cache
+    mtime = lib.stat().st_mtime_ns
+    assert bwd_gemm.build_library() == lib and lib.stat().st_mtime_ns == mtime
+
+
+def _bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: bwd_gemm.rows_gemm([(_bf16(4, 64), _bf16(2, 64, 256))], torch.zeros(2, dtype=torch.int32)),
+     "compute capability 9.0"),
+    (lambda: bwd_gemm.rows_gemm([(torch.zeros(4, 64), _bf16(2, 64, 256))], torch.zeros(2, dtype=torch.int32)),
+     r"A\[0\] must be a contiguous 2-d bfloat16 tensor, got torch.float32"),
+    (lambda: bwd_gemm.rows_gemm([(_bf16(64, 4).t(), _bf16(2, 64, 256))], torch.zeros(2, dtype=torch.int32)),
+     "not contiguous"),
+    (lambda: bwd_gemm.rows_gemm([], torch.zeros(2, dtype=torch.int32)), "one or two"),
+    (lambda: bwd_gemm.rows_gemm([(_bf16(4, 64), _bf16(2, 64, 256))], torch.zeros(2, dtype=torch.int32),
+                                b_major="t"), "b_major"),
+    (lambda: bwd_gemm.weight_grads(torch.zeros(4, 128), _bf16(4, 256), torch.zeros(2, dtype=torch.int32)),
+     "must be a contiguous 2-d bfloat16"),
+])
+def test_bad_input_is_one_clear_error(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_off_by_default_and_only_for_tile_sized_layers(monkeypatch):
+    monkeypatch.delenv("MOKGEN_BWD_GEMM", raising=False)
+    assert not bwd_gemm.usable(2048, 768, "cpu")
+    monkeypatch.setenv("MOKGEN_BWD_GEMM", "1")
+    assert not bwd_gemm.usable(2048, 768, "cpu")  # not an sm_90 device
+    assert not bwd_gemm.supported("cpu")
