@@ -190,24 +190,6 @@ def build_source(source: str, library: str, *, cutlass: bool, arch: str = "sm_90
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return lib
-    nvcc = tc.nvcc if tc else find_nvcc()
-    with file_lock(entry.parent / f".{entry.name}.lock"):
-        if lib.is_file() and not force:  # another process built it meanwhile
-            return lib
-        tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            shutil.copyfile(templates_dir() / source, tmp / source)
-            cmd = [nvcc, *_source_flags(arch), "-I", str(templates_dir() / "include")]
-            if tc is not None:
-                cmd += ["-I", tc.cutlass_include]
-            code, log = run_nvcc([*cmd, source, "-o", library], tmp, source)
-            settle_entry(tmp, entry, source, log, code == 0)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return lib
 
 
 @dataclass(frozen=True)

@@ -107,14 +107,17 @@ def _check_operand(name: str, t, ndim: int) -> None:
                          f"{tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
     if not supported(t.device):
         raise InputError(f"{name} must be on a CUDA device of compute capability 9.0 (sm_90), got {t.device}")
+    if t.data_ptr() % 16:
+        raise InputError(f"{name} must start at a 16-byte aligned address (the TMA's rule), got a view at "
+                         f"{t.data_ptr() % 16} bytes past one")
 
 
 def _check_offs(offs, experts: int, device) -> None:
     import torch
 
     if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or tuple(offs.shape) != (experts,) \
-            or offs.device != device:
-        raise InputError(f"offs must be an int32 tensor of shape ({experts},) on {device} (the rows per expert, "
+            or offs.device != device or not offs.is_contiguous():
+        raise InputError(f"offs must be a contiguous int32 tensor of shape ({experts},) on {device} (the rows per expert, "
                          f"inclusive prefix sums), got {getattr(offs, 'dtype', type(offs).__name__)} "
                          f"{tuple(getattr(offs, 'shape', ()))} on {getattr(offs, 'device', '?')}")
 

@@ -97,3 +97,16 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):
         assert _rel(a, b) < 2e-2, f"{name}: relative error {_rel(a, b):.3e}"
     again = experts_backward(x, ids, w, wg, wu, wd, g)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_misaligned_or_strided_inputs_are_clear_errors():
+    from mokgen.errors import InputError
+
+    a = torch.zeros(64 * 64 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(64, 64)  # 2 bytes off
+    b = torch.zeros(1, 64, 256, dtype=torch.bfloat16, device="cuda")
+    offs = torch.tensor([64], dtype=torch.int32, device="cuda")
+    with pytest.raises(InputError, match="16-byte aligned"):
+        bwd_gemm.rows_gemm([(a, b)], offs)
+    strided = torch.tensor([64, 0], dtype=torch.int32, device="cuda")[::2]
+    with pytest.raises(InputError, match="contiguous int32"):
+        bwd_gemm.rows_gemm([(torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda"), b)], strided)
