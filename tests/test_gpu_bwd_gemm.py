@@ -107,6 +107,7 @@ def test_misaligned_or_strided_inputs_are_clear_errors():
     offs = torch.tensor([64], dtype=torch.int32, device="cuda")
     with pytest.raises(InputError, match="16-byte aligned"):
         bwd_gemm.rows_gemm([(a, b)], offs)
-    strided = torch.tensor([64, 0], dtype=torch.int32, device="cuda")[::2]
+    strided = torch.tensor([32, 0, 64, 0], dtype=torch.int32, device="cuda")[::2]  # two experts, stride 2
+    b2 = torch.zeros(2, 64, 256, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(InputError, match="contiguous int32"):
-        bwd_gemm.rows_gemm([(torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda"), b)], strided)
+        bwd_gemm.rows_gemm([(torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda"), b2)], strided)
