@@ -193,22 +193,36 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
 }
 
 // Epilogue stores of one consumer warpgroup: rows r < rows of the tile (r = 64 wg + ...), 256
-// columns from col. Out: fp32 (row stride ld floats) or bf16 (row stride ld elements).
+// columns. fp32 out (row stride ld floats): each lane stores its 2 columns per 8-column group
+// (a quad writes 32 contiguous bytes of a row). bf16 out (row stride ld elements): as the
+// forward's epilogue, two butterfly exchanges per 4 groups give each lane one whole group (16
+// bytes), so a quad writes 64 contiguous bytes per store instead of 16.
 template <class OutT>
 MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* out, int64_t ld) {
-  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
+  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
+  // the forward tile's quad_transpose (a static member; this non-gated instantiation is only
+  // its host)
+  using Quad = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-    if (r >= rows) continue;
-    OutT* row = out + int64_t(r) * ld + 2 * (lane & 3);
+    const bool valid = r < rows;  // the same for the 4 lanes of a quad (the shuffles need all 32)
+    OutT* row = out + int64_t(valid ? r : 0) * ld;
+    if constexpr (sizeof(OutT) == 4) {
 #pragma unroll
-    for (int i = 0; i < kAcc / 4; ++i) {
-      const float v0 = acc[4 * i + 2 * half], v1 = acc[4 * i + 2 * half + 1];
-      if constexpr (sizeof(OutT) == 4)
-        *reinterpret_cast<float2*>(row + 8 * i) = make_float2(v0, v1);
-      else
-        *reinterpret_cast<uint32_t*>(row + 8 * i) = pack_bf16x2(v0, v1);
+      for (int i = 0; i < kAcc / 4; ++i)
+        if (valid)
+          *reinterpret_cast<float2*>(row + 8 * i + 2 * q) = make_float2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+    } else {
+#pragma unroll
+      for (int b = 0; b < kAcc / 16; ++b) {
+        uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b + 3
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          word[u] = pack_bf16x2(acc[4 * (4 * b + u) + 2 * half], acc[4 * (4 * b + u) + 2 * half + 1]);
+        const uint4 v = Quad::quad_transpose(word, q);  // group 4b + q, columns 0..7
+        if (valid) *reinterpret_cast<uint4*>(row + 8 * (4 * b + q)) = v;
+      }
     }
   }
 }
