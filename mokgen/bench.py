@@ -285,7 +285,10 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     its autograd backward: the PyTorch baseline of mokgen/backward.py for now) against the
     ``torch._grouped_mm`` pipeline under autograd. Gradients for x, the routing weights and the
     three expert weights; FLOPs counted as 3x the forward's. Each row's ``ms_all`` holds the
-    timings; the peak memory of each side (bytes above the inputs) is put in ``impl``."""
+    timings; the peak memory of each side (bytes above the inputs) is put in ``impl``. Every
+    step starts with the gradients set to None, as ``optimizer.zero_grad()`` leaves them by
+    default, so neither side pays for adding into an existing ``.grad`` (v0.7 and earlier
+    accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides)."""
     from mokgen.ep import MoELayer
 
     wg, wu, wd = (w.detach().requires_grad_(True) for w in _weights(spec))
@@ -301,12 +304,18 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     layer.check_ids = False
     clamp = spec.activation.clamp_limit
 
+    def fresh(*leaves):
+        for t in leaves:
+            t.grad = None
+
     def ours(i):
         x, ids, w, g = inputs[i]
+        fresh(x, w, *layer.parameters())
         layer(x, ids, w).backward(g)
 
     def peer(i):
         x, ids, w, g = inputs[i]
+        fresh(x, w, wg, wu, wd)
         torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g)
 
     rows = []
@@ -365,7 +374,12 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     def run(f):
         if not backward:
             return lambda i: f(inputs[i][0])
-        return lambda i: f(inputs[i][0]).backward(inputs[i][1])
+
+        def step(i):  # gradients start at None every step (as bench_layer_backward's)
+            for t in (inputs[i][0], *block.parameters()):
+                t.grad = None
+            f(inputs[i][0]).backward(inputs[i][1])
+        return step
 
     impls = {"mokgen MoEBlock": run(block), "PyTorch block (torch._grouped_mm)": run(lambda x: torch_block(x, block, clamp))}
     if block.shared is not None:
