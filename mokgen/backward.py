@@ -195,18 +195,20 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     ours = bwd_gemm.usable(x.shape[1], w_gate.shape[1], x.device)
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
-    # recompute the up projection; dOut back through the down projection (unweighted)
+    # dOut back through the down projection (unweighted), then the recompute of the up projection
+    # and SwiGLU's backward (ours: in one kernel, g and u never leave the registers)
     if ours:
-        g = bwd_gemm.rows_gemm([(rows, w_gate)], offs, b_major="k")
-        u = bwd_gemm.rows_gemm([(rows, w_up)], offs, b_major="k")
         dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
+        h, dg, du, dw_rows = bwd_gemm.swiglu_grads(rows, w_gate, w_up, dh_u, wts.reshape(-1).contiguous(), offs,
+                                                   clamp_limit)
+        del dh_u
     else:
         g = gmm(rows, w_gate.transpose(1, 2), offs=offs).to(f32)
         u = gmm(rows, w_up.transpose(1, 2), offs=offs).to(f32)
         dh_u = gmm(go, w_down, offs=offs).to(f32)
-    h, dg, du = _swiglu_fwd_bwd(g, u, dh_u * wts, clamp_limit)
-    dw_rows = (dh_u * h).sum(dim=1)
-    del g, u, dh_u
+        h, dg, du = _swiglu_fwd_bwd(g, u, dh_u * wts, clamp_limit)
+        dw_rows = (dh_u * h).sum(dim=1)
+        del g, u, dh_u
     if ours:  # one fp32 accumulation over both products
         dx_rows = bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn")
     else:

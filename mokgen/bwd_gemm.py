@@ -9,6 +9,10 @@ per expert, int32 on the GPU):
 * :func:`rows_gemm`: ``out[r] = sum_p A_p[r] @ B_p[e(r)]`` in fp32, B either ``[E, K, N]``
   (``b_major="mn"``: dh = dOut Wd, dx = dg Wg + du Wu) or ``[E, N, K]`` (``"k"``: the recompute
   of g = x Wg^T, u = x Wu^T);
+* :func:`swiglu_grads`: the recompute of ``g = x Wg[e]^T``, ``u = x Wu[e]^T`` (one gated tile
+  of gate and up rows, as the forward's) with SwiGLU's backward in the epilogue: ``h``, ``dg``,
+  ``du`` in bf16 and the routing weight's gradient ``<dh_u, h>`` per row, without g and u ever
+  leaving the registers;
 * :func:`weight_grads`: ``out[e] = A[rows of e]^T @ B[rows of e]`` in bf16 (dWg = dg^T x,
   dWu = du^T x, dWd = dy^T h); an expert without rows gets zeros.
 
@@ -60,6 +64,8 @@ class _Lib:
         lib.mokgen_bwd_rows.restype = i
         lib.mokgen_bwd_weights.argtypes = [vp, vp, vp, vp, i, i, i, i, vp]
         lib.mokgen_bwd_weights.restype = i
+        lib.mokgen_bwd_swiglu.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
+        lib.mokgen_bwd_swiglu.restype = i
         self._lib = lib
 
     def check(self, what: str, code: int) -> None:
@@ -71,6 +77,9 @@ class _Lib:
 
     def weights(self, *args) -> None:
         self.check("mokgen_bwd_weights", self._lib.mokgen_bwd_weights(*args))
+
+    def swiglu(self, *args) -> None:
+        self.check("mokgen_bwd_swiglu", self._lib.mokgen_bwd_swiglu(*args))
 
 
 @lru_cache(maxsize=None)
@@ -185,6 +194,44 @@ def weight_grads(a, b, offs):
     with torch.cuda.device(a.device):
         load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, stream)
     return out
+
+
+def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
+    """``(h, dg, du, d_wt)`` for the rows of each expert ``e``: ``g = x Wg[e]^T``, ``u = x Wu[e]^T``
+    recomputed in fp32 (never stored), ``h = swiglu(g, u)`` (mokgen.reference.swiglu, clamp
+    included), ``dg, du`` its input gradients for ``dh = dh_u * wt[:, None]``, all three bf16
+    ``[rows, I]``, and ``d_wt[r] = sum_c dh_u[r, c] h[r, c]`` (fp32 ``[rows]``, summed per 128
+    columns, then over the column tiles in order). ``x [rows, H]``, ``w_gate / w_up [E, I, H]``
+    bf16, ``dh_u [rows, I]`` and ``wt [rows]`` fp32, ``offs [E]`` int32."""
+    import torch
+
+    _check_operand("x", x, 2)
+    _check_operand("w_gate", w_gate, 3)
+    _check_operand("w_up", w_up, 3)
+    rows, H = x.shape
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    if tuple(w_gate.shape) != (E, I, H) or tuple(w_up.shape) != (E, I, H):
+        raise InputError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must both be [E, I, H] with "
+                         f"H = {H} (x's columns)")
+    for name, t, shape in (("dh_u", dh_u, (rows, I)), ("wt", wt, (rows,))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape \
+                or not t.is_contiguous() or t.device != x.device:
+            raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {x.device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if H % BLOCK_K or I % (BLOCK_N // 2):
+        raise InputError(f"swiglu_grads needs H % {BLOCK_K} == 0 and I % {BLOCK_N // 2} == 0, got H = {H}, I = {I}")
+    _check_offs(offs, E, x.device)
+    parts = I // (BLOCK_N // 2)
+    h, dg, du = (torch.zeros(rows, I, dtype=torch.bfloat16, device=x.device) for _ in range(3))
+    dw_part = torch.zeros(rows, parts, dtype=torch.float32, device=x.device)
+    if rows and E:
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        clamp = clamp_limit is not None
+        with torch.cuda.device(x.device):
+            load_library().swiglu(h.data_ptr(), dg.data_ptr(), du.data_ptr(), dw_part.data_ptr(), x.data_ptr(),
+                                  w_gate.data_ptr(), w_up.data_ptr(), dh_u.data_ptr(), wt.data_ptr(), offs.data_ptr(),
+                                  E, rows, H, I, int(clamp), float(clamp_limit) if clamp else 0.0, stream)
+    return h, dg, du, dw_part.sum(dim=1)
 
 
 def usable(hidden: int, inter: int, device) -> bool:

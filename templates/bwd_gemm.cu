@@ -104,6 +104,63 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   }
 }
 
+// The recompute of the up projection with SwiGLU's backward in the epilogue: for each row r of
+// expert e and 128 columns of I, g and u (fp32, one gated wgmma tile: w_gate and w_up rows), then
+// h, dg, du (bf16 [rows, I]) for dh = dh_u[r] wt[r], and dw_part[r, n] = sum over the tile's
+// columns of dh_u h (fp32 [rows, I / 128]).
+struct SwigluOut {
+  bf16* h;
+  bf16* dg;
+  bf16* du;
+  float* dw_part;
+  const float* dh_u;
+  const float* wt;
+};
+
+__global__ void __launch_bounds__(bwd::kThreads, 1)
+    swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I, SwigluOut o,
+                  int clamp, float limit) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const bwd::Smem s = bwd::carve(smem);
+  const int tid = threadIdx.x, wgi = tid / 128;
+  if (tid == 0) {
+    for (int i = 0; i < bwd::kStages; ++i) {
+      bwd::mbar_init(&s.full[i], 1);
+      bwd::mbar_init(&s.empty[i], 2);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const int n_tiles = I / 128, n_k = H / bwd::kBK;
+  bwd::Pipe pipe;
+  if (wgi == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<72>();
+    if (tid != 0) return;
+    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+      bwd::TileSrc t;
+      t.a[0] = t.a[1] = &maps.a[0];
+      t.b[0] = &maps.b[0];
+      t.b[1] = &maps.b[1];
+      t.a_row = row0;
+      t.a_col = 0;
+      t.b_row = e * I + n * 128;
+      t.b_col = 0;
+      t.n_k = n_k;
+      t.kb_per_pair = n_k;
+      bwd::produce<false, false, true>(s, pipe, t);
+    });
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<216>();
+    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+      float acc[bwd::kAcc];
+      bwd::consume<false, false>(s, pipe, wgi - 1, n_k, bwd::kBK, acc);
+      const int64_t at = int64_t(row0) * I + n * 128;
+      bwd::store_swiglu_grad(acc, wgi - 1, rows, o.dh_u + at, o.wt + row0, o.h + at, o.dg + at, o.du + at,
+                             o.dw_part + int64_t(row0) * n_tiles + n, n_tiles, I, clamp != 0, limit);
+    });
+  }
+}
+
 int sm_count() {
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
@@ -151,6 +208,24 @@ int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, 
   if (grid == 0) return int(cudaErrorNoDevice);
   return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out)
               : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out);
+}
+
+// The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
+// swiglu_kernel): x [rows, H] bf16, w_gate / w_up [E, I, H] bf16, dh_u [rows, I] fp32, wt [rows]
+// fp32; out h, dg, du [rows, I] bf16 and dw_part [rows, I / 128] fp32. H % 64 == 0, I % 128 == 0.
+int mokgen_bwd_swiglu(void* h, void* dg, void* du, float* dw_part, const void* x, const void* w_gate,
+                      const void* w_up, const float* dh_u, const float* wt, const int32_t* offs, int E, int rows, int H,
+                      int I, int clamp, float limit, cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.a[0], x, uint64_t(rows), uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.b[0], w_gate, uint64_t(E) * I, uint64_t(H), 128) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.b[1], w_up, uint64_t(E) * I, uint64_t(H), 128) != CUDA_SUCCESS)
+    return kBadMap;
+  maps.a[1] = maps.a[0];
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const SwigluOut o{static_cast<bf16*>(h), static_cast<bf16*>(dg), static_cast<bf16*>(du), dw_part, dh_u, wt};
+  return launch(swiglu_kernel, grid, stream, maps, offs, E, rows, H, I, o, clamp, limit);
 }
 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16

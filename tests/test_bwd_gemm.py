@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
-EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_error_string")
+EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_error_string")
 
 
 @pytest.mark.nvcc
@@ -26,7 +26,7 @@ def test_library_builds_without_spills_and_exports_the_entry_points(private_dirs
     assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert len(kernels) == 3, kernels  # rows<B MN-major>, rows<B K-major>, weights
+    assert len(kernels) == 4, kernels  # rows<B MN-major>, rows<B K-major>, swiglu, weights
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     nm = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout

@@ -101,9 +101,11 @@ struct TileSrc {
   int n_k, kb_per_pair;
 };
 
-// Producer (one thread): every k-block of one tile.
-template <bool kAMN, bool kBMN>
+// Producer (one thread): every k-block of one tile. kGated (K-major B only): B's two 128-row
+// boxes are rows b_row.. of b[0] (gate) and of b[1] (up), as the forward's gated tile; one pair.
+template <bool kAMN, bool kBMN, bool kGated = false>
 MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
+  static_assert(!kGated || (!kAMN && !kBMN), "gated tiles read K-major operands");
   for (int kb = 0; kb < t.n_k; ++kb) {
     mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
@@ -127,8 +129,12 @@ MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
         cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + j * kBox, t.b_col + 64 * j, t.b_row + k0);
     } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + h * (2 * kBox), k0, t.b_row + 128 * h);
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kGated)
+          cute::SM90_TMA_LOAD_2D::copy(h ? t.b[1] : t.b[0], full, 0, sb + h * (2 * kBox), k0, t.b_row);
+        else
+          cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + h * (2 * kBox), k0, t.b_row + 128 * h);
+      }
     }
     pipe.advance();
   }
@@ -224,6 +230,75 @@ MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* 
         if (valid) *reinterpret_cast<uint4*>(row + 8 * (4 * b + q)) = v;
       }
     }
+  }
+}
+
+// SwiGLU and its input gradients for one element (mokgen.reference.swiglu's clamp semantics:
+// gc = min(g, L), uc = clamp(u, -L, L), h = silu(gc) uc; dg = dh uc silu'(gc) [g <= L],
+// du = dh silu(gc) [-L <= u <= L], silu'(z) = s (1 + z (1 - s)), s = sigmoid(z)).
+struct SwigluGrad {
+  float h, dg, du;
+};
+MOKGEN_DEVICE SwigluGrad swiglu_grad(float g, float u, float dh, bool clamp, float limit) {
+  float gc = g, uc = u, mg = 1.f, mu = 1.f;
+  if (clamp) {
+    gc = fminf(g, limit);
+    uc = fminf(fmaxf(u, -limit), limit);
+    mg = g <= limit ? 1.f : 0.f;
+    mu = (u >= -limit && u <= limit) ? 1.f : 0.f;
+  }
+  const float s = 1.f / (1.f + __expf(-gc));
+  const float silu = gc * s;
+  return {silu * uc, dh * uc * (s * (1.f + gc * (1.f - s))) * mg, dh * silu * mu};
+}
+
+// Epilogue of the gated recompute tile (acc: gate in groups 0..15, up in 16..31, as the
+// forward's gated tile): for each of its rows r < rows and 128 columns c0 + ..., with
+// dh = dh_u[r, c] wt[r]: h, dg, du (bf16, row stride ld) and, per row, the partial sum over
+// these 128 columns of dh_u h (fp32, the routing weight's gradient; one float per row and
+// column tile, summed over the tiles in order by the caller). Quad exchanges as store_tile.
+MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows, const float* dh_u, const float* wt,
+                                     bf16* h, bf16* dg, bf16* du, float* dw_part, int n_parts, int ld, bool clamp,
+                                     float limit) {
+  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
+  using Quad = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+    const bool valid = r < rows;  // the same for the 4 lanes of a quad
+    const int64_t off = int64_t(valid ? r : 0) * ld;
+    const float weight = valid ? wt[valid ? r : 0] : 0.f;
+    float dot = 0.f;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      uint32_t wh[4], wdg[4], wdu[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = 4 * b + u;  // gate group i, up group i + 16: columns 8 i + 2 q + {0, 1}
+        float2 d = make_float2(0.f, 0.f);
+        if (valid) d = *reinterpret_cast<const float2*>(dh_u + off + 8 * i + 2 * q);
+        const SwigluGrad a = swiglu_grad(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], d.x * weight, clamp, limit);
+        const SwigluGrad c = swiglu_grad(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], d.y * weight, clamp,
+                                         limit);
+        dot = fmaf(d.x, a.h, dot);
+        dot = fmaf(d.y, c.h, dot);
+        wh[u] = pack_bf16x2(a.h, c.h);
+        wdg[u] = pack_bf16x2(a.dg, c.dg);
+        wdu[u] = pack_bf16x2(a.du, c.du);
+      }
+      const uint4 vh = Quad::quad_transpose(wh, q), vdg = Quad::quad_transpose(wdg, q),
+                  vdu = Quad::quad_transpose(wdu, q);
+      if (valid) {
+        const int64_t at = off + 8 * (4 * b + q);
+        *reinterpret_cast<uint4*>(h + at) = vh;
+        *reinterpret_cast<uint4*>(dg + at) = vdg;
+        *reinterpret_cast<uint4*>(du + at) = vdu;
+      }
+    }
+    // the quad's 4 partial sums, in a fixed order (lanes q = 0..3 of the row)
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    if (valid && q == 0) dw_part[int64_t(r) * n_parts] = dot;
   }
 }
 
