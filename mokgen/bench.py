@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import statistics
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from mokgen.errors import MokgenError
 from mokgen.spec import MoESpec
 
 
@@ -318,10 +320,28 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         fresh(x, w, wg, wu, wd)
         torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g)
 
+    from mokgen import bwd_gemm
+
+    impls = {"mokgen megakernel + baseline backward (W=1)": ours}
+    if bwd_gemm.supported("cuda") and spec.hidden_size % 256 == 0 and spec.moe_intermediate_size % 256 == 0:
+        try:
+            bwd_gemm.load_library()
+        except MokgenError as err:  # no nvcc here: the row is left out, with the reason
+            warnings.warn(f"mokgen bench: the backward GEMMs are not timed: {err}")
+        else:
+            def ours_gemms(i):
+                with bwd_gemm.forced(True):
+                    ours(i)
+            impls["mokgen megakernel + mokgen backward GEMMs (W=1)"] = ours_gemms
+
+    def ours_torch(i):  # the baseline backward on torch._grouped_mm, whatever MOKGEN_BWD_GEMM says
+        with bwd_gemm.forced(False):
+            ours(i)
+    impls["mokgen megakernel + baseline backward (W=1)"] = ours_torch
+    impls["torch._grouped_mm autograd"] = peer
     rows = []
     flops = 3 * routed_flops(spec, tokens)
-    for name, fn in {"mokgen megakernel + baseline backward (W=1)": ours,
-                     "torch._grouped_mm autograd": peer}.items():
+    for name, fn in impls.items():
         fn(0)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -28,6 +28,7 @@ prebuilt wheels do not carry it yet.
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -234,10 +235,25 @@ def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
     return h, dg, du, dw_part.sum(dim=1)
 
 
+_forced: bool | None = None
+
+
+@contextmanager
+def forced(on: bool):
+    """Within the block, mokgen.backward uses these GEMMs (``on``) or torch._grouped_mm whatever
+    MOKGEN_BWD_GEMM says (the bench times both in one run this way). Not thread-local."""
+    global _forced
+    saved, _forced = _forced, bool(on)
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
 def usable(hidden: int, inter: int, device) -> bool:
     """Whether mokgen.backward can take these GEMMs for a layer of hidden size ``hidden`` and
-    intermediate size ``inter`` on ``device``: MOKGEN_BWD_GEMM=1, an sm_90 device, and tile-sized
-    H and I (N % 256 for both orientations, M % 128)."""
-    if not env.bwd_gemm_enabled():
+    intermediate size ``inter`` on ``device``: MOKGEN_BWD_GEMM=1 (or a :func:`forced` block), an
+    sm_90 device, and tile-sized H and I (N % 256 for both orientations, M % 128)."""
+    if not (env.bwd_gemm_enabled() if _forced is None else _forced):
         return False
     return supported(device) and hidden % BLOCK_N == 0 and inter % BLOCK_N == 0
