@@ -16,15 +16,18 @@ Rows are processed expert-major (stable order), and each expert's weight gradien
 over its rows in that order: no split-K, no scatter-add.
 
 Two paths compute this. BF16 inputs take the grouped path (where torch._grouped_mm runs, see
-_grouped_ok): seven grouped GEMMs, mokgen's own Hopper kernels where ``MOKGEN_BWD_GEMM=1`` on an
-sm_90 GPU (``mokgen.bwd_gemm``: fp32 outputs, dx as one accumulation over both products, weight
-gradients by one CTA per (expert, tile) in row order; off by default until measured), else
-``torch._grouped_mm`` calls (bf16 operands, fp32 accumulation, like the
-PyTorch pipeline the bench compares against), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y
-is never recomputed. Its GEMM outputs are bf16 (g and u are rounded before the SwiGLU, where the
-forward kernel applies it to fp32 accumulators; dx is the sum of two rounded products): within
-bf16 tolerance, like the PyTorch pipeline. Other dtypes (the fp64 oracle of the CPU tests, fp32)
-take the per-expert loop in the inputs' precision.
+_grouped_ok), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y is never recomputed, in one of
+two forms:
+- ``torch._grouped_mm`` (the default): seven grouped GEMMs (bf16 operands, fp32 accumulation,
+  like the PyTorch pipeline the bench compares against) and elementwise passes. Its GEMM outputs
+  are bf16: g and u are rounded before the SwiGLU (the forward kernel applies it to fp32
+  accumulators), and dx is the sum of two rounded products.
+- mokgen's own Hopper kernels (``mokgen.bwd_gemm``, where ``MOKGEN_BWD_GEMM=1`` on an sm_90
+  GPU; off by default until measured): dh in fp32, the recompute of g and u with SwiGLU's
+  backward in its epilogue (g and u stay fp32 in registers), dx as one accumulation over both
+  products, weight gradients by one CTA per (expert, tile) in row order.
+Both are within bf16 tolerance of the reference. Other dtypes (the fp64 oracle of the CPU
+tests, fp32) take the per-expert loop in the inputs' precision.
 """
 
 from __future__ import annotations

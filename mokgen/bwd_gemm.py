@@ -7,8 +7,8 @@ loaded with ctypes, like the link benchmark. Two grouped GEMMs over rows sorted 
 per expert, int32 on the GPU):
 
 * :func:`rows_gemm`: ``out[r] = sum_p A_p[r] @ B_p[e(r)]`` in fp32, B either ``[E, K, N]``
-  (``b_major="mn"``: dh = dOut Wd, dx = dg Wg + du Wu) or ``[E, N, K]`` (``"k"``: the recompute
-  of g = x Wg^T, u = x Wu^T);
+  (``b_major="mn"``: dh = dOut Wd, dx = dg Wg + du Wu) or ``[E, N, K]`` (``"k"``: x Wg^T alone;
+  the backward recomputes g and u through :func:`swiglu_grads` instead);
 * :func:`swiglu_grads`: the recompute of ``g = x Wg[e]^T``, ``u = x Wu[e]^T`` (one gated tile
   of gate and up rows, as the forward's) with SwiGLU's backward in the epilogue: ``h``, ``dg``,
   ``du`` in bf16 and the routing weight's gradient ``<dh_u, h>`` per row, without g and u ever
@@ -156,8 +156,9 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn"):
             raise InputError(f"pair {p}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit A [rows, K] = "
                              f"{(rows, K)} and B {'[E, K, N]' if b_major == 'mn' else '[E, N, K]'} = {want_b} "
                              f"on {a0.device}")
-    if N % BLOCK_N or K % BLOCK_K:
-        raise InputError(f"rows_gemm needs N % {BLOCK_N} == 0 and K % {BLOCK_K} == 0, got N = {N}, K = {K}")
+    if N == 0 or K == 0 or N % BLOCK_N or K % BLOCK_K:
+        raise InputError(f"rows_gemm needs N, K > 0 with N % {BLOCK_N} == 0 and K % {BLOCK_K} == 0, got N = {N}, "
+                         f"K = {K}")
     _check_offs(offs, E, a0.device)
     out = torch.zeros(rows, N, dtype=torch.float32, device=a0.device)
     if rows == 0 or E == 0:
@@ -182,8 +183,9 @@ def weight_grads(a, b, offs):
     N = b.shape[1]
     if b.shape[0] != rows or b.device != a.device:
         raise InputError(f"A {tuple(a.shape)} and B {tuple(b.shape)} must have the same rows, on one device")
-    if M % BLOCK_M or N % BLOCK_N:
-        raise InputError(f"weight_grads needs M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got M = {M}, N = {N}")
+    if M == 0 or N == 0 or M % BLOCK_M or N % BLOCK_N:
+        raise InputError(f"weight_grads needs M, N > 0 with M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got M = {M}, "
+                         f"N = {N}")
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
         raise InputError("offs must be a 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
     E = offs.shape[0]
@@ -219,8 +221,13 @@ def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
                 or not t.is_contiguous() or t.device != x.device:
             raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {x.device}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-    if H % BLOCK_K or I % (BLOCK_N // 2):
-        raise InputError(f"swiglu_grads needs H % {BLOCK_K} == 0 and I % {BLOCK_N // 2} == 0, got H = {H}, I = {I}")
+    if H == 0 or I == 0 or H % BLOCK_K or I % (BLOCK_N // 2):
+        raise InputError(f"swiglu_grads needs H, I > 0 with H % {BLOCK_K} == 0 and I % {BLOCK_N // 2} == 0, got "
+                         f"H = {H}, I = {I}")
+    if dh_u.data_ptr() % 8:
+        raise InputError("dh_u must start at an 8-byte aligned address (the kernel reads float pairs)")
+    if clamp_limit is not None and not float(clamp_limit) > 0:
+        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
     _check_offs(offs, E, x.device)
     parts = I // (BLOCK_N // 2)
     h, dg, du = (torch.zeros(rows, I, dtype=torch.bfloat16, device=x.device) for _ in range(3))

@@ -105,6 +105,12 @@ def test_swiglu_grads_match_fp32_recompute(clamp):
     for name, a, b in (("h", h[:n], want_h), ("dg", dg[:n], want_dg), ("du", du[:n], want_du)):
         assert a.dtype == torch.bfloat16 and _rel(a, b) < 1e-2, f"{name}: relative error {_rel(a, b):.3e}"
     assert _rel(dw[:n], (dh_u[:n] * want_h).sum(1)) < 1e-3
+    if clamp is not None:  # the masks element by element, away from the edges (g, u differ in the last bits)
+        margin = 1e-2
+        assert torch.all(dg[:n][g > clamp + margin] == 0)
+        assert torch.all(du[:n][(u.abs() > clamp + margin)] == 0)
+        inside = (g < clamp - margin) & (u.abs() < clamp - margin) & (want_dg.abs() > 1e-3)
+        assert torch.all(dg[:n][inside] != 0) and inside.sum() > 100
     for t in (h[n:], dg[n:], du[n:]):  # rows past offs[-1] stay zero
         assert torch.equal(t, torch.zeros_like(t))
     again = bwd_gemm.swiglu_grads(x, wg, wu, dh_u, wt, offs, clamp)
