@@ -128,15 +128,18 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
     return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
 
 
-def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype):
+def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype, dx_pairs=None):
     """Rows in expert-major order (row i is pair ``order[i]`` = t * K + j) back to the (t, j)
     pairs (a permutation; pairs not in ``order``, the dropped ones, get zeros), then dx summed
-    over j = 0..K-1 in fixed order in ``dtype``. Returns (dx [T, H], d weights [T, K])."""
-    H = dx_rows.shape[1]
-    dx_pairs = torch.zeros(T * K, H, dtype=dtype, device=dx_rows.device)
-    dx_pairs[order] = dx_rows.to(dtype)
-    dx_pairs = dx_pairs.view(T, K, H)
-    dx = dx_pairs[:, 0].clone()
+    over j = 0..K-1 in fixed order in ``dtype``. ``dx_pairs``: the dx rows already in pair order
+    (``[T * K, H]``, zeros for dropped pairs; a kernel scattered them), ``dx_rows`` then unused.
+    Returns (dx [T, H], d weights [T, K])."""
+    if dx_pairs is None:
+        H = dx_rows.shape[1]
+        dx_pairs = torch.zeros(T * K, H, dtype=dtype, device=dx_rows.device)
+        dx_pairs[order] = dx_rows.to(dtype)
+    dx_pairs = dx_pairs.view(T, K, dx_pairs.shape[1])
+    dx = dx_pairs[:, 0] if K == 1 else dx_pairs[:, 0].clone()  # K = 1: the pairs are the tokens
     for j in range(1, K):
         dx.add_(dx_pairs[:, j])
     dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=dw_rows.device)
@@ -200,10 +203,10 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then the recompute of the up projection
     # and SwiGLU's backward (ours: in one kernel, g and u never leave the registers)
-    if ours:
+    if ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
         dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
-        h, dg, du, dw_rows = bwd_gemm.swiglu_grads(rows, w_gate, w_up, dh_u, wts.reshape(-1).contiguous(), offs,
-                                                   clamp_limit)
+        hw, dg, du, dw_rows = bwd_gemm.swiglu_grads(rows, w_gate, w_up, dh_u, wts.reshape(-1).contiguous(), offs,
+                                                    clamp_limit)
         del dh_u
     else:
         g = gmm(rows, w_gate.transpose(1, 2), offs=offs).to(f32)
@@ -212,24 +215,27 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         h, dg, du = _swiglu_fwd_bwd(g, u, dh_u * wts, clamp_limit)
         dw_rows = (dh_u * h).sum(dim=1)
         del g, u, dh_u
-    if ours:  # one fp32 accumulation over both products
-        dx_rows = bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn")
+    dx_pairs = None
+    if ours:  # one fp32 accumulation over both products, scattered to (token, slot) order by the kernel
+        dx_pairs = torch.zeros(T * K, x.shape[1], dtype=f32, device=x.device)
+        bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn", out=dx_pairs, out_rows=order)
+        dx_rows = None
     else:
         dx_rows = gmm(dg, w_gate, offs=offs).to(f32).add_(gmm(du, w_up, offs=offs))  # f32 + (bf16 -> f32), exact
     grads = None
     if need_weight_grads:
-        dy = (go * wts).to(torch.bfloat16)  # bf16 * f32 promotes exactly to f32
-        hb = h.to(torch.bfloat16)
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
             grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs),
-                     bwd_gemm.weight_grads(dy, hb, offs)]
+                     bwd_gemm.weight_grads(go, hw, offs)]
         else:
+            dy = (go * wts).to(torch.bfloat16)  # bf16 * f32 promotes exactly to f32
+            hb = h.to(torch.bfloat16)
             grads = [gmm(dg.t(), rows, offs=offs), gmm(du.t(), rows, offs=offs), gmm(dy.t(), hb, offs=offs)]
             empty = counts == 0  # an expert with no rows gets an exact zero gradient
             if bool(empty.any()):
                 for gw in grads:
                     gw[empty] = 0
-    dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32)
+    dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32, dx_pairs)
     return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
 
 

@@ -61,7 +61,7 @@ class _Lib:
         lib = ctypes.CDLL(str(path))
         vp, i = ctypes.c_void_p, ctypes.c_int
         lib.mokgen_bwd_error_string.argtypes, lib.mokgen_bwd_error_string.restype = [i], ctypes.c_char_p
-        lib.mokgen_bwd_rows.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, vp]
+        lib.mokgen_bwd_rows.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, vp, vp]
         lib.mokgen_bwd_rows.restype = i
         lib.mokgen_bwd_weights.argtypes = [vp, vp, vp, vp, i, i, i, i, vp]
         lib.mokgen_bwd_weights.restype = i
@@ -132,11 +132,13 @@ def _check_offs(offs, experts: int, device) -> None:
                          f"{tuple(getattr(offs, 'shape', ()))} on {getattr(offs, 'device', '?')}")
 
 
-def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn"):
+def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, out_rows=None):
     """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
     bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
-    are left at zero)."""
+    are left at zero). ``out_rows`` (int64 ``[rows]``, distinct values) scatters: row ``r`` of
+    the result goes to row ``out_rows[r]`` of ``out`` (fp32 ``[R, N]``, given by the caller;
+    its other rows are left as they are). The map is trusted: its values must lie in [0, R)."""
     import torch
 
     if b_major not in ("mn", "k"):
@@ -160,14 +162,25 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn"):
         raise InputError(f"rows_gemm needs N, K > 0 with N % {BLOCK_N} == 0 and K % {BLOCK_K} == 0, got N = {N}, "
                          f"K = {K}")
     _check_offs(offs, E, a0.device)
-    out = torch.zeros(rows, N, dtype=torch.float32, device=a0.device)
+    if out_rows is None:
+        if out is not None:
+            raise InputError("rows_gemm: pass out together with out_rows (without a map it allocates its own)")
+        out = torch.zeros(rows, N, dtype=torch.float32, device=a0.device)
+    else:
+        if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int64 or tuple(out_rows.shape) != (rows,) \
+                or not out_rows.is_contiguous() or out_rows.device != a0.device:
+            raise InputError(f"out_rows must be a contiguous int64 tensor of shape ({rows},) on {a0.device}")
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != N \
+                or not out.is_contiguous() or out.device != a0.device:
+            raise InputError(f"out must be a contiguous float32 tensor [R, {N}] on {a0.device} with out_rows")
     if rows == 0 or E == 0:
         return out
     a1, b1 = pairs[1] if len(pairs) > 1 else (a0, b0)
     stream = torch.cuda.current_stream(a0.device).cuda_stream
     with torch.cuda.device(a0.device):
         load_library().rows(out.data_ptr(), a0.data_ptr(), b0.data_ptr(), a1.data_ptr(), b1.data_ptr(), len(pairs),
-                            offs.data_ptr(), E, rows, K, N, int(b_major == "mn"), stream)
+                            offs.data_ptr(), E, rows, K, N, int(b_major == "mn"),
+                            out_rows.data_ptr() if out_rows is not None else None, stream)
     return out
 
 
@@ -200,11 +213,12 @@ def weight_grads(a, b, offs):
 
 
 def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
-    """``(h, dg, du, d_wt)`` for the rows of each expert ``e``: ``g = x Wg[e]^T``, ``u = x Wu[e]^T``
+    """``(hw, dg, du, d_wt)`` for the rows of each expert ``e``: ``g = x Wg[e]^T``, ``u = x Wu[e]^T``
     recomputed in fp32 (never stored), ``h = swiglu(g, u)`` (mokgen.reference.swiglu, clamp
-    included), ``dg, du`` its input gradients for ``dh = dh_u * wt[:, None]``, all three bf16
-    ``[rows, I]``, and ``d_wt[r] = sum_c dh_u[r, c] h[r, c]`` (fp32 ``[rows]``, summed per 128
-    columns, then over the column tiles in order). ``x [rows, H]``, ``w_gate / w_up [E, I, H]``
+    included), ``hw = h * wt[:, None]`` (the weighted activation: the down projection's weight
+    gradient is ``dOut^T hw``), ``dg, du`` the input gradients for ``dh = dh_u * wt[:, None]``,
+    all three bf16 ``[rows, I]``, and ``d_wt[r] = sum_c dh_u[r, c] h[r, c]`` (fp32 ``[rows]``,
+    summed per 128 columns, then over the column tiles in order). ``x [rows, H]``, ``w_gate / w_up [E, I, H]``
     bf16, ``dh_u [rows, I]`` and ``wt [rows]`` fp32, ``offs [E]`` int32."""
     import torch
 

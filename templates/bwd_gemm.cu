@@ -21,7 +21,7 @@ struct Maps {
 template <bool kBMN>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
-                float* out) {
+                float* out, const int64_t* out_rows) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::carve(smem);
   const int tid = threadIdx.x, wgi = tid / 128;
@@ -57,7 +57,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
       float acc[bwd::kAcc];
       bwd::consume<false, kBMN>(s, pipe, wgi - 1, pairs * kb_per_pair, bwd::kBK, acc);
-      bwd::store_tile(acc, wgi - 1, rows, out + int64_t(row0) * N + n * bwd::kBN, N);
+      if (out_rows != nullptr)
+        bwd::store_tile(acc, wgi - 1, rows, out + n * bwd::kBN, N, out_rows + row0);
+      else
+        bwd::store_tile(acc, wgi - 1, rows, out + int64_t(row0) * N + n * bwd::kBN, N);
     });
   }
 }
@@ -106,8 +109,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 
 // The recompute of the up projection with SwiGLU's backward in the epilogue: for each row r of
 // expert e and 128 columns of I, g and u (fp32, one gated wgmma tile: w_gate and w_up rows), then
-// h, dg, du (bf16 [rows, I]) for dh = dh_u[r] wt[r], and dw_part[r, n] = sum over the tile's
-// columns of dh_u h (fp32 [rows, I / 128]).
+// h wt[r], dg, du (bf16 [rows, I]) for dh = dh_u[r] wt[r], and dw_part[r, n] = sum over the
+// tile's columns of dh_u h (fp32 [rows, I / 128]).
 struct SwigluOut {
   bf16* h;
   bf16* dg;
@@ -189,12 +192,14 @@ const char* mokgen_bwd_error_string(int code) {
   return cudaGetErrorString(cudaError_t(code));
 }
 
-// out [rows, N] fp32 = sum_p a_p [rows, K] (bf16, row-major) x B_p[e(r)], b_mn: B_p [E, K, N]
+// out [rows, N] fp32 = sum_p a_p [rows, K] (bf16, row-major) x B_p[e(r)] (row r of the result
+// written to out row out_rows[r] where out_rows is given, int64 [rows]), b_mn: B_p [E, K, N]
 // (else [E, N, K]); offs [E] int32 on the device: end row of each expert (inclusive prefix sums;
 // clamped to [0, rows], so a bad offs cannot make the kernel write past out).
 // N % 256 == 0, K % 64 == 0, rows >= 1 (checked by the caller).
 int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, const void* b1, int pairs,
-                    const int32_t* offs, int E, int rows, int K, int N, int b_mn, cudaStream_t stream) {
+                    const int32_t* offs, int E, int rows, int K, int N, int b_mn, const int64_t* out_rows,
+                    cudaStream_t stream) {
   Maps maps;
   const void* as[2] = {a0, pairs > 1 ? a1 : a0};
   const void* bs[2] = {b0, pairs > 1 ? b1 : b0};
@@ -206,13 +211,14 @@ int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, 
   }
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
-  return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out)
-              : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out);
+  return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows)
+              : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
 // swiglu_kernel): x [rows, H] bf16, w_gate / w_up [E, I, H] bf16, dh_u [rows, I] fp32, wt [rows]
-// fp32; out h, dg, du [rows, I] bf16 and dw_part [rows, I / 128] fp32. H % 64 == 0, I % 128 == 0.
+// fp32; out h (= swiglu(g, u) wt, the weighted activation), dg, du [rows, I] bf16 and dw_part
+// [rows, I / 128] fp32. H % 64 == 0, I % 128 == 0.
 int mokgen_bwd_swiglu(void* h, void* dg, void* du, float* dw_part, const void* x, const void* w_gate,
                       const void* w_up, const float* dh_u, const float* wt, const int32_t* offs, int E, int rows, int H,
                       int I, int clamp, float limit, cudaStream_t stream) {

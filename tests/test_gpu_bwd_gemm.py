@@ -55,6 +55,24 @@ def test_rows_gemm_matches_fp32_per_expert(b_major, pairs):
     assert torch.equal(got, again)
 
 
+def test_rows_gemm_scatters_rows_through_a_map():
+    """out_rows: row r of the result lands in out row out_rows[r]; the other rows keep their values."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    E, K, N = len(COUNTS), 256, 512
+    rows = sum(COUNTS)
+    ops = [(_randn(rows, K, gen=gen), _randn(E, K, N, gen=gen, scale=K**-0.5)) for _ in range(2)]
+    offs = _offs(COUNTS)
+    plain = bwd_gemm.rows_gemm(ops, offs)
+    R = rows + 50
+    perm = torch.randperm(R, generator=gen, device="cuda")[:rows].contiguous()
+    out = torch.full((R, N), 7.0, device="cuda")
+    assert bwd_gemm.rows_gemm(ops, offs, out=out, out_rows=perm) is out
+    assert torch.equal(out[perm], plain)
+    untouched = torch.ones(R, dtype=torch.bool, device="cuda")
+    untouched[perm] = False
+    assert torch.all(out[untouched] == 7.0)
+
+
 def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts():
     """Every expert's rows in order; a short last k-block must not pick up the next expert's rows
     (they are in the same TMA box: the kernel zeroes them), and an expert without rows gets zeros."""
@@ -91,7 +109,7 @@ def test_swiglu_grads_match_fp32_recompute(clamp):
     dh_u = torch.randn(rows, I, generator=gen, device="cuda")
     wt = torch.rand(rows, generator=gen, device="cuda")
     offs = _offs(COUNTS)
-    h, dg, du, dw = bwd_gemm.swiglu_grads(x, wg, wu, dh_u, wt, offs, clamp)
+    hw, dg, du, dw = bwd_gemm.swiglu_grads(x, wg, wu, dh_u, wt, offs, clamp)
     n = sum(COUNTS)
     g = torch.zeros(n, I, device="cuda")
     u = torch.zeros(n, I, device="cuda")
@@ -102,7 +120,7 @@ def test_swiglu_grads_match_fp32_recompute(clamp):
         start += c
     want_h = reference.swiglu(g, u, clamp)
     want_dg, want_du = _swiglu_grads(g, u, dh_u[:n] * wt[:n, None], clamp)
-    for name, a, b in (("h", h[:n], want_h), ("dg", dg[:n], want_dg), ("du", du[:n], want_du)):
+    for name, a, b in (("h wt", hw[:n], want_h * wt[:n, None]), ("dg", dg[:n], want_dg), ("du", du[:n], want_du)):
         assert a.dtype == torch.bfloat16 and _rel(a, b) < 1e-2, f"{name}: relative error {_rel(a, b):.3e}"
     assert _rel(dw[:n], (dh_u[:n] * want_h).sum(1)) < 1e-3
     if clamp is not None:  # the masks element by element, away from the edges (g, u differ in the last bits)
@@ -111,10 +129,10 @@ def test_swiglu_grads_match_fp32_recompute(clamp):
         assert torch.all(du[:n][(u.abs() > clamp + margin)] == 0)
         inside = (g < clamp - margin) & (u.abs() < clamp - margin) & (want_dg.abs() > 1e-3)
         assert torch.all(dg[:n][inside] != 0) and inside.sum() > 100
-    for t in (h[n:], dg[n:], du[n:]):  # rows past offs[-1] stay zero
+    for t in (hw[n:], dg[n:], du[n:]):  # rows past offs[-1] stay zero
         assert torch.equal(t, torch.zeros_like(t))
     again = bwd_gemm.swiglu_grads(x, wg, wu, dh_u, wt, offs, clamp)
-    assert all(torch.equal(a, b) for a, b in zip((h, dg, du, dw), again))
+    assert all(torch.equal(a, b) for a, b in zip((hw, dg, du, dw), again))
 
 
 def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):

@@ -199,12 +199,14 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
 }
 
 // Epilogue stores of one consumer warpgroup: rows r < rows of the tile (r = 64 wg + ...), 256
-// columns. fp32 out (row stride ld floats): each lane stores its 2 columns per 8-column group
-// (a quad writes 32 contiguous bytes of a row). bf16 out (row stride ld elements): as the
+// columns; tile row r goes to out row r, or to out row row_map[r] where a map is given (the
+// rows GEMM's scatter to (token, slot) order). fp32 out (row stride ld floats): each lane
+// stores its 2 columns per 8-column group (a quad writes 32 contiguous bytes of a row). bf16 out (row stride ld elements): as the
 // forward's epilogue, two butterfly exchanges per 4 groups give each lane one whole group (16
 // bytes), so a quad writes 64 contiguous bytes per store instead of 16.
 template <class OutT>
-MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* out, int64_t ld) {
+MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* out, int64_t ld,
+                              const int64_t* row_map = nullptr) {
   const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
   // the forward tile's quad_transpose (a static member; this non-gated instantiation is only
   // its host)
@@ -213,7 +215,8 @@ MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* 
   for (int half = 0; half < 2; ++half) {
     const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
     const bool valid = r < rows;  // the same for the 4 lanes of a quad (the shuffles need all 32)
-    OutT* row = out + int64_t(valid ? r : 0) * ld;
+    const int64_t out_row = !valid ? 0 : row_map != nullptr ? row_map[r] : r;
+    OutT* row = out + out_row * ld;
     if constexpr (sizeof(OutT) == 4) {
 #pragma unroll
       for (int i = 0; i < kAcc / 4; ++i)
@@ -254,7 +257,8 @@ MOKGEN_DEVICE SwigluGrad swiglu_grad(float g, float u, float dh, bool clamp, flo
 
 // Epilogue of the gated recompute tile (acc: gate in groups 0..15, up in 16..31, as the
 // forward's gated tile): for each of its rows r < rows and 128 columns c0 + ..., with
-// dh = dh_u[r, c] wt[r]: h, dg, du (bf16, row stride ld) and, per row, the partial sum over
+// dh = dh_u[r, c] wt[r]: hw = h wt[r] (the down projection's weight gradient is dOut^T hw, so
+// no weighted copy of dOut is needed), dg, du (bf16, row stride ld) and, per row, the partial sum over
 // these 128 columns of dh_u h (fp32, the routing weight's gradient; one float per row and
 // column tile, summed over the tiles in order by the caller). Quad exchanges as store_tile.
 MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows, const float* dh_u, const float* wt,
@@ -282,7 +286,7 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
                                          limit);
         dot = fmaf(d.x, a.h, dot);
         dot = fmaf(d.y, c.h, dot);
-        wh[u] = pack_bf16x2(a.h, c.h);
+        wh[u] = pack_bf16x2(a.h * weight, c.h * weight);
         wdg[u] = pack_bf16x2(a.dg, c.dg);
         wdu[u] = pack_bf16x2(a.du, c.du);
       }
