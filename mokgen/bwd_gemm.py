@@ -22,7 +22,9 @@ with k-blocks of 64, so N must be a multiple of 256, K (rows GEMMs) of 64 and M 
 gradients) of 128: every bundled spec's H and I are. ``mokgen.backward`` uses these where
 ``MOKGEN_BWD_GEMM=1`` (off by default until measured on the H200: docs/perf-notes.md). The
 library is compiled where it is first used (nvcc and the nvidia-cutlass headers needed); the
-prebuilt wheels do not carry it yet.
+prebuilt wheels do not carry it yet. A stage-barrier wait that does not complete within about
+17 s traps (the producer's first prints which barrier): a protocol error ends the launch, and the
+next CUDA call fails, instead of hanging the process.
 """
 
 from __future__ import annotations

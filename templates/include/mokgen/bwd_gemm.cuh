@@ -33,8 +33,41 @@ using sm90::fence_operands;
 using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
-using sm90::mbar_wait;
 using sm90::smem_desc_k;
+
+// A wait on a stage barrier gives up after kWaitCycles SM clock cycles (2^35: about 17 s at
+// 1.98 GHz, far beyond any tile's k-loop) and traps: a protocol error in these kernels ends the
+// launch (a failed CUDA call in the caller) instead of hanging the process. kReport (the
+// producer's waits) first prints which barrier of which block it waited on; the consumers'
+// waits only trap (a printf there costs the swiglu kernel's epilogue spills). The clock is read
+// only while the barrier is not yet complete.
+constexpr long long kWaitCycles = 1ll << 35;
+
+template <bool kReport = false>
+MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  long long start = 0;
+  for (int spin = 0;; ++spin) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spin == 0) {
+      start = clock64();
+    } else if (clock64() - start > kWaitCycles) {
+      if constexpr (kReport)
+        printf("mokgen bwd_gemm: stage barrier wait timed out: block %d thread %d barrier 0x%x parity %u\n",
+               int(blockIdx.x), int(threadIdx.x), smem_u32(bar), parity);
+      __trap();
+    }
+  }
+}
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kBox = 64 * kBK * 2;               // 8 KB: 64 rows of 128 bytes
@@ -107,7 +140,7 @@ template <bool kAMN, bool kBMN, bool kGated = false>
 MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
   static_assert(!kGated || (!kAMN && !kBMN), "gated tiles read K-major operands");
   for (int kb = 0; kb < t.n_k; ++kb) {
-    mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
+    mbar_wait<true>(&s.empty[pipe.stage], pipe.phase ^ 1u);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     uint64_t* full = &s.full[pipe.stage];
     mbar_arrive_expect_tx(full, kStageBytes);
