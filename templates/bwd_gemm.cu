@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
     if (tid != 0) return;
-    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
       bwd::TileSrc t;
       for (int p = 0; p < 2; ++p) {
         t.a[p] = &maps.a[p];
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     });
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
-    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
       float acc[bwd::kAcc];
       bwd::consume<false, kBMN>(s, pipe, wgi - 1, pairs * kb_per_pair, bwd::kBK, acc);
       if (out_rows != nullptr)
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
     if (tid != 0) return;
-    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, [&](int e, int row0, int rows, int m, int n) {
+    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int m, int n) {
       bwd::TileSrc t;
       t.a[0] = t.a[1] = &maps.a[0];
       t.b[0] = t.b[1] = &maps.b[0];
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     });
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
-    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, [&](int e, int row0, int rows, int m, int n) {
+    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int m, int n) {
       float acc[bwd::kAcc];
       const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
       bwd::consume<true, true>(s, pipe, wgi - 1, n_k, rows - (n_k - 1) * bwd::kBK, acc);
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
     if (tid != 0) return;
-    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
       bwd::TileSrc t;
       t.a[0] = t.a[1] = &maps.a[0];
       t.b[0] = &maps.b[0];
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     });
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
-    bwd::walk_row_tiles(offs, E, total, n_tiles, [&](int e, int row0, int rows, int n) {
+    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
       float acc[bwd::kAcc];
       bwd::consume<false, false>(s, pipe, wgi - 1, n_k, bwd::kBK, acc);
       const int64_t at = int64_t(row0) * I + n * 128;

@@ -70,3 +70,23 @@ def test_off_by_default_and_only_for_tile_sized_layers(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_GEMM", "1")
     assert not bwd_gemm.usable(2048, 768, "cpu")  # not an sm_90 device
     assert not bwd_gemm.supported("cpu")
+
+
+@pytest.mark.nvcc
+def test_tile_walks_cover_every_tile_once_in_order(tmp_path):
+    """tests/host/bwd_tiles_check.cu on the CPU: the rows-GEMM and weight-gradient walks of
+    bwd_tiles.cuh over random plans (empty and tiny experts, offs past the operands' rows, 1-140
+    CTAs) visit every tile exactly once, each CTA in increasing order, with the clamped rows."""
+    from pathlib import Path
+
+    from mokgen import build as build_mod
+    from mokgen.paths import templates_dir
+
+    exe = tmp_path / "bwd_tiles_check"
+    src = Path(__file__).resolve().parent / "host" / "bwd_tiles_check.cu"
+    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-I", str(templates_dir() / "include"), "-o", str(exe), str(src)],
+                   check=True, capture_output=True, text=True)
+    run = subprocess.run([str(exe), "400"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
+    assert int(run.stdout.split()[1]) > 100_000  # tiles checked

@@ -24,6 +24,7 @@
 // files (keyed by the forward's sources, render.kernel_digest) stale.
 #pragma once
 
+#include "bwd_tiles.cuh"
 #include "hopper_gemm.cuh"
 
 namespace mokgen {
@@ -70,6 +71,7 @@ MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
+static_assert(kBM == kTileRows, "the tile walks' row blocks are the tiles' rows");
 constexpr int kBox = 64 * kBK * 2;               // 8 KB: 64 rows of 128 bytes
 constexpr int kABytes = 2 * kBox;                // 128 x 64
 constexpr int kBBytes = 4 * kBox;                // 256 x 64
@@ -336,45 +338,6 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
     dot += __shfl_xor_sync(0xffffffffu, dot, 1);
     dot += __shfl_xor_sync(0xffffffffu, dot, 2);
     if (valid && q == 0) dw_part[int64_t(r) * n_parts] = dot;
-  }
-}
-
-// ---- tile walks (the producer and the consumers walk the same sequence) -------------------------
-
-// Rows GEMMs: the tiles of expert e are its row blocks x n_tiles column tiles (column-major within
-// an expert's block: consecutive tiles share the A rows). Tiles are numbered over the experts in
-// order; CTA b takes tiles b, b + G, ... fn(e, row0 (global), rows, n (column tile)). Rows past
-// `total` (the operands' row count) are never visited, whatever offs says.
-template <class Fn>
-MOKGEN_DEVICE void walk_row_tiles(const int32_t* offs, int E, int total, int n_tiles, Fn&& fn) {
-  int64_t base = 0;  // first tile number of expert e
-  int64_t next = blockIdx.x;
-  int start = 0;
-  for (int e = 0; e < E; ++e) {
-    const int end = max(start, min(offs[e], total));
-    const int blocks = (end - start + kBM - 1) / kBM;
-    const int64_t count = int64_t(blocks) * n_tiles;
-    while (next < base + count) {
-      const int64_t q = next - base;
-      const int mb = int(q / n_tiles), n = int(q % n_tiles);
-      fn(e, start + mb * kBM, min(kBM, end - start - mb * kBM), n);
-      next += gridDim.x;
-    }
-    base += count;
-    start = end;
-  }
-}
-
-// Weight gradients: E x m_tiles x n_tiles tiles, expert-major; fn(e, row0, rows (the K), m, n).
-// Segments are clamped to [0, total) as above.
-template <class Fn>
-MOKGEN_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total, int m_tiles, int n_tiles, Fn&& fn) {
-  const int per_e = m_tiles * n_tiles;
-  for (int64_t q = blockIdx.x; q < int64_t(E) * per_e; q += gridDim.x) {
-    const int e = int(q / per_e), r = int(q % per_e);
-    const int start = e ? max(0, min(offs[e - 1], total)) : 0;
-    const int end = max(start, min(offs[e], total));
-    fn(e, start, end - start, r / n_tiles, r % n_tiles);
   }
 }
 

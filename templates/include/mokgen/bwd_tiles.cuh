@@ -1,0 +1,65 @@
+// Tile walks of the backward GEMMs (bwd_gemm.cuh): which output tiles CTA `cta` of `ctas` takes,
+// in order. The producer and the consumers of a CTA walk the same sequence. Host and device code
+// (tests/host/bwd_tiles_check.cu checks them on the CPU: every tile exactly once, each CTA's in
+// increasing tile order, rows clamped to the operands).
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace mokgen {
+namespace bwd {
+
+constexpr int kTileRows = 128;  // rows of a tile (the rows GEMMs' row blocks, the weight tiles' M)
+
+MOKGEN_HOST_DEVICE int clamp_rows(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+// Rows GEMMs: the tiles of expert e are its row blocks x n_tiles column tiles (column-major
+// within an expert's block: consecutive tiles share the A rows). Tiles are numbered over the
+// experts in order; CTA b takes tiles b, b + ctas, ... fn(e, row0 (global), rows, n (column
+// tile)). Expert e owns rows [end of e - 1, min(offs[e], total)), so rows past `total` (the
+// operands' row count) are never visited, whatever offs says.
+template <class Fn>
+MOKGEN_HOST_DEVICE void walk_row_tiles(const int32_t* offs, int E, int total, int n_tiles, int cta, int ctas, Fn&& fn) {
+  int64_t base = 0;  // first tile number of expert e
+  int64_t next = cta;
+  int start = 0;
+  for (int e = 0; e < E; ++e) {
+    const int end = clamp_rows(offs[e], start, total > start ? total : start);
+    const int blocks = (end - start + kTileRows - 1) / kTileRows;
+    const int64_t count = int64_t(blocks) * n_tiles;
+    while (next < base + count) {
+      const int64_t q = next - base;
+      const int mb = int(q / n_tiles), n = int(q % n_tiles);
+      const int rows = end - start - mb * kTileRows;
+      fn(e, start + mb * kTileRows, rows < kTileRows ? rows : kTileRows, n);
+      next += ctas;
+    }
+    base += count;
+    start = end;
+  }
+}
+
+// Weight gradients: E x m_tiles x n_tiles tiles, expert-major; fn(e, row0, rows (the K), m, n),
+// with expert e's rows clamped as in walk_row_tiles.
+template <class Fn>
+MOKGEN_HOST_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total, int m_tiles, int n_tiles, int cta,
+                                          int ctas, Fn&& fn) {
+  const int per_e = m_tiles * n_tiles;
+  int e_seen = -1, start = 0, end = 0;  // expert e's clamped segment, advanced as q grows
+  int prev_end = 0;
+  for (int64_t q = cta; q < int64_t(E) * per_e; q += ctas) {
+    const int e = int(q / per_e), r = int(q % per_e);
+    while (e_seen < e) {  // the same segments as walk_row_tiles: each starts where the last ended
+      ++e_seen;
+      start = prev_end;
+      end = clamp_rows(offs[e_seen], start, total > start ? total : start);
+      prev_end = end;
+    }
+    fn(e, start, end - start, r / n_tiles, r % n_tiles);
+  }
+}
+
+}  // namespace bwd
+}  // namespace mokgen

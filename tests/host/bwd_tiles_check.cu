@@ -1,0 +1,94 @@
+// Host check of templates/include/mokgen/bwd_tiles.cuh (run by tests/test_bwd_gemm.py): on
+// random plans (experts with no rows, one row, many rows; offs past the operands' rows; 1-140
+// CTAs), the rows-GEMM and weight-gradient walks visit every expected tile exactly once over all
+// CTAs, each CTA in increasing tile order, with the expected row ranges. Prints "ok N" (tiles
+// checked) or the first problem, and exits 1.
+#include <cstdio>
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "mokgen/bwd_tiles.cuh"
+
+using mokgen::bwd::kTileRows;
+
+static unsigned long long rng_state = 0x9E3779B97F4A7C15ull;
+static int rnd(int n) {  // xorshift, [0, n)
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return int(rng_state % unsigned(n));
+}
+
+static int fail(const char* what, int plan) {
+  std::printf("plan %d: %s\n", plan, what);
+  return 1;
+}
+
+int main(int argc, char** argv) {
+  const int plans = argc > 1 ? std::atoi(argv[1]) : 500;
+  long long checked = 0;
+  for (int p = 0; p < plans; ++p) {
+    const int E = 1 + rnd(p % 7 == 0 ? 384 : 24);
+    std::vector<int> counts(E);
+    for (int& c : counts) {
+      const int kind = rnd(4);
+      c = kind == 0 ? 0 : kind == 1 ? 1 + rnd(3) : kind == 2 ? rnd(300) : rnd(1200);
+    }
+    std::vector<int32_t> offs(E);
+    int sum = 0;
+    for (int e = 0; e < E; ++e) offs[e] = sum += counts[e];
+    const int total = rnd(3) == 0 ? (sum > 0 ? rnd(sum + 1) : 0) : sum;  // sometimes fewer operand rows than offs says
+    const int n_tiles = 1 + rnd(28), m_tiles = 1 + rnd(16), ctas = 1 + rnd(140);
+    // expected segments: expert e owns [min(offs[e-1], total), min(offs[e], total))
+    std::vector<int> seg0(E), seg1(E);
+    for (int e = 0, start = 0; e < E; ++e) {
+      seg0[e] = start;
+      seg1[e] = std::min(offs[e], total);
+      if (seg1[e] < start) seg1[e] = start;
+      start = seg1[e];
+    }
+    // rows GEMMs
+    std::map<std::tuple<int, int, int>, int> want;  // (e, row0, n) -> rows
+    for (int e = 0; e < E; ++e)
+      for (int r = seg0[e]; r < seg1[e]; r += kTileRows)
+        for (int n = 0; n < n_tiles; ++n) want[{e, r, n}] = std::min(kTileRows, seg1[e] - r);
+    std::map<std::tuple<int, int, int>, int> seen;
+    for (int cta = 0; cta < ctas; ++cta) {
+      long long last = -1;
+      bool ordered = true;
+      mokgen::bwd::walk_row_tiles(offs.data(), E, total, n_tiles, cta, ctas, [&](int e, int row0, int rows, int n) {
+        const long long key = (long long)e << 40 | (long long)row0 << 8 | n;
+        if (key <= last) ordered = false;
+        last = key;
+        if (seen.count({e, row0, n}) || !want.count({e, row0, n}) || want[{e, row0, n}] != rows) seen[{e, -1, -1}] = -1;
+        seen[{e, row0, n}] = rows;
+      });
+      if (!ordered) return fail("a CTA's row tiles are not in increasing order", p);
+    }
+    if (seen != want) return fail("row tiles: not every expected tile exactly once with its rows", p);
+    checked += (long long)want.size();
+    // weight gradients
+    std::vector<int> hits(size_t(E) * m_tiles * n_tiles, 0);
+    for (int cta = 0; cta < ctas; ++cta) {
+      long long last = -1;
+      bool ok = true;
+      mokgen::bwd::walk_weight_tiles(offs.data(), E, total, m_tiles, n_tiles, cta, ctas,
+                                     [&](int e, int row0, int rows, int m, int n) {
+                                       const long long q = ((long long)e * m_tiles + m) * n_tiles + n;
+                                       if (q <= last || q % ctas != cta || row0 != seg0[e] || rows != seg1[e] - seg0[e])
+                                         ok = false;
+                                       last = q;
+                                       ++hits[size_t(q)];
+                                     });
+      if (!ok) return fail("weight tiles: order, ownership or rows wrong", p);
+    }
+    for (int h : hits)
+      if (h != 1) return fail("weight tiles: a tile visited other than once", p);
+    checked += (long long)hits.size();
+  }
+  std::printf("ok %lld\n", checked);
+  return 0;
+}
