@@ -64,3 +64,58 @@ def test_cuda_gives_the_cpu_bits():
     ref_codes, ref_scales = mx.quantize(x)
     assert torch.equal(codes.cpu().view(torch.uint8), ref_codes.view(torch.uint8))
     assert torch.equal(scales.cpu(), ref_scales)
+
+
+def _device_blocks() -> torch.Tensor:
+    """float32 test blocks for the device quantizer: random magnitudes over the whole float32
+    range, bf16-exact rows, and hand-made edges (zeros and signed zeros, float32 subnormals,
+    E4M3 ties at every binade, the subnormal/normal boundary, saturation, non-finite values)."""
+    gen = torch.Generator().manual_seed(12)
+    blocks = []
+    exps = torch.randint(-150, 128, (3000, 1), generator=gen).float()
+    blocks.append(torch.randn(3000, 32, generator=gen) * torch.exp2(exps))
+    blocks.append((torch.randn(500, 32, generator=gen) * 3).bfloat16().float())
+    # ties: with amax 448 (scale 1), midpoints between neighbouring E4M3 values, both parities
+    codes = torch.arange(0, 0x7E, dtype=torch.uint8)
+    vals = R.e4m3_decode(codes)
+    mids = ((vals[1:] + vals[:-1]) / 2).float()
+    tie = torch.cat([mids, -mids, mids * 1.0000001, mids * 0.9999999])
+    tie = torch.cat([tie, torch.zeros(-tie.numel() % 31)]).view(-1, 31)
+    blocks.append(torch.cat([torch.full((tie.shape[0], 1), 448.0), tie], 1))
+    edges = torch.zeros(8, 32)
+    edges[1, ::2] = -0.0
+    edges[2, 0] = 1e-45  # the smallest float32 subnormal: scale 2**-127, codes 0
+    edges[3, :] = torch.tensor(2.0**-6) * torch.linspace(0.9, 1.1, 32)  # across E4M3's min normal
+    edges[4, :] = torch.linspace(400, 470, 32)  # saturation: amax 470 -> scale 1, above 448 -> 448
+    edges[5, 3] = float("inf")
+    edges[6, 7] = float("nan")
+    edges[7, :] = -3.0e38
+    blocks.append(edges)
+    return torch.cat(blocks).contiguous()
+
+
+@pytest.mark.nvcc
+def test_device_quantizer_matches_the_oracle_bit_for_bit(tmp_path):
+    """templates/include/mokgen/mx.cuh (the quantizer the kernels will use), compiled for the host
+    by tests/host/mx_check.cu, gives the oracle's codes and scales on every test block."""
+    import subprocess
+    from pathlib import Path
+
+    from mokgen import build as build_mod
+    from mokgen.paths import templates_dir
+
+    exe = tmp_path / "mx_check"
+    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-I", str(templates_dir() / "include"), "-o", str(exe),
+                    str(Path(__file__).resolve().parent / "host" / "mx_check.cu")],
+                   check=True, capture_output=True, text=True)
+    x = _device_blocks()
+    (tmp_path / "in.bin").write_bytes(x.numpy().tobytes())
+    run = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True)
+    assert run.returncode == 0, run
+    raw = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.uint8)
+    codes, scales = raw[: x.numel()].view(x.shape), raw[x.numel():]
+    want_codes, want_scales = R.mx_quantize(x, dim=-1)
+    assert torch.equal(scales, want_scales.view(-1)), (scales != want_scales.view(-1)).nonzero()[:5]
+    bad = (codes != want_codes).nonzero()
+    assert bad.numel() == 0, [(x[i, j].item(), codes[i, j].item(), want_codes[i, j].item()) for i, j in bad[:5].tolist()]
