@@ -57,6 +57,10 @@ CHUNKS = (1024, 2048, 4096, 8192)
 RINGS = (4, 8)
 #: dispatch CTAs per rank tried beside the default, under a process group only (real transfers)
 DISPATCH = (8, 24)  # the default is an eighth of the CTAs: 16 of an H200's 132
+#: dispatch CTAs tried for a one-rank layer (EP 1: the real single-GPU layer, whose dispatch is a
+#: local copy of every routed row; the default there is a sixteenth of the CTAs, 8 of 132). Not
+#: for the one-GPU stand-ins of EP > 1, whose real dispatch crosses links.
+DISPATCH_ONE_RANK = (4, 16)
 #: the ring may take at most this share of the GPU's memory
 RING_MEMORY_SHARE = 0.25
 #: the package's own tuned files (committed with the project)
@@ -185,7 +189,8 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
                  gpu_memory: Optional[int] = None) -> Space:
     """The candidates for ``spec`` at EP ``ep`` and ``tokens`` per rank, index 0 = the plan's
     defaults, and the ones pruned up front with the reason. ``distributed``: timed with real
-    transfers (dispatch CTAs are tried); ``gpu_memory``: bytes of the GPU (ring memory limit)."""
+    transfers (dispatch CTAs are tried; at EP 1 they always are: the real one-GPU layer);
+    ``gpu_memory``: bytes of the GPU (ring memory limit)."""
     base = default_candidate(spec)
     options = env.plan_options()
     # an axis whose switch is set stays at the switch's value (the build would override it)
@@ -195,7 +200,7 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
                                  if options["gemm_core"] == "wgmma" and not env.switch_set("block_k") else [])
     chunks = [base.chunk_rows] + [c for c in CHUNKS if c != base.chunk_rows]
     rings = [base.ring_chunks] + [r for r in RINGS if r != base.ring_chunks]
-    dispatch = [None] + (list(DISPATCH) if distributed and ep > 1 else [])
+    dispatch = [None] + (list(DISPATCH) if distributed and ep > 1 else list(DISPATCH_ONE_RANK) if ep == 1 else [])
     # the bulk-copy dispatch only where rows cross links: on one GPU every pull is a local copy,
     # and the two modes measured level there (docs/perf-notes.md, v0.7)
     pulls = [base.pull_mode] + ([m for m in PULL_MODES if m != base.pull_mode]

@@ -96,14 +96,18 @@ def test_space_starts_at_the_defaults_and_has_no_duplicates(name):
             assert holding is None or c.chunk_rows <= holding
             n = math.ceil(rows / c.chunk_rows)
             assert c.ring_chunks == ring0 or min(c.ring_chunks, n) != min(ring0, n)
-        assert all(c.dispatch_ctas is None for c in space.candidates)  # one GPU: no transfers to tune
+        # dispatch CTAs: for the real one-rank layer (a local copy of every row), not for the
+        # one-GPU stand-in of EP > 1 (no transfers to tune)
+        assert {c.dispatch_ctas for c in space.candidates} == (
+            {None, *tune_mod.DISPATCH_ONE_RANK} if ep == 1 else {None})
         base = space.candidates[0]
         same_as_defaults = [c for c in space.candidates[1:]  # one chunk either way: the same run
                             if c.build_options() == base.build_options() and c.dispatch_ctas == base.dispatch_ctas
                             and c.chunk_rows >= rows and base.chunk_rows >= rows]
         assert same_as_defaults == []
         dist = search_space(spec, ep=ep, tokens=tokens, distributed=True)
-        assert {c.dispatch_ctas for c in dist.candidates} == ({None} if ep == 1 else {None, *tune_mod.DISPATCH})
+        assert {c.dispatch_ctas for c in dist.candidates} == (
+            {None, *tune_mod.DISPATCH_ONE_RANK} if ep == 1 else {None, *tune_mod.DISPATCH})
         # the bulk-copy dispatch: only where rows cross links (one GPU: local copies, measured level)
         assert {c.pull_mode for c in space.candidates} == {"copy"}
         assert {c.pull_mode for c in dist.candidates} == ({"copy"} if ep == 1 else {"copy", "bulk"})
