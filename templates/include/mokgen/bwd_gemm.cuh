@@ -201,7 +201,7 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
     return;
   }
   int prev_stage = -1;
-#pragma unroll 1
+#pragma unroll 2  // as the forward's mainloop (no spills either way)
   for (int kb = 0; kb < n_k; ++kb) {
     mbar_wait(&s.full[pipe.stage], pipe.phase);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
