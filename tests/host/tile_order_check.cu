@@ -4,6 +4,7 @@
 // the first difference, and exits 1.
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
     for (int kPair = 1; kPair <= 2; ++kPair) {
       const int units = big ? rnd(60, 140) : rnd(1, 24);
       std::vector<int> real_down(num_chunks, 0);  // rows > 0 down tiles per chunk, over all units
+      std::set<std::tuple<int, int, int, int, int>> seen;  // (kind, c, le, m, n) of real tiles: each once
       for (int unit = 0; unit < units; ++unit)
         for (int crank = 0; crank < kPair; ++crank) {
           const auto want = reference_flow(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit, units,
@@ -92,8 +94,12 @@ int main(int argc, char** argv) {
           else
             mokgen::walk_flow_tiles<2>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, unit,
                                        units, crank, t0, fn);
-          for (const Tile& tl : got)
+          for (const Tile& tl : got) {
             if (std::get<0>(tl) == 1 && std::get<3>(tl) > 0) ++real_down[std::get<1>(tl)];
+            if (std::get<3>(tl) > 0 &&
+                !seen.emplace(std::get<0>(tl), std::get<1>(tl), std::get<2>(tl), std::get<4>(tl), std::get<5>(tl)).second)
+              return fail("a real tile visited twice", trial);
+          }
           if (got != want) {
             std::printf("kPair %d unit %d/%d crank %d: %zu tiles, want %zu\n", kPair, unit, units, crank, got.size(),
                         want.size());
@@ -104,6 +110,12 @@ int main(int argc, char** argv) {
       for (int c = 0; c < num_chunks; ++c)  // what the signaller counts to free a slot
         if (mokgen::group_tiles(eoff.data(), e_loc, c * C, std::min(n_rows, c * C + C), down_tiles) != real_down[c])
           return fail("group_tiles differs from the real down tiles", trial);
+      for (int c = 0; c < num_chunks; ++c) {  // every up tile visited (each once: seen above)
+        int up = 0;
+        for (const auto& k : seen) up += std::get<0>(k) == 0 && std::get<1>(k) == c;
+        if (mokgen::group_tiles(eoff.data(), e_loc, c * C, std::min(n_rows, c * C + C), up_tiles) != up)
+          return fail("the real up tiles are not all visited", trial);
+      }
     }
     // one group at a time (the phased schedule), and the tile count per group (the signaller)
     const int units = big ? rnd(60, 140) : rnd(1, 24);
