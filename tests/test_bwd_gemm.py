@@ -90,3 +90,44 @@ def test_tile_walks_cover_every_tile_once_in_order(tmp_path):
     run = subprocess.run([str(exe), "400"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
     assert int(run.stdout.split()[1]) > 100_000  # tiles checked
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("clamp", [None, 7.0])
+def test_swiglu_grad_matches_the_closed_form(tmp_path, clamp):
+    """swiglu_grad.cuh (the fused recompute's epilogue math), compiled for the host by
+    tests/host/swiglu_check.cu, against mokgen.backward's closed form in float64 on values that
+    cross the clamp (both signs of u, g above and below it) and reach the sigmoid's tails."""
+    from pathlib import Path
+
+    from mokgen import build as build_mod
+    from mokgen.backward import _swiglu_grads
+    from mokgen.paths import templates_dir
+    from mokgen.reference import swiglu
+
+    exe = tmp_path / "swiglu_check"
+    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-I", str(templates_dir() / "include"), "-o", str(exe),
+                    str(Path(__file__).resolve().parent / "host" / "swiglu_check.cu")],
+                   check=True, capture_output=True, text=True)
+    gen = torch.Generator().manual_seed(2)
+    n = 20000
+    g = torch.randn(n, generator=gen) * 6
+    u = torch.randn(n, generator=gen) * 6
+    dh = torch.randn(n, generator=gen)
+    g[:3] = torch.tensor([-90.0, 90.0, 0.0])  # the sigmoid's tails and zero
+    limit = torch.full((n,), clamp if clamp is not None else 0.0)
+    (tmp_path / "in.bin").write_bytes(torch.stack([g, u, dh, limit], 1).contiguous().numpy().tobytes())
+    run = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True)
+    assert run.returncode == 0, run
+    got = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32).view(n, 3).double()
+    g64, u64, dh64 = g.double(), u.double(), dh.double()
+    want_h = swiglu(g64, u64, clamp)
+    want_dg, want_du = _swiglu_grads(g64, u64, dh64, clamp)
+    for name, a, b in (("h", got[:, 0], want_h), ("dg", got[:, 1], want_dg), ("du", got[:, 2], want_du)):
+        err = (a - b).abs().max().item() / b.abs().max().item()
+        assert err < 1e-5, f"{name}: max error {err:.2e} of the largest value"
+        if clamp is not None and name != "h":  # the masks exactly: zero where the clamp cut the gradient
+            assert torch.all(a[b == 0] == 0), f"{name}: a gradient the clamp cuts is not zero"
+            assert torch.all(b[a == 0].abs() < 1e-30), f"{name}: zero where the closed form is not"  # float32 underflow only
+            assert int((b == 0).sum()) > 100  # the clamp did cut gradients

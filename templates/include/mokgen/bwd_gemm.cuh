@@ -25,6 +25,7 @@
 #pragma once
 
 #include "bwd_tiles.cuh"
+#include "swiglu_grad.cuh"
 #include "hopper_gemm.cuh"
 
 namespace mokgen {
@@ -269,25 +270,6 @@ MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* 
       }
     }
   }
-}
-
-// SwiGLU and its input gradients for one element (mokgen.reference.swiglu's clamp semantics:
-// gc = min(g, L), uc = clamp(u, -L, L), h = silu(gc) uc; dg = dh uc silu'(gc) [g <= L],
-// du = dh silu(gc) [-L <= u <= L], silu'(z) = s (1 + z (1 - s)), s = sigmoid(z)).
-struct SwigluGrad {
-  float h, dg, du;
-};
-MOKGEN_DEVICE SwigluGrad swiglu_grad(float g, float u, float dh, bool clamp, float limit) {
-  float gc = g, uc = u, mg = 1.f, mu = 1.f;
-  if (clamp) {
-    gc = fminf(g, limit);
-    uc = fminf(fmaxf(u, -limit), limit);
-    mg = g <= limit ? 1.f : 0.f;
-    mu = (u >= -limit && u <= limit) ? 1.f : 0.f;
-  }
-  const float s = 1.f / (1.f + __expf(-gc));
-  const float silu = gc * s;
-  return {silu * uc, dh * uc * (s * (1.f + gc * (1.f - s))) * mg, dh * silu * mu};
 }
 
 // Epilogue of the gated recompute tile (acc: gate in groups 0..15, up in 16..31, as the
