@@ -320,10 +320,13 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         fresh(x, w, wg, wu, wd)
         torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g)
 
-    from mokgen import bwd_gemm
+    from mokgen import bwd_gemm, env
 
     impls = {"mokgen megakernel + baseline backward (W=1)": ours}
-    if bwd_gemm.supported("cuda") and spec.hidden_size % 256 == 0 and spec.moe_intermediate_size % 256 == 0:
+    # mokgen's backward GEMMs are timed beside the torch path where MOKGEN_BWD_GEMM=1 asks for
+    # them (they have not run on a GPU yet: a plain bench does not depend on them)
+    if env.bwd_gemm_enabled() and bwd_gemm.supported("cuda") and spec.hidden_size % 256 == 0 \
+            and spec.moe_intermediate_size % 256 == 0:
         try:
             bwd_gemm.load_library()
         except MokgenError as err:  # no nvcc here: the row is left out, with the reason
