@@ -320,27 +320,24 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         fresh(x, w, wg, wu, wd)
         torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g)
 
-    from mokgen import bwd_gemm, env
+    from mokgen import bwd_gemm
 
-    impls = {"mokgen megakernel + baseline backward (W=1)": ours}
+    def ours_on(gemms: bool):  # the backward's GEMMs on mokgen's kernels or torch._grouped_mm
+        def run(i):
+            with bwd_gemm.forced(gemms):
+                ours(i)
+        return run
+
+    impls = {"mokgen megakernel + baseline backward (W=1)": ours_on(False)}
     # mokgen's backward GEMMs are timed beside the torch path where MOKGEN_BWD_GEMM=1 asks for
     # them (they have not run on a GPU yet: a plain bench does not depend on them)
-    if env.bwd_gemm_enabled() and bwd_gemm.supported("cuda") and spec.hidden_size % 256 == 0 \
-            and spec.moe_intermediate_size % 256 == 0:
+    if bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, "cuda"):
         try:
             bwd_gemm.load_library()
         except MokgenError as err:  # no nvcc here: the row is left out, with the reason
             warnings.warn(f"mokgen bench: the backward GEMMs are not timed: {err}")
         else:
-            def ours_gemms(i):
-                with bwd_gemm.forced(True):
-                    ours(i)
-            impls["mokgen megakernel + mokgen backward GEMMs (W=1)"] = ours_gemms
-
-    def ours_torch(i):  # the baseline backward on torch._grouped_mm, whatever MOKGEN_BWD_GEMM says
-        with bwd_gemm.forced(False):
-            ours(i)
-    impls["mokgen megakernel + baseline backward (W=1)"] = ours_torch
+            impls["mokgen megakernel + mokgen backward GEMMs (W=1)"] = ours_on(True)
     impls["torch._grouped_mm autograd"] = peer
     rows = []
     flops = 3 * routed_flops(spec, tokens)

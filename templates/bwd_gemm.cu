@@ -23,16 +23,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
                 float* out, const int64_t* out_rows) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::carve(smem);
+  const bwd::Smem s = bwd::start_pipeline(smem);
   const int tid = threadIdx.x, wgi = tid / 128;
-  if (tid == 0) {
-    for (int i = 0; i < bwd::kStages; ++i) {
-      bwd::mbar_init(&s.full[i], 1);
-      bwd::mbar_init(&s.empty[i], 2);
-    }
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
   const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
   bwd::Pipe pipe;
   if (wgi == 0) {
@@ -69,16 +61,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, bf16* out) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::carve(smem);
+  const bwd::Smem s = bwd::start_pipeline(smem);
   const int tid = threadIdx.x, wgi = tid / 128;
-  if (tid == 0) {
-    for (int i = 0; i < bwd::kStages; ++i) {
-      bwd::mbar_init(&s.full[i], 1);
-      bwd::mbar_init(&s.empty[i], 2);
-    }
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
   bwd::Pipe pipe;
   if (wgi == 0) {
@@ -124,16 +108,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I, SwigluOut o,
                   int clamp, float limit) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::carve(smem);
+  const bwd::Smem s = bwd::start_pipeline(smem);
   const int tid = threadIdx.x, wgi = tid / 128;
-  if (tid == 0) {
-    for (int i = 0; i < bwd::kStages; ++i) {
-      bwd::mbar_init(&s.full[i], 1);
-      bwd::mbar_init(&s.empty[i], 2);
-    }
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
   const int n_tiles = I / 128, n_k = H / bwd::kBK;
   bwd::Pipe pipe;
   if (wgi == 0) {

@@ -1,19 +1,15 @@
 // Host check of templates/include/mokgen/mx.cuh (run by tests/test_mx.py): reads float32 values
 // (a multiple of 32) from the file argv[1], quantizes each block of 32 with mokgen::mx, and
 // writes the codes then the scales (uint8) to argv[2]. The test compares them with the oracle.
-#include <cstdio>
 #include <vector>
 
+#include "host_io.h"
 #include "mokgen/mx.cuh"
 
 int main(int argc, char** argv) {
   if (argc != 3) return 2;
-  FILE* in = std::fopen(argv[1], "rb");
-  if (!in) return 2;
   std::vector<float> v;
-  float x;
-  while (std::fread(&x, 4, 1, in) == 1) v.push_back(x);
-  std::fclose(in);
+  if (!read_floats(argv[1], v)) return 2;
   if (v.size() % mokgen::mx::kBlock) return 3;
   const size_t blocks = v.size() / mokgen::mx::kBlock;
   std::vector<uint8_t> codes(v.size()), scales(blocks);
@@ -24,10 +20,6 @@ int main(int argc, char** argv) {
     scales[b] = mokgen::mx::quantize_block(blk, c);
     for (int i = 0; i < mokgen::mx::kBlock; ++i) codes[b * mokgen::mx::kBlock + i] = c[i];
   }
-  FILE* out = std::fopen(argv[2], "wb");
-  if (!out) return 2;
-  std::fwrite(codes.data(), 1, codes.size(), out);
-  std::fwrite(scales.data(), 1, scales.size(), out);
-  std::fclose(out);
-  return 0;
+  codes.insert(codes.end(), scales.begin(), scales.end());  // codes, then scales
+  return write_bytes(argv[2], codes.data(), codes.size()) ? 0 : 2;
 }

@@ -34,7 +34,6 @@ namespace bwd {
 using sm90::fence_operands;
 using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
-using sm90::mbar_init;
 using sm90::smem_desc_k;
 
 // A wait on a stage barrier gives up after kWaitCycles SM clock cycles (2^35: about 17 s at
@@ -80,7 +79,12 @@ constexpr int kStageBytes = kABytes + kBBytes;  // 48 KB
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64n256)
-constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+// The forward's non-gated 128 x 256 x 64 tile has this stage ring: its shared-memory layout
+// (barriers, then 1024-aligned stages), barrier initialization, pipe state and epilogue quad
+// exchange are used as they are.
+using Tile = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
+static_assert(Tile::kStageStride == kStageBytes && Tile::kThreads == kThreads, "the forward tile's stage ring");
+constexpr size_t kSmemBytes = Tile::kSmemBytes;
 
 // MN-major operand with the 128-byte swizzle, as the TMA writes a box of 64 M/N elements x k
 // rows: k row r at byte 128 r, so 8 k rows form one 1024-byte swizzle atom (the stride byte
@@ -106,22 +110,17 @@ MOKGEN_DEVICE void mma(uint64_t da, uint64_t db, float* acc, bool accumulate, st
   Mma<kAMN, kBMN>::fma(da, db, acc[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-struct Smem {
-  uint64_t* full;
-  uint64_t* empty;
-  unsigned char* stages;
-};
+using Smem = Tile::Smem;
+using Pipe = Tile::Pipe;
 
-MOKGEN_DEVICE Smem carve(unsigned char* raw) {
-  Smem s;
-  s.full = reinterpret_cast<uint64_t*>(raw);
-  s.empty = s.full + kStages;
-  const uintptr_t base = (reinterpret_cast<uintptr_t>(raw) + 2 * kStages * 8 + 1023) & ~uintptr_t(1023);
-  s.stages = reinterpret_cast<unsigned char*>(base);
+// Every kernel's prologue: carve the dynamic shared memory and initialize the stage barriers
+// (thread 0), visible to the whole CTA afterwards.
+MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
+  const Smem s = Tile::carve(raw);
+  if (threadIdx.x == 0) Tile::init_barriers(s);
+  __syncthreads();
   return s;
 }
-
-using Pipe = sm90::PipeState<kStages>;
 
 // Where the k-blocks of a tile come from. A tile has n_k k-blocks of 64; k-block kb reads pair
 // 0 for kb < kb_per_pair, else pair 1 (dx has two operand pairs), at k0 = 64 (kb mod kb_per_pair).
@@ -244,9 +243,6 @@ template <class OutT>
 MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* out, int64_t ld,
                               const int64_t* row_map = nullptr) {
   const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
-  // the forward tile's quad_transpose (a static member; this non-gated instantiation is only
-  // its host)
-  using Quad = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
@@ -265,7 +261,7 @@ MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* 
 #pragma unroll
         for (int u = 0; u < 4; ++u)
           word[u] = pack_bf16x2(acc[4 * (4 * b + u) + 2 * half], acc[4 * (4 * b + u) + 2 * half + 1]);
-        const uint4 v = Quad::quad_transpose(word, q);  // group 4b + q, columns 0..7
+        const uint4 v = Tile::quad_transpose(word, q);  // group 4b + q, columns 0..7
         if (valid) *reinterpret_cast<uint4*>(row + 8 * (4 * b + q)) = v;
       }
     }
@@ -282,7 +278,6 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
                                      bf16* h, bf16* dg, bf16* du, float* dw_part, int n_parts, int ld, bool clamp,
                                      float limit) {
   const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
-  using Quad = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
@@ -307,8 +302,8 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
         wdg[u] = pack_bf16x2(a.dg, c.dg);
         wdu[u] = pack_bf16x2(a.du, c.du);
       }
-      const uint4 vh = Quad::quad_transpose(wh, q), vdg = Quad::quad_transpose(wdg, q),
-                  vdu = Quad::quad_transpose(wdu, q);
+      const uint4 vh = Tile::quad_transpose(wh, q), vdg = Tile::quad_transpose(wdg, q),
+                  vdu = Tile::quad_transpose(wdu, q);
       if (valid) {
         const int64_t at = off + 8 * (4 * b + q);
         *reinterpret_cast<uint4*>(h + at) = vh;
