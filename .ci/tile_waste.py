@@ -14,7 +14,6 @@ dispatch CTAs as the layer's default split; the W = 1 layers use G/16).
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 

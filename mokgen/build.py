@@ -27,9 +27,9 @@ from typing import Callable, Iterator
 
 from mokgen import env, render
 from mokgen._version import __version__
-from mokgen.errors import BuildError, ToolchainError
+from mokgen.errors import BuildError, LoadError, ToolchainError
 from mokgen.paths import templates_dir
-from mokgen.plan import Plan, cache_key, canonical_json, make_plan
+from mokgen.plan import Plan, cache_key, make_plan
 from mokgen.spec import MoESpec
 
 #: gencode flags per target architecture
@@ -131,7 +131,7 @@ def _source_flags(arch: str) -> list[str]:
     return [*BASE_FLAGS, *ARCH_FLAGS[arch]]
 
 
-def _source_toolchain(cutlass: bool) -> Toolchain:
+def source_toolchain(cutlass: bool) -> Toolchain:
     """nvcc, and the CUTLASS headers only where the source needs them (the link benchmark builds
     without the nvidia-cutlass package)."""
     if cutlass:
@@ -159,7 +159,7 @@ def source_library_path(source: str, library: str, *, cutlass: bool, arch: str =
                         toolchain: Toolchain | None = None) -> Path:
     """Where this toolchain's build of ``templates/<source>`` lives (built or not):
     ``<cache>/<version>/<arch>/<source stem>-<key[:12]>/<library>``."""
-    tc = toolchain or _source_toolchain(cutlass)
+    tc = toolchain or source_toolchain(cutlass)
     key = source_key(source, tc, cutlass=cutlass, arch=arch)
     return cache_root(arch) / f"{Path(source).stem}-{key[:12]}" / library
 
@@ -168,7 +168,7 @@ def build_source(source: str, library: str, *, cutlass: bool, arch: str = "sm_90
     """Compile ``templates/<source>`` into the build cache once (or find it there); returns the
     library's path. Built in a temporary sibling and renamed into place under a file lock; a
     failed build keeps its source and log under ``<cache>/<version>/failed/`` and names them."""
-    tc = _source_toolchain(cutlass)
+    tc = source_toolchain(cutlass)
     lib = source_library_path(source, library, cutlass=cutlass, arch=arch, toolchain=tc)
     entry = lib.parent
     if lib.is_file() and not force:
@@ -189,6 +189,29 @@ def build_source(source: str, library: str, *, cutlass: bool, arch: str = "sm_90
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+    return lib
+
+
+# (source, library, arch, build cache directory) -> the library found or built there
+_found_sources: dict[tuple[str, str, str, str], Path] = {}
+
+
+def find_source_library(source: str, library: str, *, cutlass: bool, arch: str = "sm_90a", module: str) -> Path:
+    """``templates/<source>``'s library: found in the build cache, or built there first (with
+    MOKGEN_DISABLE_JIT=1 a missing build is an error that names ``<module>.build_library()``).
+    Once per process and cache directory: finding the build hashes the source and every header
+    (about 1 ms of CPU), and the backward GEMMs did it per call, six times a step, which showed
+    as GPU idle time between their launches (v0.8)."""
+    key = (source, library, arch, str(env.cache_dir()))
+    lib = _found_sources.get(key)
+    if lib is None:
+        lib = source_library_path(source, library, cutlass=cutlass, arch=arch)
+        if not lib.is_file():
+            if env.jit_disabled():
+                raise LoadError(f"no build of {source} at {lib} and MOKGEN_DISABLE_JIT=1: "
+                                f"run {module}.build_library() first")
+            lib = build_source(source, library, cutlass=cutlass, arch=arch)
+        _found_sources[key] = lib
     return lib
 
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Sequence
 
 from mokgen import env
-from mokgen.build import build_source, source_library_path
-from mokgen.errors import InputError, KernelError, LoadError
+from mokgen.build import build_source, find_source_library, source_library_path
+from mokgen.errors import InputError, KernelError
 
 ARCH = "sm_90a"
 SOURCE = "bwd_gemm.cu"
@@ -91,14 +91,9 @@ def _load(path: str) -> _Lib:
 
 
 def load_library() -> _Lib:
-    """The library, built first if needed (with MOKGEN_DISABLE_JIT=1 a missing build is an error)."""
-    lib = library_path()
-    if not lib.is_file():
-        if env.jit_disabled():
-            raise LoadError(f"no build of {SOURCE} at {lib} and MOKGEN_DISABLE_JIT=1: "
-                            "run mokgen.bwd_gemm.build_library() first")
-        lib = build_library()
-    return _load(str(lib))
+    """The library, built first if needed (with MOKGEN_DISABLE_JIT=1 a missing build is an error);
+    found once per process and build cache directory."""
+    return _load(str(find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)))
 
 
 def supported(device) -> bool:

@@ -31,10 +31,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-from mokgen import env
 from mokgen._version import __version__
-from mokgen.build import build_source, source_library_path
-from mokgen.errors import InputError, KernelError, LoadError, MokgenError
+from mokgen.build import build_source, find_source_library, source_library_path, source_toolchain
+from mokgen.errors import InputError, KernelError, MokgenError
 
 ARCH = "sm_90a"
 SOURCE = "linkbench.cu"
@@ -116,14 +115,8 @@ def _load(path: str) -> _Lib:
 
 def load_library() -> _Lib:
     """The library, built first if needed (unless MOKGEN_DISABLE_JIT=1: then a missing build is
-    an error)."""
-    lib = library_path()
-    if not lib.is_file():
-        if env.jit_disabled():
-            raise LoadError(f"no build of {SOURCE} at {lib} and MOKGEN_DISABLE_JIT=1: "
-                            "run mokgen.linkbench.build_library() first")
-        lib = build_library()
-    return _load(str(lib))
+    an error); found once per process and build cache directory."""
+    return _load(str(find_source_library(SOURCE, LIBRARY, cutlass=False, arch=ARCH, module=__name__)))
 
 
 # ---- the benchmark -------------------------------------------------------------------------------
@@ -355,7 +348,7 @@ def _metadata(world: int) -> dict:
     import torch
 
     return {"gpu": torch.cuda.get_device_name(), "world": world, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nvcc": find_toolchain().nvcc_version}
+            "cuda": torch.version.cuda, "nvcc": source_toolchain(False).nvcc_version}
 
 
 # ---- torchrun entry ------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 from mokgen import env
 from mokgen._version import __version__
 from mokgen.errors import InputError
-from mokgen.plan import PULL_MODES, SMEM_LIMIT, default_cluster, ep_defaults, make_plan, smem_bytes
+from mokgen.plan import PULL_MODES, SMEM_LIMIT, ep_defaults, make_plan, smem_bytes
 from mokgen.spec import MoESpec
 
 #: relative difference below which two timings are a tie (the lower candidate index wins)

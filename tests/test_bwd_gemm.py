@@ -72,6 +72,33 @@ def test_off_by_default_and_only_for_tile_sized_layers(monkeypatch):
     assert not bwd_gemm.supported("cpu")
 
 
+def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):
+    # finding the build hashes the sources: once per process and cache directory, not per GEMM
+    # call (six calls per backward step showed as GPU idle time between the launches)
+    from mokgen import build
+
+    found = []
+
+    def fake_path(source, library, **kw):
+        found.append((source, str(bwd_gemm.env.cache_dir())))
+        lib = bwd_gemm.env.cache_dir() / library
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        lib.touch()
+        return lib
+
+    monkeypatch.setattr(build, "source_library_path", fake_path)
+    monkeypatch.setattr(build, "_found_sources", {})
+    monkeypatch.setattr(bwd_gemm, "_load", lambda path: ("lib", path))
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "a"))
+    first = bwd_gemm.load_library()
+    assert bwd_gemm.load_library() == first and found == [("bwd_gemm.cu", str(tmp_path / "a"))]
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "b"))
+    other = bwd_gemm.load_library()
+    assert other != first and other[1].startswith(str(tmp_path / "b")) and len(found) == 2
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "a"))
+    assert bwd_gemm.load_library() == first and len(found) == 2
+
+
 @pytest.mark.nvcc
 def test_tile_walks_cover_every_tile_once_in_order(tmp_path):
     """tests/host/bwd_tiles_check.cu on the CPU: the rows-GEMM and weight-gradient walks of

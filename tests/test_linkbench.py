@@ -138,6 +138,18 @@ def test_write_json(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["link.json"]  # no temporary left
 
 
+@pytest.mark.nvcc
+def test_run_metadata_names_the_toolchain(monkeypatch):
+    # the JSON's metadata of a torchrun run (v0.8 had lost the import it used: the run measured,
+    # then failed writing its results)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    meta = linkbench._metadata(2)
+    assert meta["gpu"] == "NVIDIA H200" and meta["world"] == 2
+    assert meta["nvcc"] == build_mod.source_toolchain(False).nvcc_version and meta["nvcc"]
+
+
 # ---- two GPUs ------------------------------------------------------------------------------------
 
 DEADLINE_S = 300
