@@ -8,7 +8,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mokgen import bench
+from mokgen import bench, env
 from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
 
@@ -29,9 +29,20 @@ with torch.no_grad():
     layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
 layer.check_ids = False
 clamp = spec.activation.clamp_limit
+leaves = (x, w, wg, wu, wd, *layer.parameters())
+
+
+def fresh(step):  # gradients start at None every step, as in `mokgen bench --backward` (v0.8)
+    def run():
+        for t in leaves:
+            t.grad = None
+        step()
+    return run
+
+
 sides = {
-    "mokgen": lambda: layer(x, ids, w).backward(g),
-    "torch._grouped_mm autograd": lambda: bench.torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g),
+    "mokgen": fresh(lambda: layer(x, ids, w).backward(g)),
+    "torch._grouped_mm autograd": fresh(lambda: bench.torch_grouped_mm_pipeline(x, ids, w, wg, wu, wd, clamp).backward(g)),
 }
 for name, step in sides.items():
     for _ in range(2):
@@ -41,5 +52,5 @@ for name, step in sides.items():
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(f"== {name}: {spec.name} {workload} {tokens} rows, 3 steps")
+    print(f"== {name}: {spec.name} {workload} {tokens} rows, 3 steps (MOKGEN_BWD_GEMM={env.bwd_gemm_enabled():d})")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=90))
