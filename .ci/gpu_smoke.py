@@ -1,7 +1,10 @@
 """One forward of the megakernel against the reference, the first thing to run after a kernel
 change (a hang shows as a timeout here, not as a silent test or bench run). Usage:
     timeout 60 python3 .ci/gpu_smoke.py [SPEC [T ...]]     (default: qwen3-30b-a3b 1 300 3000)
-Prints one line per T: the build and forward time and the relative error against the reference."""
+Prints one line per T: the build and forward time and the relative error against the reference.
+A spec with a shared expert that the build fuses (the default where the plan can) runs through
+MoELayer with the shared expert's weights and a per-token scale, so that its tiles run too (v0.8's
+smokes passed none: the fused builds ran their routed tiles only)."""
 import sys
 import time
 
@@ -9,6 +12,7 @@ import torch
 
 import mokgen
 from mokgen import reference
+from mokgen.ep import MoELayer
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 tokens = [int(t) for t in sys.argv[2:]] or [1, 300, 3000]
@@ -18,14 +22,35 @@ E, I, H, k = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spe
 wg = (torch.randn(E, I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
 wu = (torch.randn(E, I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
 wd = (torch.randn(E, H, I, generator=g, device="cuda") * I**-0.5).bfloat16()
+layer = None
+if spec.shared_experts.count > 0:
+    t0 = time.perf_counter()
+    layer = MoELayer(spec, max_tokens=max(tokens), device="cuda")
+    if layer.fuses_shared:
+        with torch.no_grad():
+            layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+        sg = (torch.randn(I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
+        su = (torch.randn(I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
+        sd = (torch.randn(H, I, generator=g, device="cuda") * I**-0.5).bfloat16()
+        print(f"{name}: fused shared expert, layer built/loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        layer = None
 for T in tokens:
     x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
     ids = torch.rand(T, E, generator=g, device="cuda").topk(k, -1).indices
     w = torch.rand(T, k, generator=g, device="cuda")
     t0 = time.perf_counter()
-    out = mokgen.experts_forward(x, ids, w, wg, wu, wd, spec=spec)
+    if layer is not None:
+        scale = torch.rand(T, generator=g, device="cuda")
+        with torch.no_grad():
+            out = layer(x, ids, w, shared=(sg, su, sd, scale))
+    else:
+        out = mokgen.experts_forward(x, ids, w, wg, wu, wd, spec=spec)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    ref = reference.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    print(f"{name} T={T}: first forward (with build/load) {t1 - t0:.1f} s, rel err {err:.2e}", flush=True)
+    ref = reference.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit).float()
+    if layer is not None:
+        ref = ref + scale[:, None] * reference.shared_expert_forward(x, sg, su, sd).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    what = " (with the shared expert)" if layer is not None else ""
+    print(f"{name} T={T}{what}: first forward (with build/load) {t1 - t0:.1f} s, rel err {err:.2e}", flush=True)
