@@ -19,9 +19,13 @@ tokens = [int(t) for t in sys.argv[2:]] or [1, 300, 3000]
 spec = mokgen.load_spec(name)
 g = torch.Generator(device="cuda").manual_seed(0)
 E, I, H, k = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
-wg = (torch.randn(E, I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
-wu = (torch.randn(E, I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
-wd = (torch.randn(E, H, I, generator=g, device="cuda") * I**-0.5).bfloat16()
+
+
+def weight(*shape):  # bf16, scaled by the fan-in (the last dimension)
+    return (torch.randn(*shape, generator=g, device="cuda") * shape[-1] ** -0.5).bfloat16()
+
+
+wg, wu, wd = weight(E, I, H), weight(E, I, H), weight(E, H, I)
 layer = None
 if spec.shared_experts.count > 0:
     t0 = time.perf_counter()
@@ -29,9 +33,7 @@ if spec.shared_experts.count > 0:
     if layer.fuses_shared:
         with torch.no_grad():
             layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
-        sg = (torch.randn(I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
-        su = (torch.randn(I, H, generator=g, device="cuda") * H**-0.5).bfloat16()
-        sd = (torch.randn(H, I, generator=g, device="cuda") * I**-0.5).bfloat16()
+        sg, su, sd = weight(I, H), weight(I, H), weight(H, I)
         print(f"{name}: fused shared expert, layer built/loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     else:
         layer = None

@@ -24,37 +24,32 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
                 float* out, const int64_t* out_rows) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline(smem);
-  const int tid = threadIdx.x, wgi = tid / 128;
   const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
   bwd::Pipe pipe;
-  if (wgi == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<72>();
-    if (tid != 0) return;
-    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
-      bwd::TileSrc t;
-      for (int p = 0; p < 2; ++p) {
-        t.a[p] = &maps.a[p];
-        t.b[p] = &maps.b[p];
-      }
-      t.a_row = row0;
-      t.a_col = 0;
-      t.b_row = kBMN ? e * K : e * N + n * bwd::kBN;
-      t.b_col = n * bwd::kBN;
-      t.n_k = pairs * kb_per_pair;
-      t.kb_per_pair = kb_per_pair;
-      bwd::produce<false, kBMN>(s, pipe, t);
-    });
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<216>();
-    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
-      float acc[bwd::kAcc];
-      bwd::consume<false, kBMN>(s, pipe, wgi - 1, pairs * kb_per_pair, bwd::kBK, acc);
-      if (out_rows != nullptr)
-        bwd::store_tile(acc, wgi - 1, rows, out + n * bwd::kBN, N, out_rows + row0);
-      else
-        bwd::store_tile(acc, wgi - 1, rows, out + int64_t(row0) * N + n * bwd::kBN, N);
-    });
-  }
+  bwd::run_roles(
+      [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
+      [&](int e, int row0, int rows, int n) {
+        bwd::TileSrc t;
+        for (int p = 0; p < 2; ++p) {
+          t.a[p] = &maps.a[p];
+          t.b[p] = &maps.b[p];
+        }
+        t.a_row = row0;
+        t.a_col = 0;
+        t.b_row = kBMN ? e * K : e * N + n * bwd::kBN;
+        t.b_col = n * bwd::kBN;
+        t.n_k = pairs * kb_per_pair;
+        t.kb_per_pair = kb_per_pair;
+        bwd::produce<false, kBMN>(s, pipe, t);
+      },
+      [&](int wg, int e, int row0, int rows, int n) {
+        float acc[bwd::kAcc];
+        bwd::consume<false, kBMN>(s, pipe, wg, pairs * kb_per_pair, bwd::kBK, acc);
+        if (out_rows != nullptr)
+          bwd::store_tile(acc, wg, rows, out + n * bwd::kBN, N, out_rows + row0);
+        else
+          bwd::store_tile(acc, wg, rows, out + int64_t(row0) * N + n * bwd::kBN, N);
+      });
 }
 
 // Weight gradients: out[e] (bf16 [M, N]) = A[rows of e]^T B[rows of e]; A [rows, M], B [rows, N].
@@ -62,33 +57,30 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, bf16* out) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline(smem);
-  const int tid = threadIdx.x, wgi = tid / 128;
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
   bwd::Pipe pipe;
-  if (wgi == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<72>();
-    if (tid != 0) return;
-    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int m, int n) {
-      bwd::TileSrc t;
-      t.a[0] = t.a[1] = &maps.a[0];
-      t.b[0] = t.b[1] = &maps.b[0];
-      t.a_row = row0;
-      t.a_col = m * bwd::kBM;
-      t.b_row = row0;
-      t.b_col = n * bwd::kBN;
-      t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
-      t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
-      bwd::produce<true, true>(s, pipe, t);
-    });
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<216>();
-    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int m, int n) {
-      float acc[bwd::kAcc];
-      const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
-      bwd::consume<true, true>(s, pipe, wgi - 1, n_k, rows - (n_k - 1) * bwd::kBK, acc);
-      bwd::store_tile(acc, wgi - 1, bwd::kBM, out + (int64_t(e) * M + m * bwd::kBM) * N + n * bwd::kBN, N);
-    });
-  }
+  bwd::run_roles(
+      [&](auto&& fn) {
+        bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x), int(gridDim.x), fn);
+      },
+      [&](int e, int row0, int rows, int m, int n) {
+        bwd::TileSrc t;
+        t.a[0] = t.a[1] = &maps.a[0];
+        t.b[0] = t.b[1] = &maps.b[0];
+        t.a_row = row0;
+        t.a_col = m * bwd::kBM;
+        t.b_row = row0;
+        t.b_col = n * bwd::kBN;
+        t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
+        bwd::produce<true, true>(s, pipe, t);
+      },
+      [&](int wg, int e, int row0, int rows, int m, int n) {
+        float acc[bwd::kAcc];
+        const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        bwd::consume<true, true>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
+        bwd::store_tile(acc, wg, bwd::kBM, out + (int64_t(e) * M + m * bwd::kBM) * N + n * bwd::kBN, N);
+      });
 }
 
 // The recompute of the up projection with SwiGLU's backward in the epilogue: for each row r of
@@ -109,35 +101,30 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
                   int clamp, float limit) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline(smem);
-  const int tid = threadIdx.x, wgi = tid / 128;
   const int n_tiles = I / 128, n_k = H / bwd::kBK;
   bwd::Pipe pipe;
-  if (wgi == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<72>();
-    if (tid != 0) return;
-    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
-      bwd::TileSrc t;
-      t.a[0] = t.a[1] = &maps.a[0];
-      t.b[0] = &maps.b[0];
-      t.b[1] = &maps.b[1];
-      t.a_row = row0;
-      t.a_col = 0;
-      t.b_row = e * I + n * 128;
-      t.b_col = 0;
-      t.n_k = n_k;
-      t.kb_per_pair = n_k;
-      bwd::produce<false, false, true>(s, pipe, t);
-    });
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<216>();
-    bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), [&](int e, int row0, int rows, int n) {
-      float acc[bwd::kAcc];
-      bwd::consume<false, false>(s, pipe, wgi - 1, n_k, bwd::kBK, acc);
-      const int64_t at = int64_t(row0) * I + n * 128;
-      bwd::store_swiglu_grad(acc, wgi - 1, rows, o.dh_u + at, o.wt + row0, o.h + at, o.dg + at, o.du + at,
-                             o.dw_part + int64_t(row0) * n_tiles + n, n_tiles, I, clamp != 0, limit);
-    });
-  }
+  bwd::run_roles(
+      [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
+      [&](int e, int row0, int rows, int n) {
+        bwd::TileSrc t;
+        t.a[0] = t.a[1] = &maps.a[0];
+        t.b[0] = &maps.b[0];
+        t.b[1] = &maps.b[1];
+        t.a_row = row0;
+        t.a_col = 0;
+        t.b_row = e * I + n * 128;
+        t.b_col = 0;
+        t.n_k = n_k;
+        t.kb_per_pair = n_k;
+        bwd::produce<false, false, true>(s, pipe, t);
+      },
+      [&](int wg, int e, int row0, int rows, int n) {
+        float acc[bwd::kAcc];
+        bwd::consume<false, false>(s, pipe, wg, n_k, bwd::kBK, acc);
+        const int64_t at = int64_t(row0) * I + n * 128;
+        bwd::store_swiglu_grad(acc, wg, rows, o.dh_u + at, o.wt + row0, o.h + at, o.dg + at, o.du + at,
+                               o.dw_part + int64_t(row0) * n_tiles + n, n_tiles, I, clamp != 0, limit);
+      });
 }
 
 int sm_count() {

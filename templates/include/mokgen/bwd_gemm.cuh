@@ -122,6 +122,22 @@ MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
   return s;
 }
 
+// Every kernel's roles over one persistent walk: walk(fn) calls fn(tile...) for each of this
+// CTA's tiles in order. Thread 0 of warpgroup 0 runs produce(tile...) (the rest of warpgroup 0
+// exits after giving its registers back), warpgroups 1 and 2 run consume(wg, tile...) with wg =
+// 0 or 1; each role keeps its own copy of the stage ring's position.
+template <class Walk, class Produce, class Consume>
+MOKGEN_DEVICE void run_roles(Walk walk, Produce produce, Consume consume) {
+  const int tid = threadIdx.x, wgi = tid / 128;
+  if (wgi == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<72>();
+    if (tid == 0) walk(produce);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<216>();
+    walk([&](auto... tile) { consume(wgi - 1, tile...); });
+  }
+}
+
 // Where the k-blocks of a tile come from. A tile has n_k k-blocks of 64; k-block kb reads pair
 // 0 for kb < kb_per_pair, else pair 1 (dx has two operand pairs), at k0 = 64 (kb mod kb_per_pair).
 //   A K-major (rows GEMMs): box (k0, a_row + 64 h), h = 0, 1 (the tile's rows).
