@@ -28,6 +28,7 @@ class EpParams(ctypes.Structure):
         ("w_up", _P * MAX_LAUNCH_RANKS),
         ("w_down", _P * MAX_LAUNCH_RANKS),
         ("out", _P * MAX_LAUNCH_RANKS),
+        ("save_gu", _P * MAX_LAUNCH_RANKS),
         ("shared_w", _P * 3),
         ("shared_scale", _P * MAX_LAUNCH_RANKS),
         ("ctl", _P),

@@ -18,16 +18,30 @@ over its rows in that order: no split-K, no scatter-add.
 Two paths compute this. BF16 inputs take the grouped path (where torch._grouped_mm runs, see
 _grouped_ok), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y is never recomputed, in one of
 two forms:
-- ``torch._grouped_mm`` (the default): seven grouped GEMMs (bf16 operands, fp32 accumulation,
-  like the PyTorch pipeline the bench compares against) and elementwise passes. Its GEMM outputs
-  are bf16: g and u are rounded before the SwiGLU (the forward kernel applies it to fp32
-  accumulators), and dx is the sum of two rounded products.
-- mokgen's own Hopper kernels (``mokgen.bwd_gemm``, where ``MOKGEN_BWD_GEMM=1`` on an sm_90
-  GPU; off by default until measured): dh in fp32, the recompute of g and u with SwiGLU's
-  backward in its epilogue (g and u stay fp32 in registers), dx as one accumulation over both
-  products, weight gradients by one CTA per (expert, tile) in row order.
+- mokgen's own Hopper kernels (``mokgen.bwd_gemm``, the default on an sm_90 GPU where H and I
+  are multiples of 256; ``MOKGEN_BWD_GEMM=0`` turns them off): dh in fp32, g and u (saved or
+  recomputed, below) through SwiGLU's backward, dx as one accumulation over both products,
+  weight gradients by one CTA per (expert, tile) in row order. Measured 1.07x (kimi-k2.5
+  local) and 1.44x (qwen3.5-35b-a3b layer) the PyTorch autograd pipeline for fwd+bwd on the
+  H200, where the torch._grouped_mm form was 0.89-0.91x (docs/perf-notes.md, v0.10).
+- ``torch._grouped_mm``: seven grouped GEMMs (bf16 operands, fp32 accumulation, like the
+  PyTorch pipeline the bench compares against) and elementwise passes. Its GEMM outputs are
+  bf16: g and u are rounded before the SwiGLU, and dx is the sum of two rounded products.
 Both are within bf16 tolerance of the reference. Other dtypes (the fp64 oracle of the CPU
 tests, fp32) take the per-expert loop in the inputs' precision.
+
+Save or recompute (``MOKGEN_BWD_POLICY``, ``MoELayer(bwd_policy=...)``): g and u, the up
+projection's pre-activations, are either
+- ``save`` (the default): written by the forward megakernel's up-projection epilogue in bf16
+  (``save_gu``: 4 I bytes per routed (token, slot) pair, e.g. 134 MB for kimi-k2.5's 16384 local
+  rows, 268 MB for qwen3.5-35b-a3b at T = 16384), kept by autograd until the backward, which then
+  runs an elementwise pass where the recompute runs two GEMMs' worth of FLOPs (4 T k H I). Their
+  bf16 rounding is the one the torch._grouped_mm form applies too; h (for dWd and the routing
+  weights' gradient) is recomputed from them. Only where every rank is in the process (one
+  GPU: a single rank or virtual ranks): a multi-GPU layer's pairs are computed on other GPUs, and
+  recompute there.
+- ``recompute``: nothing is kept; the backward recomputes g and u from x (in fp32 on mokgen's
+  kernels, fused with SwiGLU's backward: g and u never leave the registers).
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from mokgen.errors import InputError
 from mokgen.reference import swiglu
 
 
@@ -80,17 +95,25 @@ def _swiglu_fwd_bwd(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, clamp_li
 
 
 def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit=None,
-                     need_weight_grads: bool = True):
+                     need_weight_grads: bool = True, saved_gu=None):
     """Gradients of ``out = experts_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down)``.
 
     ``x [T, H]``, ``topk_ids [T, K]`` (ids in ``[0, E)``), ``topk_weights [T, K]``, ``w_gate`` /
-    ``w_up [E, I, H]``, ``w_down [E, H, I]``, ``grad_out [T, H]``. Computes in fp32 (fp64 for
-    fp64 inputs) and returns
+    ``w_up [E, I, H]``, ``w_down [E, H, I]``, ``grad_out [T, H]``. ``saved_gu`` (optional, the
+    "save" policy): the forward's pre-activations, bf16 ``[T * K, 2 I]``, row ``t * K + j`` = g
+    then u of pair (t, j); g and u are then not recomputed (the BF16 path; the per-expert loop
+    of other dtypes ignores them). Computes in fp32 (fp64 for fp64 inputs) and returns
     ``(dx, d_topk_weights, dw_gate, dw_up, dw_down)`` in the dtypes of the inputs (the weight
     gradients are None unless ``need_weight_grads``)."""
+    if saved_gu is not None:
+        T, K = topk_ids.shape
+        I = w_gate.shape[1]
+        if saved_gu.dtype != torch.bfloat16 or tuple(saved_gu.shape) != (T * K, 2 * I) or not saved_gu.is_contiguous():
+            raise InputError(f"saved_gu must be a contiguous bf16 tensor [T * K, 2 I] = {(T * K, 2 * I)}, got "
+                             f"{saved_gu.dtype} {tuple(saved_gu.shape)}")
     if _grouped_ok(x, w_gate, w_up, w_down):
         return _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
-                                         need_weight_grads)
+                                         need_weight_grads, saved_gu)
     T, K = topk_ids.shape
     E = w_gate.shape[0]
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32, or fp64 for an oracle
@@ -171,46 +194,60 @@ def _grouped_ok(x, w_gate, w_up, w_down) -> bool:
     return (major, minor) >= (2, 9)
 
 
-def _pairs_expert_major(topk_ids: torch.Tensor, E: int):
+def _pairs_expert_major(topk_ids: torch.Tensor, E: int, *, count: bool = True):
     """(order, counts, n_valid): the (t, j) pairs sorted expert-major (stable), rows per expert
-    [E] (int64, on the device), and how many pairs have an id in [0, E) (dropped ones sort last)."""
+    [E] (int64, on the device), and how many pairs have an id in [0, E) (dropped ones sort last).
+    ``count=False``: n_valid is None, and nothing waits for the device (the counts are a
+    scatter-add, not bincount, whose output size needs the largest id on the host)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)
-    return order, counts[:E], int(counts[:E].sum())
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    return order, counts[:E], (int(counts[:E].sum()) if count else None)
 
 
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
-                              need_weight_grads):
+                              need_weight_grads, saved_gu=None):
     """The BF16 path of experts_backward: grouped GEMMs over the expert-major rows."""
     T, K = topk_ids.shape
-    E = w_gate.shape[0]
+    E, I = w_gate.shape[0], w_gate.shape[1]
     f32 = torch.float32
     gmm = torch._grouped_mm
-    order, counts, n = _pairs_expert_major(topk_ids, E)
-    order = order[:n]
+    from mokgen import bwd_gemm
+
+    # mokgen's Hopper GEMMs (the default on an H100/H200): fp32 outputs, bf16 weight grads
+    ours = bwd_gemm.usable(x.shape[1], I, x.device)
+    # ours: every pair's row, the dropped ones (ids outside [0, E), sorted last) included, since
+    # the kernels leave rows past offs[-1] alone: no wait for the device to count the valid
+    # pairs; torch._grouped_mm gets the valid rows only
+    order, counts, n = _pairs_expert_major(topk_ids, E, count=not ours)
+    if not ours:
+        order = order[:n]
     offs = counts.cumsum(0).to(torch.int32)
     tok = torch.div(order, K, rounding_mode="floor")
     rows = x.index_select(0, tok).contiguous()
     go = grad_out.to(torch.bfloat16).index_select(0, tok).contiguous()
     wts = topk_weights.reshape(-1).index_select(0, order).to(f32).unsqueeze(1)
-    from mokgen import bwd_gemm
-
-    # MOKGEN_BWD_GEMM=1 on an H100/H200: mokgen's Hopper GEMMs (fp32 outputs, bf16 weight grads)
-    ours = bwd_gemm.usable(x.shape[1], w_gate.shape[1], x.device)
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
-    # dOut back through the down projection (unweighted), then the recompute of the up projection
-    # and SwiGLU's backward (ours: in one kernel, g and u never leave the registers)
+    # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
+    # ours fuses the recompute with SwiGLU's backward, g and u never leave the registers)
     if ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
         dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
-        hw, dg, du, dw_rows = bwd_gemm.swiglu_grads(rows, w_gate, w_up, dh_u, wts.reshape(-1).contiguous(), offs,
-                                                    clamp_limit)
+        wt = wts.reshape(-1).contiguous()
+        if saved_gu is not None:
+            hw, dg, du, dw_rows = bwd_gemm.swiglu_grads_saved(saved_gu, order, dh_u, wt, offs, clamp_limit)
+        else:
+            hw, dg, du, dw_rows = bwd_gemm.swiglu_grads(rows, w_gate, w_up, dh_u, wt, offs, clamp_limit)
         del dh_u
     else:
-        g = gmm(rows, w_gate.transpose(1, 2), offs=offs).to(f32)
-        u = gmm(rows, w_up.transpose(1, 2), offs=offs).to(f32)
+        if saved_gu is not None:
+            gu = saved_gu.index_select(0, order)
+            g, u = gu[:, :I].to(f32), gu[:, I:].to(f32)
+            del gu
+        else:
+            g = gmm(rows, w_gate.transpose(1, 2), offs=offs).to(f32)
+            u = gmm(rows, w_up.transpose(1, 2), offs=offs).to(f32)
         dh_u = gmm(go, w_down, offs=offs).to(f32)
         h, dg, du = _swiglu_fwd_bwd(g, u, dh_u * wts, clamp_limit)
         dw_rows = (dh_u * h).sum(dim=1)
@@ -242,19 +279,19 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
 @torch.library.custom_op("mokgen::experts_backward", mutates_args=())
 def experts_backward_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                         w_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
-                        clamp_limit: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor]:
+                        clamp_limit: Optional[float], saved_gu: Optional[torch.Tensor] = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts_backward as one opaque operator, so that torch.compile (AOTAutograd) traces the
     megakernel's backward as a single node: its data-dependent sizes (rows per expert) stay
     inside. Returns fresh tensors (dx, d_topk_weights, dw_gate, dw_up, dw_down)."""
-    out = experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit)
+    out = experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, saved_gu=saved_gu)
     inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out)
     # a custom op may not return its inputs: copy in the (theoretical) case a path returns one
     return tuple(o.clone() if any(o is i for i in inputs) else o for o in out)
 
 
 @experts_backward_op.register_fake
-def _experts_backward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit):
+def _experts_backward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, saved_gu=None):
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
             torch.empty_like(w_down))
 
@@ -317,10 +354,24 @@ def shared_op_backward(xs, w_gate, w_up, w_down, scale, grads_out):
     return list(dx.split(sizes)), (dg[0], du[0], dd[0], d_scale)
 
 
+def passed_inputs(inputs, n_required: int, defaults: tuple) -> tuple[int, list]:
+    """(how many arguments the caller passed, the optional ones with their defaults filled in) of
+    an op call whose ``inputs`` are its ``n_required`` required arguments, then optional ones
+    (``defaults``, each None or False). The dispatcher drops trailing optional arguments equal to
+    their defaults from the structure autograd checks a backward's result against, so the
+    backward returns that many gradients."""
+    optional = list(inputs[n_required:]) + list(defaults[max(0, len(inputs) - n_required):])
+    n = n_required + len(optional)
+    while n > n_required and optional[n - n_required - 1] is defaults[n - n_required - 1]:
+        n -= 1
+    return n, optional
+
+
 def ep_op_backward(saved: dict, grads_out):
     """Backward of the megakernel op for the ranks of one process (one rank, or W virtual ranks
     whose experts are all here): ``saved`` holds the op's lists (xs, topk_ids, topk_weights,
-    w_gate, w_up, w_down), ``world`` and ``clamp_limit``; ``grads_out`` the gradients of the
+    w_gate, w_up, w_down), ``world``, ``clamp_limit`` and ``gu`` (the forward's saved
+    pre-activations of every rank's pairs, or None: recompute); ``grads_out`` the gradients of the
     per-rank outputs (None for an unused output). Returns per-rank lists
     (dxs, d_topk_weights, dw_gate, dw_up, dw_down)."""
     xs, ids, ws = saved["xs"], saved["topk_ids"], saved["topk_weights"]
@@ -343,7 +394,8 @@ def ep_op_backward(saved: dict, grads_out):
         return ts[0].contiguous() if len(ts) == 1 else torch.cat(list(ts))
 
     e_loc = [t.shape[0] for t in wg]
+    # saved["gu"] (the "save" policy): the op's pre-activations, already rank by rank in pair order
     dx, dw, dwg, dwu, dwd = experts_backward_op(cat(xs), cat(ids), cat(ws), cat(wg), cat(wu), cat(wd), cat(gos),
-                                                saved["clamp_limit"])
+                                                saved["clamp_limit"], saved.get("gu"))
     return (list(dx.split(sizes)), list(dw.split(sizes)), list(dwg.split(e_loc)), list(dwu.split(e_loc)),
             list(dwd.split(e_loc)))

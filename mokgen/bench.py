@@ -284,7 +284,8 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
 def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
                          workload: str = "layer") -> list[Row]:
     """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then
-    its autograd backward: the PyTorch baseline of mokgen/backward.py for now) against the
+    its autograd backward, mokgen/backward.py: on torch._grouped_mm with g and u recomputed, and
+    on mokgen's backward GEMMs with g and u recomputed or saved by the forward) against the
     ``torch._grouped_mm`` pipeline under autograd. Gradients for x, the routing weights and the
     three expert weights; FLOPs counted as 3x the forward's. Each row's ``ms_all`` holds the
     timings; the peak memory of each side (bytes above the inputs) is put in ``impl``. Every
@@ -322,22 +323,24 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
 
     from mokgen import bwd_gemm
 
-    def ours_on(gemms: bool):  # the backward's GEMMs on mokgen's kernels or torch._grouped_mm
+    def ours_on(gemms: bool, policy: str):  # the backward's GEMMs (mokgen's or torch's) and g/u policy
         def run(i):
+            layer.bwd_policy = policy
             with bwd_gemm.forced(gemms):
                 ours(i)
         return run
 
-    impls = {"mokgen megakernel + baseline backward (W=1)": ours_on(False)}
-    # mokgen's backward GEMMs are timed beside the torch path where MOKGEN_BWD_GEMM=1 asks for
-    # them (they have not run on a GPU yet: a plain bench does not depend on them)
+    impls = {"mokgen megakernel + torch._grouped_mm backward, recompute (W=1)": ours_on(False, "recompute")}
+    # mokgen's backward GEMMs, with g and u recomputed and (the default) saved by the forward,
+    # where they run (an sm_90 GPU, tile-sized H and I, the library built or buildable here)
     if bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, "cuda"):
         try:
             bwd_gemm.load_library()
-        except MokgenError as err:  # no nvcc here: the row is left out, with the reason
+        except MokgenError as err:  # no nvcc here: the rows are left out, with the reason
             warnings.warn(f"mokgen bench: the backward GEMMs are not timed: {err}")
         else:
-            impls["mokgen megakernel + mokgen backward GEMMs (W=1)"] = ours_on(True)
+            impls["mokgen megakernel + mokgen backward, recompute (W=1)"] = ours_on(True, "recompute")
+            impls["mokgen megakernel + mokgen backward, save (W=1)"] = ours_on(True, "save")
     impls["torch._grouped_mm autograd"] = peer
     rows = []
     flops = 3 * routed_flops(spec, tokens)

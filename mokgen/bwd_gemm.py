@@ -13,6 +13,9 @@ per expert, int32 on the GPU):
   of gate and up rows, as the forward's) with SwiGLU's backward in the epilogue: ``h``, ``dg``,
   ``du`` in bf16 and the routing weight's gradient ``<dh_u, h>`` per row, without g and u ever
   leaving the registers;
+* :func:`swiglu_grads_saved`: the same outputs from the pre-activations g and u that the
+  forward saved (the "save" policy of mokgen.backward): an elementwise pass instead of the
+  recompute's two GEMMs;
 * :func:`weight_grads`: ``out[e] = A[rows of e]^T @ B[rows of e]`` in bf16 (dWg = dg^T x,
   dWu = du^T x, dWd = dy^T h); an expert without rows gets zeros.
 
@@ -69,6 +72,8 @@ class _Lib:
         lib.mokgen_bwd_weights.restype = i
         lib.mokgen_bwd_swiglu.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
         lib.mokgen_bwd_swiglu.restype = i
+        lib.mokgen_bwd_swiglu_saved.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, ctypes.c_float, vp]
+        lib.mokgen_bwd_swiglu_saved.restype = i
         self._lib = lib
 
     def check(self, what: str, code: int) -> None:
@@ -83,6 +88,9 @@ class _Lib:
 
     def swiglu(self, *args) -> None:
         self.check("mokgen_bwd_swiglu", self._lib.mokgen_bwd_swiglu(*args))
+
+    def swiglu_saved(self, *args) -> None:
+        self.check("mokgen_bwd_swiglu_saved", self._lib.mokgen_bwd_swiglu_saved(*args))
 
 
 @lru_cache(maxsize=None)
@@ -251,6 +259,52 @@ def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
                                   w_gate.data_ptr(), w_up.data_ptr(), dh_u.data_ptr(), wt.data_ptr(), offs.data_ptr(),
                                   E, rows, H, I, int(clamp), float(clamp_limit) if clamp else 0.0, stream)
     return h, dg, du, dw_part.sum(dim=1)
+
+
+def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
+    """:func:`swiglu_grads`'s outputs ``(hw, dg, du, d_wt)`` from saved pre-activations instead of
+    a recompute: ``gu [pairs, 2 I]`` bf16 (row ``p``: g then u of pair ``p``, as the forward's
+    ``save_gu`` output), ``order [rows]`` int64 (the pair of each expert-major row, values in
+    ``[0, pairs)``), ``dh_u [rows, I]`` and ``wt [rows]`` fp32, ``offs [E]`` int32. Rows from
+    ``offs[-1]`` on (pairs no expert computed) get zeros. ``d_wt`` is each row's sum in one fixed
+    order (not the recompute's per-128-column partial sums, so the two policies agree within
+    rounding, not bit for bit)."""
+    import torch
+
+    _check_operand("gu", gu, 2)
+    pairs, I2 = gu.shape
+    I = I2 // 2
+    if I2 % 16 or I == 0:
+        raise InputError(f"gu must be [pairs, 2 I] with I a positive multiple of 8, got {tuple(gu.shape)}")
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or order.dim() != 1 \
+            or not order.is_contiguous() or order.device != gu.device:
+        raise InputError(f"order must be a contiguous 1-d int64 tensor on {gu.device}")
+    rows = order.shape[0]
+    if rows > pairs:
+        raise InputError(f"order has {rows} rows, more than gu's {pairs} pairs")
+    for name, t, shape in (("dh_u", dh_u, (rows, I)), ("wt", wt, (rows,))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape \
+                or not t.is_contiguous() or t.device != gu.device:
+            raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {gu.device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if dh_u.data_ptr() % 16:
+        raise InputError("dh_u must start at a 16-byte aligned address (the kernel reads float4s)")
+    if clamp_limit is not None and not float(clamp_limit) > 0:
+        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.shape[0] == 0:
+        raise InputError("offs must be a non-empty 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
+    E = offs.shape[0]
+    _check_offs(offs, E, gu.device)
+    h, dg, du = (torch.empty(rows, I, dtype=torch.bfloat16, device=gu.device) for _ in range(3))
+    d_wt = torch.empty(rows, dtype=torch.float32, device=gu.device)
+    if rows:
+        stream = torch.cuda.current_stream(gu.device).cuda_stream
+        clamp = clamp_limit is not None
+        with torch.cuda.device(gu.device):
+            load_library().swiglu_saved(h.data_ptr(), dg.data_ptr(), du.data_ptr(), d_wt.data_ptr(), gu.data_ptr(),
+                                        order.data_ptr(), dh_u.data_ptr(), wt.data_ptr(), offs.data_ptr(), E, rows, I,
+                                        int(clamp), float(clamp_limit) if clamp else 0.0, stream)
+    return h, dg, du, d_wt
 
 
 _forced: bool | None = None

@@ -27,7 +27,8 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
-    "MOKGEN_BWD_GEMM": "1: the experts' backward runs its GEMMs on mokgen's Hopper kernels (mokgen/bwd_gemm.py) instead of torch._grouped_mm (default 0 until measured)",
+    "MOKGEN_BWD_GEMM": "1 (default) or 0: the experts' backward runs its GEMMs on mokgen's Hopper kernels (mokgen/bwd_gemm.py) where they run (sm_90, H and I multiples of 256), or on torch._grouped_mm",
+    "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
 
@@ -128,7 +129,13 @@ def pull_mode() -> str:
 
 
 def bwd_gemm_enabled() -> bool:
-    return _flag("MOKGEN_BWD_GEMM")
+    """MOKGEN_BWD_GEMM: on unless set to 0 (measured faster than torch._grouped_mm on the H200, v0.10)."""
+    return _get("MOKGEN_BWD_GEMM") is None or _flag("MOKGEN_BWD_GEMM")
+
+
+def bwd_policy() -> str:
+    """MOKGEN_BWD_POLICY: ``save`` (default) or ``recompute`` (mokgen.backward, "Save or recompute")."""
+    return _choice("MOKGEN_BWD_POLICY", ("save", "recompute"))
 
 
 def tuned_dir() -> Path:

@@ -185,6 +185,30 @@ def _check_ids_range(ids_list, num_experts: int) -> None:
                 raise InputError(f"topk_ids[{r}]: expert ids must be in [0, {num_experts}), found values in [{lo}, {hi}]")
 
 
+BWD_POLICIES = ("save", "recompute")
+
+
+def _bwd_policy(value: str | None) -> str:
+    """The backward's save-or-recompute policy (mokgen.backward): ``value``, or MOKGEN_BWD_POLICY."""
+    if value is None:
+        return env.bwd_policy()
+    if value not in BWD_POLICIES:
+        raise InputError(f"bwd_policy must be one of {', '.join(BWD_POLICIES)}, got {value!r}")
+    return value
+
+
+def _tail_args(kernel, policy: str, all_in_launch: bool, shared_args: tuple, tensors) -> tuple:
+    """The op's optional trailing arguments: ``shared_args`` (the fused shared expert's, or none),
+    then ``save_gu=True`` where the backward will read the forward's pre-activations: the "save"
+    policy, a build whose epilogue writes them (CAN_SAVE), every rank in this launch, and autograd
+    recording a graph through the op."""
+    if policy != "save" or not all_in_launch or not getattr(kernel, "CAN_SAVE", False):
+        return shared_args
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return shared_args
+    return (*shared_args, *([None] * (4 - len(shared_args))), True)
+
+
 def _ring(spec: MoESpec, chunk_rows: int | None, ring_chunks: int | None) -> tuple[int, int]:
     defaults = ep_defaults(spec)
     c = defaults["chunk_rows"] if chunk_rows is None else int(chunk_rows)
@@ -246,6 +270,7 @@ def virtual_ep_forward(
     check_ids: bool = True,
     return_stats: bool = False,
     simulate_missing_rank: int | None = None,
+    bwd_policy: str | None = None,
 ):
     """Run the expert-parallel megakernel with W = len(xs) virtual ranks on one GPU.
 
@@ -260,6 +285,8 @@ def virtual_ep_forward(
 
     ``simulate_missing_rank`` (testing): that rank never publishes its routing, so the others
     time out after ``timeout_ms`` and this call raises KernelError naming rank and stage.
+    ``bwd_policy``: ``"save"`` or ``"recompute"`` (default: MOKGEN_BWD_POLICY, else save): whether
+    a forward that autograd records keeps g and u for the backward (mokgen.backward).
     """
     if isinstance(spec, str):
         spec = load_spec(spec)
@@ -292,6 +319,7 @@ def virtual_ep_forward(
     if not timeout_ms > 0:
         raise InputError(f"timeout_ms must be positive, got {timeout_ms}")
     c, s = _ring(spec, chunk_rows, ring_chunks)
+    policy = _bwd_policy(bwd_policy)
 
     kernel = load(spec)
     with torch.cuda.device(device):
@@ -299,6 +327,7 @@ def virtual_ep_forward(
         bufs = _virtual_buffers(kernel, geometry, device)
         ctas, dispatch = _ctas(kernel, W)
         e_loc = spec.num_experts // W
+        tail = _tail_args(kernel, policy, True, (), (*xs, *topk_weights, w_gate, w_up, w_down))
         outs = kernel.EP_OP(
             list(xs),
             [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids],
@@ -307,8 +336,9 @@ def virtual_ep_forward(
             [w_up[r * e_loc : (r + 1) * e_loc] for r in range(W)],
             [w_down[r * e_loc : (r + 1) * e_loc] for r in range(W)],
             *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
-            int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank),
+            int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank), *tail,
         )
+        outs = outs[:W]  # without the saved pre-activations (autograd keeps them)
         if _can_sync():
             err = bufs.read_error()
             if err is not None:
@@ -331,13 +361,15 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
             if err is not None:
                 _raise(bufs, err, DEFAULT_TIMEOUT_MS)
         ctas, dispatch = _ctas(kernel, 1)
-        (out,) = kernel.EP_OP(
+        tail = _tail_args(kernel, env.bwd_policy(), True, (), (x, topk_weights, w_gate, w_up, w_down))
+        out = kernel.EP_OP(
             [x],
             [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
             [w_gate], [w_up], [w_down],
             *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6), -1,
-        )
+            *tail,
+        )[0]
         if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
             bufs.watch()
     return out
@@ -428,13 +460,18 @@ class MoELayer(torch.nn.Module):
     and, for those not passed here, its chunk_rows / ring_chunks / dispatch_ctas. Without one,
     the plan's defaults. ``build_options``: make_plan keyword arguments for the kernel (instead
     of the environment and tuned entry; what `mokgen tune` uses to time candidates).
+    ``bwd_policy``: ``"save"`` or ``"recompute"`` (default: MOKGEN_BWD_POLICY, else save), the
+    backward's source of the pre-activations g and u (mokgen.backward); the attribute of the
+    same name can change it between calls. A multi-GPU layer always recomputes.
     """
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
                  chunk_rows: int | None = None, ring_chunks: int | None = None,
                  dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None,
-                 tuned: bool = True, build_options: dict | None = None):
+                 tuned: bool = True, build_options: dict | None = None, bwd_policy: str | None = None):
         super().__init__()
+        #: "save" or "recompute": where the backward takes g and u from (mokgen.backward)
+        self.bwd_policy = _bwd_policy(bwd_policy)
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
         if group is not None:
@@ -551,14 +588,16 @@ class MoELayer(torch.nn.Module):
             if not torch.cuda.is_current_stream_capturing():
                 self.check_errors(block=False)
         g = bufs.geometry
-        (out,) = self._kernel.EP_OP(
+        tail = _tail_args(self._kernel, _bwd_policy(self.bwd_policy), self.world == 1, shared_args,
+                          (x, topk_weights, self.w_gate, self.w_up, self.w_down, *(t for t in shared_args if t is not None)))
+        out = self._kernel.EP_OP(
             [x],
             [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
             [self.w_gate], [self.w_up], [self.w_down],
             *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
-            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *shared_args,
-        )
+            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
+        )[0]
         if not compiling and not torch.cuda.is_current_stream_capturing():
             bufs.watch()
         return out

@@ -19,7 +19,7 @@ from mokgen.errors import PlanError
 from mokgen.spec import MoESpec
 
 #: bump when the C ABI of the launcher library changes (load checks it)
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}

@@ -127,6 +127,60 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       });
 }
 
+// SwiGLU's backward from the pre-activations the forward saved (mokgen.backward's "save" policy,
+// which replaces swiglu_kernel's recompute): for expert-major row i < offs[E - 1], pair order[i]:
+// g, u = gu[order[i]] (bf16 [g | u], 2 I per row), dh = dh_u[i] wt[i]; out h wt[i], dg, du (bf16
+// [rows, I]) and dw[i] = sum_c dh_u[i, c] h[i, c] (fp32); zeros for rows past offs[E - 1] (pairs
+// no expert computed). One warp per row, 8 columns per lane and step (16-byte loads of g and u);
+// each lane sums its columns in order, then a fixed butterfly over the lanes: the same bits on
+// every run.
+__global__ void __launch_bounds__(256)
+    swiglu_saved_kernel(bf16* h, bf16* dg, bf16* du, float* dw, const bf16* gu, const int64_t* order, const float* dh_u,
+                        const float* wt, const int32_t* offs, int E, int rows, int I, int clamp, float limit) {
+  const int row = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int n = min(max(offs[E - 1], 0), rows);
+  const int64_t at = int64_t(row) * I;
+  if (row >= n) {
+    for (int c = lane * 8; c < I; c += 256) {
+      *reinterpret_cast<uint4*>(h + at + c) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dg + at + c) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(du + at + c) = make_uint4(0, 0, 0, 0);
+    }
+    if (lane == 0) dw[row] = 0.f;
+    return;
+  }
+  const bf16* g = gu + order[row] * (2 * int64_t(I));
+  const bf16* u = g + I;
+  const float weight = wt[row];
+  float dot = 0.f;
+  for (int c = lane * 8; c < I; c += 256) {
+    const uint4 gv = *reinterpret_cast<const uint4*>(g + c), uv = *reinterpret_cast<const uint4*>(u + c);
+    const float4 d0 = *reinterpret_cast<const float4*>(dh_u + at + c), d1 = *reinterpret_cast<const float4*>(dh_u + at + c + 4);
+    const bf16* gs = reinterpret_cast<const bf16*>(&gv);
+    const bf16* us = reinterpret_cast<const bf16*>(&uv);
+    const float d[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+    uint32_t wh[4], wdg[4], wdu[4];
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+      const bwd::SwigluGrad a = bwd::swiglu_grad(__bfloat162float(gs[k]), __bfloat162float(us[k]), d[k] * weight, clamp != 0, limit);
+      const bwd::SwigluGrad b =
+          bwd::swiglu_grad(__bfloat162float(gs[k + 1]), __bfloat162float(us[k + 1]), d[k + 1] * weight, clamp != 0, limit);
+      dot = fmaf(d[k], a.h, dot);
+      dot = fmaf(d[k + 1], b.h, dot);
+      wh[k / 2] = pack_bf16x2(a.h * weight, b.h * weight);
+      wdg[k / 2] = pack_bf16x2(a.dg, b.dg);
+      wdu[k / 2] = pack_bf16x2(a.du, b.du);
+    }
+    *reinterpret_cast<uint4*>(h + at + c) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
+    *reinterpret_cast<uint4*>(dg + at + c) = make_uint4(wdg[0], wdg[1], wdg[2], wdg[3]);
+    *reinterpret_cast<uint4*>(du + at + c) = make_uint4(wdu[0], wdu[1], wdu[2], wdu[3]);
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  if (lane == 0) dw[row] = dot;
+}
+
 int sm_count() {
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
@@ -195,6 +249,20 @@ int mokgen_bwd_swiglu(void* h, void* dg, void* du, float* dw_part, const void* x
   if (grid == 0) return int(cudaErrorNoDevice);
   const SwigluOut o{static_cast<bf16*>(h), static_cast<bf16*>(dg), static_cast<bf16*>(du), dw_part, dh_u, wt};
   return launch(swiglu_kernel, grid, stream, maps, offs, E, rows, H, I, o, clamp, limit);
+}
+
+// SwiGLU's backward from saved pre-activations (swiglu_saved_kernel): gu [*, 2 I] bf16 (row p: g
+// then u of pair p), order [rows] int64 (the pair of expert-major row i), dh_u [rows, I] fp32, wt
+// [rows] fp32, offs [E] int32; out h (= swiglu(g, u) wt), dg, du [rows, I] bf16, dw [rows] fp32.
+// I % 8 == 0, rows >= 1 (checked by the caller).
+int mokgen_bwd_swiglu_saved(void* h, void* dg, void* du, float* dw, const void* gu, const int64_t* order,
+                            const float* dh_u, const float* wt, const int32_t* offs, int E, int rows, int I, int clamp,
+                            float limit, cudaStream_t stream) {
+  const unsigned blocks = unsigned((int64_t(rows) * 32 + 255) / 256);
+  swiglu_saved_kernel<<<blocks, 256, 0, stream>>>(static_cast<bf16*>(h), static_cast<bf16*>(dg), static_cast<bf16*>(du), dw,
+                                                  static_cast<const bf16*>(gu), order, dh_u, wt, offs, E, rows, I, clamp,
+                                                  limit);
+  return int(cudaGetLastError());
 }
 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16

@@ -287,3 +287,158 @@ def test_op_autograd_through_the_dispatcher(monkeypatch, fuse):
         torch.testing.assert_close(got_x, want[0])
         torch.testing.assert_close(w.grad, want[1])
         assert all(t.grad is not None for t in leaves)
+
+
+def _bf16_problem(T=29, H=32, I=16, E=6, K=2, seed=9):
+    x, ids, w, wg, wu, wd, g = _problem(T=T, H=H, I=I, E=E, K=K, seed=seed)
+    bf = [t.to(torch.bfloat16) for t in (x, wg, wu, wd, g)]
+    return bf[0], ids, w.float(), bf[1], bf[2], bf[3], bf[4]
+
+
+def _pre_activations(x, ids, wg, wu):
+    """What the forward's save_gu output holds: row t * K + j = bf16 [g | u] of pair (t, j)."""
+    T, K = ids.shape
+    rows = x.float().repeat_interleave(K, dim=0)
+    e = ids.reshape(-1)
+    g = torch.einsum("ph,pih->pi", rows, wg.float()[e])
+    u = torch.einsum("ph,pih->pi", rows, wu.float()[e])
+    return torch.cat([g, u], dim=1).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("clamp", [None, 0.7])
+def test_saved_pre_activations_replace_the_recompute(clamp):
+    """The "save" policy on the grouped path (torch._grouped_mm runs on the CPU): gradients from
+    the forward's saved g and u agree with the recompute's within bf16 rounding and with the
+    fp64 oracle, repeat bit for bit, and really come from the saved rows (rows moved to other
+    pairs change them)."""
+    x, ids, w, wg, wu, wd, g = _bf16_problem()
+    gu = _pre_activations(x, ids, wg, wu)
+    saved = experts_backward(x, ids, w, wg, wu, wd, g, clamp, saved_gu=gu)
+    again = experts_backward(x, ids, w, wg, wu, wd, g, clamp, saved_gu=gu)
+    recomputed = experts_backward(x, ids, w, wg, wu, wd, g, clamp)
+    oracle = experts_backward(x.double(), ids, w.double(), wg.double(), wu.double(), wd.double(), g.double(), clamp)
+    for name, a, b, c, d in zip(("dx", "dw", "dw_gate", "dw_up", "dw_down"), saved, again, recomputed, oracle):
+        assert torch.equal(a, b), f"{name}: not bitwise reproducible"
+        assert _rel(a, c) < 1e-2, f"{name}: saved vs recomputed {_rel(a, c):.3e}"
+        assert _rel(a, d) < 2e-2, f"{name}: saved vs oracle {_rel(a, d):.3e}"
+    moved = experts_backward(x, ids, w, wg, wu, wd, g, clamp, saved_gu=gu.roll(1, dims=0))
+    assert _rel(moved[0], saved[0]) > 0.1 and _rel(moved[2], saved[2]) > 0.1
+
+
+def test_saved_pre_activations_of_the_wrong_shape_are_one_clear_error():
+    from mokgen.errors import InputError
+
+    x, ids, w, wg, wu, wd, g = _bf16_problem()
+    gu = _pre_activations(x, ids, wg, wu)
+    for bad in (gu[:-1], gu[:, :-2], gu.float(), gu.t().contiguous().t()):
+        with pytest.raises(InputError, match=r"saved_gu must be a contiguous bf16 tensor \[T \* K, 2 I\]"):
+            experts_backward(x, ids, w, wg, wu, wd, g, saved_gu=bad)
+
+
+def test_pairs_expert_major_counts_without_waiting():
+    from mokgen.backward import _pairs_expert_major
+
+    ids = torch.tensor([[3, 0], [-1, 3], [7, 1], [0, 3]])
+    order, counts, n = _pairs_expert_major(ids, 4)
+    order2, counts2, n2 = _pairs_expert_major(ids, 4, count=False)
+    assert n == 6 and n2 is None
+    assert torch.equal(order, order2) and torch.equal(counts, counts2)
+    assert counts.tolist() == [2, 1, 0, 3]
+    assert order.tolist()[:6] == [1, 6, 5, 0, 3, 7]  # expert-major, pair order within an expert
+    assert sorted(order.tolist()[6:]) == [2, 4]  # the dropped pairs last
+
+
+def test_passed_inputs_drops_trailing_defaults_only():
+    from mokgen.backward import passed_inputs
+
+    defaults = (None, None, None, None, False)
+    req = tuple(range(18))
+    assert passed_inputs(req + (None,) * 4 + (False,), 18, defaults) == (18, [None] * 4 + [False])
+    n, opt = passed_inputs(req + (None,) * 4 + (True,), 18, defaults)
+    assert n == 23 and opt[4] is True
+    t = torch.zeros(1)
+    n, opt = passed_inputs(req + (t, t, t, None, False), 18, defaults)
+    assert n == 21 and opt[:3] == [t, t, t] and opt[3] is None
+    assert passed_inputs(req, 18, defaults) == (18, [None] * 4 + [False])
+
+
+def test_save_is_asked_only_where_the_backward_can_use_it():
+    from types import SimpleNamespace
+
+    from mokgen.ep import _bwd_policy, _tail_args
+    from mokgen.errors import InputError
+
+    can, cannot = SimpleNamespace(CAN_SAVE=True), SimpleNamespace(CAN_SAVE=False)
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2)
+    shared = (b, b, b, None)
+    assert _tail_args(can, "save", True, (), (a, b)) == (None, None, None, None, True)
+    assert _tail_args(can, "save", True, shared, (a, b)) == (*shared, True)
+    assert _tail_args(can, "recompute", True, shared, (a, b)) == shared
+    assert _tail_args(cannot, "save", True, (), (a, b)) == ()
+    assert _tail_args(can, "save", False, (), (a, b)) == ()  # a multi-GPU layer: its pairs are elsewhere
+    assert _tail_args(can, "save", True, (), (b,)) == ()  # nothing requires a gradient
+    with torch.no_grad():
+        assert _tail_args(can, "save", True, (), (a, b)) == ()
+    with pytest.raises(InputError, match="bwd_policy must be one of save, recompute"):
+        _bwd_policy("keep")
+
+
+def test_policy_switches(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.delenv("MOKGEN_BWD_POLICY", raising=False)
+    monkeypatch.delenv("MOKGEN_BWD_GEMM", raising=False)
+    assert env.bwd_policy() == "save" and env.bwd_gemm_enabled()
+    monkeypatch.setenv("MOKGEN_BWD_POLICY", "recompute")
+    monkeypatch.setenv("MOKGEN_BWD_GEMM", "0")
+    assert env.bwd_policy() == "recompute" and not env.bwd_gemm_enabled()
+    monkeypatch.setenv("MOKGEN_BWD_POLICY", "sometimes")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_POLICY must be save or recompute"):
+        env.bwd_policy()
+
+
+def test_op_autograd_with_saved_pre_activations(monkeypatch):
+    """The generated op under real autograd with save_gu=True (a CPU kernel stands in for the
+    megakernel and returns the outputs plus the pairs' pre-activations): the extra output is
+    kept for the backward, which uses it (a wrong one changes the gradients) and gives the
+    recompute's gradients from the right one; the backward's structure fits the inputs."""
+    import mokgen
+    from mokgen.load import load
+
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "0")
+    spec = mokgen.load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"))
+    kernel = load(spec)
+    assert kernel.CAN_SAVE
+    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    gen = torch.Generator().manual_seed(10)
+    x0 = (torch.randn(9, H, generator=gen)).to(torch.bfloat16)
+    ids = torch.rand(9, E, generator=gen).topk(K, dim=-1).indices.to(torch.int32)
+    w0 = torch.rand(9, K, generator=gen)
+    wg, wu = ((torch.randn(E, I, H, generator=gen) * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    wd = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(torch.bfloat16)
+    good = _pre_activations(x0, ids.long(), wg, wu)
+    stand_in = {"gu": good}
+
+    def cpu_kernel(xs, ids_, ws, *a, **k):
+        outs = [x.clone() for x in xs]
+        return outs + [stand_in["gu"].clone()] if (a[-1] is True or k.get("save_gu")) else outs
+
+    torch.library.register_kernel(kernel.EP_OP_NAME, "cpu", cpu_kernel)
+    fixed = ([0], 0, 0, 0, 0, 16, 128, 2, 2, 1, 1, -1)
+    go = torch.randn(9, H, generator=gen).to(torch.bfloat16)
+
+    def grads(tail):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        outs = kernel.EP_OP([x], [ids], [w], [wg], [wu], [wd], *fixed, *tail)
+        assert len(outs) == (2 if tail else 1)
+        outs[0].backward(go)
+        return x.grad, w.grad
+
+    recomputed = grads(())
+    saved = grads((None, None, None, None, True))
+    for a, b in zip(saved, recomputed):
+        assert _rel(a, b) < 1e-2
+    stand_in["gu"] = good.roll(1, dims=0)
+    wrong = grads((None, None, None, None, True))
+    assert _rel(wrong[0], saved[0]) > 0.1

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
-EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_error_string")
+EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_error_string")
 
 
 @pytest.mark.nvcc
@@ -26,7 +26,7 @@ def test_library_builds_without_spills_and_exports_the_entry_points(private_dirs
     assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert len(kernels) == 4, kernels  # rows<B MN-major>, rows<B K-major>, swiglu, weights
+    assert len(kernels) == 5, kernels  # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     nm = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
@@ -64,12 +64,17 @@ def test_bad_input_is_one_clear_error(call, message):
         call()
 
 
-def test_off_by_default_and_only_for_tile_sized_layers(monkeypatch):
+def test_on_by_default_only_on_sm90_and_off_by_switch(monkeypatch):
+    from mokgen import env
+
     monkeypatch.delenv("MOKGEN_BWD_GEMM", raising=False)
-    assert not bwd_gemm.usable(2048, 768, "cpu")
-    monkeypatch.setenv("MOKGEN_BWD_GEMM", "1")
-    assert not bwd_gemm.usable(2048, 768, "cpu")  # not an sm_90 device
+    assert env.bwd_gemm_enabled()
+    assert not bwd_gemm.usable(2048, 1024, "cpu")  # not an sm_90 device
     assert not bwd_gemm.supported("cpu")
+    with bwd_gemm.forced(True):
+        assert not bwd_gemm.usable(2048, 1024, "cpu")
+    monkeypatch.setenv("MOKGEN_BWD_GEMM", "0")
+    assert not env.bwd_gemm_enabled()
 
 
 def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):

@@ -108,6 +108,9 @@ def test_opcheck():
     args = ([x], [ids], [w], [wg], [wu], [wd], *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
             10**10, -1)
     torch.library.opcheck(kernel.EP_OP, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    # with the pairs' pre-activations as an extra output (the "save" policy)
+    torch.library.opcheck(kernel.EP_OP, args + (None, None, None, None, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 # ---- issue 5 acceptance: every bundled spec, W in {1, 2, 4, 8}, skew, zero-token ranks -------
@@ -143,12 +146,19 @@ def gemms(request):
         yield request.param
 
 
+@pytest.fixture(params=["save", "recompute"])
+def policy(request, monkeypatch):
+    """The backward's source of g and u (mokgen.backward): saved by the forward, or recomputed."""
+    monkeypatch.setenv("MOKGEN_BWD_POLICY", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", ALL_SPECS)
-def test_gradients_every_spec_every_world(name, gemms):
+def test_gradients_every_spec_every_world(name, gemms, policy):
     """Virtual ranks W = 1, 2, 4, 8 of each bundled spec (16 experts), skewed routing and a rank
     with no tokens: gradients within bf16 tolerance of the reference's autograd, and the same
     bits for every W (the backward's order does not depend on the rank split); on either GEMM
-    path of the backward."""
+    path of the backward, with g and u saved by the forward or recomputed."""
     from mokgen import bench
 
     spec = _scaled(name)
@@ -181,7 +191,7 @@ def test_gradients_every_spec_every_world(name, gemms):
         assert all(torch.equal(a, b) for a, b in zip(got, first)), f"W={W}: bits differ from W=1"
 
 
-def test_gradients_bitwise_over_20_repeats(gemms):
+def test_gradients_bitwise_over_20_repeats(gemms, policy):
     spec = load_spec(SMALL)
     torch.manual_seed(4)
     layer = MoELayer(spec, max_tokens=1024, device="cuda")
@@ -260,3 +270,93 @@ def test_backward_under_torch_compile_and_activation_checkpointing():
     for got in (grads(lambda x, w: compiled_layer(x, ids, w)),
                 grads(lambda x, w: checkpoint(layer, x, ids, w, use_reentrant=False))):
         assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def _launch_saving(spec, xs, ids, ws, wg, wu, wd, save=True):
+    """virtual_ep_forward's launch, asking the op for the pairs' pre-activations (save_gu) as
+    autograd's "save" policy does: (outputs, gu or None)."""
+    from mokgen.ep import Geometry, _capacity, _ctas, _ring, _virtual_buffers
+    from mokgen.load import load
+
+    kernel = load(spec)
+    W = len(xs)
+    c, s = _ring(spec, None, None)
+    dev = xs[0].device
+    bufs = _virtual_buffers(kernel, Geometry(W, W, _capacity(max(x.shape[0] for x in xs)), c, s), dev)
+    ctas, dispatch = _ctas(kernel, W)
+    e = spec.num_experts // W
+    tail = (None, None, None, None, True) if save else ()
+    outs = kernel.EP_OP(list(xs), [i.to(torch.int32) for i in ids], [w.float() for w in ws],
+                        [wg[r * e:(r + 1) * e] for r in range(W)], [wu[r * e:(r + 1) * e] for r in range(W)],
+                        [wd[r * e:(r + 1) * e] for r in range(W)], *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s,
+                        ctas, dispatch, 10**10, -1, *tail)
+    return (outs[:W], outs[W]) if save else (outs, None)
+
+
+@pytest.mark.parametrize("name", [SMALL, CLAMPED, "kimi-k2.5", "qwen3.5-35b-a3b"])
+def test_forward_saves_every_pairs_pre_activations(name):
+    """save_gu: the up projection's epilogue writes g and u (bf16) of every (token, slot) pair
+    to row t * K + j of its rank's block, whichever rank's expert computed it: against fp32
+    per-expert GEMMs of the same rows, with the buffer poisoned first (every row written), for
+    W = 1 and 4 (a rank without tokens, skewed routing, token counts not tile multiples), CTA
+    pairs (kimi-k2.5's build) and a fused shared-expert build (qwen3.5-35b-a3b); the outputs are
+    the same bits as without saving."""
+    from mokgen import bench
+
+    spec = _scaled(name) if name != CLAMPED else _spec(name)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    wg = (torch.randn(E, I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16)
+    wu = (torch.randn(E, I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16)
+    wd = (torch.randn(E, H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16)
+    for sizes in ([300], [250, 0, 131, 77]):
+        T = sum(sizes)
+        x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        ids, w = bench.skewed_routing(spec, T, gen, hot_experts=2)
+        xs, idss, ws = list(x.split(sizes)), list(ids.split(sizes)), list(w.split(sizes))
+        blocks = [torch.full((T * K, 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda")]
+        del blocks  # the op's torch.empty of this size now starts as NaN
+        outs, gu = _launch_saving(spec, xs, idss, ws, wg, wu, wd)
+        plain, none = _launch_saving(spec, xs, idss, ws, wg, wu, wd, save=False)
+        assert none is None and all(torch.equal(a, b) for a, b in zip(outs, plain)), f"{sizes}: outputs changed"
+        assert gu.shape == (T * K, 2 * I) and not gu.isnan().any(), f"{sizes}: rows left unwritten"
+        flat = ids.reshape(-1).long()
+        want = torch.empty(T * K, 2 * I, device="cuda")
+        rows = x.float().repeat_interleave(K, dim=0)
+        for e in range(E):
+            sel = (flat == e).nonzero().squeeze(1)
+            if sel.numel():
+                want[sel, :I] = rows[sel] @ wg[e].float().t()
+                want[sel, I:] = rows[sel] @ wu[e].float().t()
+        assert _rel(gu, want) < 5e-3, f"{sizes}: relative error {_rel(gu, want):.3e}"
+
+
+def test_fused_shared_expert_with_saved_pre_activations():
+    """A fused shared-expert build (qwen3.5-35b-a3b, 16 experts) through MoELayer with the shared
+    expert's weights and scale: its shared tiles run beside the routed ones, which save g and u;
+    the gradients of every input under "save" agree with "recompute" (a shared tile writing into
+    the saved rows would break them)."""
+    spec = _scaled("qwen3.5-35b-a3b")
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    assert layer.fuses_shared
+    T = 333
+    x0 = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=gen, device="cuda").topk(K, dim=-1).indices
+    w0 = torch.rand(T, K, generator=gen, device="cuda")
+    sh0 = [(torch.randn(I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2)]
+    sh0.append((torch.randn(H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16))
+    sc0 = torch.rand(T, generator=gen, device="cuda")
+    g = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    got = {}
+    for pol in ("save", "recompute"):
+        layer.bwd_policy = pol
+        x, w, sc = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True), sc0.clone().requires_grad_(True)
+        sh = [t.clone().requires_grad_(True) for t in sh0]
+        for p_ in layer.parameters():
+            p_.grad = None
+        layer(x, ids, w, shared=(*sh, sc)).backward(g)
+        got[pol] = [x.grad, w.grad, sc.grad, *(t.grad for t in sh), *(p_.grad.clone() for p_ in layer.parameters())]
+    for i, (a, b) in enumerate(zip(got["save"], got["recompute"])):
+        assert a is not None and _rel(a, b) < 1e-2, f"gradient {i}: save vs recompute {_rel(a, b):.3e}"

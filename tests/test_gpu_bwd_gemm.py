@@ -135,6 +135,55 @@ def test_swiglu_grads_match_fp32_recompute(clamp):
     assert all(torch.equal(a, b) for a, b in zip((hw, dg, du, dw), again))
 
 
+def _poison_allocator(*shapes, dtype=torch.bfloat16):
+    """Leave NaN-filled blocks of these shapes in the caching allocator, so that the next
+    torch.empty of the same sizes (the outputs a function allocates itself) starts as NaN."""
+    blocks = [torch.full(s, float("nan"), dtype=dtype, device="cuda") for s in shapes]
+    del blocks
+
+
+@pytest.mark.parametrize("clamp", [None, 0.75])
+def test_swiglu_grads_from_saved_pre_activations(clamp):
+    """The "save" policy's elementwise pass: g and u read through the rows' pair map from a
+    [pairs, 2 I] buffer, against the closed form on the same bf16 values; rows past offs[-1]
+    come out zero (every output poisoned first), the same bits on a repeat, and close to the
+    recompute on the same rows."""
+    from mokgen.backward import _swiglu_grads
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    E, H, I = len(COUNTS), 512, 384
+    rows = sum(COUNTS) + SPARE_ROWS
+    n = sum(COUNTS)
+    pairs = rows + 5  # more pairs than rows: order picks a permutation of a subset
+    order = torch.randperm(pairs, generator=torch.Generator().manual_seed(1))[:rows].to("cuda")
+    x = _randn(pairs, H, gen=gen)
+    wg, wu = _randn(E, I, H, gen=gen, scale=H**-0.5), _randn(E, I, H, gen=gen, scale=H**-0.5)
+    offs = _offs(COUNTS)
+    seg = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(COUNTS, device="cuda"))
+    gu = torch.zeros(pairs, 2 * I, dtype=torch.bfloat16, device="cuda")
+    xo = x[order[:n]].float()
+    gu[order[:n], :I] = torch.einsum("rh,rih->ri", xo, wg.float()[seg]).to(torch.bfloat16)
+    gu[order[:n], I:] = torch.einsum("rh,rih->ri", xo, wu.float()[seg]).to(torch.bfloat16)
+    dh_u = torch.randn(rows, I, generator=gen, device="cuda")
+    wt = torch.rand(rows, generator=gen, device="cuda")
+    _poison_allocator((rows, I), (rows, I), (rows, I))
+    hw, dg, du, dw = bwd_gemm.swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp)
+    g, u = gu[order[:n], :I].float(), gu[order[:n], I:].float()
+    want_h = reference.swiglu(g, u, clamp)
+    want_dg, want_du = _swiglu_grads(g, u, dh_u[:n] * wt[:n, None], clamp)
+    for name, a, b in (("h wt", hw[:n], want_h * wt[:n, None]), ("dg", dg[:n], want_dg), ("du", du[:n], want_du)):
+        assert a.dtype == torch.bfloat16 and _rel(a, b) < 5e-3, f"{name}: relative error {_rel(a, b):.3e}"
+    assert _rel(dw[:n], (dh_u[:n] * want_h).sum(1)) < 1e-4
+    for t in (hw[n:], dg[n:], du[n:], dw[n:]):
+        assert torch.equal(t, torch.zeros_like(t))
+    again = bwd_gemm.swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp)
+    assert all(torch.equal(a, b) for a, b in zip((hw, dg, du, dw), again))
+    # the recompute from the same x rows (g, u in fp32 there): equal up to g and u's bf16 rounding
+    recomputed = bwd_gemm.swiglu_grads(x[order].contiguous(), wg, wu, dh_u, wt, offs, clamp)
+    for a, b in zip((hw, dg, du, dw), recomputed):
+        assert _rel(a[:n], b[:n]) < 2e-2
+
+
 def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):
     spec = load_spec("qwen3-30b-a3b")
     gen = torch.Generator(device="cuda").manual_seed(9)

@@ -65,6 +65,11 @@ struct EpParams {
   const bf16* w_up[kMaxLaunchRanks];       // [E / W, I, H]
   const bf16* w_down[kMaxLaunchRanks];     // [E / W, H, I]
   bf16* out[kMaxLaunchRanks];              // [T_r, H]
+  // The backward's saved pre-activations (mokgen.backward's "save" policy; null: none): the up
+  // tiles of every rank write g and u of each (token, slot) pair they compute, bf16 [g | u], to
+  // row `pair` of save_gu[source rank] ([T_src * K, 2 I]). Only when every rank is in the launch
+  // (launch_ranks == world: one GPU), so that every source's buffer is local.
+  bf16* save_gu[kMaxLaunchRanks];
   // Fused shared expert (Cfg::kFuseShared; null w: none): w_gate / w_up [I, H], w_down [H, I],
   // the same for every rank; scale [T_r] fp32 per token (null: 1), e.g. Qwen's sigmoid gate.
   const bf16* shared_w[3];
@@ -168,6 +173,21 @@ struct SharedOrSlotRows {  // shared y rows when shared != null, else the owners
     if (shared != nullptr) return shared + int64_t(r) * kH;
     const int2 d = meta[r];
     return at<bf16>(sym[d.x], slots_off) + int64_t(d.y) * kH;
+  }
+};
+
+// The gated epilogue's save rows (hopper_gemm.cuh, NoSaveRows): row r of an up tile -> the
+// [g | u] row of its (source rank, pair) in that source's save buffer (EpParams::save_gu).
+template <int kI>
+struct SaveRows {
+  static constexpr bool kMay = true;
+  bf16* const* base;  // EpParams::save_gu, by source rank (all ranks are in the launch)
+  const int2* meta;   // (source rank, pair) of each ring row of the tile
+  bool on;            // false for tiles whose rows are not routed pairs (the fused shared expert's)
+  MOKGEN_DEVICE bool enabled() const { return on && base[0] != nullptr; }
+  MOKGEN_DEVICE bf16* operator()(int r) const {
+    const int2 d = meta[r];
+    return base[d.x] + int64_t(d.y) * (2 * kI);
   }
 };
 
@@ -677,7 +697,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               if (kind == 0 || kind == 2) {  // the shared expert has no clamp (as the reference's)
                 bf16* base = kind == 2 ? at<bf16>(mine, S.shared_h) + int64_t(m) * kI : ring_h + row0 * kI;
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, StridedRows<kI>{base},
-                            kind == 2 ? 3.0e38f : Cfg::kClampLimit, abort_flag);
+                            kind == 2 ? 3.0e38f : Cfg::kClampLimit, abort_flag,
+                            SaveRows<kI>{p.save_gu, meta + row0, kind == 0});
                 sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
               } else {
                 const SharedOrSlotRows<kH> out{kind == 3 ? at<bf16>(mine, S.shared_y) + int64_t(m) * kH : nullptr,
@@ -685,7 +706,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag);
               }
             } else if (kind == 0) {
-              Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag);
+              Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag,
+                          SaveRows<kI>{p.save_gu, meta + row0, true});
               sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
             } else {
               Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
@@ -734,7 +756,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           chunk_loop([&](int c, int phase) {
             if (phase == 0)
               for_my_tiles(c, 0, [&](int le, int rows, int64_t row0, int n) {
-                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit);
+                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, nullptr,
+                            SaveRows<kI>{p.save_gu, meta + row0, true});
               });
             else
               for_my_tiles(c, 1, [&](int le, int rows, int64_t row0, int n) {
@@ -881,6 +904,9 @@ struct EpLauncher {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     if (Cfg::kCluster == 2 && (p.ctas_per_rank % 2 || p.dispatch_ctas % 2)) return cudaErrorInvalidValue;
+    // saved pre-activations: the Hopper core's epilogue writes them, into every source's buffer
+    if (p.save_gu[0] != nullptr && (!Cfg::kWgmma || p.launch_ranks != p.world || p.rank_base != 0))
+      return cudaErrorInvalidValue;
     EpMaps maps;
     memset(&maps, 0, sizeof(maps));
     if ((err = encode_maps(p, maps)) != cudaSuccess) return err;

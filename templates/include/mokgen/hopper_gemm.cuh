@@ -153,6 +153,16 @@ MOKGEN_DEVICE void fence_operands(float (&acc)[kN]) {
 // How the two tiles of a cluster pair share a stage (see the header comment).
 enum TileShare : int { kShareNone = 0, kShareB = 1, kShareA = 2 };
 
+// Where a gated tile's epilogue also keeps its pre-activations for the backward (the "save"
+// policy of mokgen.backward): row r -> bf16* of that row's [g | u] pair of kN-column halves.
+// NoSaveRows: never (the default); a functor with kMay = true is asked enabled() once per tile
+// (uniform over the warpgroup, so the extra exchanges run for all lanes or none).
+struct NoSaveRows {
+  static constexpr bool kMay = false;
+  MOKGEN_DEVICE bool enabled() const { return false; }
+  MOKGEN_DEVICE bf16* operator()(int) const { return nullptr; }
+};
+
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
@@ -259,9 +269,11 @@ struct HopperTile {
   // [64 wg, 64 wg + 64) of the tile that are < rows. c_row(r) -> bf16* of output row r, column 0.
   // abort_flag (optional, shared memory): read after the last k-block has landed; when set, the
   // epilogue writes nothing (the launch has failed; the pipeline still drains in step).
-  template <class CRow>
+  // s_row (gated tiles): where the epilogue also stores g and u in bf16 (SaveRows above), beside h.
+  template <class CRow, class SRow = NoSaveRows>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, CRow c_row,
-                                    float clamp_limit, const volatile int* abort_flag = nullptr) {
+                                    float clamp_limit, const volatile int* abort_flag = nullptr,
+                                    SRow s_row = SRow{}) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
@@ -300,6 +312,9 @@ struct HopperTile {
     const int q = lane & 3;
     constexpr int kGroups = kGated ? kAcc / 8 : kAcc / 4;  // output n8 groups per row
     static_assert(kGroups % 4 == 0, "groups come in blocks of 4");
+    if constexpr (kGated && SRow::kMay) {
+      if (s_row.enabled()) save_pre_activations(acc, wg, rows, n0, s_row);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
@@ -321,6 +336,36 @@ struct HopperTile {
         }
         const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
         if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
+      }
+    }
+  }
+
+  // The gated epilogue's save (the backward's "save" policy): g and u of this thread's rows in
+  // bf16, g at columns [n0, n0 + kBN) and u at [kN + n0, kN + n0 + kBN) of row s_row(r), with the
+  // same quad exchange as h (16-byte stores, 64 contiguous bytes per warp and row).
+  template <class SRow>
+  MOKGEN_DEVICE static void save_pre_activations(const float (&acc)[kAcc], int wg, int rows, int n0, const SRow& s_row) {
+    const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+      const bool valid = r < rows;  // the same for the 4 lanes of a quad
+      bf16* out = valid ? s_row(r) : nullptr;
+#pragma unroll
+      for (int b = 0; b < kAcc / 32; ++b) {
+        uint32_t wg_[4], wu_[4];  // this lane's 2 columns of gate / up groups 4b .. 4b+3
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = 4 * b + u;
+          wg_[u] = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+          wu_[u] = pack_bf16x2(acc[4 * (i + 16) + 2 * half], acc[4 * (i + 16) + 2 * half + 1]);
+        }
+        const uint4 vg = quad_transpose(wg_, q), vu = quad_transpose(wu_, q);
+        if (valid) {
+          const int col = n0 + 8 * (4 * b + q);
+          *reinterpret_cast<uint4*>(out + col) = vg;
+          *reinterpret_cast<uint4*>(out + kN + col) = vu;
+        }
       }
     }
   }
