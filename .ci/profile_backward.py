@@ -4,6 +4,7 @@ pipeline under autograd, on the inputs of `mokgen bench --backward`. Prints each
 kernels by total time. Usage: python3 .ci/profile_backward.py SPEC [local|layer] [TOKENS]"""
 
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -52,5 +53,21 @@ for name, step in sides.items():
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(f"== {name}: {spec.name} {workload} {tokens} rows, 3 steps (MOKGEN_BWD_GEMM={env.bwd_gemm_enabled():d})")
+    print(f"== {name}: {spec.name} {workload} {tokens} rows, 3 steps (MOKGEN_BWD_GEMM={env.bwd_gemm_enabled():d}, "
+          f"MOKGEN_BWD_POLICY={env.bwd_policy()})")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=90))
+    # The host: how long one step takes to enqueue behind a GPU busy for ~100 ms (a wait for the
+    # device inside the step would make it take the sleep's length), then where its CPU time goes.
+    torch.cuda._sleep(int(2e8))
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(f"host: one step enqueued in {1e3 * (t1 - t0):.2f} ms behind a ~100 ms GPU sleep "
+          f"(step done {1e3 * (t2 - t0):.1f} ms after the start; a device wait inside would put the first near 100 ms)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=70))
