@@ -22,10 +22,11 @@ per expert, int32 on the GPU):
 One CTA owns each output tile and sums its K in order (for the weight gradients, the expert's
 rows in their order): no split-K, no atomics, the same bits on every run. Tiles are 128 x 256
 with k-blocks of 64, so N must be a multiple of 256, K (rows GEMMs) of 64 and M (weight
-gradients) of 128: every bundled spec's H and I are. ``mokgen.backward`` uses these where
-``MOKGEN_BWD_GEMM=1`` (off by default until measured on the H200: docs/perf-notes.md). The
-library is compiled where it is first used (nvcc and the nvidia-cutlass headers needed); the
-prebuilt wheels do not carry it yet. A stage-barrier wait that does not complete within about
+gradients) of 128: every bundled spec's H and I are. ``mokgen.backward`` uses these by default
+(``MOKGEN_BWD_GEMM=0``: torch._grouped_mm; measured faster on the H200, docs/perf-notes.md
+v0.10). The library is compiled where it is first used (nvcc and the nvidia-cutlass headers
+needed); the prebuilt wheels do not carry it yet, so where it can be neither found nor built
+(no nvcc, or MOKGEN_DISABLE_JIT=1) the backward warns once and takes torch._grouped_mm. A stage-barrier wait that does not complete within about
 17 s traps (the producer's first prints which barrier): a protocol error ends the launch, and the
 next CUDA call fails, instead of hanging the process.
 """
@@ -40,7 +41,7 @@ from typing import Sequence
 
 from mokgen import env
 from mokgen.build import build_source, find_source_library, source_library_path
-from mokgen.errors import InputError, KernelError
+from mokgen.errors import InputError, KernelError, MokgenError
 
 ARCH = "sm_90a"
 SOURCE = "bwd_gemm.cu"
@@ -322,10 +323,36 @@ def forced(on: bool):
         _forced = saved
 
 
+#: why the library could not be had in this process, by build cache directory (None: it loaded)
+_unavailable: dict[str, str | None] = {}
+
+
+def available() -> bool:
+    """Whether the library loads here (found in the cache, or built now); the first failure
+    (no nvcc, MOKGEN_DISABLE_JIT=1 without a build, ...) warns once, and the answer is kept for
+    the process and cache directory."""
+    key = str(env.cache_dir())
+    if key not in _unavailable:
+        try:
+            load_library()
+            _unavailable[key] = None
+        except MokgenError as err:
+            import warnings
+
+            _unavailable[key] = str(err)
+            warnings.warn(f"mokgen: the backward GEMM library is not available ({err}); the backward runs on "
+                          "torch._grouped_mm", stacklevel=2)
+    return _unavailable[key] is None
+
+
 def usable(hidden: int, inter: int, device) -> bool:
     """Whether mokgen.backward can take these GEMMs for a layer of hidden size ``hidden`` and
-    intermediate size ``inter`` on ``device``: MOKGEN_BWD_GEMM=1 (or a :func:`forced` block), an
-    sm_90 device, and tile-sized H and I (N % 256 for both orientations, M % 128)."""
+    intermediate size ``inter`` on ``device``: MOKGEN_BWD_GEMM on (the default; or a
+    :func:`forced` block), an sm_90 device, tile-sized H and I (N % 256 for both orientations,
+    M % 128), and the library :func:`available` (a forced block skips that check, so that a
+    missing library is an error there)."""
     if not (env.bwd_gemm_enabled() if _forced is None else _forced):
         return False
-    return supported(device) and hidden % BLOCK_N == 0 and inter % BLOCK_N == 0
+    if not (supported(device) and hidden % BLOCK_N == 0 and inter % BLOCK_N == 0):
+        return False
+    return bool(_forced) or available()

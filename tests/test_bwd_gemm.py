@@ -163,3 +163,25 @@ def test_swiglu_grad_matches_the_closed_form(tmp_path, clamp):
             assert torch.all(a[b == 0] == 0), f"{name}: a gradient the clamp cuts is not zero"
             assert torch.all(b[a == 0].abs() < 1e-30), f"{name}: zero where the closed form is not"  # float32 underflow only
             assert int((b == 0).sum()) > 100  # the clamp did cut gradients
+
+
+def test_a_missing_library_falls_back_with_one_warning(monkeypatch, tmp_path):
+    """Where the library can be neither found nor built (a prebuilt install without nvcc), the
+    backward is told once, with the reason, and takes torch._grouped_mm from then on."""
+    from mokgen.errors import LoadError
+
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def missing():
+        calls.append(1)
+        raise LoadError("no build of bwd_gemm.cu and MOKGEN_DISABLE_JIT=1")
+
+    monkeypatch.setattr(bwd_gemm, "load_library", missing)
+    monkeypatch.setattr(bwd_gemm, "_unavailable", {})
+    with pytest.warns(UserWarning, match="backward GEMM library is not available .*MOKGEN_DISABLE_JIT=1"):
+        assert not bwd_gemm.available()
+    assert not bwd_gemm.available() and len(calls) == 1  # decided once per process and cache directory
+    monkeypatch.setattr(bwd_gemm, "load_library", lambda: None)
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "other"))
+    assert bwd_gemm.available()
