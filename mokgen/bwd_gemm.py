@@ -138,6 +138,17 @@ def _check_offs(offs, experts: int, device) -> None:
                          f"{tuple(getattr(offs, 'shape', ()))} on {getattr(offs, 'device', '?')}")
 
 
+def _check_row_floats(dh_u, wt, rows: int, I: int, device) -> None:
+    """The SwiGLU backward's fp32 inputs: ``dh_u [rows, I]`` and ``wt [rows]``, contiguous, on ``device``."""
+    import torch
+
+    for name, t, shape in (("dh_u", dh_u, (rows, I)), ("wt", wt, (rows,))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape \
+                or not t.is_contiguous() or t.device != device:
+            raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
+
 def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, out_rows=None):
     """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
@@ -236,11 +247,7 @@ def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
     if tuple(w_gate.shape) != (E, I, H) or tuple(w_up.shape) != (E, I, H):
         raise InputError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must both be [E, I, H] with "
                          f"H = {H} (x's columns)")
-    for name, t, shape in (("dh_u", dh_u, (rows, I)), ("wt", wt, (rows,))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape \
-                or not t.is_contiguous() or t.device != x.device:
-            raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {x.device}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    _check_row_floats(dh_u, wt, rows, I, x.device)
     if H == 0 or I == 0 or H % BLOCK_K or I % (BLOCK_N // 2):
         raise InputError(f"swiglu_grads needs H, I > 0 with H % {BLOCK_K} == 0 and I % {BLOCK_N // 2} == 0, got "
                          f"H = {H}, I = {I}")
@@ -283,11 +290,7 @@ def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
     rows = order.shape[0]
     if rows > pairs:
         raise InputError(f"order has {rows} rows, more than gu's {pairs} pairs")
-    for name, t, shape in (("dh_u", dh_u, (rows, I)), ("wt", wt, (rows,))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape \
-                or not t.is_contiguous() or t.device != gu.device:
-            raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {gu.device}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    _check_row_floats(dh_u, wt, rows, I, gu.device)
     if dh_u.data_ptr() % 16:
         raise InputError("dh_u must start at a 16-byte aligned address (the kernel reads float4s)")
     if clamp_limit is not None and not float(clamp_limit) > 0:

@@ -201,19 +201,25 @@ def test_bf16_shapes_grouped_mm_cannot_take_use_the_loop():
         assert _rel(a, b) < 2e-2
 
 
+def _tiny_kernel(monkeypatch, fuse: bool):
+    """The tiny example spec's build (loaded on the CPU: nvcc here), with or without the shared
+    expert fused: (spec, kernel module, (E, I, H, K))."""
+    import mokgen
+    from mokgen.load import load
+
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1" if fuse else "0")
+    spec = mokgen.load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"))
+    kernel = load(spec)
+    assert kernel.FUSE_SHARED == fuse
+    return spec, kernel, (spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k)
+
+
 def test_generated_binding_autograd_with_the_fused_shared_expert(monkeypatch):
     """A MOKGEN_FUSE_SHARED build's autograd (CPU tensors, called directly): with the shared
     expert's weights and per-token scale among the op's inputs, the gradients are the routed
     ones plus those of scale[t] * shared_expert(x[t]) (a one-expert, top-1 layer), and the
     result has one entry per input."""
-    import mokgen
-    from mokgen.load import load
-
-    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
-    spec = mokgen.load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"))
-    kernel = load(spec)
-    assert kernel.FUSE_SHARED
-    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    spec, kernel, (E, I, H, K) = _tiny_kernel(monkeypatch, True)
     gen = torch.Generator().manual_seed(7)
     sizes = [5, 3]
     xs, ids, ws, wg, wu, wd = _two_rank_lists(spec, sizes, gen)
@@ -247,15 +253,8 @@ def test_op_autograd_through_the_dispatcher(monkeypatch, fuse):
     and in a fused build with and without the scale, loss.backward() works and the gradients
     are those of mokgen.backward (PyTorch checks the backward's structure against the inputs
     actually passed, trailing defaults dropped)."""
-    import mokgen
-    from mokgen.load import load
-
-    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1" if fuse else "0")
-    spec = mokgen.load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"))
-    kernel = load(spec)
-    assert kernel.FUSE_SHARED == fuse
+    spec, kernel, (E, I, H, K) = _tiny_kernel(monkeypatch, fuse)
     torch.library.register_kernel(kernel.EP_OP_NAME, "cpu", lambda xs, *a, **k: [x.clone() for x in xs])
-    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
     gen = torch.Generator().manual_seed(8)
     x0 = torch.randn(5, H, generator=gen, dtype=F64)
     ids = torch.rand(5, E, generator=gen).topk(K, dim=-1).indices.to(torch.int32)
@@ -403,14 +402,8 @@ def test_op_autograd_with_saved_pre_activations(monkeypatch):
     megakernel and returns the outputs plus the pairs' pre-activations): the extra output is
     kept for the backward, which uses it (a wrong one changes the gradients) and gives the
     recompute's gradients from the right one; the backward's structure fits the inputs."""
-    import mokgen
-    from mokgen.load import load
-
-    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "0")
-    spec = mokgen.load_spec(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-moe.yaml"))
-    kernel = load(spec)
+    spec, kernel, (E, I, H, K) = _tiny_kernel(monkeypatch, False)
     assert kernel.CAN_SAVE
-    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
     gen = torch.Generator().manual_seed(10)
     x0 = (torch.randn(9, H, generator=gen)).to(torch.bfloat16)
     ids = torch.rand(9, E, generator=gen).topk(K, dim=-1).indices.to(torch.int32)
