@@ -470,8 +470,7 @@ class MoELayer(torch.nn.Module):
                  dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None,
                  tuned: bool = True, build_options: dict | None = None, bwd_policy: str | None = None):
         super().__init__()
-        #: "save" or "recompute": where the backward takes g and u from (mokgen.backward)
-        self.bwd_policy = _bwd_policy(bwd_policy)
+        self.bwd_policy = bwd_policy  # checked once, by the property's setter
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
         if group is not None:
@@ -528,6 +527,15 @@ class MoELayer(torch.nn.Module):
                 raise InputError(f"dispatch_ctas must be in 1..{self._ctas - pair}{extra} (this GPU runs "
                                  f"{self._ctas} CTAs per rank), got {dispatch_ctas}")
             self._dispatch = P
+
+    @property
+    def bwd_policy(self) -> str:
+        """"save" or "recompute": where the backward takes g and u from (mokgen.backward)."""
+        return self._bwd_policy
+
+    @bwd_policy.setter
+    def bwd_policy(self, value: str | None) -> None:
+        self._bwd_policy = _bwd_policy(value)
 
     @property
     def local_experts(self) -> range:
@@ -588,7 +596,7 @@ class MoELayer(torch.nn.Module):
             if not torch.cuda.is_current_stream_capturing():
                 self.check_errors(block=False)
         g = bufs.geometry
-        tail = _tail_args(self._kernel, _bwd_policy(self.bwd_policy), self.world == 1, shared_args,
+        tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args,
                           (x, topk_weights, self.w_gate, self.w_up, self.w_down, *(t for t in shared_args if t is not None)))
         out = self._kernel.EP_OP(
             [x],
