@@ -151,16 +151,14 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
     return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
 
 
-def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype, dx_pairs=None):
+def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype):
     """Rows in expert-major order (row i is pair ``order[i]`` = t * K + j) back to the (t, j)
     pairs (a permutation; pairs not in ``order``, the dropped ones, get zeros), then dx summed
-    over j = 0..K-1 in fixed order in ``dtype``. ``dx_pairs``: the dx rows already in pair order
-    (``[T * K, H]``, zeros for dropped pairs; a kernel scattered them), ``dx_rows`` then unused.
-    Returns (dx [T, H], d weights [T, K])."""
-    if dx_pairs is None:
-        H = dx_rows.shape[1]
-        dx_pairs = torch.zeros(T * K, H, dtype=dtype, device=dx_rows.device)
-        dx_pairs[order] = dx_rows.to(dtype)
+    over j = 0..K-1 in fixed order in ``dtype`` (mokgen's kernels do this in one pass,
+    bwd_gemm.sum_slots, with the same bits). Returns (dx [T, H], d weights [T, K])."""
+    H = dx_rows.shape[1]
+    dx_pairs = torch.zeros(T * K, H, dtype=dtype, device=dx_rows.device)
+    dx_pairs[order] = dx_rows.to(dtype)
     dx_pairs = dx_pairs.view(T, K, dx_pairs.shape[1])
     dx = dx_pairs[:, 0] if K == 1 else dx_pairs[:, 0].clone()  # K = 1: the pairs are the tokens
     for j in range(1, K):
@@ -252,9 +250,10 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         h, dg, du = _swiglu_fwd_bwd(g, u, dh_u * wts, clamp_limit)
         dw_rows = (dh_u * h).sum(dim=1)
         del g, u, dh_u
-    dx_pairs = None
     if ours:  # one fp32 accumulation over both products, scattered to (token, slot) order by the kernel
-        dx_pairs = torch.zeros(T * K, x.shape[1], dtype=f32, device=x.device)
+        # order holds every pair, and the kernel writes each pair's row (zeros for the dropped
+        # ones, past offs[-1]): no fill first
+        dx_pairs = torch.empty(T * K, x.shape[1], dtype=f32, device=x.device)
         bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn", out=dx_pairs, out_rows=order)
         dx_rows = None
     else:
@@ -272,7 +271,12 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
             if bool(empty.any()):
                 for gw in grads:
                     gw[empty] = 0
-    dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32, dx_pairs)
+    if ours:  # dx summed over the slots in order and cast to bf16 in one pass (the bits of _unpermute's)
+        dx = bwd_gemm.sum_slots(dx_pairs, T, K)
+        del dx_pairs
+        dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=x.device).index_copy_(0, order, dw_rows).view(T, K)
+    else:
+        dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32)
     return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))
 
 

@@ -393,3 +393,11 @@ def resource_report(entry: Path) -> list[str]:
     """ptxas's per-kernel lines (registers, spills) from an entry's build log."""
     log = (entry / "build.log").read_text()
     return [l.strip() for l in log.splitlines() if "ptxas info" in l or "spill" in l]
+
+
+def serialized_wgmma(entry: Path) -> list[str]:
+    """The kernels of an entry whose wgmma ptxas serialized (its C7510 "Potential Performance
+    Loss" lines: each HGMMA then waits for the one before; a function call such as printf
+    anywhere in the kernel is one cause), as mangled names; empty when every pipeline is kept."""
+    log = (entry / "build.log").read_text()
+    return re.findall(r"C7510\).*?in the function '(\w+)'", log)

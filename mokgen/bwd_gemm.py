@@ -26,14 +26,15 @@ gradients) of 128: every bundled spec's H and I are. ``mokgen.backward`` uses th
 (``MOKGEN_BWD_GEMM=0``: torch._grouped_mm; measured faster on the H200, docs/perf-notes.md
 v0.10). The library is compiled where it is first used (nvcc and the nvidia-cutlass headers
 needed); the prebuilt wheels do not carry it yet, so where it can be neither found nor built
-(no nvcc, or MOKGEN_DISABLE_JIT=1) the backward warns once and takes torch._grouped_mm. A stage-barrier wait that does not complete within about
-17 s traps (the producer's first prints which barrier): a protocol error ends the launch, and the
-next CUDA call fails, instead of hanging the process.
+(no nvcc, or MOKGEN_DISABLE_JIT=1) the backward warns once and takes torch._grouped_mm. A
+stage-barrier wait that does not complete within about 17 s traps: a protocol error ends the
+launch, and the next CUDA call fails, instead of hanging the process.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -75,6 +76,8 @@ class _Lib:
         lib.mokgen_bwd_swiglu.restype = i
         lib.mokgen_bwd_swiglu_saved.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, ctypes.c_float, vp]
         lib.mokgen_bwd_swiglu_saved.restype = i
+        lib.mokgen_bwd_sum_slots.argtypes = [vp, vp, i, i, i, vp]
+        lib.mokgen_bwd_sum_slots.restype = i
         self._lib = lib
 
     def check(self, what: str, code: int) -> None:
@@ -93,24 +96,64 @@ class _Lib:
     def swiglu_saved(self, *args) -> None:
         self.check("mokgen_bwd_swiglu_saved", self._lib.mokgen_bwd_swiglu_saved(*args))
 
+    def sum_slots(self, *args) -> None:
+        self.check("mokgen_bwd_sum_slots", self._lib.mokgen_bwd_sum_slots(*args))
+
 
 @lru_cache(maxsize=None)
 def _load(path: str) -> _Lib:
     return _Lib(Path(path))
 
 
+#: the library by the environment that names the build cache directory (mokgen.env.cache_dir
+#: reads these): a lookup per GEMM call instead of the cache directory's path arithmetic
+_by_env: dict[tuple, _Lib] = {}
+
+
 def load_library() -> _Lib:
     """The library, built first if needed (with MOKGEN_DISABLE_JIT=1 a missing build is an error);
     found once per process and build cache directory."""
-    return _load(str(find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)))
+    key = tuple(os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))
+    lib = _by_env.get(key)
+    if lib is None:
+        lib = _load(str(find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)))
+        _by_env[key] = lib
+    return lib
+
+
+#: compute capability 9.0 or not, per CUDA device index (asked once: every operand check asks)
+_sm90: dict[int, bool] = {}
 
 
 def supported(device) -> bool:
     """Whether the library's sm_90a code runs on ``device`` (a CUDA device of compute capability 9.0)."""
     import torch
 
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _sm90.get(index)
+    if ok is None:
+        ok = _sm90[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return ok
+
+
+@contextmanager
+def _on(device):
+    """The raw current stream of ``device`` (a CUDA tensor's device), with ``device`` the current
+    device for the launch: a context switch only where it is not current already (the launches
+    are a few microseconds; torch.cuda.device and current_stream cost as much again each)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if torch.cuda.current_device() == index:
+        yield raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+        return
+    with torch.cuda.device(index):
+        yield raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def _check_operand(name: str, t, ndim: int) -> None:
@@ -153,9 +196,11 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
     bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
-    are left at zero). ``out_rows`` (int64 ``[rows]``, distinct values) scatters: row ``r`` of
-    the result goes to row ``out_rows[r]`` of ``out`` (fp32 ``[R, N]``, given by the caller;
-    its other rows are left as they are). The map is trusted: its values must lie in [0, R)."""
+    are zeros). ``out_rows`` (int64 ``[rows]``, distinct values) scatters: row ``r`` of the
+    result goes to row ``out_rows[r]`` of ``out`` (fp32 ``[R, N]``, given by the caller; the
+    rows of ``out`` that no ``out_rows[r]`` names are left as they are, so where the map covers
+    every row ``out`` may come from torch.empty). The map is trusted: its values must lie in
+    [0, R). Every result row is written by the kernels (no fill of the output first)."""
     import torch
 
     if b_major not in ("mn", "k"):
@@ -182,7 +227,7 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     if out_rows is None:
         if out is not None:
             raise InputError("rows_gemm: pass out together with out_rows (without a map it allocates its own)")
-        out = torch.zeros(rows, N, dtype=torch.float32, device=a0.device)
+        out = (torch.empty if rows and E else torch.zeros)(rows, N, dtype=torch.float32, device=a0.device)
     else:
         if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int64 or tuple(out_rows.shape) != (rows,) \
                 or not out_rows.is_contiguous() or out_rows.device != a0.device:
@@ -191,13 +236,35 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
                 or not out.is_contiguous() or out.device != a0.device:
             raise InputError(f"out must be a contiguous float32 tensor [R, {N}] on {a0.device} with out_rows")
     if rows == 0 or E == 0:
+        if rows and out_rows is not None:  # no expert: every row is past offs[-1]
+            out.index_fill_(0, out_rows, 0.0)
         return out
     a1, b1 = pairs[1] if len(pairs) > 1 else (a0, b0)
-    stream = torch.cuda.current_stream(a0.device).cuda_stream
-    with torch.cuda.device(a0.device):
+    with _on(a0.device) as stream:
         load_library().rows(out.data_ptr(), a0.data_ptr(), b0.data_ptr(), a1.data_ptr(), b1.data_ptr(), len(pairs),
                             offs.data_ptr(), E, rows, K, N, int(b_major == "mn"),
                             out_rows.data_ptr() if out_rows is not None else None, stream)
+    return out
+
+
+def sum_slots(dx_pairs, tokens: int, top_k: int):
+    """``dx [tokens, H]`` bf16 from the dx rows of the (token, slot) pairs, ``dx_pairs
+    [tokens * top_k, H]`` fp32 (row ``t * top_k + j``): ``dx[t] = sum over j = 0..top_k-1, in that
+    order, of dx_pairs[t * top_k + j]`` in fp32, rounded once to bf16. The same bits as summing
+    the slots in place in fp32 and casting, in one pass (H a multiple of 4)."""
+    import torch
+
+    if not isinstance(dx_pairs, torch.Tensor) or dx_pairs.dtype != torch.float32 or dx_pairs.dim() != 2 \
+            or not dx_pairs.is_contiguous() or not supported(dx_pairs.device):
+        raise InputError("dx_pairs must be a contiguous 2-d float32 tensor on a CUDA device of compute capability 9.0")
+    H = dx_pairs.shape[1]
+    if tokens < 0 or top_k < 1 or dx_pairs.shape[0] != tokens * top_k or H % 4 or dx_pairs.data_ptr() % 16:
+        raise InputError(f"dx_pairs must be [tokens * top_k, H] = [{tokens} * {top_k}, H] with H % 4 == 0 and 16-byte "
+                         f"aligned, got {tuple(dx_pairs.shape)}")
+    out = torch.empty(tokens, H, dtype=torch.bfloat16, device=dx_pairs.device)
+    if tokens and H:
+        with _on(dx_pairs.device) as stream:
+            load_library().sum_slots(out.data_ptr(), dx_pairs.data_ptr(), tokens, top_k, H, stream)
     return out
 
 
@@ -223,8 +290,7 @@ def weight_grads(a, b, offs):
     if rows == 0 or E == 0:
         return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    with torch.cuda.device(a.device):
+    with _on(a.device) as stream:
         load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, stream)
     return out
 
@@ -260,9 +326,8 @@ def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
     h, dg, du = (torch.zeros(rows, I, dtype=torch.bfloat16, device=x.device) for _ in range(3))
     dw_part = torch.zeros(rows, parts, dtype=torch.float32, device=x.device)
     if rows and E:
-        stream = torch.cuda.current_stream(x.device).cuda_stream
         clamp = clamp_limit is not None
-        with torch.cuda.device(x.device):
+        with _on(x.device) as stream:
             load_library().swiglu(h.data_ptr(), dg.data_ptr(), du.data_ptr(), dw_part.data_ptr(), x.data_ptr(),
                                   w_gate.data_ptr(), w_up.data_ptr(), dh_u.data_ptr(), wt.data_ptr(), offs.data_ptr(),
                                   E, rows, H, I, int(clamp), float(clamp_limit) if clamp else 0.0, stream)
@@ -302,9 +367,8 @@ def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
     h, dg, du = (torch.empty(rows, I, dtype=torch.bfloat16, device=gu.device) for _ in range(3))
     d_wt = torch.empty(rows, dtype=torch.float32, device=gu.device)
     if rows:
-        stream = torch.cuda.current_stream(gu.device).cuda_stream
         clamp = clamp_limit is not None
-        with torch.cuda.device(gu.device):
+        with _on(gu.device) as stream:
             load_library().swiglu_saved(h.data_ptr(), dg.data_ptr(), du.data_ptr(), d_wt.data_ptr(), gu.data_ptr(),
                                         order.data_ptr(), dh_u.data_ptr(), wt.data_ptr(), offs.data_ptr(), E, rows, I,
                                         int(clamp), float(clamp_limit) if clamp else 0.0, stream)

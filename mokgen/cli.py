@@ -242,7 +242,10 @@ def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_
         if not result.cached:
             spills = [l for l in build_mod.resource_report(result.entry) if "spill" in l]
             bad = [l for l in spills if "0 bytes spill stores, 0 bytes spill loads" not in l]
-            click.echo(f"  ptxas: {'no spills' if not bad else '; '.join(bad)} (report in {result.entry / 'build.log'})")
+            serial = build_mod.serialized_wgmma(result.entry)
+            click.echo(f"  ptxas: {'no spills' if not bad else '; '.join(bad)}"
+                       f"{'' if not serial else f'; wgmma serialized in {len(serial)} kernel(s)'} "
+                       f"(report in {result.entry / 'build.log'})")
         click.echo(f"  generated/{result.name}/ holds the sources and a link to the library")
 
 

@@ -181,6 +181,43 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) dw[row] = dot;
 }
 
+// The rows GEMM's rows that no expert owns (r in [offs[E - 1], rows), clamped: pairs no expert
+// computed) as zeros, at out row r, or out_rows[r] where a map is given: with them every row
+// of the result is written, so the caller need not zero the output first (a 470 MB fill for
+// kimi-k2.5's dx). Launched before the GEMM; usually there are no such rows and it only reads
+// offs.
+__global__ void __launch_bounds__(256)
+    zero_rows_kernel(float* out, const int32_t* offs, int E, int rows, int N, const int64_t* out_rows) {
+  const int first = min(max(offs[E - 1], 0), rows);
+  const int64_t per_row = N / 4, total = int64_t(rows - first) * per_row;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = first + i / per_row;
+    const int64_t row = out_rows != nullptr ? out_rows[r] : r;
+    *reinterpret_cast<float4*>(out + row * N + 4 * (i % per_row)) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// dX of the tokens from the dx rows of their pairs: out[t, c] = bf16(sum over j = 0..K-1, in
+// that order, of in[t K + j, c]) (fp32 sums, one rounding), which is what the PyTorch form did
+// (a clone of slot 0, K - 1 in-place adds of strided views, a cast) in one pass. 4 columns per
+// thread.
+__global__ void __launch_bounds__(256) sum_slots_kernel(bf16* out, const float* in, int T, int K, int H) {
+  const int64_t q = H / 4, total = int64_t(T) * q;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / q, c = 4 * (i % q);
+    const float* src = in + t * K * H + c;
+    float4 acc = *reinterpret_cast<const float4*>(src);
+    for (int j = 1; j < K; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(src + int64_t(j) * H);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    *reinterpret_cast<uint2*>(out + t * H + c) = make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+  }
+}
+
 int sm_count() {
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
@@ -210,7 +247,8 @@ const char* mokgen_bwd_error_string(int code) {
 }
 
 // out [rows, N] fp32 = sum_p a_p [rows, K] (bf16, row-major) x B_p[e(r)] (row r of the result
-// written to out row out_rows[r] where out_rows is given, int64 [rows]), b_mn: B_p [E, K, N]
+// written to out row out_rows[r] where out_rows is given, int64 [rows]; rows past offs[E - 1]
+// written as zeros, zero_rows_kernel), b_mn: B_p [E, K, N]
 // (else [E, N, K]); offs [E] int32 on the device: end row of each expert (inclusive prefix sums;
 // clamped to [0, rows], so a bad offs cannot make the kernel write past out).
 // N % 256 == 0, K % 64 == 0, rows >= 1 (checked by the caller).
@@ -228,6 +266,7 @@ int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, 
   }
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
+  zero_rows_kernel<<<grid, 256, 0, stream>>>(out, offs, E, rows, N, out_rows);
   return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows)
               : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows);
 }
@@ -278,6 +317,16 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   return launch(weight_kernel, grid, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out));
+}
+
+// out [T, H] bf16: the sum over each token's K slots of in [T K, H] fp32 (sum_slots_kernel).
+// H % 4 == 0, T >= 1 (checked by the caller).
+int mokgen_bwd_sum_slots(void* out, const float* in, int T, int K, int H, cudaStream_t stream) {
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const int64_t want = (int64_t(T) * (H / 4) + 255) / 256;
+  sum_slots_kernel<<<unsigned(want < 8 * grid ? want : 8 * grid), 256, 0, stream>>>(static_cast<bf16*>(out), in, T, K, H);
+  return int(cudaGetLastError());
 }
 
 }  // extern "C"

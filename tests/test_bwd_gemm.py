@@ -14,11 +14,12 @@ torch = pytest.importorskip("torch")
 from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
-EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_error_string")
+EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
+           "mokgen_bwd_error_string")
 
 
 @pytest.mark.nvcc
-def test_library_builds_without_spills_and_exports_the_entry_points(private_dirs):
+def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry_points(private_dirs):
     from mokgen.build import cache_root
 
     lib = bwd_gemm.build_library()
@@ -26,9 +27,14 @@ def test_library_builds_without_spills_and_exports_the_entry_points(private_dirs
     assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert len(kernels) == 5, kernels  # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights
+    # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights, zero_rows, sum_slots
+    assert len(kernels) == 7, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
+    # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
+    from mokgen.build import serialized_wgmma
+
+    assert serialized_wgmma(lib.parent) == [], serialized_wgmma(lib.parent)
     nm = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
     for name in EXPORTS:
         assert re.search(rf"\bT {name}$", nm, re.MULTILINE), name
@@ -40,6 +46,28 @@ def test_library_builds_without_spills_and_exports_the_entry_points(private_dirs
     # a second call finds it in the cache
     mtime = lib.stat().st_mtime_ns
     assert bwd_gemm.build_library() == lib and lib.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.nvcc
+def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
+    """In the SASS of every GEMM kernel the consumers wait for all but the last wgmma batch
+    (WARPGROUP.DEPBAR.LE gsb0, 0x1): with the pipeline serialized (ptxas C7510) every HGMMA is
+    followed by a wait for zero, and no such wait exists."""
+    import shutil
+    from pathlib import Path
+
+    from mokgen.build import find_nvcc
+
+    cuobjdump = shutil.which("cuobjdump") or str(Path(find_nvcc()).parent / "cuobjdump")
+    if not Path(cuobjdump).exists():
+        pytest.skip("cuobjdump not found")
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(bwd_gemm.build_library())], capture_output=True, text=True,
+                          check=True).stdout
+    functions = re.split(r"\n\s*Function : ", sass)[1:]
+    gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
+    assert len(gemms) == 4, list(gemms)  # rows x 2, swiglu, weights
+    for name, body in gemms.items():
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 
 
 def _bf16(*shape):
@@ -58,6 +86,7 @@ def _bf16(*shape):
                                 b_major="t"), "b_major"),
     (lambda: bwd_gemm.weight_grads(torch.zeros(4, 128), _bf16(4, 256), torch.zeros(2, dtype=torch.int32)),
      "must be a contiguous 2-d bfloat16"),
+    (lambda: bwd_gemm.sum_slots(torch.zeros(6, 8, dtype=torch.float64), 3, 2), "contiguous 2-d float32"),
 ])
 def test_bad_input_is_one_clear_error(call, message):
     with pytest.raises(InputError, match=message):
@@ -94,6 +123,7 @@ def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "source_library_path", fake_path)
     monkeypatch.setattr(build, "_found_sources", {})
     monkeypatch.setattr(bwd_gemm, "_load", lambda path: ("lib", path))
+    monkeypatch.setattr(bwd_gemm, "_by_env", {})
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "a"))
     first = bwd_gemm.load_library()
     assert bwd_gemm.load_library() == first and found == [("bwd_gemm.cu", str(tmp_path / "a"))]

@@ -73,18 +73,25 @@ def test_rows_gemm_scatters_rows_through_a_map():
     assert torch.all(out[untouched] == 7.0)
 
 
-def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts():
+# last k-blocks of 32, 48 and 16 rows (whole 16-row wgmma steps, nothing to zero), 36 and 17
+# (steps 3 and 2, the tail of the last one zeroed), an empty expert
+COUNTS_STEPS = [32, 48, 100, 16, 0, 81]
+
+
+@pytest.mark.parametrize("counts", [COUNTS, COUNTS_STEPS], ids=["ragged", "steps"])
+def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts):
     """Every expert's rows in order; a short last k-block must not pick up the next expert's rows
-    (they are in the same TMA box: the kernel zeroes them), and an expert without rows gets zeros."""
+    (they are in the same TMA box: the kernel zeroes them up to its last 16-row wgmma step, and
+    skips the steps past it), and an expert without rows gets zeros."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    E, M, N = len(COUNTS), 256, 512
-    rows = sum(COUNTS) + SPARE_ROWS
+    E, M, N = len(counts), 256, 512
+    rows = sum(counts) + SPARE_ROWS
     a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
-    offs = _offs(COUNTS)
+    offs = _offs(counts)
     got = bwd_gemm.weight_grads(a, b, offs)
     assert got.dtype == torch.bfloat16 and got.shape == (E, M, N)
     start = 0
-    for e, c in enumerate(COUNTS):
+    for e, c in enumerate(counts):
         want = a[start:start + c].float().t() @ b[start:start + c].float()
         if c == 0:
             assert torch.equal(got[e], torch.zeros_like(got[e])), f"expert {e} (no rows) is not zero"
@@ -93,6 +100,50 @@ def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts():
         start += c
     for _ in range(3):
         assert torch.equal(bwd_gemm.weight_grads(a, b, offs), got)
+
+
+def test_rows_gemm_writes_every_row_of_a_poisoned_output():
+    """The output needs no fill: rows past offs[-1] come back as zeros (at their mapped rows where
+    a map is given), from memory that held NaNs; rows no map entry names keep their values."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    E, K, N = len(COUNTS), 256, 512
+    rows = sum(COUNTS) + SPARE_ROWS
+    ops = [(_randn(rows, K, gen=gen), _randn(E, K, N, gen=gen, scale=K**-0.5))]
+    offs = _offs(COUNTS)
+    poison = torch.full((4 * rows, N), float("nan"), device="cuda")  # freed: the next allocations reuse it
+    del poison
+    plain = bwd_gemm.rows_gemm(ops, offs)
+    assert not plain.isnan().any() and torch.equal(plain[sum(COUNTS):], torch.zeros_like(plain[sum(COUNTS):]))
+    R = rows + 9
+    perm = torch.randperm(R, generator=gen, device="cuda")[:rows].contiguous()
+    out = torch.full((R, N), float("nan"), device="cuda")
+    bwd_gemm.rows_gemm(ops, offs, out=out, out_rows=perm)
+    assert torch.equal(out[perm], plain)
+    untouched = torch.ones(R, dtype=torch.bool, device="cuda")
+    untouched[perm] = False
+    assert out[untouched].isnan().all()
+    # no expert at all: every row is past offs[-1]
+    none = torch.zeros(0, dtype=torch.int32, device="cuda")
+    empty_b = torch.zeros(0, K, N, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((R, N), float("nan"), device="cuda")
+    bwd_gemm.rows_gemm([(ops[0][0], empty_b)], none, out=out, out_rows=perm)
+    assert torch.equal(out[perm], torch.zeros(rows, N, device="cuda")) and out[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_sum_slots_has_the_bits_of_the_in_place_sum(K):
+    """dx over a token's slots in one pass: the same bits as slot 0 plus slots 1.. in order in
+    fp32, then one cast to bf16 (what mokgen.backward._unpermute does)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    T, H = 301, 768
+    pairs = torch.randn(T * K, H, generator=gen, device="cuda") * 3
+    want = pairs.view(T, K, H)[:, 0].clone()
+    for j in range(1, K):
+        want.add_(pairs.view(T, K, H)[:, j])
+    got = bwd_gemm.sum_slots(pairs, T, K)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, H)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    assert bwd_gemm.sum_slots(pairs[:0], 0, K).shape == (0, H)
 
 
 @pytest.mark.parametrize("clamp", [None, 0.75])

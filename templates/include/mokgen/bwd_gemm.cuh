@@ -38,13 +38,15 @@ using sm90::smem_desc_k;
 
 // A wait on a stage barrier gives up after kWaitCycles SM clock cycles (2^35: about 17 s at
 // 1.98 GHz, far beyond any tile's k-loop) and traps: a protocol error in these kernels ends the
-// launch (a failed CUDA call in the caller) instead of hanging the process. kReport (the
-// producer's waits) first prints which barrier of which block it waited on; the consumers'
-// waits only trap (a printf there costs the swiglu kernel's epilogue spills). The clock is read
-// only while the barrier is not yet complete.
+// launch (a failed CUDA call in the caller) instead of hanging the process. The clock is read
+// only while the barrier is not yet complete. No printf here or anywhere in these kernels: a
+// function call (printf is one, vprintf) anywhere in a kernel makes ptxas serialize all of its
+// wgmma (C7510, "wgmma pipeline crossing function boundary"): each HGMMA then waits for the one
+// before. v0.10's producer printed the barrier it timed out on, and every kernel of this
+// library ran serialized (docs/perf-notes.md v0.11); tests/test_bwd_gemm.py checks the build
+// log for C7510.
 constexpr long long kWaitCycles = 1ll << 35;
 
-template <bool kReport = false>
 MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   long long start = 0;
@@ -62,9 +64,6 @@ MOKGEN_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
     if (spin == 0) {
       start = clock64();
     } else if (clock64() - start > kWaitCycles) {
-      if constexpr (kReport)
-        printf("mokgen bwd_gemm: stage barrier wait timed out: block %d thread %d barrier 0x%x parity %u\n",
-               int(blockIdx.x), int(threadIdx.x), smem_u32(bar), parity);
       __trap();
     }
   }
@@ -108,6 +107,19 @@ using Mma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<kAMN ? Major::MN : Ma
 template <bool kAMN, bool kBMN, size_t... Is>
 MOKGEN_DEVICE void mma(uint64_t da, uint64_t db, float* acc, bool accumulate, std::index_sequence<Is...>) {
   Mma<kAMN, kBMN>::fma(da, db, acc[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// The first `steps` 16-row wgmma steps of a k-block (stage operands sa, sb) into acc; the first
+// step accumulates when `accumulate` (not the tile's first k-block). K-major: the next 16 k are
+// 32 bytes on within each 128-byte row; MN-major: 16 k rows on.
+template <bool kAMN, bool kBMN, int kSteps>
+MOKGEN_DEVICE void mma_steps(const unsigned char* sa, const unsigned char* sb, float* acc, bool accumulate) {
+#pragma unroll
+  for (int k16 = 0; k16 < kSteps; ++k16) {
+    const uint64_t da = kAMN ? smem_desc_mn(sa + k16 * 2048) : smem_desc_k<128>(sa + k16 * 32);
+    const uint64_t db = kBMN ? smem_desc_mn(sb + k16 * 2048) : smem_desc_k<128>(sb + k16 * 32);
+    mma<kAMN, kBMN>(da, db, acc, accumulate || k16 > 0, std::make_index_sequence<kAcc>{});
+  }
 }
 
 using Smem = Tile::Smem;
@@ -158,7 +170,7 @@ template <bool kAMN, bool kBMN, bool kGated = false>
 MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
   static_assert(!kGated || (!kAMN && !kBMN), "gated tiles read K-major operands");
   for (int kb = 0; kb < t.n_k; ++kb) {
-    mbar_wait<true>(&s.empty[pipe.stage], pipe.phase ^ 1u);
+    mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     uint64_t* full = &s.full[pipe.stage];
     mbar_arrive_expect_tx(full, kStageBytes);
@@ -191,12 +203,13 @@ MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
   }
 }
 
-// Zero k rows [valid, 64) of every box of a stage (a short last k-block of a weight-gradient
-// tile: the TMA box also brought the next expert's rows). Consumer warpgroup wg clears its own A
-// box and B boxes 2 wg, 2 wg + 1; the caller then orders these generic-proxy writes before the
-// wgmma reads (fence.proxy.async + a barrier of both consumer warpgroups). MN-major boxes only.
-MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int t) {
-  const int bytes = (kBK - valid) * 128;  // per box
+// Zero k rows [valid, end) of every box of a stage (a short last k-block of a weight-gradient
+// tile: the TMA box also brought the next expert's rows; end = valid rounded up to the 16 k rows
+// the last wgmma steps read). Consumer warpgroup wg clears its own A box and B boxes 2 wg,
+// 2 wg + 1; the caller then orders these generic-proxy writes before the wgmma reads
+// (fence.proxy.async + a barrier of both consumer warpgroups). MN-major boxes only.
+MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int t) {
+  const int bytes = (end - valid) * 128;  // per box
   unsigned char* boxes[3] = {st + wg * kBox, st + kABytes + (2 * wg) * kBox, st + kABytes + (2 * wg + 1) * kBox};
 #pragma unroll
   for (int b = 0; b < 3; ++b)
@@ -221,21 +234,26 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
   for (int kb = 0; kb < n_k; ++kb) {
     mbar_wait(&s.full[pipe.stage], pipe.phase);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+    // a short last k-block runs only the 16-row wgmma steps that hold valid k rows (its tail
+    // rows within the last step zeroed): a weight-gradient tile of 341 rows issues 22 steps, not 24
+    int steps = kBK / 16;
     if (kb == n_k - 1 && k_valid_last < kBK) {
-      zero_tail(st, wg, k_valid_last, t);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+      steps = (k_valid_last + 15) / 16;
+      if (k_valid_last % 16) {
+        zero_tail(st, wg, k_valid_last, 16 * steps, t);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+      }
     }
     const unsigned char* sa = st + wg * kBox;
     const unsigned char* sb = st + kABytes;
     fence_operands(acc);
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int k16 = 0; k16 < kBK / 16; ++k16) {
-      // K-major: the next 16 k are 32 bytes on within each 128-byte row; MN-major: 16 k rows on
-      const uint64_t da = kAMN ? smem_desc_mn(sa + k16 * 2048) : smem_desc_k<128>(sa + k16 * 32);
-      const uint64_t db = kBMN ? smem_desc_mn(sb + k16 * 2048) : smem_desc_k<128>(sb + k16 * 32);
-      mma<kAMN, kBMN>(da, db, acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+    switch (steps) {  // the same for the whole warpgroup; each case one straight run of wgmma
+      case 1: mma_steps<kAMN, kBMN, 1>(sa, sb, acc, kb > 0); break;
+      case 2: mma_steps<kAMN, kBMN, 2>(sa, sb, acc, kb > 0); break;
+      case 3: mma_steps<kAMN, kBMN, 3>(sa, sb, acc, kb > 0); break;
+      default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); break;
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();

@@ -1,0 +1,94 @@
+"""The backward's GEMMs one by one (mokgen/bwd_gemm.py against torch._grouped_mm), on the rows
+of `mokgen bench SPEC --workload local --backward` (expert-major, the bench's routing): each
+kernel's median time of 20 (CUDA events) and TFLOP/s, so changes to one kernel can be measured
+alone. LIB...: other builds of the library (libbwdgemm.so files, e.g. of an earlier commit's
+templates/bwd_gemm.cu), timed in the same run after this tree's. Usage:
+python3 .ci/bench_bwd_gemm.py [SPEC [LIB...]] (default kimi-k2.5)."""
+
+import ctypes
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from mokgen import bench, bwd_gemm
+from mokgen.spec import load_spec
+
+spec, tokens = bench.local_spec(load_spec(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"), 8)
+E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+gen = torch.Generator(device="cuda").manual_seed(3)
+ids, _ = bench._routing(spec, tokens, gen)
+counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+rows = int(counts.sum())
+offs = counts.cumsum(0).to(torch.int32)
+
+
+def randn(*shape, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+
+x, go, dg, du, hw = randn(rows, H), randn(rows, H), randn(rows, I), randn(rows, I), randn(rows, I)
+wg, wu = randn(E, I, H, scale=H**-0.5), randn(E, I, H, scale=H**-0.5)
+wd = randn(E, H, I, scale=I**-0.5)
+order = torch.randperm(rows, generator=gen, device="cuda")
+dx_out = torch.zeros(rows, H, device="cuda")
+
+
+def old_library(path):
+    """A library build with at least the rows and weights entry points (an earlier build may lack
+    the later ones, which bwd_gemm._Lib binds too)."""
+    class Old(bwd_gemm._Lib):
+        def __init__(self, path):
+            self.path, lib = path, ctypes.CDLL(str(path))
+            vp, i = ctypes.c_void_p, ctypes.c_int
+            lib.mokgen_bwd_error_string.argtypes, lib.mokgen_bwd_error_string.restype = [i], ctypes.c_char_p
+            lib.mokgen_bwd_rows.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, vp, vp]
+            lib.mokgen_bwd_weights.argtypes = [vp, vp, vp, vp, i, i, i, i, vp]
+            self._lib = lib
+    return Old(path)
+
+
+def timed(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    return statistics.median(ms)
+
+
+gmm = torch._grouped_mm
+cases = {
+    "dh = dOut Wd (rows, K = H, N = I)": (2 * rows * H * I,
+                                         lambda: bwd_gemm.rows_gemm([(go, wd)], offs, b_major="mn"),
+                                         lambda: gmm(go, wd, offs=offs)),
+    "dx = dg Wg + du Wu (rows, K = 2 I, N = H), scattered": (
+        4 * rows * H * I,
+        lambda: bwd_gemm.rows_gemm([(dg, wg), (du, wu)], offs, b_major="mn", out=dx_out, out_rows=order),
+        lambda: gmm(dg, wg, offs=offs).add_(gmm(du, wu, offs=offs))),
+    "dWg = dg^T x (M = I, N = H, K = rows of e)": (2 * rows * H * I, lambda: bwd_gemm.weight_grads(dg, x, offs),
+                                                   lambda: gmm(dg.t(), x, offs=offs)),
+    "dWd = dOut^T hw (M = H, N = I, K = rows of e)": (2 * rows * H * I, lambda: bwd_gemm.weight_grads(go, hw, offs),
+                                                      lambda: gmm(go.t(), hw, offs=offs)),
+}
+print(f"== {spec.name} local: {rows} rows, E = {E}, H = {H}, I = {I} (rows per expert {counts.min().item()}-"
+      f"{counts.max().item()})")
+print(f"{'GEMM':58s} {'mokgen ms':>10s} {'TFLOP/s':>8s} {'torch ms':>10s} {'TFLOP/s':>8s}")
+peer = {}
+for name, (flops, ours, torch_fn) in cases.items():
+    a, peer[name] = timed(ours), timed(torch_fn)
+    print(f"{name:58s} {a:10.3f} {flops / a / 1e9:8.1f} {peer[name]:10.3f} {flops / peer[name] / 1e9:8.1f}")
+for lib in sys.argv[2:]:
+    other = old_library(Path(lib))
+    bwd_gemm.load_library = lambda: other  # noqa: E731 (this process only)
+    print(f"-- library {lib}")
+    for name, (flops, ours, _) in cases.items():
+        a = timed(ours)
+        print(f"{name:58s} {a:10.3f} {flops / a / 1e9:8.1f} {peer[name]:10.3f} {flops / peer[name] / 1e9:8.1f}")

@@ -1,0 +1,121 @@
+"""Where a fwd+bwd step of mokgen leaves the GPU idle, on the inputs of `mokgen bench --backward`.
+
+Prints, for one spec and workload (default policy and GEMMs from the environment):
+  bench    the step as the bench times it (a start event on an idle GPU, the step, an end event; median of 20)
+  gpu      the same step enqueued behind a GPU sleep, so the host is ahead: the GPU's own time
+           (event after the sleep to the end event; median of 7), and the host's enqueue time
+  phases   host time of the forward call and of backward() alone (host ahead, median of 7)
+  kernels  one step's GPU work in order (torch.profiler, CUDA activity only): start offset,
+           duration and the idle gap before each; the sum of kernel time and of gaps
+  cprofile the Python functions of 10 host-ahead steps by own time and by cumulative time
+Usage: python3 .ci/host_gaps.py SPEC [local|layer] [TOKENS]"""
+
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mokgen import bench, env
+from mokgen.ep import MoELayer
+from mokgen.spec import load_spec
+
+spec = load_spec(sys.argv[1])
+workload = sys.argv[2] if len(sys.argv) > 2 else "local"
+if workload == "local":
+    spec, tokens = bench.local_spec(spec, bench.LOCAL_EP.get(spec.name, 8))
+else:
+    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 16384
+gen = torch.Generator(device="cuda").manual_seed(3)
+x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
+ids, w = bench._routing(spec, tokens, gen)
+w.requires_grad_(True)
+g = torch.randn_like(x)
+layer = MoELayer(spec, max_tokens=tokens, device="cuda")
+with torch.no_grad():
+    for p, src in zip((layer.w_gate, layer.w_up, layer.w_down), bench._weights(spec)):
+        p.copy_(src)
+layer.check_ids = False
+leaves = (x, w, *layer.parameters())
+marks = {}
+
+
+def step():
+    for t in leaves:
+        t.grad = None
+    t0 = time.perf_counter()
+    y = layer(x, ids, w)
+    t1 = time.perf_counter()
+    y.backward(g)
+    marks["fwd"], marks["bwd"] = t1 - t0, time.perf_counter() - t1
+
+
+print(f"== {spec.name} {workload} {tokens} rows (MOKGEN_BWD_GEMM={env.bwd_gemm_enabled():d}, "
+      f"MOKGEN_BWD_POLICY={env.bwd_policy()})")
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+bench_ms = []
+for _ in range(20):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    step()
+    b.record()
+    b.synchronize()
+    bench_ms.append(a.elapsed_time(b))
+gpu_ms, host_ms, fwd_ms, bwd_ms = [], [], [], []
+for _ in range(7):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(1e8))
+    a.record()
+    t0 = time.perf_counter()
+    step()
+    host_ms.append(1e3 * (time.perf_counter() - t0))
+    fwd_ms.append(1e3 * marks["fwd"])
+    bwd_ms.append(1e3 * marks["bwd"])
+    b.record()
+    b.synchronize()
+    gpu_ms.append(a.elapsed_time(b))
+med = statistics.median
+print(f"bench    {med(bench_ms):.3f} ms (min {min(bench_ms):.3f})")
+print(f"gpu      {med(gpu_ms):.3f} ms with the host ahead (min {min(gpu_ms):.3f}); host enqueue {med(host_ms):.3f} ms")
+print(f"phases   forward call {med(fwd_ms):.3f} ms, backward() {med(bwd_ms):.3f} ms of host time")
+print(f"exposed  {med(bench_ms) - med(gpu_ms):.3f} ms of the bench's step is the GPU waiting for the host")
+
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    step()
+    torch.cuda.synchronize()
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
+             key=lambda e: e["ts"])
+if gpu:
+    t0, end, busy, idle = gpu[0]["ts"], gpu[0]["ts"], 0.0, 0.0
+    print(f"kernels  {len(gpu)} GPU operations in one step (offset, duration, gap before; us)")
+    for e in gpu:
+        gap = max(0.0, e["ts"] - end)
+        idle += gap
+        busy += e["dur"]
+        print(f"  {e['ts'] - t0:9.1f} {e['dur']:9.1f} {gap:8.1f}  {e['name'][:90]}")
+        end = max(end, e["ts"] + e["dur"])
+    print(f"kernels  busy {busy / 1e3:.3f} ms, idle gaps {idle / 1e3:.3f} ms, first to last {(end - t0) / 1e3:.3f} ms")
+
+prof_c = cProfile.Profile()
+torch.cuda._sleep(int(8e8))
+prof_c.enable()
+for _ in range(10):
+    step()
+prof_c.disable()
+torch.cuda.synchronize()
+st = pstats.Stats(prof_c)
+st.sort_stats("tottime").print_stats(40)
+st.sort_stats("cumulative").print_stats(45)
