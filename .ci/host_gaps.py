@@ -8,6 +8,8 @@ Prints, for one spec and workload (default policy and GEMMs from the environment
   kernels  one step's GPU work in order (torch.profiler, CUDA activity only): start offset,
            duration and the idle gap before each; the sum of kernel time and of gaps
   cprofile the Python functions of 10 host-ahead steps by own time and by cumulative time
+HOST_GAPS_NO_WATCH=1 leaves out the forward's copy of its error record to pinned memory (an
+experiment: the copy engine's operation between the forward and the backward).
 Usage: python3 .ci/host_gaps.py SPEC [local|layer] [TOKENS]"""
 
 import cProfile
@@ -44,12 +46,32 @@ with torch.no_grad():
 layer.check_ids = False
 leaves = (x, w, *layer.parameters())
 marks = {}
+# host times of a few points inside the step (seconds after its start): around the error
+# record's copy after the launch (EpBuffers.watch) and at the backward's first launch
+from mokgen import bwd_gemm, ep as ep_mod  # noqa: E402
+
+points = {}
+
+
+def timed_at(name, fn):
+    def run(*a, **k):
+        points[name + " in"] = time.perf_counter() - marks["t0"]
+        out = fn(*a, **k)
+        points[name + " out"] = time.perf_counter() - marks["t0"]
+        return out
+    return run
+
+
+if os.environ.get("HOST_GAPS_NO_WATCH"):  # an experiment: no copy of the error record after the launch
+    ep_mod.EpBuffers.watch = lambda self: None
+ep_mod.EpBuffers.watch = timed_at("watch", ep_mod.EpBuffers.watch)
+bwd_gemm.expert_major = timed_at("expert_major", bwd_gemm.expert_major)
 
 
 def step():
     for t in leaves:
         t.grad = None
-    t0 = time.perf_counter()
+    t0 = marks["t0"] = time.perf_counter()
     y = layer(x, ids, w)
     t1 = time.perf_counter()
     y.backward(g)
@@ -61,7 +83,7 @@ print(f"== {spec.name} {workload} {tokens} rows (MOKGEN_BWD_GEMM={env.bwd_gemm_e
 for _ in range(3):
     step()
 torch.cuda.synchronize()
-bench_ms = []
+bench_ms, bench_points = [], []
 for _ in range(20):
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -69,6 +91,8 @@ for _ in range(20):
     b.record()
     b.synchronize()
     bench_ms.append(a.elapsed_time(b))
+    bench_points.append({**points, "forward returned": marks["fwd"], "backward returned": marks["fwd"] + marks["bwd"]})
+ahead_points = []
 gpu_ms, host_ms, fwd_ms, bwd_ms = [], [], [], []
 for _ in range(7):
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,6 +103,7 @@ for _ in range(7):
     host_ms.append(1e3 * (time.perf_counter() - t0))
     fwd_ms.append(1e3 * marks["fwd"])
     bwd_ms.append(1e3 * marks["bwd"])
+    ahead_points.append({**points, "forward returned": marks["fwd"], "backward returned": marks["fwd"] + marks["bwd"]})
     b.record()
     b.synchronize()
     gpu_ms.append(a.elapsed_time(b))
@@ -87,6 +112,9 @@ print(f"bench    {med(bench_ms):.3f} ms (min {min(bench_ms):.3f})")
 print(f"gpu      {med(gpu_ms):.3f} ms with the host ahead (min {min(gpu_ms):.3f}); host enqueue {med(host_ms):.3f} ms")
 print(f"phases   forward call {med(fwd_ms):.3f} ms, backward() {med(bwd_ms):.3f} ms of host time")
 print(f"exposed  {med(bench_ms) - med(gpu_ms):.3f} ms of the bench's step is the GPU waiting for the host")
+print("host     ms after the step's start (median): as the bench runs it | behind a GPU sleep")
+for k in bench_points[0]:
+    print(f"  {k:22s} {1e3 * med(p[k] for p in bench_points):8.3f} | {1e3 * med(p[k] for p in ahead_points):8.3f}")
 
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     step()

@@ -204,6 +204,14 @@ def _pairs_expert_major(topk_ids: torch.Tensor, E: int, *, count: bool = True):
     return order, counts[:E], (int(counts[:E].sum()) if count else None)
 
 
+#: bwd_gemm.expert_major (one block per expert, each scanning every pair) orders the rows where
+#: experts x pairs is at most this; above it PyTorch's radix sort and a scatter-add are faster
+#: on the GPU. Measured on the H200 (docs/perf-notes.md v0.11): 40 us for kimi-k2.5's local rows
+#: (48 experts x 16384 pairs), where the PyTorch form took about 0.1 ms of GPU and a dozen host
+#: operations; 431 us for the qwen3.5-35b-a3b layer (256 x 131072), where it takes about 0.1 ms.
+EXPERT_MAJOR_MAX_WORK = 1 << 22
+
+
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
                               need_weight_grads, saved_gu=None):
     """The BF16 path of experts_backward: grouped GEMMs over the expert-major rows."""
@@ -217,22 +225,27 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     ours = bwd_gemm.usable(x.shape[1], I, x.device)
     # ours: every pair's row, the dropped ones (ids outside [0, E), sorted last) included, since
     # the kernels leave rows past offs[-1] alone: no wait for the device to count the valid
-    # pairs; torch._grouped_mm gets the valid rows only
-    order, counts, n = _pairs_expert_major(topk_ids, E, count=not ours)
-    if not ours:
-        order = order[:n]
-    offs = counts.cumsum(0).to(torch.int32)
-    tok = torch.div(order, K, rounding_mode="floor")
+    # pairs, and the order, token of each row, offsets and routing weights in one launch;
+    # torch._grouped_mm gets the valid rows only
+    if ours and E * topk_ids.numel() <= EXPERT_MAJOR_MAX_WORK:
+        ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        order, tok, offs, wt = bwd_gemm.expert_major(ids32.contiguous(), E, topk_weights.to(f32).contiguous())
+        wts = wt.unsqueeze(1)
+    else:
+        order, counts, n = _pairs_expert_major(topk_ids, E, count=not ours)
+        if not ours:
+            order = order[:n]
+        offs = counts.cumsum(0).to(torch.int32)
+        tok = torch.div(order, K, rounding_mode="floor")
+        wts = topk_weights.reshape(-1).index_select(0, order).to(f32).unsqueeze(1)
     rows = x.index_select(0, tok).contiguous()
     go = grad_out.to(torch.bfloat16).index_select(0, tok).contiguous()
-    wts = topk_weights.reshape(-1).index_select(0, order).to(f32).unsqueeze(1)
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
     # ours fuses the recompute with SwiGLU's backward, g and u never leave the registers)
     if ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
         dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
-        wt = wts.reshape(-1).contiguous()
         if saved_gu is not None:
             hw, dg, du, dw_rows = bwd_gemm.swiglu_grads_saved(saved_gu, order, dh_u, wt, offs, clamp_limit)
         else:

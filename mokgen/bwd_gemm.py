@@ -17,7 +17,9 @@ per expert, int32 on the GPU):
   forward saved (the "save" policy of mokgen.backward): an elementwise pass instead of the
   recompute's two GEMMs;
 * :func:`weight_grads`: ``out[e] = A[rows of e]^T @ B[rows of e]`` in bf16 (dWg = dg^T x,
-  dWu = du^T x, dWd = dy^T h); an expert without rows gets zeros.
+  dWu = du^T x, dWd = dy^T h); an expert without rows gets zeros;
+* :func:`expert_major`: the rows' order (pairs sorted by expert, stable), offsets, tokens and
+  routing weights in one launch; :func:`sum_slots`: dX summed over each token's slots and cast.
 
 One CTA owns each output tile and sums its K in order (for the weight gradients, the expert's
 rows in their order): no split-K, no atomics, the same bits on every run. Tiles are 128 x 256
@@ -78,6 +80,8 @@ class _Lib:
         lib.mokgen_bwd_swiglu_saved.restype = i
         lib.mokgen_bwd_sum_slots.argtypes = [vp, vp, i, i, i, vp]
         lib.mokgen_bwd_sum_slots.restype = i
+        lib.mokgen_bwd_expert_major.argtypes = [vp, i, i, i, vp, vp, vp, vp, vp, vp]
+        lib.mokgen_bwd_expert_major.restype = i
         self._lib = lib
 
     def check(self, what: str, code: int) -> None:
@@ -98,6 +102,9 @@ class _Lib:
 
     def sum_slots(self, *args) -> None:
         self.check("mokgen_bwd_sum_slots", self._lib.mokgen_bwd_sum_slots(*args))
+
+    def expert_major(self, *args) -> None:
+        self.check("mokgen_bwd_expert_major", self._lib.mokgen_bwd_expert_major(*args))
 
 
 @lru_cache(maxsize=None)
@@ -245,6 +252,41 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
                             offs.data_ptr(), E, rows, K, N, int(b_major == "mn"),
                             out_rows.data_ptr() if out_rows is not None else None, stream)
     return out
+
+
+def expert_major(topk_ids, experts: int, topk_weights=None):
+    """The backward's rows: ``(order, tok, offs, wts)`` for ``topk_ids [T, K]`` (int32) and
+    ``experts`` experts, in one launch: ``order [T K]`` int64, the pairs ``t * K + j`` sorted by
+    expert id, stable, the pairs whose id is outside ``[0, experts)`` last; ``tok = order // K``;
+    ``offs [experts]`` int32, the inclusive prefix sums of the pairs per expert; ``wts [T K]`` =
+    ``topk_weights.reshape(-1)[order]`` (``topk_weights [T, K]`` fp32), or None without weights.
+    What mokgen.backward._pairs_expert_major and a cumsum, a division and a gather give, without
+    the dozen small operations (and their host time) those take."""
+    import torch
+
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 \
+            or not topk_ids.is_contiguous() or not supported(topk_ids.device):
+        raise InputError("topk_ids must be a contiguous 2-d int32 tensor on a CUDA device of compute capability 9.0")
+    T, K = topk_ids.shape
+    n = T * K
+    if experts < 1 or K < 1:
+        raise InputError(f"expert_major needs experts >= 1 and K >= 1, got {experts} and {K}")
+    if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
+                                     or tuple(topk_weights.shape) != (T, K) or not topk_weights.is_contiguous()
+                                     or topk_weights.device != topk_ids.device):
+        raise InputError(f"topk_weights must be a contiguous float32 tensor [T, K] = {(T, K)} on {topk_ids.device}")
+    dev = topk_ids.device
+    order, tok = torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev)
+    offs = torch.zeros(experts, dtype=torch.int32, device=dev) if n == 0 else torch.empty(experts, dtype=torch.int32,
+                                                                                          device=dev)
+    wts = None if topk_weights is None else torch.empty(n, dtype=torch.float32, device=dev)
+    if n:
+        with _on(dev) as stream:
+            load_library().expert_major(topk_ids.data_ptr(), n, experts, K,
+                                        None if topk_weights is None else topk_weights.data_ptr(), order.data_ptr(),
+                                        tok.data_ptr(), None if wts is None else wts.data_ptr(), offs.data_ptr(),
+                                        stream)
+    return order, tok, offs, wts
 
 
 def sum_slots(dx_pairs, tokens: int, top_k: int):

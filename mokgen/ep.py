@@ -197,6 +197,14 @@ def _bwd_policy(value: str | None) -> str:
     return value
 
 
+def _op(kernel):
+    """The megakernel's entry: the registered op (EP_OP) while torch.compile traces, else its
+    eager form (EP_EAGER: the same implementation and backward without the custom op's dispatch,
+    about half a millisecond less CPU before each launch; builds made before it have EP_OP only)."""
+    eager = getattr(kernel, "EP_EAGER", None)
+    return kernel.EP_OP if eager is None or torch.compiler.is_compiling() else eager
+
+
 def _tail_args(kernel, policy: str, all_in_launch: bool, shared_args: tuple, tensors) -> tuple:
     """The op's optional trailing arguments: ``shared_args`` (the fused shared expert's, or none),
     then ``save_gu=True`` where the backward will read the forward's pre-activations: the "save"
@@ -328,7 +336,7 @@ def virtual_ep_forward(
         ctas, dispatch = _ctas(kernel, W)
         e_loc = spec.num_experts // W
         tail = _tail_args(kernel, policy, True, (), (*xs, *topk_weights, w_gate, w_up, w_down))
-        outs = kernel.EP_OP(
+        outs = _op(kernel)(
             list(xs),
             [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids],
             [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
@@ -362,7 +370,7 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
                 _raise(bufs, err, DEFAULT_TIMEOUT_MS)
         ctas, dispatch = _ctas(kernel, 1)
         tail = _tail_args(kernel, env.bwd_policy(), True, (), (x, topk_weights, w_gate, w_up, w_down))
-        out = kernel.EP_OP(
+        out = _op(kernel)(
             [x],
             [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
@@ -598,7 +606,7 @@ class MoELayer(torch.nn.Module):
         g = bufs.geometry
         tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args,
                           (x, topk_weights, self.w_gate, self.w_up, self.w_down, *(t for t in shared_args if t is not None)))
-        out = self._kernel.EP_OP(
+        out = _op(self._kernel)(
             [x],
             [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],

@@ -218,6 +218,52 @@ __global__ void __launch_bounds__(256) sum_slots_kernel(bf16* out, const float* 
   }
 }
 
+// The backward's row order (mokgen.backward): the (token, slot) pairs sorted expert-major,
+// stable (each expert's pairs in increasing pair index), the pairs whose id is outside [0, E)
+// last. Block e (of E + 1) handles expert e (block E: the dropped pairs): it counts the pairs
+// with a smaller key and with its own, writes offs[e] (the inclusive prefix sum of rows per
+// expert), then compacts its pairs in order, block-wide, through warp ballots: order[r] = pair,
+// tok[r] = pair / K and, where w is given, wts[r] = w[pair]. Integer counts only: the same
+// result on every run and for every grid.
+__global__ void __launch_bounds__(1024) expert_major_kernel(const int32_t* ids, int n, int E, int K, const float* w,
+                                                            int64_t* order, int64_t* tok, float* wts, int32_t* offs) {
+  __shared__ int warp_total[32];
+  const int e = int(blockIdx.x), lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  auto key = [&](int i) {
+    const int id = ids[i];
+    return id >= 0 && id < E ? id : E;
+  };
+  int lt = 0, eq = 0;
+  for (int c = 0; c < n; c += blockDim.x) {
+    const int i = c + int(threadIdx.x);
+    const int k = i < n ? key(i) : E + 1;
+    lt += __syncthreads_count(k < e);
+    eq += __syncthreads_count(k == e);
+  }
+  if (e < E && threadIdx.x == 0) offs[e] = lt + eq;
+  int base = lt;
+  for (int c = 0; c < n; c += blockDim.x) {
+    const int i = c + int(threadIdx.x);
+    const bool mine = i < n && key(i) == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_total[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int v = 0; v < warps; ++v) {
+      before += v < warp ? warp_total[v] : 0;
+      total += warp_total[v];
+    }
+    if (mine) {
+      const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
+      order[r] = i;
+      tok[r] = i / K;
+      if (w != nullptr) wts[r] = w[i];
+    }
+    base += total;
+    __syncthreads();  // warp_total is rewritten by the next chunk
+  }
+}
+
 int sm_count() {
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
@@ -326,6 +372,15 @@ int mokgen_bwd_sum_slots(void* out, const float* in, int T, int K, int H, cudaSt
   if (grid == 0) return int(cudaErrorNoDevice);
   const int64_t want = (int64_t(T) * (H / 4) + 255) / 256;
   sum_slots_kernel<<<unsigned(want < 8 * grid ? want : 8 * grid), 256, 0, stream>>>(static_cast<bf16*>(out), in, T, K, H);
+  return int(cudaGetLastError());
+}
+
+// The expert-major row order of n = T K pairs (expert_major_kernel): ids [n] int32 (global pair
+// order), E experts, K slots per token, w [n] fp32 or null; out order, tok [n] int64, wts [n]
+// fp32 (where w is given), offs [E] int32. n >= 1, E >= 1 (checked by the caller).
+int mokgen_bwd_expert_major(const int32_t* ids, int n, int E, int K, const float* w, int64_t* order, int64_t* tok,
+                            float* wts, int32_t* offs, cudaStream_t stream) {
+  expert_major_kernel<<<unsigned(E + 1), 1024, 0, stream>>>(ids, n, E, K, w, order, tok, wts, offs);
   return int(cudaGetLastError());
 }
 

@@ -113,6 +113,9 @@ class _Ctx:
     def save_for_backward(self, *t):
         self.saved_tensors = t
 
+    def set_materialize_grads(self, value):
+        self.materialize_grads = value
+
 
 def test_generated_binding_autograd_plumbing():
     """The autograd functions registered by the generated binding (setup_context + backward),
@@ -131,6 +134,8 @@ def test_generated_binding_autograd_plumbing():
 
     ctx = _Ctx()
     kernel._ep_setup_context(ctx, inputs, None)
+    # outputs without a gradient come as None (autograd fills no zeros for them)
+    assert ctx.materialize_grads is False
     gs = [torch.randn(t, H, generator=gen, dtype=F64) for t in sizes]
     out = kernel._ep_backward(ctx, gs)
     # PyTorch requires the same structure as the inputs: a list (of grads or Nones) per list input.
@@ -144,6 +149,13 @@ def test_generated_binding_autograd_plumbing():
     torch.testing.assert_close(torch.cat(out[2]), want[1])
     torch.testing.assert_close(torch.cat(out[5]), want[4])
     assert [t.shape[0] for t in out[3]] == [E // 2, E // 2]
+
+    # rank 1's output unused: its gradient is None, and its tokens get zero gradients
+    dx0 = out[0][0]
+    del out, want  # the real spec's fp64 weight gradients: a few GB each
+    partial = kernel._ep_backward(ctx, [gs[0], None])
+    assert torch.equal(partial[0][1], torch.zeros_like(xs[1]))
+    torch.testing.assert_close(partial[0][0], dx0)
 
 
 def _rel(a, b):
@@ -435,3 +447,56 @@ def test_op_autograd_with_saved_pre_activations(monkeypatch):
     stand_in["gu"] = good.roll(1, dims=0)
     wrong = grads((None, None, None, None, True))
     assert _rel(wrong[0], saved[0]) > 0.1
+
+
+@pytest.mark.parametrize("fuse, tail", [(False, "none"), (False, "save"), (True, "scale"), (True, "no-scale")])
+def test_eager_form_has_the_registered_ops_gradients(monkeypatch, fuse, tail):
+    """EP_EAGER (what MoELayer calls outside torch.compile: the op's implementation and backward
+    as a plain autograd.Function) against EP_OP through the dispatcher, with one CPU stand-in for
+    the megakernel behind both: the same outputs and the same gradients for x, the routing
+    weights, the experts and the shared expert, with and without the saved pre-activations."""
+    spec, kernel, (E, I, H, K) = _tiny_kernel(monkeypatch, fuse)
+    gen = torch.Generator().manual_seed(12)
+    T = 7
+    x0 = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices.to(torch.int32)
+    w0 = torch.rand(T, K, generator=gen)
+    wg, wu = ((torch.randn(E, I, H, generator=gen) * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    wd = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(torch.bfloat16)
+    gu = _pre_activations(x0, ids.long(), wg, wu)
+
+    def stand_in(xs, ids_, ws, *a, **k):
+        outs = [x * 2 for x in xs]
+        return outs + [gu.clone()] if (a[-1] is True or k.get("save_gu")) else outs
+
+    torch.library.register_kernel(kernel.EP_OP_NAME, "cpu", stand_in)
+    monkeypatch.setattr(kernel, "_ep_forward", stand_in)
+    fixed = ([0], 0, 0, 0, 0, 16, 128, 2, 2, 1, 1, -1)
+    go = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    shared0 = [(torch.randn(I, H, generator=gen) * 0.05).to(torch.bfloat16) for _ in range(2)]
+    shared0.append((torch.randn(H, I, generator=gen) * 0.05).to(torch.bfloat16))
+    scale0 = torch.rand(T, generator=gen)
+
+    def run(op):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        leaves = [x, w]
+        extra = ()
+        if tail == "save":
+            extra = (None, None, None, None, True)
+        elif fuse:
+            sh = [t.clone().requires_grad_(True) for t in shared0]
+            sc = scale0.clone().requires_grad_(True) if tail == "scale" else None
+            extra = (*sh, sc)
+            leaves += sh + ([sc] if sc is not None else [])
+        outs = op([x], [ids], [w], [wg], [wu], [wd], *fixed, *extra)
+        outs[0].backward(go)
+        return [o.detach() for o in outs], [t.grad for t in leaves]
+
+    outs_op, grads_op = run(kernel.EP_OP)
+    outs_eager, grads_eager = run(kernel.EP_EAGER)
+    assert len(outs_op) == len(outs_eager) == (2 if tail == "save" else 1)
+    for a, b in zip(outs_op, outs_eager):
+        assert torch.equal(a, b)
+    assert all(g is not None for g in grads_eager)
+    for a, b in zip(grads_op, grads_eager):
+        assert torch.equal(a, b)

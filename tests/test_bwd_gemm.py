@@ -15,7 +15,7 @@ from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
-           "mokgen_bwd_error_string")
+           "mokgen_bwd_expert_major", "mokgen_bwd_error_string")
 
 
 @pytest.mark.nvcc
@@ -27,8 +27,8 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights, zero_rows, sum_slots
-    assert len(kernels) == 7, kernels
+    # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights, zero_rows, sum_slots, expert_major
+    assert len(kernels) == 8, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -87,6 +87,7 @@ def _bf16(*shape):
     (lambda: bwd_gemm.weight_grads(torch.zeros(4, 128), _bf16(4, 256), torch.zeros(2, dtype=torch.int32)),
      "must be a contiguous 2-d bfloat16"),
     (lambda: bwd_gemm.sum_slots(torch.zeros(6, 8, dtype=torch.float64), 3, 2), "contiguous 2-d float32"),
+    (lambda: bwd_gemm.expert_major(torch.zeros(6, 2, dtype=torch.int64), 4), "contiguous 2-d int32"),
 ])
 def test_bad_input_is_one_clear_error(call, message):
     with pytest.raises(InputError, match=message):

@@ -130,6 +130,28 @@ def test_rows_gemm_writes_every_row_of_a_poisoned_output():
     assert torch.equal(out[perm], torch.zeros(rows, N, device="cuda")) and out[untouched].isnan().all()
 
 
+@pytest.mark.parametrize("E, T, K", [(1, 5, 1), (7, 1000, 3), (300, 2049, 8)])
+def test_expert_major_order_matches_the_stable_sort(E, T, K):
+    """The one-launch row order against PyTorch's stable argsort, with dropped pairs (ids -1 and
+    E) sorted last: the same order, offsets, token of each row and gathered weights, every run."""
+    from mokgen.backward import _pairs_expert_major
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    ids = torch.randint(0, E, (T, K), generator=gen, device="cuda", dtype=torch.int32)
+    drop = torch.rand(T, K, generator=gen, device="cuda") < 0.05
+    ids = torch.where(drop, torch.where(torch.rand(T, K, generator=gen, device="cuda") < 0.5, -1, E), ids).to(torch.int32)
+    w = torch.rand(T, K, generator=gen, device="cuda")
+    order, tok, offs, wts = bwd_gemm.expert_major(ids, E, w)
+    want_order, counts, _ = _pairs_expert_major(ids, E)
+    assert torch.equal(order, want_order)
+    assert torch.equal(offs, counts.cumsum(0).to(torch.int32))
+    assert torch.equal(tok, want_order // K)
+    assert torch.equal(wts, w.reshape(-1)[want_order])
+    again = bwd_gemm.expert_major(ids, E, w)
+    assert all(torch.equal(a, b) for a, b in zip(again, (order, tok, offs, wts)))
+    assert bwd_gemm.expert_major(ids, E)[3] is None
+
+
 @pytest.mark.parametrize("K", [1, 3, 8])
 def test_sum_slots_has_the_bits_of_the_in_place_sum(K):
     """dx over a token's slots in one pass: the same bits as slot 0 plus slots 1.. in order in
@@ -258,6 +280,13 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):
         assert _rel(a, b) < 2e-2, f"{name}: relative error {_rel(a, b):.3e}"
     again = experts_backward(x, ids, w, wg, wu, wd, g)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+    # the rows ordered by PyTorch's sort instead of bwd_gemm.expert_major (large layers): the same bits
+    from mokgen import backward
+
+    assert E * ids.numel() <= backward.EXPERT_MAJOR_MAX_WORK
+    monkeypatch.setattr(backward, "EXPERT_MAJOR_MAX_WORK", 0)
+    sorted_by_torch = experts_backward(x, ids, w, wg, wu, wd, g)
+    assert all(torch.equal(a, b) for a, b in zip(got, sorted_by_torch))
 
 
 def test_misaligned_or_strided_inputs_are_clear_errors():
