@@ -5,7 +5,6 @@ alone. LIB...: other builds of the library (libbwdgemm.so files, e.g. of an earl
 templates/bwd_gemm.cu), timed in the same run after this tree's. Usage:
 python3 .ci/bench_bwd_gemm.py [SPEC [LIB...]] (default kimi-k2.5)."""
 
-import ctypes
 import statistics
 import sys
 from pathlib import Path
@@ -35,33 +34,8 @@ order = torch.randperm(rows, generator=gen, device="cuda")
 dx_out = torch.zeros(rows, H, device="cuda")
 
 
-def old_library(path):
-    """A library build with at least the rows and weights entry points (an earlier build may lack
-    the later ones, which bwd_gemm._Lib binds too)."""
-    class Old(bwd_gemm._Lib):
-        def __init__(self, path):
-            self.path, lib = path, ctypes.CDLL(str(path))
-            vp, i = ctypes.c_void_p, ctypes.c_int
-            lib.mokgen_bwd_error_string.argtypes, lib.mokgen_bwd_error_string.restype = [i], ctypes.c_char_p
-            lib.mokgen_bwd_rows.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, vp, vp]
-            lib.mokgen_bwd_weights.argtypes = [vp, vp, vp, vp, i, i, i, i, vp]
-            self._lib = lib
-    return Old(path)
-
-
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
+def timed(fn):
+    return statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1))
 
 
 gmm = torch._grouped_mm
@@ -86,7 +60,8 @@ for name, (flops, ours, torch_fn) in cases.items():
     a, peer[name] = timed(ours), timed(torch_fn)
     print(f"{name:58s} {a:10.3f} {flops / a / 1e9:8.1f} {peer[name]:10.3f} {flops / peer[name] / 1e9:8.1f}")
 for lib in sys.argv[2:]:
-    other = old_library(Path(lib))
+    # an earlier build may lack the later entry points: bind the two GEMMs timed here
+    other = bwd_gemm._Lib(Path(lib), entries=("mokgen_bwd_rows", "mokgen_bwd_weights"))
     bwd_gemm.load_library = lambda: other  # noqa: E731 (this process only)
     print(f"-- library {lib}")
     for name, (flops, ours, _) in cases.items():

@@ -24,32 +24,16 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mokgen import bench, env
-from mokgen.ep import MoELayer
-from mokgen.spec import load_spec
+from mokgen import bench, bwd_gemm, env
+from mokgen import ep as ep_mod
 
-spec = load_spec(sys.argv[1])
+spec, tokens = bench.backward_workload(sys.argv[1], *sys.argv[2:4])
 workload = sys.argv[2] if len(sys.argv) > 2 else "local"
-if workload == "local":
-    spec, tokens = bench.local_spec(spec, bench.LOCAL_EP.get(spec.name, 8))
-else:
-    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 16384
-gen = torch.Generator(device="cuda").manual_seed(3)
-x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
-ids, w = bench._routing(spec, tokens, gen)
-w.requires_grad_(True)
-g = torch.randn_like(x)
-layer = MoELayer(spec, max_tokens=tokens, device="cuda")
-with torch.no_grad():
-    for p, src in zip((layer.w_gate, layer.w_up, layer.w_down), bench._weights(spec)):
-        p.copy_(src)
-layer.check_ids = False
+layer, _, [(x, ids, w, g)] = bench.backward_problem(spec, tokens)
 leaves = (x, w, *layer.parameters())
 marks = {}
 # host times of a few points inside the step (seconds after its start): around the error
 # record's copy after the launch (EpBuffers.watch) and at the backward's first launch
-from mokgen import bwd_gemm, ep as ep_mod  # noqa: E402
-
 points = {}
 
 
@@ -83,16 +67,19 @@ print(f"== {spec.name} {workload} {tokens} rows (MOKGEN_BWD_GEMM={env.bwd_gemm_e
 for _ in range(3):
     step()
 torch.cuda.synchronize()
-bench_ms, bench_points = [], []
-for _ in range(20):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
+bench_points, ahead_points = [], []
+
+
+def step_points():
+    return {**points, "forward returned": marks["fwd"], "backward returned": marks["fwd"] + marks["bwd"]}
+
+
+def bench_step(i):
     step()
-    b.record()
-    b.synchronize()
-    bench_ms.append(a.elapsed_time(b))
-    bench_points.append({**points, "forward returned": marks["fwd"], "backward returned": marks["fwd"] + marks["bwd"]})
-ahead_points = []
+    bench_points.append(step_points())
+
+
+bench_ms = bench.time_cuda(bench_step, n_inputs=1, warmup=0)
 gpu_ms, host_ms, fwd_ms, bwd_ms = [], [], [], []
 for _ in range(7):
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,7 +90,7 @@ for _ in range(7):
     host_ms.append(1e3 * (time.perf_counter() - t0))
     fwd_ms.append(1e3 * marks["fwd"])
     bwd_ms.append(1e3 * marks["bwd"])
-    ahead_points.append({**points, "forward returned": marks["fwd"], "backward returned": marks["fwd"] + marks["bwd"]})
+    ahead_points.append(step_points())
     b.record()
     b.synchronize()
     gpu_ms.append(a.elapsed_time(b))

@@ -10,25 +10,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mokgen import bench, env
-from mokgen.ep import MoELayer
-from mokgen.spec import load_spec
 
-spec = load_spec(sys.argv[1])
+spec, tokens = bench.backward_workload(sys.argv[1], *sys.argv[2:4])
 workload = sys.argv[2] if len(sys.argv) > 2 else "local"
-if workload == "local":
-    spec, tokens = bench.local_spec(spec, bench.LOCAL_EP.get(spec.name, 8))
-else:
-    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 16384
-wg, wu, wd = (w.detach().requires_grad_(True) for w in bench._weights(spec))
-gen = torch.Generator(device="cuda").manual_seed(3)
-x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
-ids, w = bench._routing(spec, tokens, gen)
-w.requires_grad_(True)
-g = torch.randn_like(x)
-layer = MoELayer(spec, max_tokens=tokens, device="cuda")
-with torch.no_grad():
-    layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
-layer.check_ids = False
+layer, (wg, wu, wd), [(x, ids, w, g)] = bench.backward_problem(spec, tokens)
 clamp = spec.activation.clamp_limit
 leaves = (x, w, wg, wu, wd, *layer.parameters())
 

@@ -163,9 +163,13 @@ def _unpermute(order, dx_rows, dw_rows, T: int, K: int, dtype):
     dx = dx_pairs[:, 0] if K == 1 else dx_pairs[:, 0].clone()  # K = 1: the pairs are the tokens
     for j in range(1, K):
         dx.add_(dx_pairs[:, j])
-    dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=dw_rows.device)
-    dw[order] = dw_rows
-    return dx, dw.view(T, K)
+    return dx, _pair_weights(order, dw_rows, T, K)
+
+
+def _pair_weights(order, dw_rows, T: int, K: int):
+    """The routing weights' gradients of expert-major rows back in (t, j) order, ``[T, K]``
+    (zeros for pairs not in ``order``)."""
+    return torch.zeros(T * K, dtype=dw_rows.dtype, device=dw_rows.device).index_copy_(0, order, dw_rows).view(T, K)
 
 
 def _finish(dx, dw, grads, x, topk_weights, weights):
@@ -224,9 +228,9 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # mokgen's Hopper GEMMs (the default on an H100/H200): fp32 outputs, bf16 weight grads
     ours = bwd_gemm.usable(x.shape[1], I, x.device)
     # ours: every pair's row, the dropped ones (ids outside [0, E), sorted last) included, since
-    # the kernels leave rows past offs[-1] alone: no wait for the device to count the valid
-    # pairs, and the order, token of each row, offsets and routing weights in one launch;
-    # torch._grouped_mm gets the valid rows only
+    # the kernels treat rows past offs[-1] as no expert's (zeros): no wait for the device to
+    # count the valid pairs, and (expert_major) the order, token of each row, offsets and
+    # routing weights in one launch; torch._grouped_mm gets the valid rows only
     if ours and E * topk_ids.numel() <= EXPERT_MAJOR_MAX_WORK:
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         order, tok, offs, wt = bwd_gemm.expert_major(ids32.contiguous(), E, topk_weights.to(f32).contiguous())
@@ -287,7 +291,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     if ours:  # dx summed over the slots in order and cast to bf16 in one pass (the bits of _unpermute's)
         dx = bwd_gemm.sum_slots(dx_pairs, T, K)
         del dx_pairs
-        dw = torch.zeros(T * K, dtype=dw_rows.dtype, device=x.device).index_copy_(0, order, dw_rows).view(T, K)
+        dw = _pair_weights(order, dw_rows, T, K)
     else:
         dx, dw = _unpermute(order, dx_rows, dw_rows, T, K, f32)
     return _finish(dx, dw, grads, x, topk_weights, (w_gate, w_up, w_down))

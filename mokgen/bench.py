@@ -281,17 +281,22 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     return rows
 
 
-def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
-                         workload: str = "layer") -> list[Row]:
-    """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then
-    its autograd backward, mokgen/backward.py: on torch._grouped_mm with g and u recomputed, and
-    on mokgen's backward GEMMs with g and u recomputed or saved by the forward) against the
-    ``torch._grouped_mm`` pipeline under autograd. Gradients for x, the routing weights and the
-    three expert weights; FLOPs counted as 3x the forward's. Each row's ``ms_all`` holds the
-    timings; the peak memory of each side (bytes above the inputs) is put in ``impl``. Every
-    step starts with the gradients set to None, as ``optimizer.zero_grad()`` leaves them by
-    default, so neither side pays for adding into an existing ``.grad`` (v0.7 and earlier
-    accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides)."""
+def backward_workload(name: str, workload: str = "local", tokens: int | None = None) -> tuple[MoESpec, int]:
+    """(spec, rows) of `mokgen bench NAME --backward`'s workload: ``local``, one rank's rows at
+    the spec's LOCAL_EP degree (a stand-in spec, local_spec), or ``layer``, the whole layer at
+    ``tokens`` (default 16384)."""
+    from mokgen.spec import load_spec
+
+    spec = load_spec(name)
+    if workload == "local":
+        return local_spec(spec, LOCAL_EP.get(spec.name, 8))
+    return spec, 16384 if tokens is None else int(tokens)
+
+
+def backward_problem(spec: MoESpec, tokens: int, n_inputs: int = 1):
+    """The fwd+bwd bench's problem: a single-GPU MoELayer holding the bench's weights (id checks
+    off), the same weights as leaves for the PyTorch peer ``(wg, wu, wd)``, and ``n_inputs``
+    input sets ``(x, ids, w, dOut)`` with x and w requiring gradients."""
     from mokgen.ep import MoELayer
 
     wg, wu, wd = (w.detach().requires_grad_(True) for w in _weights(spec))
@@ -305,6 +310,21 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     with torch.no_grad():
         layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
     layer.check_ids = False
+    return layer, (wg, wu, wd), inputs
+
+
+def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
+                         workload: str = "layer") -> list[Row]:
+    """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then
+    its autograd backward, mokgen/backward.py: on torch._grouped_mm with g and u recomputed, and
+    on mokgen's backward GEMMs with g and u recomputed or saved by the forward) against the
+    ``torch._grouped_mm`` pipeline under autograd. Gradients for x, the routing weights and the
+    three expert weights; FLOPs counted as 3x the forward's. Each row's ``ms_all`` holds the
+    timings; the peak memory of each side (bytes above the inputs) is put in ``impl``. Every
+    step starts with the gradients set to None, as ``optimizer.zero_grad()`` leaves them by
+    default, so neither side pays for adding into an existing ``.grad`` (v0.7 and earlier
+    accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides)."""
+    layer, (wg, wu, wd), inputs = backward_problem(spec, tokens, n_inputs)
     clamp = spec.activation.clamp_limit
 
     def fresh(*leaves):

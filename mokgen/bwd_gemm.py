@@ -62,49 +62,56 @@ def build_library(*, force: bool = False) -> Path:
     return build_source(SOURCE, LIBRARY, cutlass=True, arch=ARCH, force=force)
 
 
-class _Lib:
-    """The library's entry points with ctypes signatures; a non-zero code raises KernelError."""
+_vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+#: the library's entry points and their argument types (each returns 0 or a CUDA error code)
+_SIGNATURES = {
+    "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _vp],
+    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
+    "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
+    "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _vp],
+    "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp],
+}
 
-    def __init__(self, path: Path):
+
+class _Lib:
+    """The library's entry points with ctypes signatures; a non-zero code raises KernelError.
+    ``entries``: the ones to bind (all by default; a benchmark of an older build binds the ones
+    it has)."""
+
+    def __init__(self, path: Path, entries=tuple(_SIGNATURES)):
         self.path = path
         lib = ctypes.CDLL(str(path))
-        vp, i = ctypes.c_void_p, ctypes.c_int
-        lib.mokgen_bwd_error_string.argtypes, lib.mokgen_bwd_error_string.restype = [i], ctypes.c_char_p
-        lib.mokgen_bwd_rows.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, vp, vp]
-        lib.mokgen_bwd_rows.restype = i
-        lib.mokgen_bwd_weights.argtypes = [vp, vp, vp, vp, i, i, i, i, vp]
-        lib.mokgen_bwd_weights.restype = i
-        lib.mokgen_bwd_swiglu.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
-        lib.mokgen_bwd_swiglu.restype = i
-        lib.mokgen_bwd_swiglu_saved.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, ctypes.c_float, vp]
-        lib.mokgen_bwd_swiglu_saved.restype = i
-        lib.mokgen_bwd_sum_slots.argtypes = [vp, vp, i, i, i, vp]
-        lib.mokgen_bwd_sum_slots.restype = i
-        lib.mokgen_bwd_expert_major.argtypes = [vp, i, i, i, vp, vp, vp, vp, vp, vp]
-        lib.mokgen_bwd_expert_major.restype = i
+        lib.mokgen_bwd_error_string.argtypes, lib.mokgen_bwd_error_string.restype = [_i], ctypes.c_char_p
+        for name in entries:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _SIGNATURES[name], _i
         self._lib = lib
 
     def check(self, what: str, code: int) -> None:
         if code != 0:
             raise KernelError(f"{what} failed to launch: error {code} ({self._lib.mokgen_bwd_error_string(code).decode()})")
 
+    def _call(self, name: str, *args) -> None:
+        self.check(name, getattr(self._lib, name)(*args))
+
     def rows(self, *args) -> None:
-        self.check("mokgen_bwd_rows", self._lib.mokgen_bwd_rows(*args))
+        self._call("mokgen_bwd_rows", *args)
 
     def weights(self, *args) -> None:
-        self.check("mokgen_bwd_weights", self._lib.mokgen_bwd_weights(*args))
+        self._call("mokgen_bwd_weights", *args)
 
     def swiglu(self, *args) -> None:
-        self.check("mokgen_bwd_swiglu", self._lib.mokgen_bwd_swiglu(*args))
+        self._call("mokgen_bwd_swiglu", *args)
 
     def swiglu_saved(self, *args) -> None:
-        self.check("mokgen_bwd_swiglu_saved", self._lib.mokgen_bwd_swiglu_saved(*args))
+        self._call("mokgen_bwd_swiglu_saved", *args)
 
     def sum_slots(self, *args) -> None:
-        self.check("mokgen_bwd_sum_slots", self._lib.mokgen_bwd_sum_slots(*args))
+        self._call("mokgen_bwd_sum_slots", *args)
 
     def expert_major(self, *args) -> None:
-        self.check("mokgen_bwd_expert_major", self._lib.mokgen_bwd_expert_major(*args))
+        self._call("mokgen_bwd_expert_major", *args)
 
 
 @lru_cache(maxsize=None)

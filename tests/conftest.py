@@ -23,6 +23,19 @@ def pythonpath(*first) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def sass(library) -> str:
+    """The SASS of a built library (cuobjdump beside nvcc); skips the calling test without cuobjdump."""
+    import subprocess
+    from pathlib import Path
+
+    from mokgen.build import find_nvcc
+
+    cuobjdump = shutil.which("cuobjdump") or str(Path(find_nvcc()).parent / "cuobjdump")
+    if not Path(cuobjdump).exists():
+        pytest.skip("cuobjdump not found")
+    return subprocess.run([cuobjdump, "--dump-sass", str(library)], capture_output=True, text=True, check=True).stdout
+
+
 def _nvcc_missing() -> str | None:
     try:
         from mokgen.build import find_toolchain

@@ -21,7 +21,7 @@ from mokgen._version import __version__
 from mokgen.errors import BuildError, LoadError, ToolchainError
 from mokgen.plan import ABI_VERSION, make_plan
 from mokgen.spec import bundled_specs, load_spec
-from conftest import pythonpath
+from conftest import pythonpath, sass as sass_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
@@ -51,15 +51,6 @@ def _assert_no_spills(result) -> None:
     assert build_mod.serialized_wgmma(result.entry) == [], build_mod.serialized_wgmma(result.entry)
 
 
-def _sass(result) -> str:
-    """The built library's SASS (cuobjdump beside nvcc); skips the test without cuobjdump."""
-    cuobjdump = shutil.which("cuobjdump") or str(Path(build_mod.find_nvcc()).parent / "cuobjdump")
-    if not Path(cuobjdump).exists():
-        pytest.skip("cuobjdump not found")
-    return subprocess.run([cuobjdump, "--dump-sass", str(result.library)], capture_output=True, text=True,
-                          check=True).stdout
-
-
 @pytest.mark.nvcc
 def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
     """MOKGEN_CLUSTER=2 (CTA pairs sharing operands): the largest bundled spec compiles without
@@ -69,7 +60,7 @@ def test_cluster_pairs_build_with_multicast_and_no_spills(monkeypatch):
     result = build_mod.build(spec)
     assert json.loads((result.entry / "plan.json").read_text())["plan"]["gemm_cluster"] == 2
     _assert_no_spills(result)
-    sass = _sass(result)
+    sass = sass_of(result.library)
     assert "UTMALDG.2D.MULTICAST" in sass and "HGMMA" in sass
     # the remote stage releases (one per k-block and consumer warpgroup) carry no memory barrier:
     # .release.cluster put ERRBAR + CGAERRBAR before each (v0.5 notes)
@@ -89,7 +80,7 @@ def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
     src = (result.entry / "moe_forward.cu").read_text()
     assert "kBlockK = 32;" in src and "kStages = 9;" in src
     _assert_no_spills(result)
-    sass = _sass(result)
+    sass = sass_of(result.library)
     assert "HGMMA.64x256x16" in sass
 
 
@@ -100,7 +91,7 @@ def test_default_build_sass_roles():
     their setmaxnreg, which comes after it; and the dispatch copy's run of 12 loads in flight
     (pull_unroll) before its stores."""
     result = build_mod.build(load_spec("kimi-k2.5"))
-    sass = _sass(result)
+    sass = sass_of(result.library)
     assert "HGMMA.64x256x16" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the default kernel (a stack frame)"
     lines = sass.splitlines()

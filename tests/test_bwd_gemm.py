@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import sass  # noqa: E402
 from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
@@ -53,17 +54,7 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     """In the SASS of every GEMM kernel the consumers wait for all but the last wgmma batch
     (WARPGROUP.DEPBAR.LE gsb0, 0x1): with the pipeline serialized (ptxas C7510) every HGMMA is
     followed by a wait for zero, and no such wait exists."""
-    import shutil
-    from pathlib import Path
-
-    from mokgen.build import find_nvcc
-
-    cuobjdump = shutil.which("cuobjdump") or str(Path(find_nvcc()).parent / "cuobjdump")
-    if not Path(cuobjdump).exists():
-        pytest.skip("cuobjdump not found")
-    sass = subprocess.run([cuobjdump, "--dump-sass", str(bwd_gemm.build_library())], capture_output=True, text=True,
-                          check=True).stdout
-    functions = re.split(r"\n\s*Function : ", sass)[1:]
+    functions = re.split(r"\n\s*Function : ", sass(bwd_gemm.build_library()))[1:]
     gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
     assert len(gemms) == 4, list(gemms)  # rows x 2, swiglu, weights
     for name, body in gemms.items():
