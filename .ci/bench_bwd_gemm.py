@@ -1,8 +1,8 @@
 """The backward's GEMMs one by one (mokgen/bwd_gemm.py against torch._grouped_mm), on the rows
 of `mokgen bench SPEC --workload local --backward` (expert-major, the bench's routing): each
 kernel's median time of 20 (CUDA events) and TFLOP/s, so changes to one kernel can be measured
-alone. LIB...: other builds of the library (libbwdgemm.so files, e.g. of an earlier commit's
-templates/bwd_gemm.cu), timed in the same run after this tree's. Usage:
+alone. LIB...: other builds of the library (libbwdgemm.so files of this tree's C ABI, e.g. of a
+variant of templates/bwd_gemm.cu), timed in the same run after this tree's. Usage:
 python3 .ci/bench_bwd_gemm.py [SPEC [LIB...]] (default kimi-k2.5)."""
 
 import statistics
@@ -47,23 +47,33 @@ cases = {
         4 * rows * H * I,
         lambda: bwd_gemm.rows_gemm([(dg, wg), (du, wu)], offs, b_major="mn", out=dx_out, out_rows=order),
         lambda: gmm(dg, wg, offs=offs).add_(gmm(du, wu, offs=offs))),
-    "dWg = dg^T x (M = I, N = H, K = rows of e)": (2 * rows * H * I, lambda: bwd_gemm.weight_grads(dg, x, offs),
-                                                   lambda: gmm(dg.t(), x, offs=offs)),
-    "dWd = dOut^T hw (M = H, N = I, K = rows of e)": (2 * rows * H * I, lambda: bwd_gemm.weight_grads(go, hw, offs),
-                                                      lambda: gmm(go.t(), hw, offs=offs)),
 }
+for c in (1, 2):  # single CTAs (the default), CTA pairs sharing B
+    cases[f"dWg = dg^T x (M = I, N = H, K = rows of e), cluster {c}"] = (
+        2 * rows * H * I, lambda c=c: bwd_gemm.weight_grads(dg, x, offs, cluster=c), lambda: gmm(dg.t(), x, offs=offs))
+    cases[f"dWd = dOut^T hw (M = H, N = I, K = rows of e), cluster {c}"] = (
+        2 * rows * H * I, lambda c=c: bwd_gemm.weight_grads(go, hw, offs, cluster=c), lambda: gmm(go.t(), hw, offs=offs))
 print(f"== {spec.name} local: {rows} rows, E = {E}, H = {H}, I = {I} (rows per expert {counts.min().item()}-"
       f"{counts.max().item()})")
-print(f"{'GEMM':58s} {'mokgen ms':>10s} {'TFLOP/s':>8s} {'torch ms':>10s} {'TFLOP/s':>8s}")
-peer = {}
-for name, (flops, ours, torch_fn) in cases.items():
-    a, peer[name] = timed(ours), timed(torch_fn)
-    print(f"{name:58s} {a:10.3f} {flops / a / 1e9:8.1f} {peer[name]:10.3f} {flops / peer[name] / 1e9:8.1f}")
+
+
+def table(title):
+    print(f"-- {title}")
+    print(f"{'GEMM':68s} {'mokgen ms':>10s} {'TFLOP/s':>8s} {'torch ms':>10s} {'TFLOP/s':>8s}")
+    for name, (flops, ours, torch_fn) in cases.items():
+        a, t = timed(ours), timed(torch_fn)
+        print(f"{name:68s} {a:10.3f} {flops / a / 1e9:8.1f} {t:10.3f} {flops / t / 1e9:8.1f}")
+
+
+# staggered consumer warpgroups (the default) and lockstep, twice in alternation: the spread
+# between the two passes is the run's noise
+for rep in (1, 2):
+    for stagger in (True, False):
+        bwd_gemm.set_stagger(stagger)
+        table(f"pass {rep}, consumers {'staggered' if stagger else 'in lockstep'}")
+bwd_gemm.set_stagger(True)
 for lib in sys.argv[2:]:
     # an earlier build may lack the later entry points: bind the two GEMMs timed here
     other = bwd_gemm._Lib(Path(lib), entries=("mokgen_bwd_rows", "mokgen_bwd_weights"))
     bwd_gemm.load_library = lambda: other  # noqa: E731 (this process only)
-    print(f"-- library {lib}")
-    for name, (flops, ours, _) in cases.items():
-        a = timed(ours)
-        print(f"{name:58s} {a:10.3f} {flops / a / 1e9:8.1f} {peer[name]:10.3f} {flops / peer[name] / 1e9:8.1f}")
+    table(f"library {lib}")

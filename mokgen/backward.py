@@ -241,7 +241,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
             order = order[:n]
         offs = counts.cumsum(0).to(torch.int32)
         tok = torch.div(order, K, rounding_mode="floor")
-        wts = topk_weights.reshape(-1).index_select(0, order).to(f32).unsqueeze(1)
+        wt = topk_weights.reshape(-1).index_select(0, order).to(f32)  # [rows], as expert_major's
+        wts = wt.unsqueeze(1)
     rows = x.index_select(0, tok).contiguous()
     go = grad_out.to(torch.bfloat16).index_select(0, tok).contiguous()
     if ours:

@@ -396,8 +396,12 @@ def resource_report(entry: Path) -> list[str]:
 
 
 def serialized_wgmma(entry: Path) -> list[str]:
-    """The kernels of an entry whose wgmma ptxas serialized (its C7510 "Potential Performance
-    Loss" lines: each HGMMA then waits for the one before; a function call such as printf
-    anywhere in the kernel is one cause), as mangled names; empty when every pipeline is kept."""
+    """The kernels of an entry whose wgmma ptxas serialized (its "Potential Performance Loss:
+    wgmma.mma_async instructions are serialized" lines, whatever the code: C7510 for a function
+    call such as printf anywhere in the kernel, C7520 for a compiler-inserted warpgroup.arrive in
+    what ptxas takes for a divergent path; each HGMMA then waits for the one before), as mangled
+    names, each once; empty when every pipeline is kept."""
     log = (entry / "build.log").read_text()
-    return re.findall(r"C7510\).*?in the function '(\w+)'", log)
+    names = re.findall(r"\(C\d+\) Potential Performance Loss: wgmma\.mma_async instructions are serialized.*?"
+                       r"in the function '(\w+)'", log)
+    return list(dict.fromkeys(names))

@@ -66,7 +66,7 @@ _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 #: the library's entry points and their argument types (each returns 0 or a CUDA error code)
 _SIGNATURES = {
     "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _vp],
-    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _vp],
@@ -87,6 +87,14 @@ class _Lib:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _SIGNATURES[name], _i
         self._lib = lib
+        self.has_stagger = hasattr(lib, "mokgen_bwd_set_stagger")
+        if self.has_stagger:
+            lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
+            self.set_stagger(env.bwd_stagger())
+
+    def set_stagger(self, on: bool) -> None:
+        """Staggered (True) or lockstep consumer warpgroups in this library's GEMM launches."""
+        self._lib.mokgen_bwd_set_stagger(int(bool(on)))
 
     def check(self, what: str, code: int) -> None:
         if code != 0:
@@ -261,6 +269,13 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     return out
 
 
+def set_stagger(on: bool) -> None:
+    """The GEMMs' two consumer warpgroups staggered (``on``: one's epilogue overlaps the other's
+    wgmma; the default, MOKGEN_BWD_STAGGER) or in lockstep, for the launches that follow in this
+    process. The same bits either way (benchmarks compare the two)."""
+    load_library().set_stagger(on)
+
+
 def expert_major(topk_ids, experts: int, topk_weights=None):
     """The backward's rows: ``(order, tok, offs, wts)`` for ``topk_ids [T, K]`` (int32) and
     ``experts`` experts, in one launch: ``order [T K]`` int64, the pairs ``t * K + j`` sorted by
@@ -317,11 +332,18 @@ def sum_slots(dx_pairs, tokens: int, top_k: int):
     return out
 
 
-def weight_grads(a, b, offs):
+def weight_grads(a, b, offs, *, cluster: int | None = None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
     row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
-    without rows."""
+    without rows. ``cluster`` 2: CTA pairs that compute row blocks m, m + 1 of one tile column
+    load B once between them (TMA multicast), where M / 128 is even; 1: every CTA loads its own.
+    The same bits either way. Default: MOKGEN_BWD_CLUSTER (1; pairs measured no faster,
+    docs/perf-notes.md v0.12)."""
     import torch
+
+    cluster = env.bwd_cluster() if cluster is None else cluster
+    if cluster not in (1, 2):
+        raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
 
     _check_operand("A", a, 2)
     _check_operand("B", b, 2)
@@ -340,7 +362,8 @@ def weight_grads(a, b, offs):
         return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
     with _on(a.device) as stream:
-        load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, stream)
+        load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, cluster,
+                               stream)
     return out
 
 

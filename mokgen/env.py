@@ -28,6 +28,8 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
     "MOKGEN_BWD_GEMM": "1 (default) or 0: the experts' backward runs its GEMMs on mokgen's Hopper kernels (mokgen/bwd_gemm.py) where they run (sm_90, H and I multiples of 256), or on torch._grouped_mm",
+    "MOKGEN_BWD_CLUSTER": "1 (default) or 2: the backward's weight-gradient GEMMs run as single CTAs, or as CTA pairs that load the shared operand once by TMA multicast (the same bits)",
+    "MOKGEN_BWD_STAGGER": "1 (default) or 0: the backward GEMMs' two consumer warpgroups run staggered (one's epilogue overlaps the other's wgmma) or in lockstep (the same bits)",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -109,6 +111,16 @@ def schedule() -> str:
 def cluster() -> int | None:
     """MOKGEN_CLUSTER, or None (unset: the plan's default_cluster)."""
     return int(_choice("MOKGEN_CLUSTER", ("1", "2"))) if _get("MOKGEN_CLUSTER") else None
+
+
+def bwd_cluster() -> int:
+    """MOKGEN_BWD_CLUSTER: 1 (default) or 2, the weight-gradient GEMMs' CTAs per cluster."""
+    return int(_choice("MOKGEN_BWD_CLUSTER", ("1", "2")))
+
+
+def bwd_stagger() -> bool:
+    """MOKGEN_BWD_STAGGER: whether the backward GEMMs' consumer warpgroups run staggered (default 1)."""
+    return _choice("MOKGEN_BWD_STAGGER", ("1", "0")) == "1"
 
 
 def fuse_shared() -> bool | None:

@@ -79,6 +79,7 @@ class EpBuffers:
             torch.cuda.synchronize(device)
             dist.barrier(group=group)  # every rank's zeroed flags exist before anyone signals
         self._pending = None  # (pinned copy of the error record, event) of the last launch
+        self._side = None  # the stream the error record's copy runs on (EpBuffers.watch)
         # plain ints, fixed for the life of the buffers (torch.compile sees constants)
         self._addresses = (self.peer_ptrs, self.local.data_ptr(), self.local_bytes, self.ctl.data_ptr())
 
@@ -96,11 +97,23 @@ class EpBuffers:
         self._pending = None
 
     def watch(self) -> None:
-        """After a launch: copy the error record to pinned memory without blocking."""
-        pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
-        pinned.copy_(self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        """After a launch: copy the error record to pinned memory without blocking.
+
+        The copy runs on a side stream that waits for the launch (an event), not on the caller's
+        stream: a copy-engine operation between the forward and the next kernel on the compute
+        stream held that kernel back (0.34 ms of a kimi-k2.5 fwd+bwd step, docs/perf-notes.md
+        v0.11). The record is read by ``poll`` once the side stream's event has completed."""
+        compute = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        launched = torch.cuda.Event()
+        launched.record(compute)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(launched)
+            pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
         self._pending = (pinned, event)
 
     def poll(self, *, block: bool) -> dict | None:

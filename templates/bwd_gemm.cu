@@ -21,12 +21,13 @@ struct Maps {
 template <bool kBMN>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
-                float* out, const int64_t* out_rows) {
+                float* out, const int64_t* out_rows, int stagger) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline(smem);
   const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
-  bwd::Pipe pipe;
+  bwd::Pipe pipe = bwd::make_pipe(stagger != 0);
   bwd::run_roles(
+      s, pipe,
       [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
       [&](int e, int row0, int rows, int n) {
         bwd::TileSrc t;
@@ -53,15 +54,22 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 }
 
 // Weight gradients: out[e] (bf16 [M, N]) = A[rows of e]^T B[rows of e]; A [rows, M], B [rows, N].
+// kPair = 2: clusters of two CTAs, row blocks 2 mp and 2 mp + 1 sharing B (bwd_gemm.cuh); M / 128
+// even. The same tiles and k order either way, so the same bits.
+template <int kPair>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
-    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, bf16* out) {
+    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, bf16* out,
+                  int stagger) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline(smem);
+  const bwd::Smem s = bwd::start_pipeline<kPair>(smem);
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
-  bwd::Pipe pipe;
-  bwd::run_roles(
+  const int crank = bwd::pair_rank<kPair>();
+  bwd::Pipe pipe = bwd::make_pipe(stagger != 0);
+  bwd::run_roles<kPair>(
+      s, pipe,
       [&](auto&& fn) {
-        bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x), int(gridDim.x), fn);
+        bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn,
+                               kPair, crank);
       },
       [&](int e, int row0, int rows, int m, int n) {
         bwd::TileSrc t;
@@ -73,12 +81,12 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         t.b_col = n * bwd::kBN;
         t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
         t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
-        bwd::produce<true, true>(s, pipe, t);
+        bwd::produce<true, true, false, kPair>(s, pipe, t, crank);
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
         float acc[bwd::kAcc];
         const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
-        bwd::consume<true, true>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
+        bwd::consume<true, true, kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
         bwd::store_tile(acc, wg, bwd::kBM, out + (int64_t(e) * M + m * bwd::kBM) * N + n * bwd::kBN, N);
       });
 }
@@ -98,12 +106,13 @@ struct SwigluOut {
 
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I, SwigluOut o,
-                  int clamp, float limit) {
+                  int clamp, float limit, int stagger) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline(smem);
   const int n_tiles = I / 128, n_k = H / bwd::kBK;
-  bwd::Pipe pipe;
+  bwd::Pipe pipe = bwd::make_pipe(stagger != 0);
   bwd::run_roles(
+      s, pipe,
       [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
       [&](int e, int row0, int rows, int n) {
         bwd::TileSrc t;
@@ -281,11 +290,69 @@ int launch(Kernel kernel, int grid, cudaStream_t stream, const Maps& maps, Args.
   return int(cudaGetLastError());
 }
 
+// Clusters of two CTAs that can be resident at once on the current device (0: none, or the
+// query failed), asked once per device: a grid of more pairs than fit would run its last ones
+// as a second wave, doubling the time of a persistent walk.
+template <class Kernel>
+int resident_pairs(Kernel kernel) {
+  constexpr int kDevices = 64;
+  static int cached[kDevices] = {};  // 0: not asked yet; -1: none
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev >= 0 && dev < kDevices && cached[dev] != 0) return cached[dev] > 0 ? cached[dev] : 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes)) != cudaSuccess)
+    return 0;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(2 * sm_count()));
+  cfg.blockDim = dim3(bwd::kThreads);
+  cfg.dynamicSmemBytes = bwd::kSmemBytes;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(kernel), &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  if (dev >= 0 && dev < kDevices) cached[dev] = clusters > 0 ? clusters : -1;
+  return clusters;
+}
+
+// A launch in clusters of two CTAs, `pairs` of them.
+template <class Kernel, class... Args>
+int launch_pairs(Kernel kernel, int pairs, cudaStream_t stream, const Maps& maps, Args... args) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes));
+  if (err != cudaSuccess) return int(err);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(2 * pairs));
+  cfg.blockDim = dim3(bwd::kThreads);
+  cfg.dynamicSmemBytes = bwd::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return int(cudaLaunchKernelEx(&cfg, kernel, maps, args...));
+}
+
 constexpr int kBadMap = 1000;  // a tensor map could not be encoded (mokgen_bwd_error_string)
+
+// Staggered consumers (bwd_gemm.cuh, kStaggerBlocks) in every GEMM launch of this process: 1 (the
+// default) or 0 (lockstep), set by mokgen_bwd_set_stagger. The same bits either way.
+int g_stagger = 1;
 
 }  // namespace
 
 extern "C" {
+
+void mokgen_bwd_set_stagger(int on) { g_stagger = on != 0; }
 
 const char* mokgen_bwd_error_string(int code) {
   if (code == kBadMap) return "cuTensorMapEncodeTiled refused an operand (alignment or size)";
@@ -313,8 +380,8 @@ int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, 
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   zero_rows_kernel<<<grid, 256, 0, stream>>>(out, offs, E, rows, N, out_rows);
-  return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows)
-              : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows);
+  return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows, g_stagger)
+              : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows, g_stagger);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
@@ -333,7 +400,7 @@ int mokgen_bwd_swiglu(void* h, void* dg, void* du, float* dw_part, const void* x
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   const SwigluOut o{static_cast<bf16*>(h), static_cast<bf16*>(dg), static_cast<bf16*>(du), dw_part, dh_u, wt};
-  return launch(swiglu_kernel, grid, stream, maps, offs, E, rows, H, I, o, clamp, limit);
+  return launch(swiglu_kernel, grid, stream, maps, offs, E, rows, H, I, o, clamp, limit, g_stagger);
 }
 
 // SwiGLU's backward from saved pre-activations (swiglu_saved_kernel): gu [*, 2 I] bf16 (row p: g
@@ -352,8 +419,10 @@ int mokgen_bwd_swiglu_saved(void* h, void* dg, void* du, float* dw, const void* 
 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16
 // row-major; an expert without rows gets zeros. M % 128 == 0, N % 256 == 0, rows >= 1.
+// cluster 2: CTA pairs sharing b (weight_kernel<2>) where M / 128 is even and pairs can be
+// resident; else (or cluster 1) single CTAs. The same bits either way.
 int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* offs, int E, int rows, int M, int N,
-                       cudaStream_t stream) {
+                       int cluster, cudaStream_t stream) {
   Maps maps;
   if (sm90::encode_map_2d(&maps.a[0], a, uint64_t(rows), uint64_t(M), 64) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS)
@@ -362,7 +431,12 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   maps.b[1] = maps.b[0];
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
-  return launch(weight_kernel, grid, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out));
+  if (cluster == 2 && (M / bwd::kBM) % 2 == 0) {
+    const int pairs = resident_pairs(weight_kernel<2>);
+    if (pairs > 0)
+      return launch_pairs(weight_kernel<2>, pairs, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out), g_stagger);
+  }
+  return launch(weight_kernel<1>, grid, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out), g_stagger);
 }
 
 // out [T, H] bf16: the sum over each token's K slots of in [T K, H] fp32 (sum_slots_kernel).

@@ -431,3 +431,23 @@ def test_load_with_jit_disabled_and_empty_cache(private_dirs, monkeypatch):
         load_mod.load(load_spec(SMALL))
     assert "\n" not in str(info.value)
     assert _entries(cache) == []
+
+
+def test_serialized_wgmma_reads_every_serialization_code(tmp_path):
+    """build.serialized_wgmma names each kernel once, whatever ptxas's code for the serialization
+    (C7510: a function call; C7520: a warpgroup.arrive in a divergent path), and ignores the
+    informational lines (C7519: an injected warpgroup.arrive alone serializes nothing)."""
+    log = "\n".join([
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 26655 by compiler to allow use of "
+        "registers in GMMA in function '_Z6kernelA'",
+        "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "program dependence on compiler-inserted WG.AR in divergent path in the function '_Z6kernelB'",
+        "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "program dependence on compiler-inserted WG.AR in divergent path in the function '_Z6kernelB'",
+        "ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "wgmma pipeline crossing function boundary at a function call in the function '_Z6kernelC'",
+    ])
+    (tmp_path / "build.log").write_text(log)
+    assert build_mod.serialized_wgmma(tmp_path) == ["_Z6kernelB", "_Z6kernelC"]
+    (tmp_path / "build.log").write_text(log.split("\n")[0])
+    assert build_mod.serialized_wgmma(tmp_path) == []

@@ -16,7 +16,7 @@ from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
-           "mokgen_bwd_expert_major", "mokgen_bwd_error_string")
+           "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger")
 
 
 @pytest.mark.nvcc
@@ -28,8 +28,9 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights, zero_rows, sum_slots, expert_major
-    assert len(kernels) == 8, kernels
+    # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights<single CTAs>, weights<pairs>,
+    # zero_rows, sum_slots, expert_major
+    assert len(kernels) == 9, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -56,7 +57,7 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     followed by a wait for zero, and no such wait exists."""
     functions = re.split(r"\n\s*Function : ", sass(bwd_gemm.build_library()))[1:]
     gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
-    assert len(gemms) == 4, list(gemms)  # rows x 2, swiglu, weights
+    assert len(gemms) == 5, list(gemms)  # rows x 2, swiglu, weights (single CTAs, pairs)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 
@@ -77,6 +78,8 @@ def _bf16(*shape):
                                 b_major="t"), "b_major"),
     (lambda: bwd_gemm.weight_grads(torch.zeros(4, 128), _bf16(4, 256), torch.zeros(2, dtype=torch.int32)),
      "must be a contiguous 2-d bfloat16"),
+    (lambda: bwd_gemm.weight_grads(_bf16(4, 128), _bf16(4, 256), torch.zeros(2, dtype=torch.int32), cluster=4),
+     "cluster must be 1 or 2"),
     (lambda: bwd_gemm.sum_slots(torch.zeros(6, 8, dtype=torch.float64), 3, 2), "contiguous 2-d float32"),
     (lambda: bwd_gemm.expert_major(torch.zeros(6, 2, dtype=torch.int64), 4), "contiguous 2-d int32"),
 ])
@@ -96,6 +99,24 @@ def test_on_by_default_only_on_sm90_and_off_by_switch(monkeypatch):
         assert not bwd_gemm.usable(2048, 1024, "cpu")
     monkeypatch.setenv("MOKGEN_BWD_GEMM", "0")
     assert not env.bwd_gemm_enabled()
+
+
+def test_weight_gradient_pairs_and_stagger_switches(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.delenv("MOKGEN_BWD_CLUSTER", raising=False)
+    monkeypatch.delenv("MOKGEN_BWD_STAGGER", raising=False)
+    assert env.bwd_cluster() == 1 and env.bwd_stagger()
+    monkeypatch.setenv("MOKGEN_BWD_CLUSTER", "2")
+    monkeypatch.setenv("MOKGEN_BWD_STAGGER", "0")
+    assert env.bwd_cluster() == 2 and not env.bwd_stagger()
+    monkeypatch.setenv("MOKGEN_BWD_CLUSTER", "4")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_CLUSTER must be 1 or 2"):
+        env.bwd_cluster()
+    monkeypatch.setenv("MOKGEN_BWD_STAGGER", "yes")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_STAGGER must be 1 or 0"):
+        env.bwd_stagger()
 
 
 def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):

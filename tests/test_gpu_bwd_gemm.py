@@ -78,17 +78,18 @@ def test_rows_gemm_scatters_rows_through_a_map():
 COUNTS_STEPS = [32, 48, 100, 16, 0, 81]
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts", [COUNTS, COUNTS_STEPS], ids=["ragged", "steps"])
-def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts):
+def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts, cluster):
     """Every expert's rows in order; a short last k-block must not pick up the next expert's rows
     (they are in the same TMA box: the kernel zeroes them up to its last 16-row wgmma step, and
-    skips the steps past it), and an expert without rows gets zeros."""
+    skips the steps past it), and an expert without rows gets zeros; single CTAs and CTA pairs."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     E, M, N = len(counts), 256, 512
     rows = sum(counts) + SPARE_ROWS
     a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
     offs = _offs(counts)
-    got = bwd_gemm.weight_grads(a, b, offs)
+    got = bwd_gemm.weight_grads(a, b, offs, cluster=cluster)
     assert got.dtype == torch.bfloat16 and got.shape == (E, M, N)
     start = 0
     for e, c in enumerate(counts):
@@ -99,7 +100,62 @@ def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts
             assert _rel(got[e], want) < 1e-2, f"expert {e} ({c} rows): relative error {_rel(got[e], want):.3e}"
         start += c
     for _ in range(3):
-        assert torch.equal(bwd_gemm.weight_grads(a, b, offs), got)
+        assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=cluster), got)
+
+
+def test_staggered_and_lockstep_consumers_give_the_same_bits():
+    """The consumer warpgroups' stagger (bwd_gemm.set_stagger) changes when each warpgroup runs,
+    not what it computes: rows GEMMs (one and two pairs), the weight gradients (single CTAs and
+    pairs, short last k-blocks) and the fused recompute give the same bits both ways."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    counts = COUNTS + COUNTS_STEPS
+    E, K, N, M = len(counts), 512, 768, 256
+    rows = sum(counts) + SPARE_ROWS
+    offs = _offs(counts)
+    ops = [(_randn(rows, K, gen=gen), _randn(E, K, N, gen=gen, scale=K**-0.5)) for _ in range(2)]
+    a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    H, I = 512, 256
+    x = _randn(rows, H, gen=gen)
+    wg, wu = _randn(E, I, H, gen=gen, scale=H**-0.5), _randn(E, I, H, gen=gen, scale=H**-0.5)
+    dh_u = torch.randn(rows, I, generator=gen, device="cuda")
+    wt = torch.rand(rows, generator=gen, device="cuda")
+
+    def run():
+        return [bwd_gemm.rows_gemm(ops[:1], offs), bwd_gemm.rows_gemm(ops, offs),
+                bwd_gemm.weight_grads(a, b, offs, cluster=1), bwd_gemm.weight_grads(a, b, offs, cluster=2),
+                *bwd_gemm.swiglu_grads(x, wg, wu, dh_u, wt, offs)]
+
+    try:
+        bwd_gemm.set_stagger(False)
+        lockstep = run()
+        bwd_gemm.set_stagger(True)
+        for _ in range(3):
+            assert all(torch.equal(p, q) for p, q in zip(run(), lockstep))
+    finally:
+        bwd_gemm.set_stagger(True)
+
+
+@pytest.mark.parametrize("M", [2048, 384], ids=["pairs", "odd-row-blocks"])
+def test_weight_grad_pairs_give_the_bits_of_single_ctas(M):
+    """CTA pairs (cluster=2: row blocks m, m + 1 share B by TMA multicast) walk the same tiles and
+    k-blocks as single CTAs, so the bits are the same; many experts, so every pair walks many
+    tiles (empty experts, rows that end mid-step). M / 128 odd (384) falls back to single CTAs."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    counts = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    counts[3] = counts[17] = 0
+    counts[5] = 1
+    N = 768
+    rows = sum(counts) + SPARE_ROWS
+    a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    single = bwd_gemm.weight_grads(a, b, offs, cluster=1)
+    for _ in range(3):
+        assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=2), single)
+    for e in (0, 5, 17, 39):
+        c = counts[e]
+        s0 = sum(counts[:e])
+        want = a[s0:s0 + c].float().t() @ b[s0:s0 + c].float()
+        assert (c == 0 and torch.equal(single[e], torch.zeros_like(single[e]))) or _rel(single[e], want) < 1e-2
 
 
 def test_rows_gemm_writes_every_row_of_a_poisoned_output():

@@ -1,7 +1,8 @@
 // Host check of templates/include/mokgen/bwd_tiles.cuh (run by tests/test_bwd_gemm.py): on
 // random plans (experts with no rows, one row, many rows; offs past the operands' rows; 1-140
 // CTAs), the rows-GEMM and weight-gradient walks visit every expected tile exactly once over all
-// CTAs, each CTA in increasing tile order, with the expected row ranges. Prints "ok N" (tiles
+// CTAs, each CTA in increasing tile order, with the expected row ranges; the weight walk by CTA
+// pairs gives both CTAs of a pair the same sequence, at the two row blocks of each pair. Prints "ok N" (tiles
 // checked) or the first problem, and exits 1.
 #include <cstdio>
 #include <algorithm>
@@ -88,6 +89,30 @@ int main(int argc, char** argv) {
     for (int h : hits)
       if (h != 1) return fail("weight tiles: a tile visited other than once", p);
     checked += (long long)hits.size();
+    // weight gradients by CTA pairs (an even m_tiles): both CTAs of a pair visit the same
+    // (expert, rows, column tile) in step, at row blocks 2 mp and 2 mp + 1; every tile once
+    if (m_tiles % 2 == 0) {
+      const int pairs = 1 + rnd(70);
+      std::fill(hits.begin(), hits.end(), 0);
+      for (int c = 0; c < pairs; ++c) {
+        std::vector<std::tuple<int, int, int, int>> walked[2];  // (e, row0, rows, n) per rank
+        bool ok = true;
+        for (int crank = 0; crank < 2; ++crank)
+          mokgen::bwd::walk_weight_tiles(
+              offs.data(), E, total, m_tiles, n_tiles, c, pairs,
+              [&](int e, int row0, int rows, int m, int n) {
+                if (m % 2 != crank || row0 != seg0[e] || rows != seg1[e] - seg0[e]) ok = false;
+                walked[crank].push_back({e, row0, rows, n});
+                ++hits[size_t((long long)e * m_tiles + m) * n_tiles + n];
+              },
+              2, crank);
+        if (!ok) return fail("paired weight tiles: row block parity or rows wrong", p);
+        if (walked[0] != walked[1]) return fail("paired weight tiles: the pair's CTAs walk different tiles", p);
+      }
+      for (int h : hits)
+        if (h != 1) return fail("paired weight tiles: a tile visited other than once", p);
+      checked += (long long)hits.size();
+    }
   }
   std::printf("ok %lld\n", checked);
   return 0;

@@ -123,31 +123,116 @@ MOKGEN_DEVICE void mma_steps(const unsigned char* sa, const unsigned char* sb, f
 }
 
 using Smem = Tile::Smem;
-using Pipe = Tile::Pipe;
+
+// The staggered consumers' one hand-over (see Pipe below): an mbarrier just after the stage
+// barriers, in the alignment gap before the first stage (Tile::carve puts the stages at the
+// next 1024-byte boundary past the 2 kStages barriers).
+MOKGEN_DEVICE uint64_t* lead_barrier(const Smem& s) { return s.empty + kStages; }
+
+// Staggered consumers (the default; a run-time switch of every GEMM kernel): consumer
+// warpgroup 1 starts its first tile only once warpgroup 0 has consumed kStaggerBlocks k-blocks
+// (an mbarrier, lead_barrier: a named barrier there, inside the k-loop, made ptxas retire every
+// wgmma before it, serializing the pipeline), and the two never wait for each other again (each
+// zeroes the short last k-block's tail rows of its own operands). One warpgroup's epilogue, whose stores of the tile drain at the memory
+// system's pace, then overlaps the other's wgmma on the same stages, which one warpgroup alone
+// can keep busy; in lockstep both stored at once and the tensor core idled. The stage ring
+// bounds the lead to kStages k-blocks. The same bits: each warpgroup's rows and k order are
+// unchanged.
+constexpr int kStaggerBlocks = kStages - 1;
+
+// Position in the stage ring, and whether this consumer thread still has the stagger's one
+// hand-over to do (1: consumer warpgroup 0, whose thread 0 arrives on lead_barrier).
+struct Pipe : Tile::Pipe {
+  bool staggered = false;
+  int stagger_todo = 0;
+};
+
+// Every role's pipe (the producer's stagger fields stay unused).
+// (run_roles sets the hand-over still to do, from the warp-uniform warpgroup index.)
+MOKGEN_DEVICE Pipe make_pipe(bool stagger) {
+  Pipe p;
+  p.staggered = stagger;
+  return p;
+}
+
+MOKGEN_DEVICE void stagger_lead_done(const Smem& s, Pipe& pipe) {
+  if (pipe.stagger_todo == 1) {
+    if ((threadIdx.x & 127) == 0) mbar_arrive(lead_barrier(s));
+    pipe.stagger_todo = 0;
+  }
+}
+
+// CTA pairs (kPair = 2, a cluster of two CTAs; weight gradients): the two CTAs compute row
+// blocks 2 mp and 2 mp + 1 of one expert's column tile, so they read the same B rows and
+// columns, and each CTA's producer loads half of B (two of its four boxes) with a TMA multicast
+// into both CTAs' stages, A whole on its own: 32 KB per CTA and k-block from L2 instead of 48.
+// A stage is refilled only when the consumers of both CTAs have released it (empty counts four
+// arrivals: two local, two from the peer); full still expects the whole 48 KB stage. The
+// forward's pairs (hopper_gemm.cuh, kShareB) share the weights the same way.
 
 // Every kernel's prologue: carve the dynamic shared memory and initialize the stage barriers
-// (thread 0), visible to the whole CTA afterwards.
+// (thread 0), visible to the whole CTA (and, in a pair, to the peer) afterwards.
+template <int kPair = 1>
 MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
+  static_assert(kPair == 1 || kPair == 2, "single CTAs or pairs");
   const Smem s = Tile::carve(raw);
-  if (threadIdx.x == 0) Tile::init_barriers(s);
-  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      sm90::mbar_init(&s.full[i], 1);
+      sm90::mbar_init(&s.empty[i], 2 * kPair);
+    }
+    sm90::mbar_init(lead_barrier(s), 1);
+    sm90::fence_barrier_init();
+  }
+  if constexpr (kPair == 2)
+    cute::cluster_sync();  // the peer's barriers exist before any multicast or remote arrive
+  else
+    __syncthreads();
   return s;
 }
 
-// Every kernel's roles over one persistent walk: walk(fn) calls fn(tile...) for each of this
-// CTA's tiles in order. Thread 0 of warpgroup 0 runs produce(tile...) (the rest of warpgroup 0
-// exits after giving its registers back), warpgroups 1 and 2 run consume(wg, tile...) with wg =
-// 0 or 1; each role keeps its own copy of the stage ring's position.
-template <class Walk, class Produce, class Consume>
-MOKGEN_DEVICE void run_roles(Walk walk, Produce produce, Consume consume) {
-  const int tid = threadIdx.x, wgi = tid / 128;
+// This CTA's rank in its pair (0 for a single CTA).
+template <int kPair>
+MOKGEN_DEVICE int pair_rank() {
+  if constexpr (kPair == 2)
+    return int(cute::block_rank_in_cluster());
+  else
+    return 0;
+}
+
+// Hand stage st back: thread 0 of a consumer warpgroup arrives on this CTA's empty barrier and,
+// in a pair, thread 1 on the peer's (whose producer multicasts into this CTA's stage too).
+template <int kPair>
+MOKGEN_DEVICE void release(const Smem& s, int st, int t) {
+  if (t == 0) mbar_arrive(&s.empty[st]);
+  if constexpr (kPair == 2)
+    if (t == 1) sm90::mbar_arrive_cluster(&s.empty[st], cute::block_rank_in_cluster() ^ 1u);
+}
+
+// Every kernel's roles over one persistent walk (pipe: this thread's, from make_pipe): walk(fn)
+// calls fn(tile...) for each of this CTA's tiles in order. Thread 0 of warpgroup 0 runs produce(tile...) (the rest of warpgroup 0
+// has nothing to do after giving its registers back), warpgroups 1 and 2 run consume(wg,
+// tile...) with wg = 0 or 1; each role keeps its own copy of the stage ring's position. A pair
+// ends with a cluster barrier of all threads: no multicast or remote arrive targets a CTA that
+// has exited.
+template <int kPair = 1, class Walk, class Produce, class Consume>
+MOKGEN_DEVICE void run_roles(const Smem& s, Pipe& pipe, Walk walk, Produce produce, Consume consume) {
+  const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
     if (tid == 0) walk(produce);
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
+    // the stagger: warpgroup 1 starts after warpgroup 0's lead, and warpgroup 0 arrives even
+    // where this CTA has no tile at all. The branch is on the warp-uniform index (a shuffle):
+    // on tid / 128, ptxas took any instruction here for a divergent path and serialized the
+    // weight kernels' wgmma (C7520, caught by build.serialized_wgmma)
+    if (pipe.staggered && wgi == 2) mbar_wait(lead_barrier(s), 0);
+    pipe.stagger_todo = pipe.staggered && wgi == 1 ? 1 : 0;
     walk([&](auto... tile) { consume(wgi - 1, tile...); });
+    stagger_lead_done(s, pipe);
   }
+  if constexpr (kPair == 2) cute::cluster_sync();
 }
 
 // Where the k-blocks of a tile come from. A tile has n_k k-blocks of 64; k-block kb reads pair
@@ -166,9 +251,12 @@ struct TileSrc {
 
 // Producer (one thread): every k-block of one tile. kGated (K-major B only): B's two 128-row
 // boxes are rows b_row.. of b[0] (gate) and of b[1] (up), as the forward's gated tile; one pair.
-template <bool kAMN, bool kBMN, bool kGated = false>
-MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
+// kPair = 2 (MN-major B only): this CTA loads B boxes 2 crank and 2 crank + 1 into both CTAs of
+// the pair (TMA multicast), the peer the other two.
+template <bool kAMN, bool kBMN, bool kGated = false, int kPair = 1>
+MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t, int crank = 0) {
   static_assert(!kGated || (!kAMN && !kBMN), "gated tiles read K-major operands");
+  static_assert(kPair == 1 || kBMN, "pairs share an MN-major B");
   for (int kb = 0; kb < t.n_k; ++kb) {
     mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
@@ -188,8 +276,16 @@ MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
     unsigned char* sb = st + kABytes;
     if constexpr (kBMN) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + j * kBox, t.b_col + 64 * j, t.b_row + k0);
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (kPair == 2) {
+          if ((j >> 1) == crank)
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_b, full, uint16_t(0b11),
+                                                   uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), sb + j * kBox,
+                                                   t.b_col + 64 * j, t.b_row + k0);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + j * kBox, t.b_col + 64 * j, t.b_row + k0);
+        }
+      }
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -203,16 +299,24 @@ MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t) {
   }
 }
 
-// Zero k rows [valid, end) of every box of a stage (a short last k-block of a weight-gradient
-// tile: the TMA box also brought the next expert's rows; end = valid rounded up to the 16 k rows
-// the last wgmma steps read). Consumer warpgroup wg clears its own A box and B boxes 2 wg,
-// 2 wg + 1; the caller then orders these generic-proxy writes before the wgmma reads
-// (fence.proxy.async + a barrier of both consumer warpgroups). MN-major boxes only.
+// Zero k rows [valid, end) of boxes of a stage (a short last k-block of a weight-gradient tile:
+// the TMA box also brought the next expert's rows; end = valid rounded up to the 16 k rows the
+// last wgmma steps read). MN-major boxes only. Lockstep consumers (kAll false): warpgroup wg
+// clears its own A box and B boxes 2 wg, 2 wg + 1, and a barrier of both warpgroups follows.
+// Staggered ones (kAll): each clears its A box and all four B boxes itself, so neither waits
+// for the other; the B rows the other warpgroup may be reading then get the zeros it already
+// wrote there before its own reads (the same value, so the overlap changes no byte).
+// The caller orders these generic-proxy writes before the wgmma reads (fence.proxy.async).
+template <bool kAll>
 MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int t) {
   const int bytes = (end - valid) * 128;  // per box
-  unsigned char* boxes[3] = {st + wg * kBox, st + kABytes + (2 * wg) * kBox, st + kABytes + (2 * wg + 1) * kBox};
+  constexpr int kBoxes = kAll ? 5 : 3;
+  unsigned char* boxes[kBoxes];
+  boxes[0] = st + wg * kBox;
 #pragma unroll
-  for (int b = 0; b < 3; ++b)
+  for (int b = 1; b < kBoxes; ++b) boxes[b] = st + kABytes + (kAll ? b - 1 : 2 * wg + b - 1) * kBox;
+#pragma unroll
+  for (int b = 0; b < kBoxes; ++b)
     for (int i = t * 16; i < bytes; i += 128 * 16)
       *reinterpret_cast<uint4*>(boxes[b] + valid * 128 + i) = make_uint4(0, 0, 0, 0);
 }
@@ -221,12 +325,13 @@ MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int 
 // lane l hold rows 16 w + l / 4 (+ 8) and columns 8 i + 2 (l % 4) + {0, 1} of group i, in
 // acc[4 i + {0, 1}] (+ {2, 3} for the row + 8)). k_valid: the rows of the last k-block that
 // belong to the tile's K (64 unless the K is ragged). With no k-block, acc is zero.
-template <bool kAMN, bool kBMN>
+template <bool kAMN, bool kBMN, int kPair = 1>
 MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc]) {
   const int t = threadIdx.x & 127;
   if (n_k == 0) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    stagger_lead_done(s, pipe);
     return;
   }
   int prev_stage = -1;
@@ -240,9 +345,17 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
     if (kb == n_k - 1 && k_valid_last < kBK) {
       steps = (k_valid_last + 15) / 16;
       if (k_valid_last % 16) {
-        zero_tail(st, wg, k_valid_last, 16 * steps, t);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+        if (pipe.staggered) {
+          zero_tail<true>(st, wg, k_valid_last, 16 * steps, t);
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          // this warpgroup's threads only (barrier 4 or 5: one instruction, not a branch on wg,
+          // which ptxas took for a divergent path and serialized the wgmma for, C7520)
+          asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
+        } else {
+          zero_tail<false>(st, wg, k_valid_last, 16 * steps, t);
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
+        }
       }
     }
     const unsigned char* sa = st + wg * kBox;
@@ -258,13 +371,15 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();
     fence_operands(acc);
-    if (prev_stage >= 0 && t == 0) mbar_arrive(&s.empty[prev_stage]);
+    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
     prev_stage = pipe.stage;
     pipe.advance();
+    if (kb == kStaggerBlocks - 1) stagger_lead_done(s, pipe);
   }
   cute::warpgroup_wait<0>();
   fence_operands(acc);
-  if (t == 0) mbar_arrive(&s.empty[prev_stage]);
+  release<kPair>(s, prev_stage, t);
+  stagger_lead_done(s, pipe);  // a first tile shorter than the lead
 }
 
 // Epilogue stores of one consumer warpgroup: rows r < rows of the tile (r = 64 wg + ...), 256

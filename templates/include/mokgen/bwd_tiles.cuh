@@ -42,11 +42,15 @@ MOKGEN_HOST_DEVICE void walk_row_tiles(const int32_t* offs, int E, int total, in
 }
 
 // Weight gradients: E x m_tiles x n_tiles tiles, expert-major; fn(e, row0, rows (the K), m, n),
-// with expert e's rows clamped as in walk_row_tiles.
+// with expert e's rows clamped as in walk_row_tiles. CTA pairs (pair = 2, m_tiles even): the
+// units walked are (expert, row-block pair, column tile), unit u taken by pair cta, cta + ctas,
+// ... (cta and ctas count pairs), and the CTA of rank crank in its pair computes row block
+// 2 (u's row-block pair) + crank: both CTAs of a pair walk the same experts, K and column tiles,
+// in step, so they can share the B operand (the same rows and columns) by TMA multicast.
 template <class Fn>
 MOKGEN_HOST_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total, int m_tiles, int n_tiles, int cta,
-                                          int ctas, Fn&& fn) {
-  const int per_e = m_tiles * n_tiles;
+                                          int ctas, Fn&& fn, int pair = 1, int crank = 0) {
+  const int m_units = m_tiles / pair, per_e = m_units * n_tiles;
   int e_seen = -1, start = 0, end = 0;  // expert e's clamped segment, advanced as q grows
   int prev_end = 0;
   for (int64_t q = cta; q < int64_t(E) * per_e; q += ctas) {
@@ -57,7 +61,7 @@ MOKGEN_HOST_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total,
       end = clamp_rows(offs[e_seen], start, total > start ? total : start);
       prev_end = end;
     }
-    fn(e, start, end - start, r / n_tiles, r % n_tiles);
+    fn(e, start, end - start, pair * (r / n_tiles) + crank, r % n_tiles);
   }
 }
 
