@@ -87,8 +87,7 @@ class _Lib:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _SIGNATURES[name], _i
         self._lib = lib
-        self.has_stagger = hasattr(lib, "mokgen_bwd_set_stagger")
-        if self.has_stagger:
+        if hasattr(lib, "mokgen_bwd_set_stagger"):  # an older build (a benchmark's) may lack it
             lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
             self.set_stagger(env.bwd_stagger())
 

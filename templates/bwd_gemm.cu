@@ -290,6 +290,23 @@ int launch(Kernel kernel, int grid, cudaStream_t stream, const Maps& maps, Args.
   return int(cudaGetLastError());
 }
 
+// The launch configuration of `pairs` clusters of two CTAs (attr: storage for its one
+// attribute, the cluster shape), for the occupancy query and the launch alike.
+cudaLaunchConfig_t pair_config(int pairs, cudaStream_t stream, cudaLaunchAttribute& attr) {
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(2 * pairs));
+  cfg.blockDim = dim3(bwd::kThreads);
+  cfg.dynamicSmemBytes = bwd::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Clusters of two CTAs that can be resident at once on the current device (0: none, or the
 // query failed), asked once per device: a grid of more pairs than fit would run its last ones
 // as a second wave, doubling the time of a persistent walk.
@@ -303,16 +320,7 @@ int resident_pairs(Kernel kernel) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes)) != cudaSuccess)
     return 0;
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(2 * sm_count()));
-  cfg.blockDim = dim3(bwd::kThreads);
-  cfg.dynamicSmemBytes = bwd::kSmemBytes;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = pair_config(sm_count(), nullptr, attr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(kernel), &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -328,17 +336,7 @@ int launch_pairs(Kernel kernel, int pairs, cudaStream_t stream, const Maps& maps
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes));
   if (err != cudaSuccess) return int(err);
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(2 * pairs));
-  cfg.blockDim = dim3(bwd::kThreads);
-  cfg.dynamicSmemBytes = bwd::kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = pair_config(pairs, stream, attr);
   return int(cudaLaunchKernelEx(&cfg, kernel, maps, args...));
 }
 
