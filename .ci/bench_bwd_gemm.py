@@ -1,8 +1,8 @@
 """The backward's GEMMs one by one (mokgen/bwd_gemm.py against torch._grouped_mm), on the rows
 of `mokgen bench SPEC --workload local --backward` (expert-major, the bench's routing): each
 kernel's median time of 20 (CUDA events) and TFLOP/s, so changes to one kernel can be measured
-alone. LIB...: other builds of the library (libbwdgemm.so files of this tree's C ABI, e.g. of a
-variant of templates/bwd_gemm.cu), timed in the same run after this tree's. Usage:
+alone. LIB...: other builds of the library (libbwdgemm.so files, e.g. of an earlier tree or a
+variant of templates/bwd_gemm.cu): their weight gradients timed in the same run after this tree's. Usage:
 python3 .ci/bench_bwd_gemm.py [SPEC [LIB...]] (default kimi-k2.5)."""
 
 import statistics
@@ -32,6 +32,7 @@ wg, wu = randn(E, I, H, scale=H**-0.5), randn(E, I, H, scale=H**-0.5)
 wd = randn(E, H, I, scale=I**-0.5)
 order = torch.randperm(rows, generator=gen, device="cuda")
 dx_out = torch.zeros(rows, H, device="cuda")
+dx_bf16 = torch.zeros(rows, H, dtype=torch.bfloat16, device="cuda")
 
 
 def timed(fn):
@@ -47,6 +48,10 @@ cases = {
         4 * rows * H * I,
         lambda: bwd_gemm.rows_gemm([(dg, wg), (du, wu)], offs, b_major="mn", out=dx_out, out_rows=order),
         lambda: gmm(dg, wg, offs=offs).add_(gmm(du, wu, offs=offs))),
+    "dx as above, bf16 out (one slot per token: no sum_slots pass)": (
+        4 * rows * H * I,
+        lambda: bwd_gemm.rows_gemm([(dg, wg), (du, wu)], offs, b_major="mn", out=dx_bf16, out_rows=order),
+        lambda: gmm(dg, wg, offs=offs).add_(gmm(du, wu, offs=offs)).to(torch.bfloat16)),
 }
 for c in (1, 2):  # single CTAs (the default), CTA pairs sharing B
     cases[f"dWg = dg^T x (M = I, N = H, K = rows of e), cluster {c}"] = (
@@ -57,23 +62,26 @@ print(f"== {spec.name} local: {rows} rows, E = {E}, H = {H}, I = {I} (rows per e
       f"{counts.max().item()})")
 
 
-def table(title):
+def table(title, only=None):
     print(f"-- {title}")
     print(f"{'GEMM':68s} {'mokgen ms':>10s} {'TFLOP/s':>8s} {'torch ms':>10s} {'TFLOP/s':>8s}")
     for name, (flops, ours, torch_fn) in cases.items():
+        if only is not None and not name.startswith(only):
+            continue
         a, t = timed(ours), timed(torch_fn)
         print(f"{name:68s} {a:10.3f} {flops / a / 1e9:8.1f} {t:10.3f} {flops / t / 1e9:8.1f}")
 
 
-# staggered consumer warpgroups (the default) and lockstep, twice in alternation: the spread
+# every stagger lead of the consumer warpgroups (0: lockstep), twice in alternation: the spread
 # between the two passes is the run's noise
 for rep in (1, 2):
-    for stagger in (True, False):
-        bwd_gemm.set_stagger(stagger)
-        table(f"pass {rep}, consumers {'staggered' if stagger else 'in lockstep'}")
+    for lead in range(bwd_gemm.MAX_LEAD, -1, -1):
+        bwd_gemm.set_stagger(lead)
+        table(f"pass {rep}, consumers " + (f"staggered, lead {lead}" if lead else "in lockstep"))
 bwd_gemm.set_stagger(True)
 for lib in sys.argv[2:]:
-    # an earlier build may lack the later entry points: bind the two GEMMs timed here
-    other = bwd_gemm._Lib(Path(lib), entries=("mokgen_bwd_rows", "mokgen_bwd_weights"))
+    # an earlier build may lack the later entry points and has v0.12's rows ABI (no bf16 out):
+    # bind and time its weight gradients only
+    other = bwd_gemm._Lib(Path(lib), entries=("mokgen_bwd_weights",))
     bwd_gemm.load_library = lambda: other  # noqa: E731 (this process only)
-    table(f"library {lib}")
+    table(f"library {lib}", only="dW")

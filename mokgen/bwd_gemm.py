@@ -65,7 +65,7 @@ def build_library(*, force: bool = False) -> Path:
 _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 #: the library's entry points and their argument types (each returns 0 or a CUDA error code)
 _SIGNATURES = {
-    "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _vp],
+    "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _vp],
     "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
@@ -91,9 +91,9 @@ class _Lib:
             lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
             self.set_stagger(env.bwd_stagger())
 
-    def set_stagger(self, on: bool) -> None:
-        """Staggered (True) or lockstep consumer warpgroups in this library's GEMM launches."""
-        self._lib.mokgen_bwd_set_stagger(int(bool(on)))
+    def set_stagger(self, lead: int) -> None:
+        """The consumer warpgroups' stagger lead (k-blocks; 0: lockstep) in this library's GEMM launches."""
+        self._lib.mokgen_bwd_set_stagger(int(lead))
 
     def check(self, what: str, code: int) -> None:
         if code != 0:
@@ -218,10 +218,13 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
     bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
     are zeros). ``out_rows`` (int64 ``[rows]``, distinct values) scatters: row ``r`` of the
-    result goes to row ``out_rows[r]`` of ``out`` (fp32 ``[R, N]``, given by the caller; the
-    rows of ``out`` that no ``out_rows[r]`` names are left as they are, so where the map covers
-    every row ``out`` may come from torch.empty). The map is trusted: its values must lie in
-    [0, R). Every result row is written by the kernels (no fill of the output first)."""
+    result goes to row ``out_rows[r]`` of ``out`` (``[R, N]``, given by the caller; the rows of
+    ``out`` that no ``out_rows[r]`` names are left as they are, so where the map covers every
+    row ``out`` may come from torch.empty). ``out`` is fp32, or (``b_major="mn"``) bf16: the
+    fp32 sums rounded once to nearest even, the bits of ``out.float().to(torch.bfloat16)``, half
+    the bytes written (the backward's dx where each token has one pair). The map is trusted: its
+    values must lie in [0, R). Every result row is written by the kernels (no fill of the output
+    first)."""
     import torch
 
     if b_major not in ("mn", "k"):
@@ -253,9 +256,11 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
         if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int64 or tuple(out_rows.shape) != (rows,) \
                 or not out_rows.is_contiguous() or out_rows.device != a0.device:
             raise InputError(f"out_rows must be a contiguous int64 tensor of shape ({rows},) on {a0.device}")
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != N \
+        dtypes = (torch.float32, torch.bfloat16) if b_major == "mn" else (torch.float32,)
+        if not isinstance(out, torch.Tensor) or out.dtype not in dtypes or out.dim() != 2 or out.shape[1] != N \
                 or not out.is_contiguous() or out.device != a0.device:
-            raise InputError(f"out must be a contiguous float32 tensor [R, {N}] on {a0.device} with out_rows")
+            kinds = "float32 or bfloat16" if b_major == "mn" else "float32"
+            raise InputError(f"out must be a contiguous {kinds} tensor [R, {N}] on {a0.device} with out_rows")
     if rows == 0 or E == 0:
         if rows and out_rows is not None:  # no expert: every row is past offs[-1]
             out.index_fill_(0, out_rows, 0.0)
@@ -264,15 +269,26 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     with _on(a0.device) as stream:
         load_library().rows(out.data_ptr(), a0.data_ptr(), b0.data_ptr(), a1.data_ptr(), b1.data_ptr(), len(pairs),
                             offs.data_ptr(), E, rows, K, N, int(b_major == "mn"),
-                            out_rows.data_ptr() if out_rows is not None else None, stream)
+                            out_rows.data_ptr() if out_rows is not None else None,
+                            int(out.dtype == torch.bfloat16), stream)
     return out
 
 
-def set_stagger(on: bool) -> None:
-    """The GEMMs' two consumer warpgroups staggered (``on``: one's epilogue overlaps the other's
-    wgmma; the default, MOKGEN_BWD_STAGGER) or in lockstep, for the launches that follow in this
-    process. The same bits either way (benchmarks compare the two)."""
-    load_library().set_stagger(on)
+#: the largest stagger lead: the stage ring's four stages less the one warpgroup 0 loads into
+MAX_LEAD = 3
+
+
+def set_stagger(lead: int | bool) -> None:
+    """The GEMMs' two consumer warpgroups staggered, for the launches that follow in this process:
+    warpgroup 0 leads by ``lead`` k-blocks (0 to MAX_LEAD; 0 or False: lockstep; True: the
+    default, ``env.BWD_STAGGER_DEFAULT``), so one's epilogue overlaps the other's wgmma. The
+    same bits at every lead (benchmarks compare them)."""
+    if lead is True:
+        lead = env.BWD_STAGGER_DEFAULT
+    lead = int(lead)
+    if not 0 <= lead <= MAX_LEAD:
+        raise InputError(f"stagger lead must be 0 to {MAX_LEAD} k-blocks, got {lead}")
+    load_library().set_stagger(lead)
 
 
 def expert_major(topk_ids, experts: int, topk_weights=None):

@@ -29,7 +29,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
     "MOKGEN_BWD_GEMM": "1 (default) or 0: the experts' backward runs its GEMMs on mokgen's Hopper kernels (mokgen/bwd_gemm.py) where they run (sm_90, H and I multiples of 256), or on torch._grouped_mm",
     "MOKGEN_BWD_CLUSTER": "1 (default) or 2: the backward's weight-gradient GEMMs run as single CTAs, or as CTA pairs that load the shared operand once by TMA multicast (the same bits)",
-    "MOKGEN_BWD_STAGGER": "1 (default) or 0: the backward GEMMs' two consumer warpgroups run staggered (one's epilogue overlaps the other's wgmma) or in lockstep (the same bits)",
+    "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. The same bits at every value",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -118,9 +118,15 @@ def bwd_cluster() -> int:
     return int(_choice("MOKGEN_BWD_CLUSTER", ("1", "2")))
 
 
-def bwd_stagger() -> bool:
-    """MOKGEN_BWD_STAGGER: whether the backward GEMMs' consumer warpgroups run staggered (default 1)."""
-    return _choice("MOKGEN_BWD_STAGGER", ("1", "0")) == "1"
+#: the backward GEMMs' default stagger lead in k-blocks (MOKGEN_BWD_STAGGER; measured, docs/perf-notes.md v0.13)
+BWD_STAGGER_DEFAULT = 3
+
+
+def bwd_stagger() -> int:
+    """MOKGEN_BWD_STAGGER: the backward GEMMs' stagger, the lead of consumer warpgroup 0 in
+    k-blocks: 0 (lockstep) to 3, default BWD_STAGGER_DEFAULT."""
+    allowed = (str(BWD_STAGGER_DEFAULT), *(str(v) for v in range(4) if v != BWD_STAGGER_DEFAULT))
+    return int(_choice("MOKGEN_BWD_STAGGER", allowed))
 
 
 def fuse_shared() -> bool | None:

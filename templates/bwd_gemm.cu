@@ -11,21 +11,64 @@ namespace {
 
 using namespace mokgen;
 
+// Trace builds only (-DMOKGEN_BWD_TRACE; .ci/bwd_trace.py compiles one and reads it): each CTA of
+// the weight-gradient kernel writes, for its first g_trace_tiles tiles and each role (0: the
+// producer, 1 and 2: the consumer warpgroups), eight values: the SM clock at the tile's start,
+// at the end of its k-loop (the consumers; the producer: its last load issued), at the end of
+// its epilogue, the cycles spent in stage-barrier waits within the tile, and (consumers) the
+// clock after each of the epilogue's four boxes. All threads of a role write the same slots (no branch on the thread index, which
+// would make ptxas serialize the wgmma). The library's other builds have none of this.
+#ifdef MOKGEN_BWD_TRACE
+__device__ unsigned long long* g_trace_buf = nullptr;
+__device__ int g_trace_tiles = 0;
+constexpr int kTraceValues = 8;
+MOKGEN_DEVICE void trace_record(int role, int tile, long long t0, long long t1, long long waited,
+                                const long long (&rounds)[4]) {
+  unsigned long long* buf = g_trace_buf;
+  const int tiles = g_trace_tiles;
+  if (buf != nullptr && tile < tiles) {
+    unsigned long long* p = buf + ((size_t(blockIdx.x) * tiles + tile) * 3 + role) * kTraceValues;
+    p[0] = t0;
+    p[1] = t1;
+    p[2] = clock64();
+    p[3] = waited;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[4 + i] = rounds[i];
+  }
+}
+#define MOKGEN_TRACE_STATE() int traced = 0
+#define MOKGEN_TRACE_BEGIN()                                             \
+  const long long trace_t0 = clock64(), trace_w0 = pipe.waited; \
+  long long trace_t1 = 0, trace_rounds[4] = {0, 0, 0, 0}
+#define MOKGEN_TRACE_MARK() trace_t1 = clock64()
+#define MOKGEN_TRACE_ROUNDS trace_rounds
+#define MOKGEN_TRACE_END(role) \
+  trace_record(role, traced++, trace_t0, trace_t1 ? trace_t1 : clock64(), pipe.waited - trace_w0, trace_rounds)
+#else
+#define MOKGEN_TRACE_STATE() (void)0
+#define MOKGEN_TRACE_BEGIN() (void)0
+#define MOKGEN_TRACE_MARK() (void)0
+#define MOKGEN_TRACE_ROUNDS nullptr
+#define MOKGEN_TRACE_END(role) (void)0
+#endif
+
 struct Maps {
   CUtensorMap a[2];
   CUtensorMap b[2];
+  CUtensorMap c;  // the weight gradients' output (TMA stores); unused by the other kernels
 };
 
-// Rows GEMM: out[r, :] (fp32, ld = N) = sum_p A_p[r, :] B_p[e(r)], K per pair. B MN-major: B_p is
-// [E, K, N] (map over [E K, N]); B K-major: B_p is [E, N, K] (map over [E N, K]).
-template <bool kBMN>
+// Rows GEMM: out[r, :] (OutT: fp32, or bf16 rounded from the fp32 sums; ld = N) = sum_p A_p[r, :]
+// B_p[e(r)], K per pair. B MN-major: B_p is [E, K, N] (map over [E K, N]); B K-major: B_p is
+// [E, N, K] (map over [E N, K]).
+template <bool kBMN, class OutT>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
-                float* out, const int64_t* out_rows, int stagger) {
+                OutT* out, const int64_t* out_rows, int lead) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline(smem);
+  const bwd::Smem s = bwd::start_pipeline<bwd::kStages>(smem);
   const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
-  bwd::Pipe pipe = bwd::make_pipe(stagger != 0);
+  auto pipe = bwd::make_pipe<bwd::kStages>(lead);
   bwd::run_roles(
       s, pipe,
       [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
@@ -53,18 +96,19 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       });
 }
 
-// Weight gradients: out[e] (bf16 [M, N]) = A[rows of e]^T B[rows of e]; A [rows, M], B [rows, N].
-// kPair = 2: clusters of two CTAs, row blocks 2 mp and 2 mp + 1 sharing B (bwd_gemm.cuh); M / 128
-// even. The same tiles and k order either way, so the same bits.
+// Weight gradients: out[e] (bf16 [M, N], maps.c over [E M, N]) = A[rows of e]^T B[rows of e];
+// A [rows, M], B [rows, N]. kPair = 2: clusters of two CTAs, row blocks 2 mp and 2 mp + 1 sharing
+// B (bwd_gemm.cuh); M / 128 even. The same tiles and k order either way, so the same bits. The
+// epilogue stores through shared memory (store_tile_tma): kWeightSmemBytes.
 template <int kPair>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
-    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, bf16* out,
-                  int stagger) {
+    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline<kPair>(smem);
+  const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair>(smem);
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
   const int crank = bwd::pair_rank<kPair>();
-  bwd::Pipe pipe = bwd::make_pipe(stagger != 0);
+  auto pipe = bwd::make_pipe<bwd::kWeightStages>(lead);
+  MOKGEN_TRACE_STATE();
   bwd::run_roles<kPair>(
       s, pipe,
       [&](auto&& fn) {
@@ -72,6 +116,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
                                kPair, crank);
       },
       [&](int e, int row0, int rows, int m, int n) {
+        MOKGEN_TRACE_BEGIN();
         bwd::TileSrc t;
         t.a[0] = t.a[1] = &maps.a[0];
         t.b[0] = t.b[1] = &maps.b[0];
@@ -82,13 +127,18 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
         t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
         bwd::produce<true, true, false, kPair>(s, pipe, t, crank);
+        MOKGEN_TRACE_END(0);
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
+        MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
         const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
         bwd::consume<true, true, kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
-        bwd::store_tile(acc, wg, bwd::kBM, out + (int64_t(e) * M + m * bwd::kBM) * N + n * bwd::kBN, N);
+        MOKGEN_TRACE_MARK();
+        bwd::store_tile_tma(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
+        MOKGEN_TRACE_END(1 + wg);
       });
+  bwd::store_tma_done();  // the consumers' last stores complete before the CTA exits
 }
 
 // The recompute of the up projection with SwiGLU's backward in the epilogue: for each row r of
@@ -106,11 +156,11 @@ struct SwigluOut {
 
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I, SwigluOut o,
-                  int clamp, float limit, int stagger) {
+                  int clamp, float limit, int lead) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline(smem);
+  const bwd::Smem s = bwd::start_pipeline<bwd::kStages>(smem);
   const int n_tiles = I / 128, n_k = H / bwd::kBK;
-  bwd::Pipe pipe = bwd::make_pipe(stagger != 0);
+  auto pipe = bwd::make_pipe<bwd::kStages>(lead);
   bwd::run_roles(
       s, pipe,
       [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
@@ -195,14 +245,19 @@ __global__ void __launch_bounds__(256)
 // of the result is written, so the caller need not zero the output first (a 470 MB fill for
 // kimi-k2.5's dx). Launched before the GEMM; usually there are no such rows and it only reads
 // offs.
+template <class OutT>
 __global__ void __launch_bounds__(256)
-    zero_rows_kernel(float* out, const int32_t* offs, int E, int rows, int N, const int64_t* out_rows) {
+    zero_rows_kernel(OutT* out, const int32_t* offs, int E, int rows, int N, const int64_t* out_rows) {
   const int first = min(max(offs[E - 1], 0), rows);
   const int64_t per_row = N / 4, total = int64_t(rows - first) * per_row;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = first + i / per_row;
     const int64_t row = out_rows != nullptr ? out_rows[r] : r;
-    *reinterpret_cast<float4*>(out + row * N + 4 * (i % per_row)) = make_float4(0.f, 0.f, 0.f, 0.f);
+    OutT* at = out + row * N + 4 * (i % per_row);
+    if constexpr (sizeof(OutT) == 4)
+      *reinterpret_cast<float4*>(at) = make_float4(0.f, 0.f, 0.f, 0.f);
+    else
+      *reinterpret_cast<uint2*>(at) = make_uint2(0u, 0u);
   }
 }
 
@@ -282,11 +337,13 @@ int sm_count() {
 
 // The shared-memory attribute is set at every launch (a few microseconds; per device, and the
 // kernels share one function-pointer type, so a per-type "done" flag could not tell them apart).
+// A launch of `grid` CTAs with `smem` bytes of dynamic shared memory (bwd::kSmemBytes, or the
+// weight kernels' kWeightSmemBytes).
 template <class Kernel, class... Args>
-int launch(Kernel kernel, int grid, cudaStream_t stream, const Maps& maps, Args... args) {
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes));
+int launch(Kernel kernel, int grid, size_t smem, cudaStream_t stream, const Maps& maps, Args... args) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return int(err);
-  kernel<<<grid, bwd::kThreads, bwd::kSmemBytes, stream>>>(maps, args...);
+  kernel<<<grid, bwd::kThreads, smem, stream>>>(maps, args...);
   return int(cudaGetLastError());
 }
 
@@ -300,7 +357,7 @@ cudaLaunchConfig_t pair_config(int pairs, cudaStream_t stream, cudaLaunchAttribu
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(2 * pairs));
   cfg.blockDim = dim3(bwd::kThreads);
-  cfg.dynamicSmemBytes = bwd::kSmemBytes;
+  cfg.dynamicSmemBytes = bwd::kWeightSmemBytes;  // pairs: the weight kernels only
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
@@ -317,7 +374,8 @@ int resident_pairs(Kernel kernel) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
   if (dev >= 0 && dev < kDevices && cached[dev] != 0) return cached[dev] > 0 ? cached[dev] : 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes)) != cudaSuccess)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kWeightSmemBytes)) !=
+      cudaSuccess)
     return 0;
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = pair_config(sm_count(), nullptr, attr);
@@ -333,7 +391,8 @@ int resident_pairs(Kernel kernel) {
 // A launch in clusters of two CTAs, `pairs` of them.
 template <class Kernel, class... Args>
 int launch_pairs(Kernel kernel, int pairs, cudaStream_t stream, const Maps& maps, Args... args) {
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kSmemBytes));
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kWeightSmemBytes));
   if (err != cudaSuccess) return int(err);
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = pair_config(pairs, stream, attr);
@@ -342,30 +401,44 @@ int launch_pairs(Kernel kernel, int pairs, cudaStream_t stream, const Maps& maps
 
 constexpr int kBadMap = 1000;  // a tensor map could not be encoded (mokgen_bwd_error_string)
 
-// Staggered consumers (bwd_gemm.cuh, kStaggerBlocks) in every GEMM launch of this process: 1 (the
-// default) or 0 (lockstep), set by mokgen_bwd_set_stagger. The same bits either way.
-int g_stagger = 1;
+// The consumers' stagger (bwd_gemm.cuh, Pipe) in every GEMM launch of this process: the lead of
+// consumer warpgroup 0 in k-blocks, 0 (lockstep) to kMaxLead, set by mokgen_bwd_set_stagger
+// (mokgen.bwd_gemm.set_stagger; MOKGEN_BWD_STAGGER). The same bits at every lead.
+int g_lead = bwd::kMaxLead;
 
 }  // namespace
 
 extern "C" {
 
-void mokgen_bwd_set_stagger(int on) { g_stagger = on != 0; }
+#ifdef MOKGEN_BWD_TRACE
+// A trace build's buffer (device memory, [grid][tiles][3][8] uint64, zeroed by the caller) for
+// the weight-gradient launches that follow; null stops the tracing.
+int mokgen_bwd_set_trace(void* buf, int tiles) {
+  unsigned long long* p = static_cast<unsigned long long*>(buf);
+  cudaError_t err = cudaMemcpyToSymbol(g_trace_buf, &p, sizeof(p));
+  if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_trace_tiles, &tiles, sizeof(tiles));
+  return int(err);
+}
+#endif
+
+void mokgen_bwd_set_stagger(int lead) { g_lead = lead < 0 ? 0 : lead > bwd::kMaxLead ? bwd::kMaxLead : lead; }
+
+int mokgen_bwd_max_lead() { return bwd::kMaxLead; }
 
 const char* mokgen_bwd_error_string(int code) {
   if (code == kBadMap) return "cuTensorMapEncodeTiled refused an operand (alignment or size)";
   return cudaGetErrorString(cudaError_t(code));
 }
 
-// out [rows, N] fp32 = sum_p a_p [rows, K] (bf16, row-major) x B_p[e(r)] (row r of the result
-// written to out row out_rows[r] where out_rows is given, int64 [rows]; rows past offs[E - 1]
-// written as zeros, zero_rows_kernel), b_mn: B_p [E, K, N]
-// (else [E, N, K]); offs [E] int32 on the device: end row of each expert (inclusive prefix sums;
-// clamped to [0, rows], so a bad offs cannot make the kernel write past out).
-// N % 256 == 0, K % 64 == 0, rows >= 1 (checked by the caller).
-int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, const void* b1, int pairs,
+// out [rows, N] fp32 (out_bf16: bf16, the fp32 sums rounded once; B MN-major only) = sum_p a_p
+// [rows, K] (bf16, row-major) x B_p[e(r)] (row r of the result written to out row out_rows[r]
+// where out_rows is given, int64 [rows]; rows past offs[E - 1] written as zeros,
+// zero_rows_kernel), b_mn: B_p [E, K, N] (else [E, N, K]); offs [E] int32 on the device: end
+// row of each expert (inclusive prefix sums; clamped to [0, rows], so a bad offs cannot make
+// the kernel write past out). N % 256 == 0, K % 64 == 0, rows >= 1 (checked by the caller).
+int mokgen_bwd_rows(void* out, const void* a0, const void* b0, const void* a1, const void* b1, int pairs,
                     const int32_t* offs, int E, int rows, int K, int N, int b_mn, const int64_t* out_rows,
-                    cudaStream_t stream) {
+                    int out_bf16, cudaStream_t stream) {
   Maps maps;
   const void* as[2] = {a0, pairs > 1 ? a1 : a0};
   const void* bs[2] = {b0, pairs > 1 ? b1 : b0};
@@ -377,9 +450,19 @@ int mokgen_bwd_rows(float* out, const void* a0, const void* b0, const void* a1, 
   }
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
-  zero_rows_kernel<<<grid, 256, 0, stream>>>(out, offs, E, rows, N, out_rows);
-  return b_mn ? launch(rows_kernel<true>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows, g_stagger)
-              : launch(rows_kernel<false>, grid, stream, maps, offs, E, rows, K, N, pairs, out, out_rows, g_stagger);
+  if (out_bf16) {
+    if (!b_mn) return int(cudaErrorInvalidValue);
+    bf16* o = static_cast<bf16*>(out);
+    zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
+    return launch(rows_kernel<true, bf16>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, o, out_rows,
+                  g_lead);
+  }
+  float* o = static_cast<float*>(out);
+  zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
+  return b_mn ? launch(rows_kernel<true, float>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, o,
+                       out_rows, g_lead)
+              : launch(rows_kernel<false, float>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, o,
+                       out_rows, g_lead);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
@@ -398,7 +481,7 @@ int mokgen_bwd_swiglu(void* h, void* dg, void* du, float* dw_part, const void* x
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   const SwigluOut o{static_cast<bf16*>(h), static_cast<bf16*>(dg), static_cast<bf16*>(du), dw_part, dh_u, wt};
-  return launch(swiglu_kernel, grid, stream, maps, offs, E, rows, H, I, o, clamp, limit, g_stagger);
+  return launch(swiglu_kernel, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit, g_lead);
 }
 
 // SwiGLU's backward from saved pre-activations (swiglu_saved_kernel): gu [*, 2 I] bf16 (row p: g
@@ -423,7 +506,8 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
                        int cluster, cudaStream_t stream) {
   Maps maps;
   if (sm90::encode_map_2d(&maps.a[0], a, uint64_t(rows), uint64_t(M), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS)
+      sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.c, out, uint64_t(E) * M, uint64_t(N), 64) != CUDA_SUCCESS)
     return kBadMap;
   maps.a[1] = maps.a[0];
   maps.b[1] = maps.b[0];
@@ -432,9 +516,9 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   if (cluster == 2 && (M / bwd::kBM) % 2 == 0) {
     const int pairs = resident_pairs(weight_kernel<2>);
     if (pairs > 0)
-      return launch_pairs(weight_kernel<2>, pairs, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out), g_stagger);
+      return launch_pairs(weight_kernel<2>, pairs, stream, maps, offs, E, rows, M, N, g_lead);
   }
-  return launch(weight_kernel<1>, grid, stream, maps, offs, E, rows, M, N, static_cast<bf16*>(out), g_stagger);
+  return launch(weight_kernel<1>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
 }
 
 // out [T, H] bf16: the sum over each token's K slots of in [T K, H] fp32 (sum_slots_kernel).

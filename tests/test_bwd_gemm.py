@@ -16,7 +16,7 @@ from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
-           "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger")
+           "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead")
 
 
 @pytest.mark.nvcc
@@ -28,9 +28,9 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     assert re.fullmatch(r"bwd_gemm-[0-9a-f]{12}", lib.parent.name)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    # rows<B MN-major>, rows<B K-major>, swiglu, swiglu_saved, weights<single CTAs>, weights<pairs>,
-    # zero_rows, sum_slots, expert_major
-    assert len(kernels) == 9, kernels
+    # rows<B MN-major, fp32 out>, rows<B MN-major, bf16 out>, rows<B K-major>, swiglu, swiglu_saved,
+    # weights<single CTAs>, weights<pairs>, zero_rows<fp32>, zero_rows<bf16>, sum_slots, expert_major
+    assert len(kernels) == 11, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -45,6 +45,8 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
         getattr(cdll, name)
     wrapped = bwd_gemm._Lib(lib)
     assert "cuTensorMapEncodeTiled" in wrapped._lib.mokgen_bwd_error_string(1000).decode()
+    # the stagger leads Python accepts are the ones the kernels take (bwd_gemm.cuh, kMaxLead)
+    assert cdll.mokgen_bwd_max_lead() == bwd_gemm.MAX_LEAD
     # a second call finds it in the cache
     mtime = lib.stat().st_mtime_ns
     assert bwd_gemm.build_library() == lib and lib.stat().st_mtime_ns == mtime
@@ -57,7 +59,7 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     followed by a wait for zero, and no such wait exists."""
     functions = re.split(r"\n\s*Function : ", sass(bwd_gemm.build_library()))[1:]
     gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
-    assert len(gemms) == 5, list(gemms)  # rows x 2, swiglu, weights (single CTAs, pairs)
+    assert len(gemms) == 6, list(gemms)  # rows x 3, swiglu, weights (single CTAs, pairs)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 
@@ -107,16 +109,23 @@ def test_weight_gradient_pairs_and_stagger_switches(monkeypatch):
 
     monkeypatch.delenv("MOKGEN_BWD_CLUSTER", raising=False)
     monkeypatch.delenv("MOKGEN_BWD_STAGGER", raising=False)
-    assert env.bwd_cluster() == 1 and env.bwd_stagger()
+    assert env.bwd_cluster() == 1 and env.bwd_stagger() == env.BWD_STAGGER_DEFAULT
+    assert 1 <= env.BWD_STAGGER_DEFAULT <= bwd_gemm.MAX_LEAD
     monkeypatch.setenv("MOKGEN_BWD_CLUSTER", "2")
-    monkeypatch.setenv("MOKGEN_BWD_STAGGER", "0")
-    assert env.bwd_cluster() == 2 and not env.bwd_stagger()
+    for lead in range(bwd_gemm.MAX_LEAD + 1):
+        monkeypatch.setenv("MOKGEN_BWD_STAGGER", str(lead))
+        assert env.bwd_cluster() == 2 and env.bwd_stagger() == lead
     monkeypatch.setenv("MOKGEN_BWD_CLUSTER", "4")
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_CLUSTER must be 1 or 2"):
         env.bwd_cluster()
-    monkeypatch.setenv("MOKGEN_BWD_STAGGER", "yes")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_STAGGER must be 1 or 0"):
-        env.bwd_stagger()
+    for bad in ("yes", "4", "-1"):
+        monkeypatch.setenv("MOKGEN_BWD_STAGGER", bad)
+        with pytest.raises(ToolchainError, match="MOKGEN_BWD_STAGGER must be"):
+            env.bwd_stagger()
+    # set_stagger refuses a lead the stage ring cannot hold before it loads anything
+    for bad in (-1, bwd_gemm.MAX_LEAD + 1):
+        with pytest.raises(InputError, match="stagger lead must be 0 to 3"):
+            bwd_gemm.set_stagger(bad)
 
 
 def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from mokgen import bench, bwd_gemm, reference  # noqa: E402
 from mokgen.backward import experts_backward  # noqa: E402
+from mokgen.errors import InputError  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc, pytest.mark.usefixtures("gpu_memory")]
@@ -104,7 +105,7 @@ def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts
 
 
 def test_staggered_and_lockstep_consumers_give_the_same_bits():
-    """The consumer warpgroups' stagger (bwd_gemm.set_stagger) changes when each warpgroup runs,
+    """The consumer warpgroups' stagger (bwd_gemm.set_stagger, every lead) changes when each warpgroup runs,
     not what it computes: rows GEMMs (one and two pairs), the weight gradients (single CTAs and
     pairs, short last k-blocks) and the fused recompute give the same bits both ways."""
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -128,9 +129,10 @@ def test_staggered_and_lockstep_consumers_give_the_same_bits():
     try:
         bwd_gemm.set_stagger(False)
         lockstep = run()
-        bwd_gemm.set_stagger(True)
-        for _ in range(3):
-            assert all(torch.equal(p, q) for p, q in zip(run(), lockstep))
+        for lead in range(1, bwd_gemm.MAX_LEAD + 1):
+            bwd_gemm.set_stagger(lead)
+            for _ in range(2):
+                assert all(torch.equal(p, q) for p, q in zip(run(), lockstep)), f"lead {lead}"
     finally:
         bwd_gemm.set_stagger(True)
 
@@ -184,6 +186,34 @@ def test_rows_gemm_writes_every_row_of_a_poisoned_output():
     out = torch.full((R, N), float("nan"), device="cuda")
     bwd_gemm.rows_gemm([(ops[0][0], empty_b)], none, out=out, out_rows=perm)
     assert torch.equal(out[perm], torch.zeros(rows, N, device="cuda")) and out[untouched].isnan().all()
+
+
+def test_rows_gemm_bf16_output_has_the_bits_of_the_fp32_sums_rounded():
+    """A bf16 out (the backward's dx where each token has one pair): the kernel rounds the fp32
+    sums itself, to the bits of the fp32 result cast to bf16, writing the mapped rows only
+    (zeros for the rows past offs[-1], from memory that held NaNs); bf16 with B K-major or a
+    float16 out are one clear error."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    E, K, N = len(COUNTS), 256, 512
+    rows = sum(COUNTS) + SPARE_ROWS
+    ops = [(_randn(rows, K, gen=gen), _randn(E, K, N, gen=gen, scale=K**-0.5)) for _ in range(2)]
+    offs = _offs(COUNTS)
+    R = rows + 9
+    perm = torch.randperm(R, generator=gen, device="cuda")[:rows].contiguous()
+    want = torch.full((R, N), float("nan"), device="cuda")
+    bwd_gemm.rows_gemm(ops, offs, out=want, out_rows=perm)
+    out = torch.full((R, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert bwd_gemm.rows_gemm(ops, offs, out=out, out_rows=perm) is out
+    assert torch.equal(out[perm], want[perm].to(torch.bfloat16))
+    assert torch.equal(out[perm[sum(COUNTS):]], torch.zeros(SPARE_ROWS, N, dtype=torch.bfloat16, device="cuda"))
+    untouched = torch.ones(R, dtype=torch.bool, device="cuda")
+    untouched[perm] = False
+    assert out[untouched].isnan().all()
+    kb = [(ops[0][0], _randn(E, N, K, gen=gen))]
+    with pytest.raises(InputError, match="contiguous float32 tensor"):
+        bwd_gemm.rows_gemm(kb, offs, b_major="k", out=out, out_rows=perm)
+    with pytest.raises(InputError, match="float32 or bfloat16"):
+        bwd_gemm.rows_gemm(ops, offs, out=out.half(), out_rows=perm)
 
 
 @pytest.mark.parametrize("E, T, K", [(1, 5, 1), (7, 1000, 3), (300, 2049, 8)])
@@ -316,7 +346,11 @@ def test_swiglu_grads_from_saved_pre_activations(clamp):
             assert _rel(a[:n], b[:n]) < 2e-2
 
 
-def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):
+@pytest.mark.parametrize("one_slot", [False, True], ids=["top-k", "one-slot"])
+def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch, one_slot):
+    """The BF16 backward on mokgen's GEMMs against the reference's autograd; one_slot: one
+    pair per token (an EP rank's received rows, the shared expert), where the dx GEMM writes
+    bf16 itself instead of fp32 rows summed by sum_slots."""
     spec = load_spec("qwen3-30b-a3b")
     gen = torch.Generator(device="cuda").manual_seed(9)
     E, I, H, k = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
@@ -326,6 +360,8 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):
     x, g = _randn(T, H, gen=gen), _randn(T, H, gen=gen)
     ids, w = bench.skewed_routing(spec, T, gen, hot_experts=2)  # two hot experts, many empty ones
     ids = ids.long()
+    if one_slot:
+        ids, w = ids[:, :1].contiguous(), w[:, :1].contiguous()
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
     reference.experts_forward(leaves[0], ids, *leaves[1:]).backward(g.float())
     want = [t.grad for t in leaves]
@@ -346,8 +382,6 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch):
 
 
 def test_misaligned_or_strided_inputs_are_clear_errors():
-    from mokgen.errors import InputError
-
     a = torch.zeros(64 * 64 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(64, 64)  # 2 bytes off
     b = torch.zeros(1, 64, 256, dtype=torch.bfloat16, device="cuda")
     offs = torch.tensor([64], dtype=torch.int32, device="cuda")

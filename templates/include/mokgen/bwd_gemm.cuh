@@ -75,15 +75,20 @@ constexpr int kBox = 64 * kBK * 2;               // 8 KB: 64 rows of 128 bytes
 constexpr int kABytes = 2 * kBox;                // 128 x 64
 constexpr int kBBytes = 4 * kBox;                // 256 x 64
 constexpr int kStageBytes = kABytes + kBBytes;  // 48 KB
-constexpr int kStages = 4;
+constexpr int kStages = 4;        // the rows GEMMs' and the recompute's stage ring
+constexpr int kWeightStages = 4;  // the weight gradients' (3 leaves room for whole-tile store buffers: v0.13, slower)
 constexpr int kThreads = 384;
 constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64n256)
-// The forward's non-gated 128 x 256 x 64 tile has this stage ring: its shared-memory layout
-// (barriers, then 1024-aligned stages), barrier initialization, pipe state and epilogue quad
-// exchange are used as they are.
+// The forward's non-gated 128 x 256 x 64 tile: its stage layout and epilogue quad exchange are
+// used as they are.
 using Tile = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
 static_assert(Tile::kStageStride == kStageBytes && Tile::kThreads == kThreads, "the forward tile's stage ring");
-constexpr size_t kSmemBytes = Tile::kSmemBytes;
+
+// Dynamic shared memory of a ring of kS stages, as the forward's: the full and empty barriers
+// and the stagger's lead barrier, then the stages at the next 1024-byte boundary (+1024 of
+// alignment slack).
+constexpr size_t ring_bytes(int kS) { return size_t(kS) * kStageBytes + (2 * kS + 1) * 8 + 1024; }
+constexpr size_t kSmemBytes = ring_bytes(kStages);
 
 // MN-major operand with the 128-byte swizzle, as the TMA writes a box of 64 M/N elements x k
 // rows: k row r at byte 128 r, so 8 k rows form one 1024-byte swizzle atom (the stride byte
@@ -122,40 +127,84 @@ MOKGEN_DEVICE void mma_steps(const unsigned char* sa, const unsigned char* sb, f
   }
 }
 
-using Smem = Tile::Smem;
-
-// The staggered consumers' one hand-over (see Pipe below): an mbarrier just after the stage
-// barriers, in the alignment gap before the first stage (Tile::carve puts the stages at the
-// next 1024-byte boundary past the 2 kStages barriers).
-MOKGEN_DEVICE uint64_t* lead_barrier(const Smem& s) { return s.empty + kStages; }
-
-// Staggered consumers (the default; a run-time switch of every GEMM kernel): consumer
-// warpgroup 1 starts its first tile only once warpgroup 0 has consumed kStaggerBlocks k-blocks
-// (an mbarrier, lead_barrier: a named barrier there, inside the k-loop, made ptxas retire every
-// wgmma before it, serializing the pipeline), and the two never wait for each other again (each
-// zeroes the short last k-block's tail rows of its own operands). One warpgroup's epilogue, whose stores of the tile drain at the memory
-// system's pace, then overlaps the other's wgmma on the same stages, which one warpgroup alone
-// can keep busy; in lockstep both stored at once and the tensor core idled. The stage ring
-// bounds the lead to kStages k-blocks. The same bits: each warpgroup's rows and k order are
-// unchanged.
-constexpr int kStaggerBlocks = kStages - 1;
-
-// Position in the stage ring, and whether this consumer thread still has the stagger's one
-// hand-over to do (1: consumer warpgroup 0, whose thread 0 arrives on lead_barrier).
-struct Pipe : Tile::Pipe {
-  bool staggered = false;
-  int stagger_todo = 0;
+// A kernel's shared memory, carved by start_pipeline: the stage barriers, the staggered
+// consumers' one hand-over (see Pipe below, an mbarrier just after the stage barriers, in the
+// alignment gap before the first stage), the stages, and what follows the ring (the weight
+// gradients' store buffers).
+struct Smem {
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t* lead;
+  unsigned char* stages;
+  unsigned char* after;
 };
 
-// Every role's pipe (the producer's stagger fields stay unused).
+template <int kS>
+MOKGEN_DEVICE Smem carve(unsigned char* raw) {
+  static_assert((2 * kS + 1) * 8 <= 1024, "the barriers fit before the first stage");
+  Smem s;
+  s.full = reinterpret_cast<uint64_t*>(raw);
+  s.empty = s.full + kS;
+  s.lead = s.empty + kS;
+  s.stages = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + (2 * kS + 1) * 8 + 1023) &
+                                              ~uintptr_t(1023));
+  s.after = s.stages + size_t(kS) * kStageBytes;
+  return s;
+}
+
+MOKGEN_DEVICE uint64_t* lead_barrier(const Smem& s) { return s.lead; }
+
+// Staggered consumers (the default; a run-time setting of every GEMM kernel, the lead): consumer
+// warpgroup 1 starts its first tile only once warpgroup 0 has consumed `lead` k-blocks (an
+// mbarrier, lead_barrier: a named barrier there, inside the k-loop, made ptxas retire every
+// wgmma before it, serializing the pipeline), and the two never wait for each other again (each
+// zeroes the short last k-block's tail rows of its own operands). The aim: one warpgroup's
+// epilogue overlapping the other's wgmma on the same stages. Lockstep (lead 0) is measurably
+// slower, both storing at once. But in-kernel traces (docs/perf-notes.md v0.13) found leads 1,
+// 2 and 3 the same, the warpgroups' k-loops overlapping almost entirely whatever the first
+// tile's offset: a stage is refilled only once both have released it, so neither gets far
+// ahead. A ring of kS stages takes a lead of at most kS - 1. The same bits at every lead: each
+// warpgroup's rows and k order are unchanged.
+// The largest lead any ring takes (all have kStages stages; set_stagger clamps to it).
+constexpr int kMaxLead = kStages - 1;
+
+// Position in a ring of kS stages, the stagger's lead (0: lockstep) and whether this consumer
+// thread still has the stagger's one hand-over to do (1: consumer warpgroup 0, whose thread 0
+// arrives on lead_barrier).
+template <int kS>
+struct Pipe : sm90::PipeState<kS> {
+  int lead = 0;
+  int stagger_todo = 0;
+  MOKGEN_DEVICE bool staggered() const { return lead > 0; }
+#ifdef MOKGEN_BWD_TRACE
+  long long waited = 0;  // clock cycles this thread spent in stage-barrier waits (.ci/bwd_trace.py)
+#endif
+};
+
+// Every role's pipe (the producer's stagger fields stay unused); lead clamped to [0, kS - 1].
 // (run_roles sets the hand-over still to do, from the warp-uniform warpgroup index.)
-MOKGEN_DEVICE Pipe make_pipe(bool stagger) {
-  Pipe p;
-  p.staggered = stagger;
+template <int kS>
+MOKGEN_DEVICE Pipe<kS> make_pipe(int lead) {
+  Pipe<kS> p;
+  p.lead = lead < 0 ? 0 : lead > kS - 1 ? kS - 1 : lead;
   return p;
 }
 
-MOKGEN_DEVICE void stagger_lead_done(const Smem& s, Pipe& pipe) {
+// A stage-barrier wait of the pipe's role; trace builds (-DMOKGEN_BWD_TRACE, .ci/bwd_trace.py)
+// add its clock cycles to pipe.waited.
+template <class P>
+MOKGEN_DEVICE void pipe_wait(uint64_t* bar, uint32_t parity, P& pipe) {
+#ifdef MOKGEN_BWD_TRACE
+  const long long t0 = clock64();
+  mbar_wait(bar, parity);
+  pipe.waited += clock64() - t0;
+#else
+  mbar_wait(bar, parity);
+#endif
+}
+
+template <class P>
+MOKGEN_DEVICE void stagger_lead_done(const Smem& s, P& pipe) {
   if (pipe.stagger_todo == 1) {
     if ((threadIdx.x & 127) == 0) mbar_arrive(lead_barrier(s));
     pipe.stagger_todo = 0;
@@ -170,14 +219,15 @@ MOKGEN_DEVICE void stagger_lead_done(const Smem& s, Pipe& pipe) {
 // arrivals: two local, two from the peer); full still expects the whole 48 KB stage. The
 // forward's pairs (hopper_gemm.cuh, kShareB) share the weights the same way.
 
-// Every kernel's prologue: carve the dynamic shared memory and initialize the stage barriers
-// (thread 0), visible to the whole CTA (and, in a pair, to the peer) afterwards.
-template <int kPair = 1>
+// Every kernel's prologue: carve the dynamic shared memory for a ring of kS stages and
+// initialize the barriers (thread 0), visible to the whole CTA (and, in a pair, to the peer)
+// afterwards.
+template <int kS, int kPair = 1>
 MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
   static_assert(kPair == 1 || kPair == 2, "single CTAs or pairs");
-  const Smem s = Tile::carve(raw);
+  const Smem s = carve<kS>(raw);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
+    for (int i = 0; i < kS; ++i) {
       sm90::mbar_init(&s.full[i], 1);
       sm90::mbar_init(&s.empty[i], 2 * kPair);
     }
@@ -215,8 +265,8 @@ MOKGEN_DEVICE void release(const Smem& s, int st, int t) {
 // tile...) with wg = 0 or 1; each role keeps its own copy of the stage ring's position. A pair
 // ends with a cluster barrier of all threads: no multicast or remote arrive targets a CTA that
 // has exited.
-template <int kPair = 1, class Walk, class Produce, class Consume>
-MOKGEN_DEVICE void run_roles(const Smem& s, Pipe& pipe, Walk walk, Produce produce, Consume consume) {
+template <int kPair = 1, class P, class Walk, class Produce, class Consume>
+MOKGEN_DEVICE void run_roles(const Smem& s, P& pipe, Walk walk, Produce produce, Consume consume) {
   const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
@@ -227,8 +277,8 @@ MOKGEN_DEVICE void run_roles(const Smem& s, Pipe& pipe, Walk walk, Produce produ
     // where this CTA has no tile at all. The branch is on the warp-uniform index (a shuffle):
     // on tid / 128, ptxas took any instruction here for a divergent path and serialized the
     // weight kernels' wgmma (C7520, caught by build.serialized_wgmma)
-    if (pipe.staggered && wgi == 2) mbar_wait(lead_barrier(s), 0);
-    pipe.stagger_todo = pipe.staggered && wgi == 1 ? 1 : 0;
+    if (pipe.staggered() && wgi == 2) mbar_wait(lead_barrier(s), 0);
+    pipe.stagger_todo = pipe.staggered() && wgi == 1 ? 1 : 0;
     walk([&](auto... tile) { consume(wgi - 1, tile...); });
     stagger_lead_done(s, pipe);
   }
@@ -253,12 +303,12 @@ struct TileSrc {
 // boxes are rows b_row.. of b[0] (gate) and of b[1] (up), as the forward's gated tile; one pair.
 // kPair = 2 (MN-major B only): this CTA loads B boxes 2 crank and 2 crank + 1 into both CTAs of
 // the pair (TMA multicast), the peer the other two.
-template <bool kAMN, bool kBMN, bool kGated = false, int kPair = 1>
-MOKGEN_DEVICE void produce(const Smem& s, Pipe& pipe, const TileSrc& t, int crank = 0) {
+template <bool kAMN, bool kBMN, bool kGated = false, int kPair = 1, class P>
+MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank = 0) {
   static_assert(!kGated || (!kAMN && !kBMN), "gated tiles read K-major operands");
   static_assert(kPair == 1 || kBMN, "pairs share an MN-major B");
   for (int kb = 0; kb < t.n_k; ++kb) {
-    mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
+    pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     uint64_t* full = &s.full[pipe.stage];
     mbar_arrive_expect_tx(full, kStageBytes);
@@ -325,8 +375,8 @@ MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int 
 // lane l hold rows 16 w + l / 4 (+ 8) and columns 8 i + 2 (l % 4) + {0, 1} of group i, in
 // acc[4 i + {0, 1}] (+ {2, 3} for the row + 8)). k_valid: the rows of the last k-block that
 // belong to the tile's K (64 unless the K is ragged). With no k-block, acc is zero.
-template <bool kAMN, bool kBMN, int kPair = 1>
-MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc]) {
+template <bool kAMN, bool kBMN, int kPair = 1, class P>
+MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc]) {
   const int t = threadIdx.x & 127;
   if (n_k == 0) {
 #pragma unroll
@@ -337,7 +387,7 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
   int prev_stage = -1;
 #pragma unroll 2  // as the forward's mainloop (no spills either way)
   for (int kb = 0; kb < n_k; ++kb) {
-    mbar_wait(&s.full[pipe.stage], pipe.phase);
+    pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     // a short last k-block runs only the 16-row wgmma steps that hold valid k rows (its tail
     // rows within the last step zeroed): a weight-gradient tile of 341 rows issues 22 steps, not 24
@@ -345,7 +395,7 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
     if (kb == n_k - 1 && k_valid_last < kBK) {
       steps = (k_valid_last + 15) / 16;
       if (k_valid_last % 16) {
-        if (pipe.staggered) {
+        if (pipe.staggered()) {
           zero_tail<true>(st, wg, k_valid_last, 16 * steps, t);
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           // this warpgroup's threads only (barrier 4 or 5: one instruction, not a branch on wg,
@@ -374,7 +424,7 @@ MOKGEN_DEVICE void consume(const Smem& s, Pipe& pipe, int wg, int n_k, int k_val
     if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
     prev_stage = pipe.stage;
     pipe.advance();
-    if (kb == kStaggerBlocks - 1) stagger_lead_done(s, pipe);
+    if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
   }
   cute::warpgroup_wait<0>();
   fence_operands(acc);
@@ -415,6 +465,88 @@ MOKGEN_DEVICE void store_tile(const float (&acc)[kAcc], int wg, int rows, OutT* 
       }
     }
   }
+}
+
+// The weight gradients' epilogue through shared memory and TMA stores (v0.13). In-kernel traces
+// (.ci/bwd_trace.py, docs/perf-notes.md v0.13) showed the register-to-global epilogue
+// (store_tile: packs, quad exchanges, 16-byte stores) taking 2.7k of a tile's 10.9k cycles,
+// with the tensor core idle for most of it. Here each consumer warpgroup writes its 64 x 256
+// bf16 rows as four boxes of 64 x 64 (stmatrix, the accumulator fragments as they are, into
+// the 128-byte swizzle the TMA expects: conflict-free), and one thread issues each box's TMA
+// store. Two 8 KB buffers per warpgroup follow the stage ring, used in turn: before a buffer is
+// written again, the store that last read it is done reading (cp.async.bulk.wait_group.read 1:
+// at most the other buffer's store still reading). The stores drain at about 16 bytes per
+// cycle per warpgroup, so the epilogue still waits out about half of its drain (2.1-2.3k
+// cycles in all); buffers for the whole tile (32 KB per warpgroup) need the ring cut to three
+// stages, and the k-loop then lost to the data waits what the epilogue gained (measured).
+constexpr int kStoreBox = 64 * 64 * 2;  // 64 rows x 64 bf16 columns
+constexpr int kStoreBoxes = kBN / 64;   // boxes of a warpgroup's 64 x 256 rows
+constexpr int kStoreBuffers = 2;        // per consumer warpgroup
+constexpr size_t kStagingBytes = 2 * size_t(kStoreBuffers) * kStoreBox;
+constexpr size_t kWeightSmemBytes = ring_bytes(kWeightStages) + kStagingBytes;
+static_assert(kWeightSmemBytes <= 232448, "the stage ring and the store buffers fit one SM's 227 KB");
+
+// Buffer b of consumer warpgroup wg: after the stage ring (1024-aligned, as the swizzle needs).
+MOKGEN_DEVICE unsigned char* store_buffer(const Smem& s, int wg, int b) {
+  return s.after + size_t(kStoreBuffers * wg + b) * kStoreBox;
+}
+
+MOKGEN_DEVICE void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// This thread's TMA stores but the last kPending have read their shared memory (kDone false),
+// or all are complete (kDone: written to global memory, before the kernel exits). Own asm:
+// CuTe's wrappers call a sync-log hook, and a function call anywhere in a kernel serializes
+// its wgmma (C7510).
+template <int kPending, bool kDone = false>
+MOKGEN_DEVICE void store_wait() {
+  if constexpr (kDone)
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Consumer warpgroup wg's rows of a weight-gradient tile: out rows row0 + 64 wg .. + 63 and
+// columns col0 .. col0 + 255 of map `out` (bf16 [E M, N], boxes of 64 x 64, 128-byte swizzle).
+// Box j (columns 64 j ..) goes through buffer j % 2. Thread 0 of the warpgroup issues the
+// stores and waits for them; the bar.sync of the warpgroup's 128 threads (barrier 4 + wg, as
+// the short k-block's zeroing) orders the buffer's reuse before its writes, and the writes
+// before the store. stamps (trace builds only, else null): the SM clock after each box.
+MOKGEN_DEVICE void store_tile_tma(const float (&acc)[kAcc], const Smem& s, int wg, const CUtensorMap* out, int row0,
+                                  int col0, long long* stamps = nullptr) {
+  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
+  // this lane's row address for stmatrix: matrix lane / 8 of each x4 (0: rows 16 w + 0..7 of the
+  // first group, 1: rows + 8 of it, 2 and 3: the same of the second group), row lane % 8 of it
+  const int mat = lane >> 3, r = 16 * w + (lane & 7) + 8 * (mat & 1), second = mat >> 1;
+#pragma unroll
+  for (int j = 0; j < kStoreBoxes; ++j) {
+    unsigned char* buf = store_buffer(s, wg, j % kStoreBuffers);
+    if (t == 0) store_wait<kStoreBuffers - 1>();  // the store that read this buffer last is done reading it
+    asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {  // groups 8 j + 2 p and + 1: 16 columns each pair
+      const int g0 = 8 * j + 2 * p, g1 = g0 + 1;
+      const int chunk = 2 * p + second;  // 16-byte chunk of the box row (8 columns, one group)
+      const uint32_t addr = smem_u32(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
+      stmatrix_x4(addr, pack_bf16x2(acc[4 * g0], acc[4 * g0 + 1]), pack_bf16x2(acc[4 * g0 + 2], acc[4 * g0 + 3]),
+                  pack_bf16x2(acc[4 * g1], acc[4 * g1 + 1]), pack_bf16x2(acc[4 * g1 + 2], acc[4 * g1 + 3]));
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, before the TMA reads them
+    asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
+    if (t == 0) {
+      cute::SM90_TMA_STORE_2D::copy(out, buf, col0 + 64 * j, row0 + 64 * wg);
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    if (stamps != nullptr) stamps[j] = clock64();
+  }
+}
+
+// The end of a consumer warpgroup's stores: its thread 0 waits for them to complete.
+MOKGEN_DEVICE void store_tma_done() {
+  if ((threadIdx.x & 127) == 0) store_wait<0, true>();
 }
 
 // Epilogue of the gated recompute tile (acc: gate in groups 0..15, up in 16..31, as the

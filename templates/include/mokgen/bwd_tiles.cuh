@@ -51,10 +51,12 @@ template <class Fn>
 MOKGEN_HOST_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total, int m_tiles, int n_tiles, int cta,
                                           int ctas, Fn&& fn, int pair = 1, int crank = 0) {
   const int m_units = m_tiles / pair, per_e = m_units * n_tiles;
+  if (per_e <= 0) return;
   int e_seen = -1, start = 0, end = 0;  // expert e's clamped segment, advanced as q grows
   int prev_end = 0;
-  for (int64_t q = cta; q < int64_t(E) * per_e; q += ctas) {
-    const int e = int(q / per_e), r = int(q % per_e);
+  // unit q = e per_e + r, advanced by ctas in 32-bit steps (a 64-bit division per tile cost
+  // about as much as the rest of the walk)
+  for (int e = cta / per_e, r = cta % per_e; e < E;) {
     while (e_seen < e) {  // the same segments as walk_row_tiles: each starts where the last ended
       ++e_seen;
       start = prev_end;
@@ -62,6 +64,9 @@ MOKGEN_HOST_DEVICE void walk_weight_tiles(const int32_t* offs, int E, int total,
       prev_end = end;
     }
     fn(e, start, end - start, pair * (r / n_tiles) + crank, r % n_tiles);
+    r += ctas;
+    e += r / per_e;
+    r %= per_e;
   }
 }
 

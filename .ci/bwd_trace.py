@@ -1,0 +1,116 @@
+"""Where a weight-gradient tile's time goes, from inside the kernel (runs on an H200, not in CI).
+
+Compiles a trace build of templates/bwd_gemm.cu (-DMOKGEN_BWD_TRACE: each CTA writes SM clock
+stamps for its first TILES tiles and each role, see the trace macros there) into a temporary
+directory, and runs the weight-gradient GEMMs on the rows of `mokgen bench SPEC --workload local
+--backward` at every stagger lead. Prints, per GEMM and lead, medians over every CTA's tiles
+(its first tile left out): the period of a consumer warpgroup's tiles, its k-loop, the part of
+the k-loop spent waiting for full stages, its epilogue, and the producer's waits for empty
+stages, and how far warpgroup 1's tile starts lag warpgroup 0's; all in SM clock cycles, next
+to the tile's tensor-core time at the dense rate (128 cycles per m64n256k16 wgmma, both
+warpgroups' steps). The trace build's kernel time is printed too: the stamps cost a little.
+The epilogue (bwd_gemm.cuh, store_tile_tma) is cut at its stamps ("rounds": cycles from the
+k-loop's end to the end of its first box, then of each next box).
+BWD_TRACE_FLAGS: more nvcc flags for the trace build (a variant's macros). With BWD_TRACE_OUT=DIR the raw stamps
+are saved there (trace-<gemm>-lead<l>.pt: int64 [CTAs, tiles, role, 8]). Usage:
+python3 .ci/bwd_trace.py [SPEC [TILES]] (kimi-k2.5, 48)."""
+
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mokgen import bench, build, bwd_gemm
+from mokgen.paths import templates_dir
+from mokgen.spec import load_spec
+
+spec_name = sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"
+TILES = int(sys.argv[2]) if len(sys.argv) > 2 else 48
+spec, tokens = bench.local_spec(load_spec(spec_name), 8)
+E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+gen = torch.Generator(device="cuda").manual_seed(3)
+ids, _ = bench._routing(spec, tokens, gen)
+counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+rows = int(counts.sum())
+offs = counts.cumsum(0).to(torch.int32)
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+
+x, go, dg, hw = randn(rows, H), randn(rows, H), randn(rows, I), randn(rows, I)
+
+tmp = Path(tempfile.mkdtemp(prefix="bwd-trace-"))
+tc = build.find_toolchain()
+extra = os.environ.get("BWD_TRACE_FLAGS", "").split()
+cmd = [tc.nvcc, *build._source_flags("sm_90a"), "-DMOKGEN_BWD_TRACE", *extra, "-I", str(templates_dir() / "include"),
+       "-I", tc.cutlass_include, str(templates_dir() / "bwd_gemm.cu"), "-o", str(tmp / "libbwdtrace.so")]
+res = subprocess.run(cmd, capture_output=True, text=True)
+if res.returncode != 0:
+    sys.exit(f"trace build failed:\n{res.stderr[-4000:]}")
+(tmp / "build.log").write_text(res.stdout + res.stderr)
+if build.serialized_wgmma(tmp):
+    print("WARNING: the trace build's wgmma are serialized; its times are not the library's")
+lib = bwd_gemm._Lib(tmp / "libbwdtrace.so")
+raw = ctypes.CDLL(str(tmp / "libbwdtrace.so"))
+raw.mokgen_bwd_set_trace.argtypes, raw.mokgen_bwd_set_trace.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+bwd_gemm.load_library = lambda: lib  # noqa: E731 (this process only)
+grid = torch.cuda.get_device_properties(0).multi_processor_count
+buf = torch.zeros(grid * TILES * 3 * 8, dtype=torch.int64, device="cuda")
+
+cases = {"dWg = dg^T x": (dg, x), "dWd = dOut^T hw": (go, hw)}
+save_dir = os.environ.get("BWD_TRACE_OUT")
+print(f"== {spec.name} local: {rows} rows, E = {E}, H = {H}, I = {I}; trace of the first {TILES} tiles of "
+      f"each of {grid} CTAs (cycles){'; flags ' + ' '.join(extra) if extra else ''}")
+print(f"{'GEMM':18s} {'lead':>4s} {'ms':>7s} {'period':>7s} {'k-loop':>7s} {'full wt':>7s} {'epilog':>7s} "
+      f"{'wg gap':>7s} {'prod wt':>7s} {'lag':>7s} {'mma':>6s} {'steps':>5s}  rounds")
+for name, (a, b) in cases.items():
+    for lead in range(bwd_gemm.MAX_LEAD + 1):
+        lib.set_stagger(lead)
+        assert raw.mokgen_bwd_set_trace(None, 0) == 0
+        ms = statistics.median(bench.time_cuda(lambda i: bwd_gemm.weight_grads(a, b, offs), n_inputs=1, iters=10))
+        buf.zero_()
+        assert raw.mokgen_bwd_set_trace(ctypes.c_void_p(buf.data_ptr()), TILES) == 0
+        bwd_gemm.weight_grads(a, b, offs)
+        torch.cuda.synchronize()
+        assert raw.mokgen_bwd_set_trace(None, 0) == 0
+        raw_t = buf.view(grid, TILES, 3, 8).cpu()
+        if save_dir:
+            torch.save(raw_t, Path(save_dir) / f"trace-{name.split()[0]}-lead{lead}.pt")
+        t = raw_t.double()
+        stats = {k: [] for k in ("period", "kloop", "fullw", "epi", "gap", "prodw", "lag", "r0", "r1", "r2", "r3")}
+        for c in range(grid):
+            for role in (1, 2):
+                for i in range(1, TILES - 1):
+                    cur, nxt = t[c, i, role], t[c, i + 1, role]
+                    if cur[0] == 0 or nxt[0] == 0:
+                        break
+                    stats["period"].append(float(nxt[0] - cur[0]))
+                    stats["kloop"].append(float(cur[1] - cur[0]))
+                    stats["fullw"].append(float(cur[3]))
+                    stats["epi"].append(float(cur[2] - cur[1]))
+                    stats["gap"].append(float(nxt[0] - cur[2]))
+                    prev = cur[1]
+                    for k in range(4):
+                        if cur[4 + k] != 0:
+                            stats[f"r{k}"].append(float(cur[4 + k] - prev))
+                            prev = cur[4 + k]
+            for i in range(1, TILES):
+                if t[c, i, 0, 0] == 0:
+                    break
+                stats["prodw"].append(float(t[c, i, 0, 3]))
+                if t[c, i, 1, 0] and t[c, i, 2, 0]:
+                    stats["lag"].append(float(t[c, i, 2, 0] - t[c, i, 1, 0]))
+        med = {k: statistics.median(v) if v else float("nan") for k, v in stats.items()}
+        k_steps = (rows // E + 15) // 16  # a mean expert's 16-row wgmma steps
+        mma = 2 * k_steps * 128
+        print(f"{name:18s} {lead:4d} {ms:7.3f} {med['period']:7.0f} {med['kloop']:7.0f} {med['fullw']:7.0f} "
+              f"{med['epi']:7.0f} {med['gap']:7.0f} {med['prodw']:7.0f} {med['lag']:7.0f} {mma:6d} {k_steps:5d}  "
+              + " ".join(f"{med[f'r{k}']:.0f}" for k in range(4) if stats[f"r{k}"]))
+lib.set_stagger(bwd_gemm.MAX_LEAD)
