@@ -208,12 +208,12 @@ def _pairs_expert_major(topk_ids: torch.Tensor, E: int, *, count: bool = True):
     return order, counts[:E], (int(counts[:E].sum()) if count else None)
 
 
-#: bwd_gemm.expert_major (one block per expert, each scanning every pair) orders the rows where
-#: experts x pairs is at most this; above it PyTorch's radix sort and a scatter-add are faster
-#: on the GPU. Measured on the H200 (docs/perf-notes.md v0.11): 40 us for kimi-k2.5's local rows
-#: (48 experts x 16384 pairs), where the PyTorch form took about 0.1 ms of GPU and a dozen host
-#: operations; 431 us for the qwen3.5-35b-a3b layer (256 x 131072), where it takes about 0.1 ms.
-EXPERT_MAJOR_MAX_WORK = 1 << 22
+#: mokgen's GEMMs take their rows' order from bwd_gemm.expert_major (a counting sort in three
+#: launches, v0.13) where True; False: PyTorch's radix sort and a scatter-add, a dozen small
+#: operations (the tests compare the two: the same bits). Before v0.13 expert_major read every
+#: pair once per expert and took 431 us on the qwen3.5-35b-a3b layer (256 experts x 131072
+#: pairs), so layers above 2^22 experts x pairs took PyTorch's sort.
+USE_EXPERT_MAJOR = True
 
 
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
@@ -231,7 +231,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # the kernels treat rows past offs[-1] as no expert's (zeros): no wait for the device to
     # count the valid pairs, and (expert_major) the order, token of each row, offsets and
     # routing weights in one launch; torch._grouped_mm gets the valid rows only
-    if ours and E * topk_ids.numel() <= EXPERT_MAJOR_MAX_WORK:
+    if ours and USE_EXPERT_MAJOR and E <= bwd_gemm.EXPERT_MAJOR_MAX_EXPERTS:
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         order, tok, offs, wt = bwd_gemm.expert_major(ids32.contiguous(), E, topk_weights.to(f32).contiguous())
         wts = wt.unsqueeze(1)

@@ -70,8 +70,12 @@ _SIGNATURES = {
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _vp],
-    "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp],
+    "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp, _vp],
 }
+#: entry points that return a value, not an error code: (argument types, result type)
+_QUERIES = {"mokgen_bwd_expert_major_scratch": ([_i, _i], ctypes.c_longlong)}
+#: the most experts expert_major orders (its kernels keep E + 1 counters in 48 KB of shared memory)
+EXPERT_MAJOR_MAX_EXPERTS = 12287
 
 
 class _Lib:
@@ -86,6 +90,10 @@ class _Lib:
         for name in entries:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _SIGNATURES[name], _i
+        for name, (args, result) in _QUERIES.items():
+            if hasattr(lib, name):  # an older build (a benchmark's) may lack it
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, result
         self._lib = lib
         if hasattr(lib, "mokgen_bwd_set_stagger"):  # an older build (a benchmark's) may lack it
             lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
@@ -119,6 +127,10 @@ class _Lib:
 
     def expert_major(self, *args) -> None:
         self._call("mokgen_bwd_expert_major", *args)
+
+    def expert_major_scratch(self, n: int, experts: int) -> int:
+        """int32 elements of expert_major's scratch for n pairs and ``experts`` experts."""
+        return int(self._lib.mokgen_bwd_expert_major_scratch(n, experts))
 
 
 @lru_cache(maxsize=None)
@@ -293,12 +305,14 @@ def set_stagger(lead: int | bool) -> None:
 
 def expert_major(topk_ids, experts: int, topk_weights=None):
     """The backward's rows: ``(order, tok, offs, wts)`` for ``topk_ids [T, K]`` (int32) and
-    ``experts`` experts, in one launch: ``order [T K]`` int64, the pairs ``t * K + j`` sorted by
-    expert id, stable, the pairs whose id is outside ``[0, experts)`` last; ``tok = order // K``;
-    ``offs [experts]`` int32, the inclusive prefix sums of the pairs per expert; ``wts [T K]`` =
-    ``topk_weights.reshape(-1)[order]`` (``topk_weights [T, K]`` fp32), or None without weights.
-    What mokgen.backward._pairs_expert_major and a cumsum, a division and a gather give, without
-    the dozen small operations (and their host time) those take."""
+    ``experts`` experts (at most EXPERT_MAJOR_MAX_EXPERTS): ``order [T K]`` int64, the pairs
+    ``t * K + j`` sorted by expert id, stable, the pairs whose id is outside ``[0, experts)``
+    last; ``tok = order // K``; ``offs [experts]`` int32, the inclusive prefix sums of the pairs
+    per expert; ``wts [T K]`` = ``topk_weights.reshape(-1)[order]`` (``topk_weights [T, K]``
+    fp32), or None without weights. What mokgen.backward._pairs_expert_major and a cumsum, a
+    division and a gather give, without the dozen small operations (and their host time) those
+    take: a counting sort over chunks of 1024 pairs in three launches, O(pairs + experts x
+    chunks), the same result on every run."""
     import torch
 
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int32 or topk_ids.dim() != 2 \
@@ -306,8 +320,9 @@ def expert_major(topk_ids, experts: int, topk_weights=None):
         raise InputError("topk_ids must be a contiguous 2-d int32 tensor on a CUDA device of compute capability 9.0")
     T, K = topk_ids.shape
     n = T * K
-    if experts < 1 or K < 1:
-        raise InputError(f"expert_major needs experts >= 1 and K >= 1, got {experts} and {K}")
+    if not 1 <= experts <= EXPERT_MAJOR_MAX_EXPERTS or K < 1:
+        raise InputError(f"expert_major needs 1 <= experts <= {EXPERT_MAJOR_MAX_EXPERTS} and K >= 1, got {experts} "
+                         f"and {K}")
     if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
                                      or tuple(topk_weights.shape) != (T, K) or not topk_weights.is_contiguous()
                                      or topk_weights.device != topk_ids.device):
@@ -318,11 +333,12 @@ def expert_major(topk_ids, experts: int, topk_weights=None):
                                                                                           device=dev)
     wts = None if topk_weights is None else torch.empty(n, dtype=torch.float32, device=dev)
     if n:
+        lib = load_library()
+        counts = torch.empty(lib.expert_major_scratch(n, experts), dtype=torch.int32, device=dev)
         with _on(dev) as stream:
-            load_library().expert_major(topk_ids.data_ptr(), n, experts, K,
-                                        None if topk_weights is None else topk_weights.data_ptr(), order.data_ptr(),
-                                        tok.data_ptr(), None if wts is None else wts.data_ptr(), offs.data_ptr(),
-                                        stream)
+            lib.expert_major(topk_ids.data_ptr(), n, experts, K, None if topk_weights is None else topk_weights.data_ptr(),
+                             order.data_ptr(), tok.data_ptr(), None if wts is None else wts.data_ptr(), offs.data_ptr(),
+                             counts.data_ptr(), stream)
     return order, tok, offs, wts
 
 

@@ -16,7 +16,8 @@ from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
-           "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead")
+           "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
+           "mokgen_bwd_expert_major_scratch")
 
 
 @pytest.mark.nvcc
@@ -29,8 +30,9 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     # rows<B MN-major, fp32 out>, rows<B MN-major, bf16 out>, rows<B K-major>, swiglu, swiglu_saved,
-    # weights<single CTAs>, weights<pairs>, zero_rows<fp32>, zero_rows<bf16>, sum_slots, expert_major
-    assert len(kernels) == 11, kernels
+    # weights<single CTAs>, weights<pairs>, zero_rows<fp32>, zero_rows<bf16>, sum_slots, and the
+    # row order's expert_count, expert_scan, expert_scatter
+    assert len(kernels) == 13, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -47,6 +49,8 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     assert "cuTensorMapEncodeTiled" in wrapped._lib.mokgen_bwd_error_string(1000).decode()
     # the stagger leads Python accepts are the ones the kernels take (bwd_gemm.cuh, kMaxLead)
     assert cdll.mokgen_bwd_max_lead() == bwd_gemm.MAX_LEAD
+    # the row order's scratch: (E + 1) counters per chunk of 1024 pairs
+    assert [wrapped.expert_major_scratch(n, 48) for n in (1, 1024, 1025, 16384)] == [49, 49, 98, 16 * 49]
     # a second call finds it in the cache
     mtime = lib.stat().st_mtime_ns
     assert bwd_gemm.build_library() == lib and lib.stat().st_mtime_ns == mtime

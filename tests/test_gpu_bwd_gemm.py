@@ -216,14 +216,23 @@ def test_rows_gemm_bf16_output_has_the_bits_of_the_fp32_sums_rounded():
         bwd_gemm.rows_gemm(ops, offs, out=out.half(), out_rows=perm)
 
 
-@pytest.mark.parametrize("E, T, K", [(1, 5, 1), (7, 1000, 3), (300, 2049, 8)])
-def test_expert_major_order_matches_the_stable_sort(E, T, K):
-    """The one-launch row order against PyTorch's stable argsort, with dropped pairs (ids -1 and
-    E) sorted last: the same order, offsets, token of each row and gathered weights, every run."""
+# (experts, tokens, slots, skewed): one chunk of 1024 pairs or less, a chunk and one pair, many
+# chunks (kimi-k2.5's local rows, the qwen3.5-35b-a3b layer), more keys than the scan's threads
+# (5 keys each), the most experts, and nine pairs in ten on one expert
+@pytest.mark.parametrize("E, T, K, skewed", [
+    (1, 5, 1, False), (7, 1000, 3, False), (300, 2049, 8, False), (3, 1025, 1, False), (48, 16384, 1, False),
+    (256, 16384, 8, False), (5000, 700, 2, False), (bwd_gemm.EXPERT_MAJOR_MAX_EXPERTS, 3000, 2, False),
+    (64, 4000, 4, True)])
+def test_expert_major_order_matches_the_stable_sort(E, T, K, skewed):
+    """The row order (a counting sort over chunks of pairs) against PyTorch's stable argsort, with
+    dropped pairs (ids -1 and E) sorted last: the same order, offsets, token of each row and
+    gathered weights, every run."""
     from mokgen.backward import _pairs_expert_major
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     ids = torch.randint(0, E, (T, K), generator=gen, device="cuda", dtype=torch.int32)
+    if skewed:
+        ids = torch.where(torch.rand(T, K, generator=gen, device="cuda") < 0.9, 5, ids).to(torch.int32)
     drop = torch.rand(T, K, generator=gen, device="cuda") < 0.05
     ids = torch.where(drop, torch.where(torch.rand(T, K, generator=gen, device="cuda") < 0.5, -1, E), ids).to(torch.int32)
     w = torch.rand(T, K, generator=gen, device="cuda")
@@ -236,6 +245,8 @@ def test_expert_major_order_matches_the_stable_sort(E, T, K):
     again = bwd_gemm.expert_major(ids, E, w)
     assert all(torch.equal(a, b) for a, b in zip(again, (order, tok, offs, wts)))
     assert bwd_gemm.expert_major(ids, E)[3] is None
+    with pytest.raises(InputError, match="experts <= 12287"):
+        bwd_gemm.expert_major(ids, bwd_gemm.EXPERT_MAJOR_MAX_EXPERTS + 1)
 
 
 @pytest.mark.parametrize("K", [1, 3, 8])
@@ -375,8 +386,8 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch, one
     # the rows ordered by PyTorch's sort instead of bwd_gemm.expert_major (large layers): the same bits
     from mokgen import backward
 
-    assert E * ids.numel() <= backward.EXPERT_MAJOR_MAX_WORK
-    monkeypatch.setattr(backward, "EXPERT_MAJOR_MAX_WORK", 0)
+    assert backward.USE_EXPERT_MAJOR
+    monkeypatch.setattr(backward, "USE_EXPERT_MAJOR", False)
     sorted_by_torch = experts_backward(x, ids, w, wg, wu, wd, g)
     assert all(torch.equal(a, b) for a, b in zip(got, sorted_by_torch))
 
