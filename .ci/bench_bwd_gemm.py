@@ -12,15 +12,9 @@ from pathlib import Path
 import torch
 
 from mokgen import bench, bwd_gemm
-from mokgen.spec import load_spec
 
-spec, tokens = bench.local_spec(load_spec(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"), 8)
+spec, gen, counts, offs, rows = bench.local_expert_rows(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5")
 E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-gen = torch.Generator(device="cuda").manual_seed(3)
-ids, _ = bench._routing(spec, tokens, gen)
-counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
-rows = int(counts.sum())
-offs = counts.cumsum(0).to(torch.int32)
 
 
 def randn(*shape, scale=1.0):

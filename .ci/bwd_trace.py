@@ -27,17 +27,10 @@ import torch
 
 from mokgen import bench, build, bwd_gemm
 from mokgen.paths import templates_dir
-from mokgen.spec import load_spec
 
-spec_name = sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"
 TILES = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-spec, tokens = bench.local_spec(load_spec(spec_name), 8)
+spec, gen, counts, offs, rows = bench.local_expert_rows(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5")
 E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-gen = torch.Generator(device="cuda").manual_seed(3)
-ids, _ = bench._routing(spec, tokens, gen)
-counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
-rows = int(counts.sum())
-offs = counts.cumsum(0).to(torch.int32)
 
 
 def randn(*shape):
@@ -58,7 +51,7 @@ if res.returncode != 0:
 if build.serialized_wgmma(tmp):
     print("WARNING: the trace build's wgmma are serialized; its times are not the library's")
 lib = bwd_gemm._Lib(tmp / "libbwdtrace.so")
-raw = ctypes.CDLL(str(tmp / "libbwdtrace.so"))
+raw = lib._lib  # the trace build's one extra entry point
 raw.mokgen_bwd_set_trace.argtypes, raw.mokgen_bwd_set_trace.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
 bwd_gemm.load_library = lambda: lib  # noqa: E731 (this process only)
 grid = torch.cuda.get_device_properties(0).multi_processor_count

@@ -273,7 +273,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         # ones, past offs[-1]): no fill first. One slot per token (K = 1, an EP rank's received
         # rows): the kernel rounds to bf16 itself, the bits of sum_slots' one rounding, with no
         # fp32 copy and no pass over it
-        dx_pairs = torch.empty(T * K, x.shape[1], dtype=torch.bfloat16 if K == 1 else f32, device=x.device)
+        one_slot = K == 1
+        dx_pairs = torch.empty(T * K, x.shape[1], dtype=torch.bfloat16 if one_slot else f32, device=x.device)
         bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn", out=dx_pairs, out_rows=order)
         dx_rows = None
     else:
@@ -292,7 +293,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
                 for gw in grads:
                     gw[empty] = 0
     if ours:  # dx summed over the slots in order and cast to bf16 in one pass (the bits of _unpermute's)
-        dx = dx_pairs if K == 1 else bwd_gemm.sum_slots(dx_pairs, T, K)
+        dx = dx_pairs if one_slot else bwd_gemm.sum_slots(dx_pairs, T, K)
         del dx_pairs
         dw = _pair_weights(order, dw_rows, T, K)
     else:

@@ -313,6 +313,20 @@ def backward_problem(spec: MoESpec, tokens: int, n_inputs: int = 1):
     return layer, (wg, wu, wd), inputs
 
 
+def local_expert_rows(name: str, ep: int = 8, seed: int = 3):
+    """The expert-major rows of ``mokgen bench NAME --workload local --backward`` (EP ``ep``, the
+    bench's routing), for the backward GEMMs' own benchmarks: ``(spec, gen, counts, offs, rows)``,
+    the local spec, the generator after the routing (for the operands), rows per expert [E]
+    int64, their inclusive prefix sums [E] int32 and the total."""
+    from mokgen.spec import load_spec
+
+    spec, tokens = local_spec(load_spec(name), ep)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids, _ = _routing(spec, tokens, gen)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=spec.num_experts)
+    return spec, gen, counts, counts.cumsum(0).to(torch.int32), int(counts.sum())
+
+
 def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
                          workload: str = "layer") -> list[Row]:
     """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then

@@ -394,10 +394,10 @@ int sm_count() {
   return n;
 }
 
-// The shared-memory attribute is set at every launch (a few microseconds; per device, and the
-// kernels share one function-pointer type, so a per-type "done" flag could not tell them apart).
 // A launch of `grid` CTAs with `smem` bytes of dynamic shared memory (bwd::kSmemBytes, or the
-// weight kernels' kWeightSmemBytes).
+// weight kernels' kWeightSmemBytes). The shared-memory attribute is set at every launch (a few
+// microseconds; per device, and the kernels share one function-pointer type, so a per-type
+// "done" flag could not tell them apart).
 template <class Kernel, class... Args>
 int launch(Kernel kernel, int grid, size_t smem, cudaStream_t stream, const Maps& maps, Args... args) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
