@@ -3,16 +3,21 @@
 Compiles a trace build of templates/bwd_gemm.cu (-DMOKGEN_BWD_TRACE: each CTA writes SM clock
 stamps for its first TILES tiles and each role, see the trace macros there) into a temporary
 directory, and runs the weight-gradient GEMMs on the rows of `mokgen bench SPEC --workload local
---backward` at every stagger lead. Prints, per GEMM and lead, medians over every CTA's tiles
-(its first tile left out): the period of a consumer warpgroup's tiles, its k-loop, the part of
-the k-loop spent waiting for full stages, its epilogue, and the producer's waits for empty
-stages, and how far warpgroup 1's tile starts lag warpgroup 0's; all in SM clock cycles, next
-to the tile's tensor-core time at the dense rate (128 cycles per m64n256k16 wgmma, both
-warpgroups' steps). The trace build's kernel time is printed too: the stamps cost a little.
+--backward`: the split tiles at every stagger lead, then the ping-pong ("pp") at every
+hand-over (the lead: how many k-blocks before its last a warpgroup hands the turn over; the
+kernel keeps at most six). Prints, per
+GEMM and run, medians over every CTA's tiles (its first tile left out): the period of a
+consumer warpgroup's tiles, its k-loop, the part of the k-loop spent waiting for full stages,
+its epilogue, and the producer's waits for empty stages, and how far warpgroup 1's tile starts
+lag warpgroup 0's; all in SM clock cycles, next to the tensor-core time of 128 x 256 outputs
+at the dense rate (128 cycles per m64n256k16 wgmma, both warpgroups' steps). A split tile is
+128 x 256 and a warpgroup's period one tile; a ping-pong tile is 128 x 128, a warpgroup's own
+tiles every other one, so its period spans two (the same outputs), and its k-loop starts
+after its turn. The trace build's kernel time is printed too: the stamps cost a little.
 The epilogue (bwd_gemm.cuh, store_tile_tma) is cut at its stamps ("rounds": cycles from the
 k-loop's end to the end of its first box, then of each next box).
 BWD_TRACE_FLAGS: more nvcc flags for the trace build (a variant's macros). With BWD_TRACE_OUT=DIR the raw stamps
-are saved there (trace-<gemm>-lead<l>.pt: int64 [CTAs, tiles, role, 8]). Usage:
+are saved there (trace-<gemm>-<schedule>-lead<l>.pt: int64 [CTAs, tiles, role, 8]). Usage:
 python3 .ci/bwd_trace.py [SPEC [TILES]] (kimi-k2.5, 48)."""
 
 import ctypes
@@ -63,19 +68,23 @@ print(f"== {spec.name} local: {rows} rows, E = {E}, H = {H}, I = {I}; trace of t
       f"each of {grid} CTAs (cycles){'; flags ' + ' '.join(extra) if extra else ''}")
 print(f"{'GEMM':18s} {'lead':>4s} {'ms':>7s} {'period':>7s} {'k-loop':>7s} {'full wt':>7s} {'epilog':>7s} "
       f"{'wg gap':>7s} {'prod wt':>7s} {'lag':>7s} {'mma':>6s} {'steps':>5s}  rounds")
+# the split tiles at every stagger lead, then the ping-pong at every lead (for it: how many
+# k-blocks before its last one a warpgroup hands the turn over)
+runs = [(sch, lead) for sch in ("split", "pingpong") for lead in range(bwd_gemm.MAX_LEAD + 1)]
 for name, (a, b) in cases.items():
-    for lead in range(bwd_gemm.MAX_LEAD + 1):
+    for sch, lead in runs:
         lib.set_stagger(lead)
         assert raw.mokgen_bwd_set_trace(None, 0) == 0
-        ms = statistics.median(bench.time_cuda(lambda i: bwd_gemm.weight_grads(a, b, offs), n_inputs=1, iters=10))
+        ms = statistics.median(bench.time_cuda(lambda i: bwd_gemm.weight_grads(a, b, offs, schedule=sch), n_inputs=1,
+                                               iters=10))
         buf.zero_()
         assert raw.mokgen_bwd_set_trace(ctypes.c_void_p(buf.data_ptr()), TILES) == 0
-        bwd_gemm.weight_grads(a, b, offs)
+        bwd_gemm.weight_grads(a, b, offs, schedule=sch)
         torch.cuda.synchronize()
         assert raw.mokgen_bwd_set_trace(None, 0) == 0
         raw_t = buf.view(grid, TILES, 3, 8).cpu()
         if save_dir:
-            torch.save(raw_t, Path(save_dir) / f"trace-{name.split()[0]}-lead{lead}.pt")
+            torch.save(raw_t, Path(save_dir) / f"trace-{name.split()[0]}-{sch}-lead{lead}.pt")
         t = raw_t.double()
         stats = {k: [] for k in ("period", "kloop", "fullw", "epi", "gap", "prodw", "lag", "r0", "r1", "r2", "r3")}
         for c in range(grid):
@@ -103,7 +112,7 @@ for name, (a, b) in cases.items():
         med = {k: statistics.median(v) if v else float("nan") for k, v in stats.items()}
         k_steps = (rows // E + 15) // 16  # a mean expert's 16-row wgmma steps
         mma = 2 * k_steps * 128
-        print(f"{name:18s} {lead:4d} {ms:7.3f} {med['period']:7.0f} {med['kloop']:7.0f} {med['fullw']:7.0f} "
+        print(f"{name:18s} {('pp' if sch == 'pingpong' else '') + str(lead):>4} {ms:7.3f} {med['period']:7.0f} {med['kloop']:7.0f} {med['fullw']:7.0f} "
               f"{med['epi']:7.0f} {med['gap']:7.0f} {med['prodw']:7.0f} {med['lag']:7.0f} {mma:6d} {k_steps:5d}  "
               + " ".join(f"{med[f'r{k}']:.0f}" for k in range(4) if stats[f"r{k}"]))
 lib.set_stagger(bwd_gemm.MAX_LEAD)

@@ -65,8 +65,8 @@ def build_library(*, force: bool = False) -> Path:
 _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 #: the library's entry points and their argument types (each returns 0 or a CUDA error code)
 _SIGNATURES = {
-    "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _vp],
-    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _i, _vp],
+    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _vp],
@@ -225,7 +225,20 @@ def _check_row_floats(dh_u, wt, rows: int, I: int, device) -> None:
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
 
 
-def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, out_rows=None):
+#: the narrowest N whose rows GEMMs run as CTA pairs by default (rows_cluster): measured on
+#: kimi-k2.5's local rows, pairs took dx (N = 7168, 28 column tiles) from 1.87 to 1.70 ms and dh
+#: (N = 2048, 8 tiles) from 0.85 to 0.90 (docs/perf-notes.md v0.14)
+ROWS_PAIR_MIN_N = 4096
+
+
+def rows_cluster(N: int) -> int:
+    """The rows GEMMs' CTAs per cluster when neither the call nor MOKGEN_BWD_ROWS_CLUSTER says:
+    column-tile pairs (2) from N = ROWS_PAIR_MIN_N, single CTAs (1) below."""
+    return 2 if N >= ROWS_PAIR_MIN_N else 1
+
+
+def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, out_rows=None,
+              cluster: int | None = None):
     """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
     bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
@@ -236,9 +249,15 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     fp32 sums rounded once to nearest even, the bits of ``out.float().to(torch.bfloat16)``, half
     the bytes written (the backward's dx where each token has one pair). The map is trusted: its
     values must lie in [0, R). Every result row is written by the kernels (no fill of the output
-    first)."""
+    first). ``cluster`` 2: CTA pairs that compute column tiles n, n + 1 of one row block load
+    the A rows once between them (TMA multicast), where N / 256 is even; 1: every CTA loads its
+    own. The same bits either way. Default: MOKGEN_BWD_ROWS_CLUSTER, else rows_cluster(N)."""
     import torch
 
+    if cluster is None:
+        cluster = env.bwd_rows_cluster()
+    if cluster not in (None, 1, 2):
+        raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
     if b_major not in ("mn", "k"):
         raise InputError(f"b_major must be 'mn' or 'k', got {b_major!r}")
     if not 1 <= len(pairs) <= 2:
@@ -259,6 +278,8 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     if N == 0 or K == 0 or N % BLOCK_N or K % BLOCK_K:
         raise InputError(f"rows_gemm needs N, K > 0 with N % {BLOCK_N} == 0 and K % {BLOCK_K} == 0, got N = {N}, "
                          f"K = {K}")
+    if cluster is None:
+        cluster = rows_cluster(N)
     _check_offs(offs, E, a0.device)
     if out_rows is None:
         if out is not None:
@@ -282,7 +303,7 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
         load_library().rows(out.data_ptr(), a0.data_ptr(), b0.data_ptr(), a1.data_ptr(), b1.data_ptr(), len(pairs),
                             offs.data_ptr(), E, rows, K, N, int(b_major == "mn"),
                             out_rows.data_ptr() if out_rows is not None else None,
-                            int(out.dtype == torch.bfloat16), stream)
+                            int(out.dtype == torch.bfloat16), cluster, stream)
     return out
 
 
@@ -363,18 +384,29 @@ def sum_slots(dx_pairs, tokens: int, top_k: int):
     return out
 
 
-def weight_grads(a, b, offs, *, cluster: int | None = None):
+#: the weight gradients' schedules (weight_grads' ``schedule``, MOKGEN_BWD_WEIGHTS)
+WEIGHT_SCHEDULES = ("split", "pingpong")
+
+
+def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
     row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
     without rows. ``cluster`` 2: CTA pairs that compute row blocks m, m + 1 of one tile column
     load B once between them (TMA multicast), where M / 128 is even; 1: every CTA loads its own.
-    The same bits either way. Default: MOKGEN_BWD_CLUSTER (1; pairs measured no faster,
-    docs/perf-notes.md v0.12)."""
+    Default: MOKGEN_BWD_CLUSTER (1). ``schedule`` "split": tiles of 128 x 256 split between the
+    two consumer warpgroups; "pingpong": tiles of 128 x 128, each one warpgroup's, the two taking
+    turns at the k-loop (the stagger lead: how many k-blocks before its last one a warpgroup
+    hands the turn over) so one's epilogue overlaps the other's wgmma. Default:
+    MOKGEN_BWD_WEIGHTS (env.BWD_WEIGHTS_DEFAULT, "split": the ping-pong measured no faster,
+    docs/perf-notes.md v0.14). The same bits every way."""
     import torch
 
     cluster = env.bwd_cluster() if cluster is None else cluster
     if cluster not in (1, 2):
         raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
+    schedule = env.bwd_weights() if schedule is None else schedule
+    if schedule not in WEIGHT_SCHEDULES:
+        raise InputError(f"schedule must be one of {', '.join(WEIGHT_SCHEDULES)}, got {schedule!r}")
 
     _check_operand("A", a, 2)
     _check_operand("B", b, 2)
@@ -394,7 +426,7 @@ def weight_grads(a, b, offs, *, cluster: int | None = None):
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
     with _on(a.device) as stream:
         load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, cluster,
-                               stream)
+                               int(schedule == "pingpong"), stream)
     return out
 
 

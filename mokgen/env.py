@@ -29,7 +29,9 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
     "MOKGEN_BWD_GEMM": "1 (default) or 0: the experts' backward runs its GEMMs on mokgen's Hopper kernels (mokgen/bwd_gemm.py) where they run (sm_90, H and I multiples of 256), or on torch._grouped_mm",
     "MOKGEN_BWD_CLUSTER": "1 (default) or 2: the backward's weight-gradient GEMMs run as single CTAs, or as CTA pairs that load the shared operand once by TMA multicast (the same bits)",
-    "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. The same bits at every value",
+    "MOKGEN_BWD_ROWS_CLUSTER": "auto (default: CTA pairs where N >= 4096, so dx on the hidden sizes from 4096), 1 or 2: the backward's rows GEMMs (dh and dx) run as single CTAs, or as CTA pairs computing two column tiles of one row block that load the A rows once by TMA multicast (the same bits)",
+    "MOKGEN_BWD_WEIGHTS": "split (default) or pingpong: the backward's weight-gradient GEMMs in 128 x 256 tiles split between the two consumer warpgroups, or in 128 x 128 tiles, each one warpgroup's, the two taking turns (measured no faster; the same bits)",
+    "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. For the ping-pong weight gradients: how many k-blocks before its last one a warpgroup hands the turn over. The same bits at every value",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -116,6 +118,25 @@ def cluster() -> int | None:
 def bwd_cluster() -> int:
     """MOKGEN_BWD_CLUSTER: 1 (default) or 2, the weight-gradient GEMMs' CTAs per cluster."""
     return int(_choice("MOKGEN_BWD_CLUSTER", ("1", "2")))
+
+
+def bwd_rows_cluster() -> int | None:
+    """MOKGEN_BWD_ROWS_CLUSTER: 1 or 2, the backward's rows GEMMs' CTAs per cluster (2: column-tile
+    pairs sharing the A rows), or None for auto (the default: mokgen.bwd_gemm.rows_cluster, by N)."""
+    value = _choice("MOKGEN_BWD_ROWS_CLUSTER", ("auto", "1", "2"))
+    return None if value == "auto" else int(value)
+
+
+#: the weight-gradient GEMMs' default schedule (MOKGEN_BWD_WEIGHTS; docs/perf-notes.md v0.14)
+BWD_WEIGHTS_DEFAULT = "split"
+
+
+def bwd_weights() -> str:
+    """MOKGEN_BWD_WEIGHTS: the weight-gradient GEMMs' schedule, "split" (128 x 256 tiles split
+    between the two consumer warpgroups) or "pingpong" (128 x 128 tiles, one warpgroup's each,
+    taking turns); default BWD_WEIGHTS_DEFAULT."""
+    return _choice("MOKGEN_BWD_WEIGHTS", (BWD_WEIGHTS_DEFAULT, *(v for v in ("split", "pingpong")
+                                                                 if v != BWD_WEIGHTS_DEFAULT)))
 
 
 #: the backward GEMMs' default stagger lead in k-blocks (MOKGEN_BWD_STAGGER; measured, docs/perf-notes.md v0.13)

@@ -61,17 +61,23 @@ struct Maps {
 // Rows GEMM: out[r, :] (OutT: fp32, or bf16 rounded from the fp32 sums; ld = N) = sum_p A_p[r, :]
 // B_p[e(r)], K per pair. B MN-major: B_p is [E, K, N] (map over [E K, N]); B K-major: B_p is
 // [E, N, K] (map over [E N, K]).
-template <bool kBMN, class OutT>
+// kPair = 2: clusters of two CTAs computing column tiles 2 np and 2 np + 1 of one row block,
+// sharing A (bwd_gemm.cuh); N / 256 even. The same tiles and k order either way, so the same bits.
+template <bool kBMN, class OutT, int kPair = 1>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
                 OutT* out, const int64_t* out_rows, int lead) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline<bwd::kStages>(smem);
+  const bwd::Smem s = bwd::start_pipeline<bwd::kStages, kPair>(smem);
   const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
+  const int crank = bwd::pair_rank<kPair>();
   auto pipe = bwd::make_pipe<bwd::kStages>(lead);
-  bwd::run_roles(
+  bwd::run_roles<kPair>(
       s, pipe,
-      [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
+      [&](auto&& fn) {
+        bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn, kPair,
+                            crank);
+      },
       [&](int e, int row0, int rows, int n) {
         bwd::TileSrc t;
         for (int p = 0; p < 2; ++p) {
@@ -84,11 +90,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         t.b_col = n * bwd::kBN;
         t.n_k = pairs * kb_per_pair;
         t.kb_per_pair = kb_per_pair;
-        bwd::produce<false, kBMN>(s, pipe, t);
+        bwd::produce<false, kBMN, false, kPair, true>(s, pipe, t, crank);
       },
       [&](int wg, int e, int row0, int rows, int n) {
         float acc[bwd::kAcc];
-        bwd::consume<false, kBMN>(s, pipe, wg, pairs * kb_per_pair, bwd::kBK, acc);
+        bwd::consume<false, kBMN, kPair>(s, pipe, wg, pairs * kb_per_pair, bwd::kBK, acc);
         if (out_rows != nullptr)
           bwd::store_tile(acc, wg, rows, out + n * bwd::kBN, N, out_rows + row0);
         else
@@ -139,6 +145,58 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         MOKGEN_TRACE_END(1 + wg);
       });
   bwd::store_tma_done();  // the consumers' last stores complete before the CTA exits
+}
+
+// Weight gradients in ping-pong (bwd_gemm.cuh, "The weight gradients in ping-pong"): the same
+// out, A and B, tiles of 128 x 128 (N % 128 == 0), each a consumer warpgroup's whole; the CTA's
+// tiles go to warpgroups 0, 1, 0, ... in walk order. kPair = 2 as weight_kernel (B shared).
+template <int kPair>
+__global__ void __launch_bounds__(bwd::kThreads, 1)
+    weight_pp_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N,
+                     int early) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const bwd::Smem s = bwd::start_pipeline<bwd::kPPStages, kPair, bwd::kPPStageBytes, 1>(smem);
+  const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kPPBN;
+  const int crank = bwd::pair_rank<kPair>();
+  auto pipe = bwd::make_pipe<bwd::kPPStages>(0);
+  int tile = 0;              // this CTA's tiles so far (a consumer's: whose tile is next)
+  uint32_t turn_phase = 0;   // a consumer's turns taken, mod 2
+  MOKGEN_TRACE_STATE();
+  bwd::run_roles<kPair>(
+      s, pipe,
+      [&](auto&& fn) {
+        bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn,
+                               kPair, crank);
+      },
+      [&](int e, int row0, int rows, int m, int n) {
+        MOKGEN_TRACE_BEGIN();
+        bwd::TileSrc t;
+        t.a[0] = t.a[1] = &maps.a[0];
+        t.b[0] = t.b[1] = &maps.b[0];
+        t.a_row = row0;
+        t.a_col = m * bwd::kBM;
+        t.b_row = row0;
+        t.b_col = n * bwd::kPPBN;
+        t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
+        bwd::produce_pp<kPair>(s, pipe, t, crank);
+        MOKGEN_TRACE_END(0);
+      },
+      [&](int wg, int e, int row0, int rows, int m, int n) {
+        const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        if ((tile++ & 1) != wg) {  // the other warpgroup's tile: its stages, not waited for
+          pipe.advance_by(n_k);
+          return;
+        }
+        bwd::wait_turn(s, wg, turn_phase);
+        MOKGEN_TRACE_BEGIN();
+        float acc[bwd::kAcc];
+        bwd::consume_pp<kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc, bwd::hand_over(n_k, early));
+        MOKGEN_TRACE_MARK();
+        bwd::store_tile_tma<true>(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kPPBN, MOKGEN_TRACE_ROUNDS);
+        MOKGEN_TRACE_END(1 + wg);
+      });
+  bwd::store_tma_done();
 }
 
 // The recompute of the up projection with SwiGLU's backward in the epilogue: for each row r of
@@ -395,7 +453,7 @@ int sm_count() {
 }
 
 // A launch of `grid` CTAs with `smem` bytes of dynamic shared memory (bwd::kSmemBytes, or the
-// weight kernels' kWeightSmemBytes). The shared-memory attribute is set at every launch (a few
+// weight kernels' kWeightSmemBytes and kPPSmemBytes). The shared-memory attribute is set at every launch (a few
 // microseconds; per device, and the kernels share one function-pointer type, so a per-type
 // "done" flag could not tell them apart).
 template <class Kernel, class... Args>
@@ -408,7 +466,7 @@ int launch(Kernel kernel, int grid, size_t smem, cudaStream_t stream, const Maps
 
 // The launch configuration of `pairs` clusters of two CTAs (attr: storage for its one
 // attribute, the cluster shape), for the occupancy query and the launch alike.
-cudaLaunchConfig_t pair_config(int pairs, cudaStream_t stream, cudaLaunchAttribute& attr) {
+cudaLaunchConfig_t pair_config(int pairs, size_t smem, cudaStream_t stream, cudaLaunchAttribute& attr) {
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = 2;
   attr.val.clusterDim.y = 1;
@@ -416,7 +474,7 @@ cudaLaunchConfig_t pair_config(int pairs, cudaStream_t stream, cudaLaunchAttribu
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(2 * pairs));
   cfg.blockDim = dim3(bwd::kThreads);
-  cfg.dynamicSmemBytes = bwd::kWeightSmemBytes;  // pairs: the weight kernels only
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
@@ -426,18 +484,17 @@ cudaLaunchConfig_t pair_config(int pairs, cudaStream_t stream, cudaLaunchAttribu
 // Clusters of two CTAs that can be resident at once on the current device (0: none, or the
 // query failed), asked once per device: a grid of more pairs than fit would run its last ones
 // as a second wave, doubling the time of a persistent walk.
-template <class Kernel>
-int resident_pairs(Kernel kernel) {
+// kKernel: which kernel (the cache's key; kernels may share a function-pointer type).
+template <int kKernel, class Kernel>
+int resident_pairs(Kernel kernel, size_t smem) {
   constexpr int kDevices = 64;
   static int cached[kDevices] = {};  // 0: not asked yet; -1: none
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
   if (dev >= 0 && dev < kDevices && cached[dev] != 0) return cached[dev] > 0 ? cached[dev] : 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kWeightSmemBytes)) !=
-      cudaSuccess)
-    return 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) return 0;
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = pair_config(sm_count(), nullptr, attr);
+  const cudaLaunchConfig_t cfg = pair_config(sm_count(), smem, nullptr, attr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(kernel), &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -449,12 +506,11 @@ int resident_pairs(Kernel kernel) {
 
 // A launch in clusters of two CTAs, `pairs` of them.
 template <class Kernel, class... Args>
-int launch_pairs(Kernel kernel, int pairs, cudaStream_t stream, const Maps& maps, Args... args) {
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bwd::kWeightSmemBytes));
+int launch_pairs(Kernel kernel, int pairs, size_t smem, cudaStream_t stream, const Maps& maps, Args... args) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return int(err);
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = pair_config(pairs, stream, attr);
+  const cudaLaunchConfig_t cfg = pair_config(pairs, smem, stream, attr);
   return int(cudaLaunchKernelEx(&cfg, kernel, maps, args...));
 }
 
@@ -464,6 +520,21 @@ constexpr int kBadMap = 1000;  // a tensor map could not be encoded (mokgen_bwd_
 // consumer warpgroup 0 in k-blocks, 0 (lockstep) to kMaxLead, set by mokgen_bwd_set_stagger
 // (mokgen.bwd_gemm.set_stagger; MOKGEN_BWD_STAGGER). The same bits at every lead.
 int g_lead = bwd::kMaxLead;
+
+// A rows GEMM's launch: CTA pairs sharing A (rows_kernel<..., 2>) where `pairs_fit` and pairs
+// can be resident, else single CTAs. kTag: the kernel's key in resident_pairs' cache.
+template <bool kBMN, class OutT, int kTag>
+int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps, const int32_t* offs, int E, int rows,
+                int K, int N, int pairs, OutT* out, const int64_t* out_rows) {
+  if (pairs_fit) {
+    const int clusters = resident_pairs<kTag>(rows_kernel<kBMN, OutT, 2>, bwd::kSmemBytes);
+    if (clusters > 0)
+      return launch_pairs(rows_kernel<kBMN, OutT, 2>, clusters, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N,
+                          pairs, out, out_rows, g_lead);
+  }
+  return launch(rows_kernel<kBMN, OutT, 1>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, out,
+                out_rows, g_lead);
+}
 
 }  // namespace
 
@@ -495,9 +566,11 @@ const char* mokgen_bwd_error_string(int code) {
 // zero_rows_kernel), b_mn: B_p [E, K, N] (else [E, N, K]); offs [E] int32 on the device: end
 // row of each expert (inclusive prefix sums; clamped to [0, rows], so a bad offs cannot make
 // the kernel write past out). N % 256 == 0, K % 64 == 0, rows >= 1 (checked by the caller).
+// cluster 2: CTA pairs sharing a (rows_kernel<..., 2>: column tiles 2 np, 2 np + 1) where N / 256
+// is even and pairs can be resident; else single CTAs. The same bits either way.
 int mokgen_bwd_rows(void* out, const void* a0, const void* b0, const void* a1, const void* b1, int pairs,
                     const int32_t* offs, int E, int rows, int K, int N, int b_mn, const int64_t* out_rows,
-                    int out_bf16, cudaStream_t stream) {
+                    int out_bf16, int cluster, cudaStream_t stream) {
   Maps maps;
   const void* as[2] = {a0, pairs > 1 ? a1 : a0};
   const void* bs[2] = {b0, pairs > 1 ? b1 : b0};
@@ -509,19 +582,17 @@ int mokgen_bwd_rows(void* out, const void* a0, const void* b0, const void* a1, c
   }
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
+  const bool pairs_fit = cluster == 2 && (N / bwd::kBN) % 2 == 0;
   if (out_bf16) {
     if (!b_mn) return int(cudaErrorInvalidValue);
     bf16* o = static_cast<bf16*>(out);
     zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
-    return launch(rows_kernel<true, bf16>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, o, out_rows,
-                  g_lead);
+    return launch_rows<true, bf16, 2>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
   }
   float* o = static_cast<float*>(out);
   zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
-  return b_mn ? launch(rows_kernel<true, float>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, o,
-                       out_rows, g_lead)
-              : launch(rows_kernel<false, float>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, o,
-                       out_rows, g_lead);
+  return b_mn ? launch_rows<true, float, 3>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows)
+              : launch_rows<false, float, 4>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
@@ -560,9 +631,11 @@ int mokgen_bwd_swiglu_saved(void* h, void* dg, void* du, float* dw, const void* 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16
 // row-major; an expert without rows gets zeros. M % 128 == 0, N % 256 == 0, rows >= 1.
 // cluster 2: CTA pairs sharing b (weight_kernel<2>) where M / 128 is even and pairs can be
-// resident; else (or cluster 1) single CTAs. The same bits either way.
+// resident; else (or cluster 1) single CTAs. pingpong 1: weight_pp_kernel (128 x 128 tiles,
+// one consumer warpgroup's each); 0: weight_kernel (128 x 256, split between the two). The same
+// bits every way.
 int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* offs, int E, int rows, int M, int N,
-                       int cluster, cudaStream_t stream) {
+                       int cluster, int pingpong, cudaStream_t stream) {
   Maps maps;
   if (sm90::encode_map_2d(&maps.a[0], a, uint64_t(rows), uint64_t(M), 64) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
@@ -572,10 +645,19 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   maps.b[1] = maps.b[0];
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
-  if (cluster == 2 && (M / bwd::kBM) % 2 == 0) {
-    const int pairs = resident_pairs(weight_kernel<2>);
+  const bool pairs_fit = cluster == 2 && (M / bwd::kBM) % 2 == 0;
+  if (pingpong) {
+    if (pairs_fit) {
+      const int pairs = resident_pairs<1>(weight_pp_kernel<2>, bwd::kPPSmemBytes);
+      if (pairs > 0)
+        return launch_pairs(weight_pp_kernel<2>, pairs, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
+    }
+    return launch(weight_pp_kernel<1>, grid, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
+  }
+  if (pairs_fit) {
+    const int pairs = resident_pairs<0>(weight_kernel<2>, bwd::kWeightSmemBytes);
     if (pairs > 0)
-      return launch_pairs(weight_kernel<2>, pairs, stream, maps, offs, E, rows, M, N, g_lead);
+      return launch_pairs(weight_kernel<2>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
   }
   return launch(weight_kernel<1>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
 }

@@ -30,9 +30,12 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     # rows<B MN-major, fp32 out>, rows<B MN-major, bf16 out>, rows<B K-major>, swiglu, swiglu_saved,
-    # weights<single CTAs>, weights<pairs>, zero_rows<fp32>, zero_rows<bf16>, sum_slots, and the
-    # row order's expert_count, expert_scan, expert_scatter
-    assert len(kernels) == 13, kernels
+    # (single CTAs and CTA pairs), swiglu, swiglu_saved, weights and weights in ping-pong (single
+    # CTAs, pairs), zero_rows<fp32>, zero_rows<bf16>, sum_slots, and the row order's expert_count,
+    # expert_scan, expert_scatter
+    assert len(kernels) == 18, kernels
+    assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels
+    assert sum(re.search(r"\d\drows_kernel", k) is not None for k in kernels) == 6, kernels  # not zero_rows
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -63,7 +66,7 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     followed by a wait for zero, and no such wait exists."""
     functions = re.split(r"\n\s*Function : ", sass(bwd_gemm.build_library()))[1:]
     gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
-    assert len(gemms) == 6, list(gemms)  # rows x 3, swiglu, weights (single CTAs, pairs)
+    assert len(gemms) == 11, list(gemms)  # rows x 3 (single, pairs), swiglu, weights and ping-pong (single, pairs)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 
@@ -130,6 +133,42 @@ def test_weight_gradient_pairs_and_stagger_switches(monkeypatch):
     for bad in (-1, bwd_gemm.MAX_LEAD + 1):
         with pytest.raises(InputError, match="stagger lead must be 0 to 3"):
             bwd_gemm.set_stagger(bad)
+
+
+def test_rows_cluster_switch(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.delenv("MOKGEN_BWD_ROWS_CLUSTER", raising=False)
+    assert env.bwd_rows_cluster() is None  # auto: by N
+    assert [bwd_gemm.rows_cluster(n) for n in (512, 2048, 4096, 7168)] == [1, 1, 2, 2]
+    monkeypatch.setenv("MOKGEN_BWD_ROWS_CLUSTER", "auto")
+    assert env.bwd_rows_cluster() is None
+    for value in (1, 2):
+        monkeypatch.setenv("MOKGEN_BWD_ROWS_CLUSTER", str(value))
+        assert env.bwd_rows_cluster() == value
+    monkeypatch.setenv("MOKGEN_BWD_ROWS_CLUSTER", "4")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_ROWS_CLUSTER must be"):
+        env.bwd_rows_cluster()
+    with pytest.raises(InputError, match="cluster must be 1 or 2, got 3"):
+        bwd_gemm.rows_gemm([], None, cluster=3)
+
+
+def test_weight_schedule_switch(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.delenv("MOKGEN_BWD_WEIGHTS", raising=False)
+    assert env.bwd_weights() == env.BWD_WEIGHTS_DEFAULT in bwd_gemm.WEIGHT_SCHEDULES
+    for value in bwd_gemm.WEIGHT_SCHEDULES:
+        monkeypatch.setenv("MOKGEN_BWD_WEIGHTS", value)
+        assert env.bwd_weights() == value
+    monkeypatch.setenv("MOKGEN_BWD_WEIGHTS", "coop")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_WEIGHTS must be split or pingpong, got 'coop'"):
+        env.bwd_weights()
+    # a bad schedule is refused before anything is checked or loaded
+    with pytest.raises(InputError, match="schedule must be one of split, pingpong, got 'fast'"):
+        bwd_gemm.weight_grads(None, None, None, cluster=1, schedule="fast")
 
 
 def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):

@@ -56,6 +56,41 @@ def test_rows_gemm_matches_fp32_per_expert(b_major, pairs):
     assert torch.equal(got, again)
 
 
+@pytest.mark.parametrize("b_major, n_pairs, N", [("mn", 1, 1024), ("mn", 2, 512), ("k", 1, 1024), ("mn", 1, 768)],
+                         ids=["mn-one-pair", "mn-two-pairs", "k-major", "odd-column-tiles"])
+def test_rows_gemm_pairs_give_the_bits_of_single_ctas(b_major, n_pairs, N):
+    """CTA pairs (cluster=2: column tiles n, n + 1 of one row block share A by TMA multicast) walk
+    the same tiles and k-blocks as single CTAs, so the bits are the same: plain fp32 out, and the
+    scatter through a map in fp32 and bf16; many experts (empty ones, one-row ones, ragged last
+    row blocks). N / 256 odd (768) falls back to single CTAs."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    counts = torch.randint(0, 400, (30,), generator=torch.Generator().manual_seed(17)).tolist()
+    counts[2] = counts[11] = 0
+    counts[4] = 1
+    E, K = len(counts), 512
+    rows = sum(counts) + SPARE_ROWS
+    offs = _offs(counts)
+    shape = (E, K, N) if b_major == "mn" else (E, N, K)
+    ops = [(_randn(rows, K, gen=gen), _randn(*shape, gen=gen, scale=K**-0.5)) for _ in range(n_pairs)]
+    single = bwd_gemm.rows_gemm(ops, offs, b_major=b_major, cluster=1)
+    for _ in range(3):
+        assert torch.equal(bwd_gemm.rows_gemm(ops, offs, b_major=b_major, cluster=2), single)
+    order = torch.randperm(rows, generator=gen, device="cuda")
+    dtypes = (torch.float32, torch.bfloat16) if b_major == "mn" else (torch.float32,)
+    for dtype in dtypes:
+        outs = []
+        for cluster in (1, 2):
+            out = torch.full((rows, N), float("nan"), dtype=dtype, device="cuda")
+            outs.append(bwd_gemm.rows_gemm(ops, offs, b_major=b_major, out=out, out_rows=order, cluster=cluster))
+        assert torch.equal(outs[0], outs[1]), dtype
+        assert torch.equal(outs[0][order], single.to(dtype)), dtype
+    s0 = sum(counts[:7])
+    b7 = ops[0][1][7].float() if b_major == "mn" else ops[0][1][7].float().t()
+    want = ops[0][0][s0:s0 + counts[7]].float() @ b7
+    if n_pairs == 1:
+        assert _rel(single[s0:s0 + counts[7]], want) < 1e-2
+
+
 def test_rows_gemm_scatters_rows_through_a_map():
     """out_rows: row r of the result lands in out row out_rows[r]; the other rows keep their values."""
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -79,18 +114,20 @@ def test_rows_gemm_scatters_rows_through_a_map():
 COUNTS_STEPS = [32, 48, 100, 16, 0, 81]
 
 
+@pytest.mark.parametrize("schedule", bwd_gemm.WEIGHT_SCHEDULES)
 @pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts", [COUNTS, COUNTS_STEPS], ids=["ragged", "steps"])
-def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts, cluster):
+def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts, cluster, schedule):
     """Every expert's rows in order; a short last k-block must not pick up the next expert's rows
     (they are in the same TMA box: the kernel zeroes them up to its last 16-row wgmma step, and
-    skips the steps past it), and an expert without rows gets zeros; single CTAs and CTA pairs."""
+    skips the steps past it), and an expert without rows gets zeros; single CTAs and CTA pairs,
+    both schedules."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     E, M, N = len(counts), 256, 512
     rows = sum(counts) + SPARE_ROWS
     a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
     offs = _offs(counts)
-    got = bwd_gemm.weight_grads(a, b, offs, cluster=cluster)
+    got = bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule=schedule)
     assert got.dtype == torch.bfloat16 and got.shape == (E, M, N)
     start = 0
     for e, c in enumerate(counts):
@@ -101,7 +138,34 @@ def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts
             assert _rel(got[e], want) < 1e-2, f"expert {e} ({c} rows): relative error {_rel(got[e], want):.3e}"
         start += c
     for _ in range(3):
-        assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=cluster), got)
+        assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule=schedule), got)
+
+
+@pytest.mark.parametrize("M, N, experts", [(2048, 768, 40), (384, 512, 7), (128, 256, 300)],
+                         ids=["many-tiles", "odd-row-blocks", "many-experts"])
+def test_pingpong_weight_grads_have_the_bits_of_the_split_tiles(M, N, experts):
+    """The ping-pong (128 x 128 tiles, each one consumer warpgroup's, the CTA's tiles alternating
+    between them, each warpgroup stepping over the other's stages) computes every output
+    element over the same k order as the split 128 x 256 tile, so the bits are the same, single
+    CTAs and pairs. Many tiles per CTA and odd tile counts exercise the turns and the skips;
+    empty experts (a turn with no k-block), one-row experts and long ones (more k-blocks than
+    the ring has stages: a skip longer than a lap)."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    counts = torch.randint(0, 300, (experts,), generator=torch.Generator().manual_seed(13)).tolist()
+    counts[1] = counts[experts - 2] = 0
+    counts[2] = 1
+    counts[3] = 1000  # 16 k-blocks: more than the ping-pong's six stages
+    rows = sum(counts) + SPARE_ROWS
+    a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    split = bwd_gemm.weight_grads(a, b, offs, cluster=1, schedule="split")
+    for cluster in (1, 2):
+        for _ in range(3):
+            assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule="pingpong"), split), cluster
+    for e in (0, 1, 2, 3, experts - 1):
+        c, s0 = counts[e], sum(counts[:e])
+        want = a[s0:s0 + c].float().t() @ b[s0:s0 + c].float()
+        assert (c == 0 and torch.equal(split[e], torch.zeros_like(split[e]))) or _rel(split[e], want) < 1e-2, e
 
 
 def test_staggered_and_lockstep_consumers_give_the_same_bits():

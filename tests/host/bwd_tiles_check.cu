@@ -1,8 +1,9 @@
 // Host check of templates/include/mokgen/bwd_tiles.cuh (run by tests/test_bwd_gemm.py): on
 // random plans (experts with no rows, one row, many rows; offs past the operands' rows; 1-140
 // CTAs), the rows-GEMM and weight-gradient walks visit every expected tile exactly once over all
-// CTAs, each CTA in increasing tile order, with the expected row ranges; the weight walk by CTA
-// pairs gives both CTAs of a pair the same sequence, at the two row blocks of each pair. Prints "ok N" (tiles
+// CTAs, each CTA in increasing tile order, with the expected row ranges; the walks by CTA pairs
+// give both CTAs of a pair the same sequence, at the two row blocks (weights) or column tiles
+// (rows GEMMs) of each pair. Prints "ok N" (tiles
 // checked) or the first problem, and exits 1.
 #include <cstdio>
 #include <algorithm>
@@ -71,6 +72,29 @@ int main(int argc, char** argv) {
     }
     if (seen != want) return fail("row tiles: not every expected tile exactly once with its rows", p);
     checked += (long long)want.size();
+    // rows GEMMs by CTA pairs (an even n_tiles): both CTAs of a pair visit the same (expert,
+    // row block) in step, at column tiles 2 np and 2 np + 1; every tile once with its rows
+    if (n_tiles % 2 == 0) {
+      const int pairs = 1 + rnd(70);
+      std::map<std::tuple<int, int, int>, int> paired;
+      for (int c = 0; c < pairs; ++c) {
+        std::vector<std::tuple<int, int, int, int>> walked[2];  // (e, row0, rows, n / 2) per rank
+        bool ok = true;
+        for (int crank = 0; crank < 2; ++crank)
+          mokgen::bwd::walk_row_tiles(
+              offs.data(), E, total, n_tiles, c, pairs,
+              [&](int e, int row0, int rows, int n) {
+                if (n % 2 != crank || paired.count({e, row0, n})) ok = false;
+                paired[{e, row0, n}] = rows;
+                walked[crank].push_back({e, row0, rows, n / 2});
+              },
+              2, crank);
+        if (!ok) return fail("paired row tiles: column tile parity wrong or a tile visited twice", p);
+        if (walked[0] != walked[1]) return fail("paired row tiles: the pair's CTAs walk different rows", p);
+      }
+      if (paired != want) return fail("paired row tiles: not every expected tile exactly once with its rows", p);
+      checked += (long long)paired.size();
+    }
     // weight gradients
     std::vector<int> hits(size_t(E) * m_tiles * n_tiles, 0);
     for (int cta = 0; cta < ctas; ++cta) {

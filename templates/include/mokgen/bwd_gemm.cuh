@@ -84,10 +84,13 @@ constexpr int kAcc = kBN / 2;  // fp32 accumulators per consumer thread (m64n256
 using Tile = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
 static_assert(Tile::kStageStride == kStageBytes && Tile::kThreads == kThreads, "the forward tile's stage ring");
 
-// Dynamic shared memory of a ring of kS stages, as the forward's: the full and empty barriers
-// and the stagger's lead barrier, then the stages at the next 1024-byte boundary (+1024 of
-// alignment slack).
-constexpr size_t ring_bytes(int kS) { return size_t(kS) * kStageBytes + (2 * kS + 1) * 8 + 1024; }
+// Dynamic shared memory of a ring of kS stages of stage_bytes, as the forward's: the full and
+// empty barriers, the stagger's lead barrier and the ping-pong's turn barriers, then the stages
+// at the next 1024-byte boundary (+1024 of alignment slack).
+MOKGEN_HOST_DEVICE constexpr int kBarriers(int kS) { return 2 * kS + 3; }  // full, empty, the stagger's lead, the ping-pong's two turns
+constexpr size_t ring_bytes(int kS, int stage_bytes = kStageBytes) {
+  return size_t(kS) * stage_bytes + kBarriers(kS) * 8 + 1024;
+}
 constexpr size_t kSmemBytes = ring_bytes(kStages);
 
 // MN-major operand with the 128-byte swizzle, as the TMA writes a box of 64 M/N elements x k
@@ -135,20 +138,22 @@ struct Smem {
   uint64_t* full;
   uint64_t* empty;
   uint64_t* lead;
+  uint64_t* turn;  // [2]: the ping-pong weight kernel's k-loop turns (consumer warpgroup 0, 1)
   unsigned char* stages;
   unsigned char* after;
 };
 
-template <int kS>
+template <int kS, int kStageB = kStageBytes>
 MOKGEN_DEVICE Smem carve(unsigned char* raw) {
-  static_assert((2 * kS + 1) * 8 <= 1024, "the barriers fit before the first stage");
+  static_assert(kBarriers(kS) * 8 <= 1024, "the barriers fit before the first stage");
   Smem s;
   s.full = reinterpret_cast<uint64_t*>(raw);
   s.empty = s.full + kS;
   s.lead = s.empty + kS;
-  s.stages = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + (2 * kS + 1) * 8 + 1023) &
+  s.turn = s.lead + 1;
+  s.stages = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kBarriers(kS) * 8 + 1023) &
                                               ~uintptr_t(1023));
-  s.after = s.stages + size_t(kS) * kStageBytes;
+  s.after = s.stages + size_t(kS) * kStageB;
   return s;
 }
 
@@ -176,6 +181,12 @@ struct Pipe : sm90::PipeState<kS> {
   int lead = 0;
   int stagger_todo = 0;
   MOKGEN_DEVICE bool staggered() const { return lead > 0; }
+  // n stages on at once (the ping-pong: the other warpgroup's tile, not waited for)
+  MOKGEN_DEVICE void advance_by(int n) {
+    const int at = this->stage + n;
+    this->phase ^= uint32_t((at / kS) & 1);
+    this->stage = at % kS;
+  }
 #ifdef MOKGEN_BWD_TRACE
   long long waited = 0;  // clock cycles this thread spent in stage-barrier waits (.ci/bwd_trace.py)
 #endif
@@ -217,22 +228,30 @@ MOKGEN_DEVICE void stagger_lead_done(const Smem& s, P& pipe) {
 // into both CTAs' stages, A whole on its own: 32 KB per CTA and k-block from L2 instead of 48.
 // A stage is refilled only when the consumers of both CTAs have released it (empty counts four
 // arrivals: two local, two from the peer); full still expects the whole 48 KB stage. The
-// forward's pairs (hopper_gemm.cuh, kShareB) share the weights the same way.
+// forward's pairs (hopper_gemm.cuh, kShareB) share the weights the same way. The rows GEMMs'
+// pairs (v0.14) compute column tiles 2 np and 2 np + 1 of one row block instead, so they share
+// A (its two 64-row boxes, one loaded by each CTA into both): 40 KB per CTA and k-block.
 
-// Every kernel's prologue: carve the dynamic shared memory for a ring of kS stages and
-// initialize the barriers (thread 0), visible to the whole CTA (and, in a pair, to the peer)
-// afterwards.
-template <int kS, int kPair = 1>
+// Every kernel's prologue: carve the dynamic shared memory for a ring of kS stages of kStageB
+// bytes and initialize the barriers (thread 0), visible to the whole CTA (and, in a pair, to the
+// peer) afterwards. kReaders: the consumer warpgroups that read each stage (2: both, the tile
+// split between them; 1: the ping-pong's, each stage one warpgroup's), so empty counts kReaders
+// arrivals per CTA of the pair. turn[0] starts complete: warpgroup 0 has the first turn.
+template <int kS, int kPair = 1, int kStageB = kStageBytes, int kReaders = 2>
 MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
   static_assert(kPair == 1 || kPair == 2, "single CTAs or pairs");
-  const Smem s = carve<kS>(raw);
+  static_assert(kReaders == 1 || kReaders == 2, "one or both consumer warpgroups read a stage");
+  const Smem s = carve<kS, kStageB>(raw);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kS; ++i) {
       sm90::mbar_init(&s.full[i], 1);
-      sm90::mbar_init(&s.empty[i], 2 * kPair);
+      sm90::mbar_init(&s.empty[i], kReaders * kPair);
     }
     sm90::mbar_init(lead_barrier(s), 1);
+    sm90::mbar_init(&s.turn[0], 1);
+    sm90::mbar_init(&s.turn[1], 1);
     sm90::fence_barrier_init();
+    mbar_arrive(&s.turn[0]);
   }
   if constexpr (kPair == 2)
     cute::cluster_sync();  // the peer's barriers exist before any multicast or remote arrive
@@ -301,12 +320,16 @@ struct TileSrc {
 
 // Producer (one thread): every k-block of one tile. kGated (K-major B only): B's two 128-row
 // boxes are rows b_row.. of b[0] (gate) and of b[1] (up), as the forward's gated tile; one pair.
-// kPair = 2 (MN-major B only): this CTA loads B boxes 2 crank and 2 crank + 1 into both CTAs of
-// the pair (TMA multicast), the peer the other two.
-template <bool kAMN, bool kBMN, bool kGated = false, int kPair = 1, class P>
+// kPair = 2, B shared (the weight gradients' pairs; MN-major B only): this CTA loads B boxes
+// 2 crank and 2 crank + 1 into both CTAs of the pair (TMA multicast), the peer the other two.
+// kPair = 2, kShareA (the rows GEMMs' pairs; K-major A): this CTA loads A box crank into both
+// CTAs, the peer the other; B whole on its own.
+template <bool kAMN, bool kBMN, bool kGated = false, int kPair = 1, bool kShareA = false, class P>
 MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank = 0) {
   static_assert(!kGated || (!kAMN && !kBMN), "gated tiles read K-major operands");
-  static_assert(kPair == 1 || kBMN, "pairs share an MN-major B");
+  static_assert(kPair == 1 || kBMN || kShareA, "pairs share an MN-major B, or A");
+  static_assert(!kShareA || !kAMN, "pairs share a K-major A");
+  constexpr bool kShareB = kPair == 2 && !kShareA;
   for (int kb = 0; kb < t.n_k; ++kb) {
     pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
@@ -318,16 +341,22 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
     const CUtensorMap* map_b = p1 ? t.b[1] : t.b[0];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if constexpr (kAMN)
+      if constexpr (kAMN) {
         cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, t.a_col + 64 * h, t.a_row + k0);
-      else
+      } else if constexpr (kPair == 2 && kShareA) {
+        if (h == crank)
+          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_a, full, uint16_t(0b11),
+                                                 uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), st + h * kBox, k0,
+                                                 t.a_row + 64 * h);
+      } else {
         cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, k0, t.a_row + 64 * h);
+      }
     }
     unsigned char* sb = st + kABytes;
     if constexpr (kBMN) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if constexpr (kPair == 2) {
+        if constexpr (kShareB) {
           if ((j >> 1) == crank)
             cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_b, full, uint16_t(0b11),
                                                    uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), sb + j * kBox,
@@ -432,6 +461,152 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
   stagger_lead_done(s, pipe);  // a first tile shorter than the lead
 }
 
+// ---------------------------------------------------------------------------------------------
+// The weight gradients in ping-pong (v0.14; bwd_gemm.weight_grads(schedule="pingpong"),
+// MOKGEN_BWD_WEIGHTS). In the split tile above both consumer warpgroups read every stage, so
+// their k-loops run together and their epilogues (a third of the tile's time,
+// docs/perf-notes.md v0.13) leave the tensor core idle. Here each consumer warpgroup owns whole
+// tiles of 128 x 128 (two m64n128k16 wgmma per 16 k rows: the same 128 fp32 accumulators per
+// thread) and the stages they read: the CTA's tiles go to warpgroups 0, 1, 0, 1, ... in walk
+// order, the producer loads every tile's k-blocks into one ring in that order, and a warpgroup
+// steps its ring position over the other's tiles without waiting. Turn barriers order the
+// k-loops: a warpgroup starts its tile's k-loop once the other has issued the wgmma of its
+// hand-over k-block (hand_over: `early` k-blocks before its last, the library's stagger lead).
+// The turn is also what makes the skip safe: a warpgroup waits on a stage only once the
+// producer has filled the stage's previous lap, so a barrier is never a whole phase behind its
+// waiter. Stage: A 128 x 64 (two MN-major boxes), B 128 x 64 (two): 32 KB, half the split
+// tile's FLOPs for two thirds of its bytes; CTA pairs share B (each CTA loads one box into
+// both), 24 KB per CTA. The same k order per output element, so the bits of the split tile.
+// Measured (docs/perf-notes.md v0.14): no faster than the split tile. One warpgroup's k-loop
+// alone runs at about half the tensor core's rate on these MN-major operands (a 128 x 128 tile
+// in 6.3-6.5k cycles against 2.8k), so strict turns (early 0) lengthen the period by 15%, and with the
+// k-loops overlapping (early 1-3) the period equals the split tile's.
+constexpr int kPPBN = 128;                 // a ping-pong tile's columns
+constexpr int kPPStageBytes = 4 * kBox;    // A 128 x 64 + B 128 x 64
+constexpr int kPPStages = 6;               // 192 KB, then the store buffers
+constexpr int kPPHalfAcc = kPPBN / 2;      // accumulators of one m64n128 half
+static_assert(2 * kPPHalfAcc == kAcc, "a ping-pong tile has the split tile's accumulators per thread");
+using MmaPP = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<Major::MN, Major::MN>;
+
+template <size_t... Is>
+MOKGEN_DEVICE void mma_pp(uint64_t da, uint64_t db, float* acc, bool accumulate, std::index_sequence<Is...>) {
+  MmaPP::fma(da, db, acc[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// The first kSteps 16-row steps of a ping-pong k-block: rows 0..63 of the tile (A box 0) into
+// acc[0, 64), rows 64..127 (A box 1) into acc[64, 128), both against B's two boxes.
+template <int kSteps>
+MOKGEN_DEVICE void mma_steps_pp(const unsigned char* sa, const unsigned char* sb, float* acc, bool accumulate) {
+#pragma unroll
+  for (int k16 = 0; k16 < kSteps; ++k16) {
+    const uint64_t db = smem_desc_mn(sb + k16 * 2048);
+#pragma unroll
+    for (int mh = 0; mh < 2; ++mh)
+      mma_pp(smem_desc_mn(sa + mh * kBox + k16 * 2048), db, acc + mh * kPPHalfAcc, accumulate || k16 > 0,
+             std::make_index_sequence<kPPHalfAcc>{});
+  }
+}
+
+// Producer of a ping-pong tile (t as the weight gradients' TileSrc; B 128 columns): A boxes
+// (a_col + 64 h, a_row + k0), B boxes (b_col + 64 j, b_row + k0). kPair = 2: B box crank goes
+// into both CTAs of the pair by multicast, the peer's the other.
+template <int kPair = 1, class P>
+MOKGEN_DEVICE void produce_pp(const Smem& s, P& pipe, const TileSrc& t, int crank = 0) {
+  for (int kb = 0; kb < t.n_k; ++kb) {
+    pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
+    unsigned char* st = s.stages + size_t(pipe.stage) * kPPStageBytes;
+    uint64_t* full = &s.full[pipe.stage];
+    mbar_arrive_expect_tx(full, kPPStageBytes);
+    const int k0 = kb * kBK;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cute::SM90_TMA_LOAD_2D::copy(t.a[0], full, 0, st + h * kBox, t.a_col + 64 * h, t.a_row + k0);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      unsigned char* dst = st + (2 + j) * kBox;
+      if constexpr (kPair == 2) {
+        if (j == crank)
+          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(t.b[0], full, uint16_t(0b11),
+                                                 uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), dst,
+                                                 t.b_col + 64 * j, t.b_row + k0);
+      } else {
+        cute::SM90_TMA_LOAD_2D::copy(t.b[0], full, 0, dst, t.b_col + 64 * j, t.b_row + k0);
+      }
+    }
+    pipe.advance();
+  }
+}
+
+// Consumer warpgroup wg's ping-pong tile, after its turn (wait_turn; turn_phase: the parity of
+// this thread's count of turns taken): every k-block into acc (two m64n128 halves; k_valid_last
+// as consume), the turn handed to the other warpgroup once k-block `hand`'s wgmma are issued
+// (hand_over). A short last k-block's tail rows are zeroed in all four boxes of the stage
+// (this warpgroup's alone).
+// The k-block of an n_k-block tile after which its warpgroup hands the turn over: `early`
+// k-blocks before its last, but never before k-block n_k - kPPStages. The other warpgroup's
+// first wait is on the position just past this tile, whose previous lap is this tile's k-block
+// n_k - kPPStages: once this warpgroup has waited that one full, the producer has filled it.
+MOKGEN_DEVICE int hand_over(int n_k, int early) {
+  const int h = n_k - 1 - early, floor = n_k - kPPStages;
+  return h > floor ? (h > 0 ? h : 0) : floor;
+}
+
+MOKGEN_DEVICE void wait_turn(const Smem& s, int wg, uint32_t& turn_phase) {
+  mbar_wait(&s.turn[wg], turn_phase);
+  turn_phase ^= 1u;
+}
+
+template <int kPair = 1, class P>
+MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc],
+                              int hand) {
+  const int t = threadIdx.x & 127;
+  if (n_k == 0) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    if (t == 0) mbar_arrive(&s.turn[wg ^ 1]);
+    return;
+  }
+  int prev_stage = -1;
+#pragma unroll 2
+  for (int kb = 0; kb < n_k; ++kb) {
+    pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
+    unsigned char* st = s.stages + size_t(pipe.stage) * kPPStageBytes;
+    int steps = kBK / 16;
+    if (kb == n_k - 1 && k_valid_last < kBK) {
+      steps = (k_valid_last + 15) / 16;
+      if (k_valid_last % 16) {
+        const int bytes = (16 * steps - k_valid_last) * 128;
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+          for (int i = t * 16; i < bytes; i += 128 * 16)
+            *reinterpret_cast<uint4*>(st + b * kBox + k_valid_last * 128 + i) = make_uint4(0, 0, 0, 0);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
+      }
+    }
+    const unsigned char* sa = st;
+    const unsigned char* sb = st + 2 * kBox;
+    fence_operands(acc);
+    cute::warpgroup_arrive();
+    switch (steps) {
+      case 1: mma_steps_pp<1>(sa, sb, acc, kb > 0); break;
+      case 2: mma_steps_pp<2>(sa, sb, acc, kb > 0); break;
+      case 3: mma_steps_pp<3>(sa, sb, acc, kb > 0); break;
+      default: mma_steps_pp<kBK / 16>(sa, sb, acc, kb > 0); break;
+    }
+    cute::warpgroup_commit_batch();
+    if (kb == hand && t == 0) mbar_arrive(&s.turn[wg ^ 1]);
+    cute::warpgroup_wait<1>();
+    fence_operands(acc);
+    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
+    prev_stage = pipe.stage;
+    pipe.advance();
+  }
+  cute::warpgroup_wait<0>();
+  fence_operands(acc);
+  release<kPair>(s, prev_stage, t);
+}
+
 // Epilogue stores of one consumer warpgroup: rows r < rows of the tile (r = 64 wg + ...), 256
 // columns; tile row r goes to out row r, or to out row row_map[r] where a map is given (the
 // rows GEMM's scatter to (token, slot) order). fp32 out (row stride ld floats): each lane
@@ -485,6 +660,8 @@ constexpr int kStoreBuffers = 2;        // per consumer warpgroup
 constexpr size_t kStagingBytes = 2 * size_t(kStoreBuffers) * kStoreBox;
 constexpr size_t kWeightSmemBytes = ring_bytes(kWeightStages) + kStagingBytes;
 static_assert(kWeightSmemBytes <= 232448, "the stage ring and the store buffers fit one SM's 227 KB");
+constexpr size_t kPPSmemBytes = ring_bytes(kPPStages, kPPStageBytes) + kStagingBytes;  // the ping-pong's
+static_assert(kPPSmemBytes <= 232448, "the ping-pong's ring and store buffers fit one SM's 227 KB");
 
 // Buffer b of consumer warpgroup wg: after the stage ring (1024-aligned, as the swizzle needs).
 MOKGEN_DEVICE unsigned char* store_buffer(const Smem& s, int wg, int b) {
@@ -515,6 +692,9 @@ MOKGEN_DEVICE void store_wait() {
 // stores and waits for them; the bar.sync of the warpgroup's 128 threads (barrier 4 + wg, as
 // the short k-block's zeroing) orders the buffer's reuse before its writes, and the writes
 // before the store. stamps (trace builds only, else null): the SM clock after each box.
+// kPP (the ping-pong's 128 x 128 tile, two m64n128 halves): box j holds rows 64 (j / 2) and
+// columns 64 (j % 2) of the tile at out rows row0 + 64 (j / 2), whichever warpgroup stores it.
+template <bool kPP = false>
 MOKGEN_DEVICE void store_tile_tma(const float (&acc)[kAcc], const Smem& s, int wg, const CUtensorMap* out, int row0,
                                   int col0, long long* stamps = nullptr) {
   const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
@@ -526,9 +706,11 @@ MOKGEN_DEVICE void store_tile_tma(const float (&acc)[kAcc], const Smem& s, int w
     unsigned char* buf = store_buffer(s, wg, j % kStoreBuffers);
     if (t == 0) store_wait<kStoreBuffers - 1>();  // the store that read this buffer last is done reading it
     asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
+    // the box's first 8-column accumulator group: m64n128 half j / 2 holds groups 16 (j / 2) ..
+    const int group0 = kPP ? 16 * (j >> 1) + 8 * (j & 1) : 8 * j;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {  // groups 8 j + 2 p and + 1: 16 columns each pair
-      const int g0 = 8 * j + 2 * p, g1 = g0 + 1;
+    for (int p = 0; p < 4; ++p) {  // groups group0 + 2 p and + 1: 16 columns each pair
+      const int g0 = group0 + 2 * p, g1 = g0 + 1;
       const int chunk = 2 * p + second;  // 16-byte chunk of the box row (8 columns, one group)
       const uint32_t addr = smem_u32(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
       stmatrix_x4(addr, pack_bf16x2(acc[4 * g0], acc[4 * g0 + 1]), pack_bf16x2(acc[4 * g0 + 2], acc[4 * g0 + 3]),
@@ -537,7 +719,10 @@ MOKGEN_DEVICE void store_tile_tma(const float (&acc)[kAcc], const Smem& s, int w
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, before the TMA reads them
     asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
     if (t == 0) {
-      cute::SM90_TMA_STORE_2D::copy(out, buf, col0 + 64 * j, row0 + 64 * wg);
+      if constexpr (kPP)
+        cute::SM90_TMA_STORE_2D::copy(out, buf, col0 + 64 * (j & 1), row0 + 64 * (j >> 1));
+      else
+        cute::SM90_TMA_STORE_2D::copy(out, buf, col0 + 64 * j, row0 + 64 * wg);
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
     if (stamps != nullptr) stamps[j] = clock64();

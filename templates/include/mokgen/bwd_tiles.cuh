@@ -19,19 +19,25 @@ MOKGEN_HOST_DEVICE int clamp_rows(int v, int lo, int hi) { return v < lo ? lo : 
 // within an expert's block: consecutive tiles share the A rows). Tiles are numbered over the
 // experts in order; CTA b takes tiles b, b + ctas, ... fn(e, row0 (global), rows, n (column
 // tile)). Expert e owns rows [end of e - 1, min(offs[e], total)), so rows past `total` (the
-// operands' row count) are never visited, whatever offs says.
+// operands' row count) are never visited, whatever offs says. CTA pairs (pair = 2, n_tiles
+// even): the units walked are (expert, row block, column-tile pair), unit u taken by pair cta,
+// cta + ctas, ... (cta and ctas count pairs), and the CTA of rank crank computes column tile
+// 2 (u's column pair) + crank: both CTAs of a pair walk the same rows in step, so they can
+// share the A operand by TMA multicast.
 template <class Fn>
-MOKGEN_HOST_DEVICE void walk_row_tiles(const int32_t* offs, int E, int total, int n_tiles, int cta, int ctas, Fn&& fn) {
-  int64_t base = 0;  // first tile number of expert e
+MOKGEN_HOST_DEVICE void walk_row_tiles(const int32_t* offs, int E, int total, int n_tiles, int cta, int ctas, Fn&& fn,
+                                       int pair = 1, int crank = 0) {
+  const int n_units = n_tiles / pair;
+  int64_t base = 0;  // first unit number of expert e
   int64_t next = cta;
   int start = 0;
   for (int e = 0; e < E; ++e) {
     const int end = clamp_rows(offs[e], start, total > start ? total : start);
     const int blocks = (end - start + kTileRows - 1) / kTileRows;
-    const int64_t count = int64_t(blocks) * n_tiles;
+    const int64_t count = int64_t(blocks) * n_units;
     while (next < base + count) {
       const int64_t q = next - base;
-      const int mb = int(q / n_tiles), n = int(q % n_tiles);
+      const int mb = int(q / n_units), n = pair * int(q % n_units) + crank;
       const int rows = end - start - mb * kTileRows;
       fn(e, start + mb * kTileRows, rows < kTileRows ? rows : kTileRows, n);
       next += ctas;
