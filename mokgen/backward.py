@@ -215,6 +215,15 @@ def _pairs_expert_major(topk_ids: torch.Tensor, E: int, *, count: bool = True):
 #: pairs), so layers above 2^22 experts x pairs took PyTorch's sort.
 USE_EXPERT_MAJOR = True
 
+#: the "save" policy on mokgen's GEMMs: SwiGLU's backward from the saved g and u in the dh GEMM's
+#: epilogue (bwd_gemm.dh_swiglu_saved, v0.14) where True; False (the default): the dh GEMM
+#: writes fp32 dh_u and an elementwise pass reads it (bwd_gemm.swiglu_grads_saved). The same hw,
+#: dg and du bits; the routing weights' gradient sums each row per 256 columns first (within
+#: rounding). Measured slower fused: on kimi-k2.5's local rows the fused kernel took 971 us
+#: against 785 + 117 for the two (the epilogue's loads of g and u, gathered through the pair
+#: map, are exposed; docs/perf-notes.md v0.14).
+FUSE_DH_SWIGLU = False
+
 
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
                               need_weight_grads, saved_gu=None):
@@ -249,7 +258,9 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
     # ours fuses the recompute with SwiGLU's backward, g and u never leave the registers)
-    if ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
+    if ours and saved_gu is not None and FUSE_DH_SWIGLU:  # dSwiGLU in dh's epilogue: no fp32 dh_u
+        hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(go, w_down, saved_gu, order, wt, offs, clamp_limit)
+    elif ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
         dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
         if saved_gu is not None:
             hw, dg, du, dw_rows = bwd_gemm.swiglu_grads_saved(saved_gu, order, dh_u, wt, offs, clamp_limit)

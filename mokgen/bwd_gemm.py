@@ -69,6 +69,7 @@ _SIGNATURES = {
     "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
+    "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _vp],
     "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp, _vp],
 }
@@ -121,6 +122,9 @@ class _Lib:
 
     def swiglu_saved(self, *args) -> None:
         self._call("mokgen_bwd_swiglu_saved", *args)
+
+    def dh_swiglu_saved(self, *args) -> None:
+        self._call("mokgen_bwd_dh_swiglu_saved", *args)
 
     def sum_slots(self, *args) -> None:
         self._call("mokgen_bwd_sum_slots", *args)
@@ -386,6 +390,61 @@ def sum_slots(dx_pairs, tokens: int, top_k: int):
 
 #: the weight gradients' schedules (weight_grads' ``schedule``, MOKGEN_BWD_WEIGHTS)
 WEIGHT_SCHEDULES = ("split", "pingpong")
+
+
+def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None):
+    """``(hw, dg, du, d_wt)`` as ``swiglu_grads_saved(gu, order, rows_gemm([(go, w_down)], offs),
+    wt, offs, clamp_limit)`` in one kernel: the rows GEMM ``dh_u = go @ w_down[e]`` (fp32, never
+    stored) with SwiGLU's backward from the saved pre-activations in its epilogue. ``go [rows,
+    H]`` bf16 (expert-major rows), ``w_down [E, H, I]`` bf16, ``gu [pairs, 2 I]`` bf16, ``order
+    [rows]`` int64 (values in ``[0, pairs)``), ``wt [rows]`` fp32, ``offs [E]`` int32; H % 64 ==
+    0, I % 256 == 0. ``hw``, ``dg``, ``du`` have the two passes' bits (zeros from ``offs[-1]``
+    on); ``d_wt`` sums each row's products per 256 columns, then the column tiles in order (the
+    same result on every run; within rounding of the two passes' one per-row order). Measured
+    slower than the two passes on kimi-k2.5's local rows (971 us against 785 + 117; the backward
+    takes it where ``backward.FUSE_DH_SWIGLU``, off by default; docs/perf-notes.md v0.14)."""
+    import torch
+
+    _check_operand("go", go, 2)
+    _check_operand("w_down", w_down, 3)
+    _check_operand("gu", gu, 2)
+    rows, H = go.shape
+    E, I = w_down.shape[0], w_down.shape[2]
+    if tuple(w_down.shape) != (E, H, I) or w_down.device != go.device:
+        raise InputError(f"w_down must be [E, H, I] with H = {H} (go's columns) on {go.device}, got "
+                         f"{tuple(w_down.shape)}")
+    if H == 0 or I == 0 or H % BLOCK_K or I % BLOCK_N:
+        raise InputError(f"dh_swiglu_saved needs H % {BLOCK_K} == 0 and I % {BLOCK_N} == 0 (both positive), got "
+                         f"H = {H}, I = {I}")
+    pairs = gu.shape[0]
+    if tuple(gu.shape) != (pairs, 2 * I) or gu.device != go.device:
+        raise InputError(f"gu must be [pairs, 2 I] = [*, {2 * I}] on {go.device}, got {tuple(gu.shape)}")
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (rows,) \
+            or not order.is_contiguous() or order.device != go.device:
+        raise InputError(f"order must be a contiguous int64 tensor of shape ({rows},) on {go.device}")
+    if rows > pairs:
+        raise InputError(f"order has {rows} rows, more than gu's {pairs} pairs")
+    if not isinstance(wt, torch.Tensor) or wt.dtype != torch.float32 or tuple(wt.shape) != (rows,) \
+            or not wt.is_contiguous() or wt.device != go.device:
+        raise InputError(f"wt must be a contiguous float32 tensor of shape ({rows},) on {go.device}")
+    if clamp_limit is not None and not float(clamp_limit) > 0:
+        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.shape[0] != E:
+        raise InputError(f"offs must be a 1-d int32 tensor of the {E} experts' row ends (inclusive prefix sums)")
+    _check_offs(offs, E, go.device)
+    h, dg, du = (torch.empty(rows, I, dtype=torch.bfloat16, device=go.device) for _ in range(3))
+    dw_part = torch.zeros(rows, I // BLOCK_N, dtype=torch.float32, device=go.device)
+    if rows and E:
+        clamp = clamp_limit is not None
+        with _on(go.device) as stream:
+            load_library().dh_swiglu_saved(h.data_ptr(), dg.data_ptr(), du.data_ptr(), dw_part.data_ptr(),
+                                           go.data_ptr(), w_down.data_ptr(), gu.data_ptr(), order.data_ptr(),
+                                           wt.data_ptr(), offs.data_ptr(), E, rows, H, I, int(clamp),
+                                           float(clamp_limit) if clamp else 0.0, stream)
+    elif rows:  # no expert: every row is past offs[-1]
+        for t in (h, dg, du):
+            t.zero_()
+    return h, dg, du, dw_part.sum(dim=1)
 
 
 def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None):

@@ -244,6 +244,63 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       });
 }
 
+// dh = dOut Wd[e] for the rows of each expert with SwiGLU's backward from the saved
+// pre-activations in the epilogue (bwd_gemm.cuh, store_swiglu_saved): the rows GEMM with B
+// MN-major (w_down [E, H, I], map over [E H, I]), K = H, N = I, one operand pair.
+struct SavedSwiglu {
+  const bf16* gu;
+  const int64_t* order;
+  const float* wt;
+  bf16* h;
+  bf16* dg;
+  bf16* du;
+  float* dw_part;
+};
+
+__global__ void __launch_bounds__(bwd::kThreads, 1)
+    dh_swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I,
+                     SavedSwiglu o, int clamp, float limit, int lead) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const bwd::Smem s = bwd::start_pipeline<bwd::kStages>(smem);
+  const int n_tiles = I / bwd::kBN, n_k = H / bwd::kBK;
+  auto pipe = bwd::make_pipe<bwd::kStages>(lead);
+  bwd::run_roles(
+      s, pipe,
+      [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
+      [&](int e, int row0, int rows, int n) {
+        bwd::TileSrc t;
+        t.a[0] = t.a[1] = &maps.a[0];
+        t.b[0] = t.b[1] = &maps.b[0];
+        t.a_row = row0;
+        t.a_col = 0;
+        t.b_row = e * H;
+        t.b_col = n * bwd::kBN;
+        t.n_k = n_k;
+        t.kb_per_pair = n_k;
+        bwd::produce<false, true>(s, pipe, t);
+      },
+      [&](int wg, int e, int row0, int rows, int n) {
+        float acc[bwd::kAcc];
+        bwd::consume<false, true>(s, pipe, wg, n_k, bwd::kBK, acc);
+        const int64_t at = int64_t(row0) * I;
+        bwd::store_swiglu_saved(acc, wg, rows, o.order + row0, o.gu, I, n * bwd::kBN, o.wt + row0, o.h + at, o.dg + at,
+                                o.du + at, o.dw_part + int64_t(row0) * n_tiles + n, n_tiles, clamp != 0, limit);
+      });
+}
+
+// Rows from offs[E - 1] on (pairs no expert computed) of three bf16 [rows, N] outputs: zeros.
+__global__ void __launch_bounds__(256) zero_rows3_kernel(bf16* a, bf16* b, bf16* c, const int32_t* offs, int E, int rows,
+                                                         int N) {
+  const int first = min(max(offs[E - 1], 0), rows);
+  const int64_t per_row = N / 8, total = int64_t(rows - first) * per_row;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t at = (first + i / per_row) * N + 8 * (i % per_row);
+    *reinterpret_cast<uint4*>(a + at) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(b + at) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(c + at) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // SwiGLU's backward from the pre-activations the forward saved (mokgen.backward's "save" policy,
 // which replaces swiglu_kernel's recompute): for expert-major row i < offs[E - 1], pair order[i]:
 // g, u = gu[order[i]] (bf16 [g | u], 2 I per row), dh = dh_u[i] wt[i]; out h wt[i], dg, du (bf16
@@ -626,6 +683,29 @@ int mokgen_bwd_swiglu_saved(void* h, void* dg, void* du, float* dw, const void* 
                                                   static_cast<const bf16*>(gu), order, dh_u, wt, offs, E, rows, I, clamp,
                                                   limit);
   return int(cudaGetLastError());
+}
+
+// dh = go Wd[e] with SwiGLU's backward from saved pre-activations in the epilogue
+// (dh_swiglu_kernel): go [rows, H] bf16 (expert-major rows), w_down [E, H, I] bf16, gu [*, 2 I]
+// bf16 (row p: g then u of pair p), order [rows] int64 (the pair of each row), wt [rows] fp32,
+// offs [E] int32; out h (= swiglu(g, u) wt), dg, du [rows, I] bf16 (zeros from offs[E - 1] on)
+// and dw_part [rows, I / 256] fp32 (the caller zeroes it; each row's partial sums of dh_u h per
+// 256 columns). H % 64 == 0, I % 256 == 0, rows >= 1 (checked by the caller).
+int mokgen_bwd_dh_swiglu_saved(void* h, void* dg, void* du, float* dw_part, const void* go, const void* w_down,
+                               const void* gu, const int64_t* order, const float* wt, const int32_t* offs, int E,
+                               int rows, int H, int I, int clamp, float limit, cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.a[0], go, uint64_t(rows), uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.b[0], w_down, uint64_t(E) * H, uint64_t(I), 64) != CUDA_SUCCESS)
+    return kBadMap;
+  maps.a[1] = maps.a[0];
+  maps.b[1] = maps.b[0];
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const SavedSwiglu o{static_cast<const bf16*>(gu), order, wt, static_cast<bf16*>(h), static_cast<bf16*>(dg),
+                      static_cast<bf16*>(du), dw_part};
+  zero_rows3_kernel<<<grid, 256, 0, stream>>>(o.h, o.dg, o.du, offs, E, rows, I);
+  return launch(dh_swiglu_kernel, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit, g_lead);
 }
 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16

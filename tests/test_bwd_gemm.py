@@ -17,7 +17,7 @@ from mokgen.errors import InputError  # noqa: E402
 
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
            "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
-           "mokgen_bwd_expert_major_scratch")
+           "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved")
 
 
 @pytest.mark.nvcc
@@ -30,10 +30,10 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     # rows<B MN-major, fp32 out>, rows<B MN-major, bf16 out>, rows<B K-major>, swiglu, swiglu_saved,
-    # (single CTAs and CTA pairs), swiglu, swiglu_saved, weights and weights in ping-pong (single
-    # CTAs, pairs), zero_rows<fp32>, zero_rows<bf16>, sum_slots, and the row order's expert_count,
-    # expert_scan, expert_scatter
-    assert len(kernels) == 18, kernels
+    # (single CTAs and CTA pairs), swiglu, swiglu_saved, dh with the saved SwiGLU backward,
+    # weights and weights in ping-pong (single CTAs, pairs), zero_rows<fp32>, zero_rows<bf16>,
+    # zero_rows3, sum_slots, and the row order's expert_count, expert_scan, expert_scatter
+    assert len(kernels) == 20, kernels
     assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels
     assert sum(re.search(r"\d\drows_kernel", k) is not None for k in kernels) == 6, kernels  # not zero_rows
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -66,13 +66,23 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     followed by a wait for zero, and no such wait exists."""
     functions = re.split(r"\n\s*Function : ", sass(bwd_gemm.build_library()))[1:]
     gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
-    assert len(gemms) == 11, list(gemms)  # rows x 3 (single, pairs), swiglu, weights and ping-pong (single, pairs)
+    assert len(gemms) == 12, list(gemms)  # rows x 3 (single, pairs), swiglu, dh_swiglu, weights, ping-pong (x 2)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 
 
 def _bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+def test_dh_swiglu_saved_refuses_operands_off_the_gpu():
+    """The fused dh + SwiGLU backward checks its operands before it loads anything (shapes: the
+    GPU tests)."""
+    order, wt, offs = torch.zeros(4, dtype=torch.int64), torch.zeros(4), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(InputError, match="go must be on a CUDA device of compute capability 9.0"):
+        bwd_gemm.dh_swiglu_saved(_bf16(4, 64), _bf16(2, 64, 256), _bf16(4, 512), order, wt, offs)
+    with pytest.raises(InputError, match="go must be a contiguous 2-d bfloat16 tensor, got torch.float32"):
+        bwd_gemm.dh_swiglu_saved(torch.zeros(4, 64), _bf16(2, 64, 256), _bf16(4, 512), order, wt, offs)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -91,6 +91,42 @@ def test_rows_gemm_pairs_give_the_bits_of_single_ctas(b_major, n_pairs, N):
         assert _rel(single[s0:s0 + counts[7]], want) < 1e-2
 
 
+@pytest.mark.parametrize("clamp", [None, 0.25], ids=["no-clamp", "clamp"])
+def test_dh_swiglu_saved_has_the_bits_of_the_two_passes(clamp):
+    """dSwiGLU in the dh GEMM's epilogue (the "save" policy's default) against the dh GEMM's fp32
+    dh_u and the elementwise pass over it: hw, dg and du bit for bit (the same float operations
+    on the same fp32 sums), zeros from offs[-1] on; d_wt (per 256 columns, then the tiles in
+    order) within rounding of the per-row sum, and the same on every run. Empty experts, one-row
+    experts, pairs taken through a permutation of more saved rows than rows."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    counts = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(21)).tolist()
+    counts[1] = counts[9] = 0
+    counts[3] = 1
+    E, H, I = len(counts), 512, 768
+    rows = sum(counts) + SPARE_ROWS
+    offs = _offs(counts)
+    go = _randn(rows, H, gen=gen)
+    w_down = _randn(E, H, I, gen=gen, scale=H**-0.5)
+    gu = _randn(rows + 5, 2 * I, gen=gen)
+    order = torch.randperm(rows + 5, generator=gen, device="cuda")[:rows].contiguous()
+    wt = torch.rand(rows, generator=gen, device="cuda")
+    dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn", cluster=1)
+    want = bwd_gemm.swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp)
+    got = bwd_gemm.dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp)
+    for name, a, b in zip(("hw", "dg", "du"), got[:3], want[:3]):
+        assert torch.equal(a, b), name
+        assert torch.equal(a[sum(counts):], torch.zeros_like(a[sum(counts):])), name
+    assert torch.allclose(got[3], want[3], rtol=1e-5, atol=1e-5 * want[3].abs().max().item())
+    assert torch.equal(got[3][sum(counts):], torch.zeros_like(got[3][sum(counts):]))
+    for _ in range(3):
+        again = bwd_gemm.dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp)
+        assert all(torch.equal(p, q) for p, q in zip(again, got))
+    with pytest.raises(InputError, match="I % 256 == 0"):
+        bwd_gemm.dh_swiglu_saved(go, w_down[:, :, :640].contiguous(), gu[:, :1280].contiguous(), order, wt, offs)
+    with pytest.raises(InputError, match=r"gu must be \[pairs, 2 I\]"):
+        bwd_gemm.dh_swiglu_saved(go, w_down, gu[:, :I].contiguous(), order, wt, offs)
+
+
 def test_rows_gemm_scatters_rows_through_a_map():
     """out_rows: row r of the result lands in out row out_rows[r]; the other rows keep their values."""
     gen = torch.Generator(device="cuda").manual_seed(4)

@@ -784,5 +784,73 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
   }
 }
 
+// Epilogue of dh = dOut Wd with SwiGLU's backward from the saved pre-activations (v0.14: the
+// "save" policy's dSwiGLU fused into the dh GEMM, where swiglu_saved_kernel made a pass over an
+// fp32 dh_u): acc = dh_u of the tile's rows r < rows and 256 columns c0 .. of I. For each, g
+// and u from row order[r] of gu (bf16 [pairs, 2 I]: g then u), dh = dh_u wt[r]; out hw = h
+// wt[r], dg, du (bf16 rows of I, at h / dg / du + r I + c0) and, per row, the partial sum over
+// these 256 columns of dh_u h (fp32, dw_part[r n_parts]; the caller sums a row's parts in
+// order). The same float operations as swiglu_saved_kernel on the same fp32 dh_u, so hw, dg and
+// du have its bits; the partial sums differ in order from its per-row sum. Per 4 groups, each
+// lane loads one group's 8 columns of g and of u (16 bytes, as the stores write them), and the
+// quad exchange (quad_transpose is its own inverse) hands each lane its 2 columns of all 4.
+// Measured slower than the two passes (docs/perf-notes.md v0.14: these loads, gathered through
+// the pair map, are exposed in the epilogue), so the backward takes it only where
+// mokgen.backward.FUSE_DH_SWIGLU is set.
+MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows, const int64_t* order, const bf16* gu,
+                                      int I, int c0, const float* wt, bf16* h, bf16* dg, bf16* du, float* dw_part,
+                                      int n_parts, bool clamp, float limit) {
+  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+    const bool valid = r < rows;  // the same for the 4 lanes of a quad (the shuffles need all 32)
+    const int rr = valid ? r : 0;
+    const bf16* g = gu + (valid ? order[rr] : 0) * (2 * int64_t(I)) + c0;
+    const bf16* u = g + I;
+    const int64_t off = int64_t(rr) * I + c0;
+    const float weight = valid ? wt[rr] : 0.f;
+    float dot = 0.f;
+#pragma unroll
+    for (int b = 0; b < kAcc / 16; ++b) {
+      uint4 gv = make_uint4(0, 0, 0, 0), uv = gv;
+      if (valid) {
+        gv = *reinterpret_cast<const uint4*>(g + 8 * (4 * b + q));
+        uv = *reinterpret_cast<const uint4*>(u + 8 * (4 * b + q));
+      }
+      const uint32_t g_in[4] = {gv.x, gv.y, gv.z, gv.w}, u_in[4] = {uv.x, uv.y, uv.z, uv.w};
+      const uint4 gq = Tile::quad_transpose(g_in, q), uq = Tile::quad_transpose(u_in, q);
+      const uint32_t gw[4] = {gq.x, gq.y, gq.z, gq.w}, uw[4] = {uq.x, uq.y, uq.z, uq.w};
+      uint32_t wh[4], wdg[4], wdu[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = 4 * b + k;  // group i: columns 8 i + 2 q + {0, 1}, bf16 pairs low then high
+        const float g0 = __uint_as_float(gw[k] << 16), g1 = __uint_as_float(gw[k] & 0xffff0000u);
+        const float u0 = __uint_as_float(uw[k] << 16), u1 = __uint_as_float(uw[k] & 0xffff0000u);
+        const float d0 = acc[4 * i + 2 * half], d1 = acc[4 * i + 2 * half + 1];
+        const SwigluGrad a = swiglu_grad(g0, u0, d0 * weight, clamp, limit);
+        const SwigluGrad c = swiglu_grad(g1, u1, d1 * weight, clamp, limit);
+        dot = fmaf(d0, a.h, dot);
+        dot = fmaf(d1, c.h, dot);
+        wh[k] = pack_bf16x2(a.h * weight, c.h * weight);
+        wdg[k] = pack_bf16x2(a.dg, c.dg);
+        wdu[k] = pack_bf16x2(a.du, c.du);
+      }
+      const uint4 vh = Tile::quad_transpose(wh, q), vdg = Tile::quad_transpose(wdg, q),
+                  vdu = Tile::quad_transpose(wdu, q);
+      if (valid) {
+        const int64_t at = off + 8 * (4 * b + q);
+        *reinterpret_cast<uint4*>(h + at) = vh;
+        *reinterpret_cast<uint4*>(dg + at) = vdg;
+        *reinterpret_cast<uint4*>(du + at) = vdu;
+      }
+    }
+    // the quad's 4 partial sums, in a fixed order (lanes q = 0..3 of the row)
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    if (valid && q == 0) dw_part[int64_t(r) * n_parts] = dot;
+  }
+}
+
 }  // namespace bwd
 }  // namespace mokgen
