@@ -87,9 +87,10 @@ static_assert(Tile::kStageStride == kStageBytes && Tile::kThreads == kThreads, "
 // Dynamic shared memory of a ring of kS stages of stage_bytes, as the forward's: the full and
 // empty barriers, the stagger's lead barrier and the ping-pong's turn barriers, then the stages
 // at the next 1024-byte boundary (+1024 of alignment slack).
-MOKGEN_HOST_DEVICE constexpr int kBarriers(int kS) { return 2 * kS + 3; }  // full, empty, the stagger's lead, the ping-pong's two turns
+// The barriers before the stages: full and empty per stage, the stagger's lead, the ping-pong's two turns.
+MOKGEN_HOST_DEVICE constexpr int ring_barriers(int kS) { return 2 * kS + 3; }
 constexpr size_t ring_bytes(int kS, int stage_bytes = kStageBytes) {
-  return size_t(kS) * stage_bytes + kBarriers(kS) * 8 + 1024;
+  return size_t(kS) * stage_bytes + ring_barriers(kS) * 8 + 1024;
 }
 constexpr size_t kSmemBytes = ring_bytes(kStages);
 
@@ -145,13 +146,13 @@ struct Smem {
 
 template <int kS, int kStageB = kStageBytes>
 MOKGEN_DEVICE Smem carve(unsigned char* raw) {
-  static_assert(kBarriers(kS) * 8 <= 1024, "the barriers fit before the first stage");
+  static_assert(ring_barriers(kS) * 8 <= 1024, "the barriers fit before the first stage");
   Smem s;
   s.full = reinterpret_cast<uint64_t*>(raw);
   s.empty = s.full + kS;
   s.lead = s.empty + kS;
   s.turn = s.lead + 1;
-  s.stages = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kBarriers(kS) * 8 + 1023) &
+  s.stages = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + ring_barriers(kS) * 8 + 1023) &
                                               ~uintptr_t(1023));
   s.after = s.stages + size_t(kS) * kStageB;
   return s;
@@ -479,8 +480,8 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
 // both), 24 KB per CTA. The same k order per output element, so the bits of the split tile.
 // Measured (docs/perf-notes.md v0.14): no faster than the split tile. One warpgroup's k-loop
 // alone runs at about half the tensor core's rate on these MN-major operands (a 128 x 128 tile
-// in 6.3-6.5k cycles against 2.8k), so strict turns (early 0) lengthen the period by 15%, and with the
-// k-loops overlapping (early 1-3) the period equals the split tile's.
+// in 6.3-6.5k cycles against 2.8k), so strict turns (early 0) lengthen the period by 15%, and
+// with the k-loops overlapping (early 1-3) the period equals the split tile's.
 constexpr int kPPBN = 128;                 // a ping-pong tile's columns
 constexpr int kPPStageBytes = 4 * kBox;    // A 128 x 64 + B 128 x 64
 constexpr int kPPStages = 6;               // 192 KB, then the store buffers
@@ -797,9 +798,9 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
 // Measured slower than the two passes (docs/perf-notes.md v0.14: these loads, gathered through
 // the pair map, are exposed in the epilogue), so the backward takes it only where
 // mokgen.backward.FUSE_DH_SWIGLU is set.
-MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows, const int64_t* order, const bf16* gu,
-                                      int I, int c0, const float* wt, bf16* h, bf16* dg, bf16* du, float* dw_part,
-                                      int n_parts, bool clamp, float limit) {
+MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows, const int64_t* order,
+                                      const bf16* gu, int I, int c0, const float* wt, bf16* h, bf16* dg, bf16* du,
+                                      float* dw_part, int n_parts, bool clamp, float limit) {
   const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
