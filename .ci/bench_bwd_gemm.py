@@ -10,7 +10,6 @@ python3 .ci/bench_bwd_gemm.py [SPEC [LIB...]] (default kimi-k2.5)."""
 import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +17,6 @@ from pathlib import Path
 import torch
 
 from mokgen import bench, build, bwd_gemm
-from mokgen.paths import templates_dir
 
 spec, gen, counts, offs, rows = bench.local_expert_rows(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5")
 E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
@@ -61,7 +59,7 @@ cases = {
         lambda: bwd_gemm.rows_gemm([(dg, wg), (du, wu)], offs, b_major="mn", out=dx_bf16, out_rows=order, cluster=2),
         lambda: gmm(dg, wg, offs=offs).add_(gmm(du, wu, offs=offs)).to(torch.bfloat16)),
 }
-for sch in bwd_gemm.WEIGHT_SCHEDULES:  # the ping-pong's 128 x 128 tiles, the split 128 x 256
+for sch in bwd_gemm.WEIGHT_SCHEDULES:  # the split 128 x 256 tiles, the ping-pong's 128 x 128
     for c in (1, 2):  # single CTAs (the default), CTA pairs sharing B
         cases[f"dWg = dg^T x (M = I, N = H, K = rows of e), {sch}, cluster {c}"] = (
             2 * rows * H * I, lambda c=c, sch=sch: bwd_gemm.weight_grads(dg, x, offs, cluster=c, schedule=sch),
@@ -87,17 +85,10 @@ variant_flags = os.environ.get("BWD_BENCH_FLAGS", "").split()
 if variant_flags:
     # this tree's library against a variant build of it (the same sources, more nvcc flags),
     # at the default lead, three times in alternation
-    tmp = Path(tempfile.mkdtemp(prefix="bwd-variant-"))
-    tc = build.find_toolchain()
-    cmd = [tc.nvcc, *build._source_flags("sm_90a"), *variant_flags, "-I", str(templates_dir() / "include"),
-           "-I", tc.cutlass_include, str(templates_dir() / "bwd_gemm.cu"), "-o", str(tmp / "libbwdvariant.so")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        sys.exit(f"variant build failed:\n{res.stderr[-4000:]}")
-    (tmp / "build.log").write_text(res.stdout + res.stderr)
-    if build.serialized_wgmma(tmp):
+    variant = bwd_gemm.build_variant(variant_flags, tempfile.mkdtemp(prefix="bwd-variant-"))
+    if build.serialized_wgmma(variant.parent):
         print("WARNING: the variant's wgmma are serialized")
-    libs = {"this tree": bwd_gemm.load_library(), " ".join(variant_flags): bwd_gemm._Lib(tmp / "libbwdvariant.so")}
+    libs = {"this tree": bwd_gemm.load_library(), " ".join(variant_flags): bwd_gemm._Lib(variant)}
     default_load = bwd_gemm.load_library
     for rep in (1, 2, 3):
         for label, lib in libs.items():

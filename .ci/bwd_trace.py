@@ -23,7 +23,6 @@ python3 .ci/bwd_trace.py [SPEC [TILES]] (kimi-k2.5, 48)."""
 import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 import torch
 
 from mokgen import bench, build, bwd_gemm
-from mokgen.paths import templates_dir
 
 TILES = int(sys.argv[2]) if len(sys.argv) > 2 else 48
 spec, gen, counts, offs, rows = bench.local_expert_rows(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5")
@@ -44,18 +42,11 @@ def randn(*shape):
 
 x, go, dg, hw = randn(rows, H), randn(rows, H), randn(rows, I), randn(rows, I)
 
-tmp = Path(tempfile.mkdtemp(prefix="bwd-trace-"))
-tc = build.find_toolchain()
 extra = os.environ.get("BWD_TRACE_FLAGS", "").split()
-cmd = [tc.nvcc, *build._source_flags("sm_90a"), "-DMOKGEN_BWD_TRACE", *extra, "-I", str(templates_dir() / "include"),
-       "-I", tc.cutlass_include, str(templates_dir() / "bwd_gemm.cu"), "-o", str(tmp / "libbwdtrace.so")]
-res = subprocess.run(cmd, capture_output=True, text=True)
-if res.returncode != 0:
-    sys.exit(f"trace build failed:\n{res.stderr[-4000:]}")
-(tmp / "build.log").write_text(res.stdout + res.stderr)
-if build.serialized_wgmma(tmp):
+traced = bwd_gemm.build_variant(["-DMOKGEN_BWD_TRACE", *extra], tempfile.mkdtemp(prefix="bwd-trace-"))
+if build.serialized_wgmma(traced.parent):
     print("WARNING: the trace build's wgmma are serialized; its times are not the library's")
-lib = bwd_gemm._Lib(tmp / "libbwdtrace.so")
+lib = bwd_gemm._Lib(traced)
 raw = lib._lib  # the trace build's one extra entry point
 raw.mokgen_bwd_set_trace.argtypes, raw.mokgen_bwd_set_trace.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
 bwd_gemm.load_library = lambda: lib  # noqa: E731 (this process only)

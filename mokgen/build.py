@@ -192,6 +192,25 @@ def build_source(source: str, library: str, *, cutlass: bool, arch: str = "sm_90
     return lib
 
 
+def build_variant(source: str, library: str, out_dir: Path, flags: list[str], *, cutlass: bool,
+                  arch: str = "sm_90a") -> Path:
+    """Compile ``templates/<source>`` with more nvcc ``flags`` (a variant's macros, a trace
+    build) into ``out_dir/<library>``, outside the build cache, with the log in
+    ``out_dir/build.log`` (read by ``serialized_wgmma``); a failed build is a BuildError naming
+    the log. For benchmarks that compare a variant with the tree's own build in one process."""
+    tc = source_toolchain(cutlass)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [tc.nvcc, *_source_flags(arch), *flags, "-I", str(templates_dir() / "include")]
+    if cutlass:
+        cmd += ["-I", tc.cutlass_include]
+    code, log = run_nvcc([*cmd, str(templates_dir() / source), "-o", str(out_dir / library)], out_dir, source)
+    (out_dir / "build.log").write_text(log)
+    if code != 0:
+        raise BuildError(f"the {source} variant ({' '.join(flags)}) failed to build; see {out_dir / 'build.log'}")
+    return out_dir / library
+
+
 # (source, library, arch, build cache directory) -> the library found or built there
 _found_sources: dict[tuple[str, str, str, str], Path] = {}
 

@@ -62,6 +62,15 @@ def build_library(*, force: bool = False) -> Path:
     return build_source(SOURCE, LIBRARY, cutlass=True, arch=ARCH, force=force)
 
 
+def build_variant(flags: list[str], out_dir) -> Path:
+    """A build of ``templates/bwd_gemm.cu`` with more nvcc ``flags`` (``-DMOKGEN_BWD_TRACE``, a
+    variant's macros) in ``out_dir``, outside the cache: ``.ci/bwd_trace.py`` and
+    ``.ci/bench_bwd_gemm.py`` (``BWD_BENCH_FLAGS``) load it beside this tree's library."""
+    from mokgen.build import build_variant as _build_variant
+
+    return _build_variant(SOURCE, LIBRARY, Path(out_dir), list(flags), cutlass=True, arch=ARCH)
+
+
 _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 #: the library's entry points and their argument types (each returns 0 or a CUDA error code)
 _SIGNATURES = {

@@ -60,6 +60,25 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
 
 
 @pytest.mark.nvcc
+def test_variant_builds_land_outside_the_cache_with_their_log(private_dirs, tmp_path):
+    """bwd_gemm.build_variant (the trace build and BWD_BENCH_FLAGS variants): the library with the
+    extra flags in the directory given, its log beside it (no serialized wgmma in the trace
+    build), nothing in the build cache; a flag nvcc refuses is one BuildError naming the log."""
+    from mokgen.build import cache_root, serialized_wgmma
+    from mokgen.errors import BuildError
+
+    lib = bwd_gemm.build_variant(["-DMOKGEN_BWD_TRACE"], tmp_path / "trace")
+    assert lib == tmp_path / "trace" / bwd_gemm.LIBRARY and lib.is_file()
+    assert serialized_wgmma(lib.parent) == []
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"\bT mokgen_bwd_set_trace$", nm, re.MULTILINE)  # the trace build's own entry point
+    assert not cache_root("sm_90a").exists() or not any(cache_root("sm_90a").glob("bwd_gemm-*"))
+    with pytest.raises(BuildError, match=r"variant \(--no-such-nvcc-flag\) failed to build; see .*build.log"):
+        bwd_gemm.build_variant(["--no-such-nvcc-flag"], tmp_path / "bad")
+    assert "no-such-nvcc-flag" in (tmp_path / "bad" / "build.log").read_text()
+
+
+@pytest.mark.nvcc
 def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     """In the SASS of every GEMM kernel the consumers wait for all but the last wgmma batch
     (WARPGROUP.DEPBAR.LE gsb0, 0x1): with the pipeline serialized (ptxas C7510) every HGMMA is
