@@ -227,6 +227,11 @@ def _check_offs(offs, experts: int, device) -> None:
                          f"{tuple(getattr(offs, 'shape', ()))} on {getattr(offs, 'device', '?')}")
 
 
+def _check_clamp(clamp_limit) -> None:
+    if clamp_limit is not None and not float(clamp_limit) > 0:
+        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
+
+
 def _check_row_floats(dh_u, wt, rows: int, I: int, device) -> None:
     """The SwiGLU backward's fp32 inputs: ``dh_u [rows, I]`` and ``wt [rows]``, contiguous, on ``device``."""
     import torch
@@ -436,8 +441,7 @@ def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None):
     if not isinstance(wt, torch.Tensor) or wt.dtype != torch.float32 or tuple(wt.shape) != (rows,) \
             or not wt.is_contiguous() or wt.device != go.device:
         raise InputError(f"wt must be a contiguous float32 tensor of shape ({rows},) on {go.device}")
-    if clamp_limit is not None and not float(clamp_limit) > 0:
-        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
+    _check_clamp(clamp_limit)
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.shape[0] != E:
         raise InputError(f"offs must be a 1-d int32 tensor of the {E} experts' row ends (inclusive prefix sums)")
     _check_offs(offs, E, go.device)
@@ -522,8 +526,7 @@ def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):
                          f"H = {H}, I = {I}")
     if dh_u.data_ptr() % 8:
         raise InputError("dh_u must start at an 8-byte aligned address (the kernel reads float pairs)")
-    if clamp_limit is not None and not float(clamp_limit) > 0:
-        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
+    _check_clamp(clamp_limit)
     _check_offs(offs, E, x.device)
     parts = I // (BLOCK_N // 2)
     h, dg, du = (torch.zeros(rows, I, dtype=torch.bfloat16, device=x.device) for _ in range(3))
@@ -561,8 +564,7 @@ def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
     _check_row_floats(dh_u, wt, rows, I, gu.device)
     if dh_u.data_ptr() % 16:
         raise InputError("dh_u must start at a 16-byte aligned address (the kernel reads float4s)")
-    if clamp_limit is not None and not float(clamp_limit) > 0:
-        raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
+    _check_clamp(clamp_limit)
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.shape[0] == 0:
         raise InputError("offs must be a non-empty 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
     E = offs.shape[0]

@@ -102,6 +102,24 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       });
 }
 
+// k-blocks of a weight-gradient tile whose K is an expert's `rows` (0 for an expert without rows).
+MOKGEN_DEVICE int weight_k_blocks(int rows) { return (rows + bwd::kBK - 1) / bwd::kBK; }
+
+// Where a weight-gradient tile's k-blocks come from (both kernels): A columns m * 128 .., B
+// columns col0 .., both from k row row0 (the expert's first), one operand pair.
+MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int m, int col0) {
+  bwd::TileSrc t;
+  t.a[0] = t.a[1] = &maps.a[0];
+  t.b[0] = t.b[1] = &maps.b[0];
+  t.a_row = row0;
+  t.a_col = m * bwd::kBM;
+  t.b_row = row0;
+  t.b_col = col0;
+  t.n_k = weight_k_blocks(rows);
+  t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
+  return t;
+}
+
 // Weight gradients: out[e] (bf16 [M, N], maps.c over [E M, N]) = A[rows of e]^T B[rows of e];
 // A [rows, M], B [rows, N]. kPair = 2: clusters of two CTAs, row blocks 2 mp and 2 mp + 1 sharing
 // B (bwd_gemm.cuh); M / 128 even. The same tiles and k order either way, so the same bits. The
@@ -123,22 +141,13 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       },
       [&](int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
-        bwd::TileSrc t;
-        t.a[0] = t.a[1] = &maps.a[0];
-        t.b[0] = t.b[1] = &maps.b[0];
-        t.a_row = row0;
-        t.a_col = m * bwd::kBM;
-        t.b_row = row0;
-        t.b_col = n * bwd::kBN;
-        t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
-        t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
-        bwd::produce<true, true, false, kPair>(s, pipe, t, crank);
+        bwd::produce<true, true, false, kPair>(s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kBN), crank);
         MOKGEN_TRACE_END(0);
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
-        const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        const int n_k = weight_k_blocks(rows);
         bwd::consume<true, true, kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
         MOKGEN_TRACE_MARK();
         bwd::store_tile_tma(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
@@ -170,20 +179,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       },
       [&](int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
-        bwd::TileSrc t;
-        t.a[0] = t.a[1] = &maps.a[0];
-        t.b[0] = t.b[1] = &maps.b[0];
-        t.a_row = row0;
-        t.a_col = m * bwd::kBM;
-        t.b_row = row0;
-        t.b_col = n * bwd::kPPBN;
-        t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
-        t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
-        bwd::produce_pp<kPair>(s, pipe, t, crank);
+        bwd::produce_pp<kPair>(s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kPPBN), crank);
         MOKGEN_TRACE_END(0);
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
-        const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        const int n_k = weight_k_blocks(rows);
         if ((tile++ & 1) != wg) {  // the other warpgroup's tile: its stages, not waited for
           pipe.advance_by(n_k);
           return;
@@ -337,14 +337,12 @@ __global__ void __launch_bounds__(256)
     uint32_t wh[4], wdg[4], wdu[4];
 #pragma unroll
     for (int k = 0; k < 8; k += 2) {
-      const bwd::SwigluGrad a = bwd::swiglu_grad(__bfloat162float(gs[k]), __bfloat162float(us[k]), d[k] * weight, clamp != 0, limit);
-      const bwd::SwigluGrad b =
-          bwd::swiglu_grad(__bfloat162float(gs[k + 1]), __bfloat162float(us[k + 1]), d[k + 1] * weight, clamp != 0, limit);
-      dot = fmaf(d[k], a.h, dot);
-      dot = fmaf(d[k + 1], b.h, dot);
-      wh[k / 2] = pack_bf16x2(a.h * weight, b.h * weight);
-      wdg[k / 2] = pack_bf16x2(a.dg, b.dg);
-      wdu[k / 2] = pack_bf16x2(a.du, b.du);
+      const bwd::SwigluWords w =
+          bwd::swiglu_words(__bfloat162float(gs[k]), __bfloat162float(gs[k + 1]), __bfloat162float(us[k]),
+                            __bfloat162float(us[k + 1]), d[k], d[k + 1], weight, clamp != 0, limit, dot);
+      wh[k / 2] = w.h;
+      wdg[k / 2] = w.dg;
+      wdu[k / 2] = w.du;
     }
     *reinterpret_cast<uint4*>(h + at + c) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
     *reinterpret_cast<uint4*>(dg + at + c) = make_uint4(wdg[0], wdg[1], wdg[2], wdg[3]);
@@ -539,25 +537,33 @@ cudaLaunchConfig_t pair_config(int pairs, size_t smem, cudaStream_t stream, cuda
 }
 
 // Clusters of two CTAs that can be resident at once on the current device (0: none, or the
-// query failed), asked once per device: a grid of more pairs than fit would run its last ones
-// as a second wave, doubling the time of a persistent walk.
-// kKernel: which kernel (the cache's key; kernels may share a function-pointer type).
-template <int kKernel, class Kernel>
+// query failed), asked once per kernel and device: a grid of more pairs than fit would run its
+// last ones as a second wave, doubling the time of a persistent walk. Cached by the kernel's
+// address (kernels may share a function-pointer type).
+template <class Kernel>
 int resident_pairs(Kernel kernel, size_t smem) {
-  constexpr int kDevices = 64;
-  static int cached[kDevices] = {};  // 0: not asked yet; -1: none
+  struct Entry {
+    const void* fn;
+    int dev;
+    int clusters;  // -1: none
+  };
+  constexpr int kEntries = 64;
+  static Entry cache[kEntries] = {};
+  static int used = 0;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev >= 0 && dev < kDevices && cached[dev] != 0) return cached[dev] > 0 ? cached[dev] : 0;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].fn == fn && cache[i].dev == dev) return cache[i].clusters > 0 ? cache[i].clusters : 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) return 0;
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = pair_config(sm_count(), smem, nullptr, attr);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(kernel), &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     clusters = 0;
   }
-  if (dev >= 0 && dev < kDevices) cached[dev] = clusters > 0 ? clusters : -1;
+  if (used < kEntries) cache[used++] = {fn, dev, clusters > 0 ? clusters : -1};
   return clusters;
 }
 
@@ -579,12 +585,12 @@ constexpr int kBadMap = 1000;  // a tensor map could not be encoded (mokgen_bwd_
 int g_lead = bwd::kMaxLead;
 
 // A rows GEMM's launch: CTA pairs sharing A (rows_kernel<..., 2>) where `pairs_fit` and pairs
-// can be resident, else single CTAs. kTag: the kernel's key in resident_pairs' cache.
-template <bool kBMN, class OutT, int kTag>
+// can be resident, else single CTAs.
+template <bool kBMN, class OutT>
 int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps, const int32_t* offs, int E, int rows,
                 int K, int N, int pairs, OutT* out, const int64_t* out_rows) {
   if (pairs_fit) {
-    const int clusters = resident_pairs<kTag>(rows_kernel<kBMN, OutT, 2>, bwd::kSmemBytes);
+    const int clusters = resident_pairs(rows_kernel<kBMN, OutT, 2>, bwd::kSmemBytes);
     if (clusters > 0)
       return launch_pairs(rows_kernel<kBMN, OutT, 2>, clusters, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N,
                           pairs, out, out_rows, g_lead);
@@ -644,12 +650,12 @@ int mokgen_bwd_rows(void* out, const void* a0, const void* b0, const void* a1, c
     if (!b_mn) return int(cudaErrorInvalidValue);
     bf16* o = static_cast<bf16*>(out);
     zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
-    return launch_rows<true, bf16, 2>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
+    return launch_rows<true, bf16>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
   }
   float* o = static_cast<float*>(out);
   zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
-  return b_mn ? launch_rows<true, float, 3>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows)
-              : launch_rows<false, float, 4>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
+  return b_mn ? launch_rows<true, float>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows)
+              : launch_rows<false, float>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
@@ -728,14 +734,14 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   const bool pairs_fit = cluster == 2 && (M / bwd::kBM) % 2 == 0;
   if (pingpong) {
     if (pairs_fit) {
-      const int pairs = resident_pairs<1>(weight_pp_kernel<2>, bwd::kPPSmemBytes);
+      const int pairs = resident_pairs(weight_pp_kernel<2>, bwd::kPPSmemBytes);
       if (pairs > 0)
         return launch_pairs(weight_pp_kernel<2>, pairs, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
     }
     return launch(weight_pp_kernel<1>, grid, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
   }
   if (pairs_fit) {
-    const int pairs = resident_pairs<0>(weight_kernel<2>, bwd::kWeightSmemBytes);
+    const int pairs = resident_pairs(weight_kernel<2>, bwd::kWeightSmemBytes);
     if (pairs > 0)
       return launch_pairs(weight_kernel<2>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
   }

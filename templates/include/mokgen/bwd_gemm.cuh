@@ -735,6 +735,51 @@ MOKGEN_DEVICE void store_tma_done() {
   if ((threadIdx.x & 127) == 0) store_wait<0, true>();
 }
 
+// SwiGLU's backward of two adjacent columns (g0, u0, d0) and (g1, u1, d1) of a row with routing
+// weight `weight` (dh = d weight): the packed bf16 pairs of h weight, dg and du, and the row's
+// sum of d h carried on in `dot`. Every SwiGLU-backward pass of the library goes through this
+// (the two GEMM epilogues, swiglu_saved_kernel), so they round the same floats the same way.
+struct SwigluWords {
+  uint32_t h, dg, du;
+};
+MOKGEN_DEVICE SwigluWords swiglu_words(float g0, float g1, float u0, float u1, float d0, float d1, float weight,
+                                       bool clamp, float limit, float& dot) {
+  const SwigluGrad a = swiglu_grad(g0, u0, d0 * weight, clamp, limit);
+  const SwigluGrad c = swiglu_grad(g1, u1, d1 * weight, clamp, limit);
+  dot = fmaf(d0, a.h, dot);
+  dot = fmaf(d1, c.h, dot);
+  return {pack_bf16x2(a.h * weight, c.h * weight), pack_bf16x2(a.dg, c.dg), pack_bf16x2(a.du, c.du)};
+}
+
+// A quad's words of 4 column groups (w[k]: this lane's 2 columns of group 4 b + k) stored as
+// whole groups: the exchange hands lane q group 4 b + q's 8 columns, 16 bytes at row + 8 (4 b + q)
+// of each output (valid: the quad's row is the tile's; the shuffles run for all lanes).
+MOKGEN_DEVICE void store_swiglu_groups(const SwigluWords (&w)[4], int b, int q, bool valid, bf16* h, bf16* dg,
+                                       bf16* du, int64_t row) {
+  uint32_t wh[4], wdg[4], wdu[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    wh[k] = w[k].h;
+    wdg[k] = w[k].dg;
+    wdu[k] = w[k].du;
+  }
+  const uint4 vh = Tile::quad_transpose(wh, q), vdg = Tile::quad_transpose(wdg, q), vdu = Tile::quad_transpose(wdu, q);
+  if (valid) {
+    const int64_t at = row + 8 * (4 * b + q);
+    *reinterpret_cast<uint4*>(h + at) = vh;
+    *reinterpret_cast<uint4*>(dg + at) = vdg;
+    *reinterpret_cast<uint4*>(du + at) = vdu;
+  }
+}
+
+// A row's partial sum from its quad's 4 lanes, added in a fixed order (lanes q = 0..3), written
+// by lane 0 of the quad to *out where the row is the tile's.
+MOKGEN_DEVICE void store_quad_sum(float dot, int q, bool valid, float* out) {
+  dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+  dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+  if (valid && q == 0) *out = dot;
+}
+
 // Epilogue of the gated recompute tile (acc: gate in groups 0..15, up in 16..31, as the
 // forward's gated tile): for each of its rows r < rows and 128 columns c0 + ..., with
 // dh = dh_u[r, c] wt[r]: hw = h wt[r] (the down projection's weight gradient is dOut^T hw, so
@@ -754,34 +799,18 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
     float dot = 0.f;
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      uint32_t wh[4], wdg[4], wdu[4];
+      SwigluWords words[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int i = 4 * b + u;  // gate group i, up group i + 16: columns 8 i + 2 q + {0, 1}
         float2 d = make_float2(0.f, 0.f);
         if (valid) d = *reinterpret_cast<const float2*>(dh_u + off + 8 * i + 2 * q);
-        const SwigluGrad a = swiglu_grad(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], d.x * weight, clamp, limit);
-        const SwigluGrad c = swiglu_grad(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], d.y * weight, clamp,
-                                         limit);
-        dot = fmaf(d.x, a.h, dot);
-        dot = fmaf(d.y, c.h, dot);
-        wh[u] = pack_bf16x2(a.h * weight, c.h * weight);
-        wdg[u] = pack_bf16x2(a.dg, c.dg);
-        wdu[u] = pack_bf16x2(a.du, c.du);
+        words[u] = swiglu_words(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half],
+                                acc[4 * (i + 16) + 2 * half + 1], d.x, d.y, weight, clamp, limit, dot);
       }
-      const uint4 vh = Tile::quad_transpose(wh, q), vdg = Tile::quad_transpose(wdg, q),
-                  vdu = Tile::quad_transpose(wdu, q);
-      if (valid) {
-        const int64_t at = off + 8 * (4 * b + q);
-        *reinterpret_cast<uint4*>(h + at) = vh;
-        *reinterpret_cast<uint4*>(dg + at) = vdg;
-        *reinterpret_cast<uint4*>(du + at) = vdu;
-      }
+      store_swiglu_groups(words, b, q, valid, h, dg, du, off);
     }
-    // the quad's 4 partial sums, in a fixed order (lanes q = 0..3 of the row)
-    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-    if (valid && q == 0) dw_part[int64_t(r) * n_parts] = dot;
+    store_quad_sum(dot, q, valid, dw_part + int64_t(r) * n_parts);
   }
 }
 
@@ -822,34 +851,17 @@ MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows
       const uint32_t g_in[4] = {gv.x, gv.y, gv.z, gv.w}, u_in[4] = {uv.x, uv.y, uv.z, uv.w};
       const uint4 gq = Tile::quad_transpose(g_in, q), uq = Tile::quad_transpose(u_in, q);
       const uint32_t gw[4] = {gq.x, gq.y, gq.z, gq.w}, uw[4] = {uq.x, uq.y, uq.z, uq.w};
-      uint32_t wh[4], wdg[4], wdu[4];
+      SwigluWords words[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int i = 4 * b + k;  // group i: columns 8 i + 2 q + {0, 1}, bf16 pairs low then high
-        const float g0 = __uint_as_float(gw[k] << 16), g1 = __uint_as_float(gw[k] & 0xffff0000u);
-        const float u0 = __uint_as_float(uw[k] << 16), u1 = __uint_as_float(uw[k] & 0xffff0000u);
-        const float d0 = acc[4 * i + 2 * half], d1 = acc[4 * i + 2 * half + 1];
-        const SwigluGrad a = swiglu_grad(g0, u0, d0 * weight, clamp, limit);
-        const SwigluGrad c = swiglu_grad(g1, u1, d1 * weight, clamp, limit);
-        dot = fmaf(d0, a.h, dot);
-        dot = fmaf(d1, c.h, dot);
-        wh[k] = pack_bf16x2(a.h * weight, c.h * weight);
-        wdg[k] = pack_bf16x2(a.dg, c.dg);
-        wdu[k] = pack_bf16x2(a.du, c.du);
+        words[k] = swiglu_words(__uint_as_float(gw[k] << 16), __uint_as_float(gw[k] & 0xffff0000u),
+                                __uint_as_float(uw[k] << 16), __uint_as_float(uw[k] & 0xffff0000u),
+                                acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1], weight, clamp, limit, dot);
       }
-      const uint4 vh = Tile::quad_transpose(wh, q), vdg = Tile::quad_transpose(wdg, q),
-                  vdu = Tile::quad_transpose(wdu, q);
-      if (valid) {
-        const int64_t at = off + 8 * (4 * b + q);
-        *reinterpret_cast<uint4*>(h + at) = vh;
-        *reinterpret_cast<uint4*>(dg + at) = vdg;
-        *reinterpret_cast<uint4*>(du + at) = vdu;
-      }
+      store_swiglu_groups(words, b, q, valid, h, dg, du, off);
     }
-    // the quad's 4 partial sums, in a fixed order (lanes q = 0..3 of the row)
-    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-    if (valid && q == 0) dw_part[int64_t(r) * n_parts] = dot;
+    store_quad_sum(dot, q, valid, dw_part + int64_t(r) * n_parts);
   }
 }
 
