@@ -5,6 +5,8 @@ Prints, for one spec and workload (default policy and GEMMs from the environment
   gpu      the same step enqueued behind a GPU sleep, so the host is ahead: the GPU's own time
            (event after the sleep to the end event; median of 7), and the host's enqueue time
   phases   host time of the forward call and of backward() alone (host ahead, median of 7)
+  stream   GPU times of the same points (CUDA events recorded on the compute stream beside the host
+           marks, each completing when the work enqueued before it has run), per bench step
   kernels  one step's GPU work in order (torch.profiler, CUDA activity only): start offset,
            duration and the idle gap before each; the sum of kernel time and of gaps
   cprofile the Python functions of 10 host-ahead steps by own time and by cumulative time
@@ -35,13 +37,23 @@ marks = {}
 # host times of a few points inside the step (seconds after its start): around the error
 # record's copy after the launch (EpBuffers.watch) and at the backward's first launch
 points = {}
+# the same points on the GPU: an event recorded on the compute stream at each mark
+stream_events = {}
+
+
+def mark_event(name):
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    stream_events[name] = e
 
 
 def timed_at(name, fn):
     def run(*a, **k):
         points[name + " in"] = time.perf_counter() - marks["t0"]
+        mark_event(name + " in")
         out = fn(*a, **k)
         points[name + " out"] = time.perf_counter() - marks["t0"]
+        mark_event(name + " out")
         return out
     return run
 
@@ -56,10 +68,13 @@ def step():
     for t in leaves:
         t.grad = None
     t0 = marks["t0"] = time.perf_counter()
+    mark_event("start")
     y = layer(x, ids, w)
     t1 = time.perf_counter()
+    mark_event("forward returned")
     y.backward(g)
     marks["fwd"], marks["bwd"] = t1 - t0, time.perf_counter() - t1
+    mark_event("backward returned")
 
 
 print(f"== {spec.name} {workload} {tokens} rows (MOKGEN_BWD_GEMM={env.bwd_gemm_enabled():d}, "
@@ -74,9 +89,13 @@ def step_points():
     return {**points, "forward returned": marks["fwd"], "backward returned": marks["fwd"] + marks["bwd"]}
 
 
+bench_gpu_points = []
+
+
 def bench_step(i):
     step()
     bench_points.append(step_points())
+    bench_gpu_points.append(dict(stream_events))
 
 
 bench_ms = bench.time_cuda(bench_step, n_inputs=1, warmup=0)
@@ -102,6 +121,13 @@ print(f"exposed  {med(bench_ms) - med(gpu_ms):.3f} ms of the bench's step is the
 print("host     ms after the step's start (median): as the bench runs it | behind a GPU sleep")
 for k in bench_points[0]:
     print(f"  {k:22s} {1e3 * med(p[k] for p in bench_points):8.3f} | {1e3 * med(p[k] for p in ahead_points):8.3f}")
+torch.cuda.synchronize()
+gpu_at = [{k: ev["start"].elapsed_time(e) for k, e in ev.items() if k != "start"} for ev in bench_gpu_points]
+names = sorted(gpu_at[0], key=lambda k: med(p[k] for p in gpu_at))
+print("stream   ms after the step's start on the GPU, each bench step (events on the compute stream)")
+print("  " + " ".join(f"{k[:16]:>16s}" for k in names))
+for p in sorted(gpu_at, key=lambda p: p[names[-1]]):
+    print("  " + " ".join(f"{p[k]:16.3f}" for k in names))
 
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     step()
