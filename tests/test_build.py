@@ -451,3 +451,20 @@ def test_serialized_wgmma_reads_every_serialization_code(tmp_path):
     assert build_mod.serialized_wgmma(tmp_path) == ["_Z6kernelB", "_Z6kernelC"]
     (tmp_path / "build.log").write_text(log.split("\n")[0])
     assert build_mod.serialized_wgmma(tmp_path) == []
+
+
+@pytest.mark.nvcc
+def test_forward_trace_build_is_its_own_entry_and_keeps_the_pipeline(monkeypatch):
+    """The forward's trace build (-DMOKGEN_FWD_TRACE, .ci/fwd_trace.py): another cache entry than
+    the default build (the flags are part of the key); it exports mokgen_fwd_set_trace, which the
+    default build does not; and its stamps leave the kernel without spills and its wgmma
+    pipelined (a stamp behind a branch on the thread index would serialize them)."""
+    spec = load_spec("kimi-k2.5")
+    default = build_mod.build(spec)
+    monkeypatch.setattr(build_mod, "BASE_FLAGS", [*build_mod.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"])
+    traced = build_mod.build(spec)
+    assert traced.entry != default.entry
+    assert "-DMOKGEN_FWD_TRACE" in (traced.entry / "build.log").read_text().splitlines()[0]
+    _assert_no_spills(traced)
+    assert hasattr(ctypes.CDLL(str(traced.library)), "mokgen_fwd_set_trace")
+    assert not hasattr(ctypes.CDLL(str(default.library)), "mokgen_fwd_set_trace")

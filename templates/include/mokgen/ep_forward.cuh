@@ -26,6 +26,7 @@
 #include "bulk_copy.cuh"
 #include "combine.cuh"
 #include "ep_routing.cuh"
+#include "fwd_trace.cuh"
 #include "grouped_gemm.cuh"
 #include "hopper_gemm.cuh"
 #include "sync.cuh"
@@ -266,6 +267,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   if (g < p.launch_ranks) {
+    MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(0, fwd_trace::timer());)
     const int rank = p.rank_base + g;
     const int W = p.world, G = p.ctas_per_rank, P = p.dispatch_ctas, Gc = G - P;
     const int e_loc = kE / W;
@@ -481,12 +483,16 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       // share every chunk (CTA q pulls the q-th of P contiguous parts), so a chunk lands at the
       // rate of P SMs, not one. Chunk 0 is shared by all G CTAs of the rank: the compute CTAs
       // have nothing to do until it lands (the start-up bubble), so they pull parts P..G-1.
+      MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(5, 1);)
       for (int c = 0; c < num_chunks; ++c) {
         const int slot = c % R;
+        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::put(c, 0, 0, fwd_trace::timer());)
         if (tid == 0) s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
         __syncthreads();
+        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::put(c, 0, 1, fwd_trace::timer());)
         if (!s_flag) { ok = false; break; }
         pull_chunk(c, cta, c == 0 ? G : P);
+        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::put(c, 0, 2, fwd_trace::timer());)
       }
       count_remote();
     } else if (ok) {
@@ -635,7 +641,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); int tr_i = 0;)
             for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int share) {
+              MOKGEN_FWD_TRACE_ONLY(
+                  const int tr_me = tr_i++;
+                  fwd_trace::put(tr_me, 0, 0, fwd_trace::timer()); fwd_trace::put(tr_me, 0, 1, fwd_trace::clock());
+                  fwd_trace::put(tr_me, 0, 4, kind); fwd_trace::put(tr_me, 0, 5, c);
+                  fwd_trace::put(tr_me, 0, 6, rows | (n << 16));)
               if (Cfg::kFuseShared && kind >= 2) {  // fused shared expert: up tiles read the published x rows
                 if (kind == 3 && !*abort_flag) {
                   if (!w.wait_geq<false>(at<unsigned long long>(mine, S.shared_blk) + m / 128, Up::kNTiles,
@@ -654,6 +666,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 sm90::fence_proxy_async_global();  // ring rows: generic writes -> TMA reads
               }
               const int64_t row0 = int64_t(slot) * C + m;
+              MOKGEN_FWD_TRACE_ONLY(if (kind != 1) fwd_trace::put(tr_me, 0, 2, fwd_trace::clock());)
               if constexpr (Cfg::kFuseShared) {
                 if (kind == 2) {
                   Up::produce(Up::carve(smem), pipe, &maps.sym_x[g], m, &maps.sh_gate, &maps.sh_up, n * Up::kBN);
@@ -672,9 +685,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   if (!w.wait_geq<false>(&blk_done[row0], Up::kNTiles, kStageBlockReady, -1)) *abort_flag = 1;
                   sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
                 }
+                MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(tr_me, 0, 2, fwd_trace::clock());)
                 Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
                               le * kH + n * Down::kBN, share, cc % kPair);
               }
+              MOKGEN_FWD_TRACE_ONLY(
+                  fwd_trace::put(tr_me, 0, 3, fwd_trace::clock()); fwd_trace::put(tr_me, 0, 7, fwd_trace::s_waited[0]);)
             });
           }
           __syncwarp();  // warps 0 and 1 reconverge before the warpgroup-wide barrier and setmaxnreg
@@ -691,6 +707,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           int i = 0;
           for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
+            MOKGEN_FWD_TRACE_ONLY(
+                fwd_trace::put(i, wgi, 0, fwd_trace::timer()); fwd_trace::put(i, wgi, 1, fwd_trace::clock());
+                fwd_trace::put(i, wgi, 6, kind); fwd_trace::put(i, wgi, 7, rows);)
             if constexpr (Cfg::kFuseShared) {
               // one call site per tile type for routed and shared tiles (one inlined mainloop
               // each): output rows through SharedOrSlotRows
@@ -712,9 +731,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             } else {
               Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
             }
+            MOKGEN_FWD_TRACE_ONLY(
+                fwd_trace::put(i, wgi, 2, fwd_trace::s_kloop_end[wgi]); fwd_trace::put(i, wgi, 3, fwd_trace::clock());
+                fwd_trace::put(i, wgi, 4, fwd_trace::s_waited[wgi]);)
             const int j = i % kSig;
             if (i >= kSig) sm90::mbar_wait(&sig_free[j], uint32_t(i / kSig - 1) & 1u);
             sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(i, wgi, 5, fwd_trace::clock());)
             ++i;
           });
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
@@ -723,6 +746,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           cute::cluster_sync();  // no multicast or remote arrive targets a CTA after this
         else
           __syncthreads();
+        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(2, fwd_trace::timer());)
         ok = ok && !*abort_flag;
       } else if constexpr (Cfg::kWgmma) {
         // Phased schedule (MOKGEN_SCHEDULE=phased): per chunk, the up tiles, a barrier of all
@@ -801,6 +825,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
 
     // ---- 4. combine ------------------------------------------------------------------------------
     mine = p.sym[opaque(rank)];  // read again, as loc above
+    MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(3, fwd_trace::timer());)
     if (ok) {
       if (tid == 0) {
         bool all = true;
@@ -817,6 +842,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                                                                   T, cta, G, shared_y, p.shared_scale[g], p.out[g]);
       }
     }
+    MOKGEN_FWD_TRACE_ONLY(__syncthreads(); if (tid == 0) fwd_trace::phase(4, fwd_trace::timer());)
   }
 
   // ---- exit: the last CTA of the launch re-bases the counters and advances the epoch ----------

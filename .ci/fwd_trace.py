@@ -1,0 +1,176 @@
+"""Where the forward megakernel's time goes, from inside the kernel (runs on an H200, not in CI).
+
+Builds a trace build of the forward (-DMOKGEN_FWD_TRACE: templates/include/mokgen/fwd_trace.cuh
+says what each CTA records; a separate build-cache entry, since the flags are part of the key) of
+`mokgen bench SPEC` workload (a) or (b), on the bench's inputs and with the layer arguments the
+bench uses (the tuned entry where one matches; FWD_TRACE_TUNED=0 for the plan's defaults). Times
+the trace build's launch (median of 20; the stamps cost a little), then traces one launch and
+prints:
+  phases    the launch's start, the compute roles' start and end, the combine, from the stamps
+  chunks    when each ring chunk landed (the dispatch CTAs' last part) and how long it took
+  tiles     per kind (up, down): tiles, and medians over every compute CTA's tiles of the
+            consumer warpgroups' k-loop, their waits for full stages within it, the epilogue,
+            the signal handshake, the gap to the warpgroup's next tile, and the producer's
+            dependency wait (chunk landed; a down tile: its row block's up tiles) and its waits
+            for empty stages; in SM cycles, beside the tensor core's time for the tile at the
+            dense rate (1024 cycles per 128 x 256 x 64 k-block, both warpgroups')
+  budget    the compute CTAs' time summed over CTAs, split into: before the first tile, k-loops,
+            epilogues, between tiles (handshake, walk, producer dependency waits), after the last
+            tile (to the compute roles' end), and the combine
+FWD_TRACE_OUT=DIR saves the raw records there (fwd-trace.pt: int64 [CTAs, tiles + 1, 3, 8]).
+Usage: python3 .ci/fwd_trace.py SPEC [local|layer] [TOKENS]  (kimi-k2.5 local)"""
+
+import ctypes
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from mokgen import bench, build
+from mokgen.spec import load_spec
+
+build.BASE_FLAGS = [*build.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"]  # the trace build: its own cache entry
+
+from mokgen.ep import MoELayer, _tuned_choice  # noqa: E402
+from mokgen.load import load  # noqa: E402
+
+TILES = int(os.environ.get("FWD_TRACE_TILES", "160"))
+name = sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"
+workload = sys.argv[2] if len(sys.argv) > 2 else "local"
+real = load_spec(name)
+dev = torch.device("cuda", torch.cuda.current_device())
+kwargs = {}
+if workload == "local":
+    ep = bench.LOCAL_EP.get(real.name, 8)
+    spec, tokens = bench.local_spec(real, ep)
+    entry, options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
+        real, None, ep, 2048, dev, True, None, (None, None, None))
+else:
+    spec, tokens = real, int(sys.argv[3]) if len(sys.argv) > 3 else 16384
+    entry = None
+if os.environ.get("FWD_TRACE_TUNED", "1") == "1" and workload == "local" and entry is not None:
+    kwargs = {"build_options": options, "chunk_rows": chunk_rows, "ring_chunks": ring_chunks,
+              "dispatch_ctas": dispatch_ctas}
+wg, wu, wd = bench._weights(spec)
+gen = torch.Generator(device="cuda").manual_seed(1)
+x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+ids, w = bench._routing(spec, tokens, gen)
+layer = MoELayer(spec, max_tokens=tokens, device="cuda", **kwargs)
+with torch.no_grad():
+    layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+layer.check_ids = False
+lib = load(spec, kwargs.get("build_options")).LIB
+if not hasattr(lib, "mokgen_fwd_set_trace"):
+    sys.exit("the loaded forward is not a trace build (a prebuilt package of this spec took its place?)")
+lib.mokgen_fwd_set_trace.argtypes = [ctypes.c_void_p, ctypes.c_int]
+grid = torch.cuda.get_device_properties(0).multi_processor_count
+buf = torch.zeros(grid, TILES + 1, 3, 8, dtype=torch.int64, device="cuda")
+
+with torch.no_grad():
+    assert lib.mokgen_fwd_set_trace(None, 0) == 0
+    ms = statistics.median(bench.time_cuda(lambda i: layer(x, ids, w), n_inputs=1, iters=20))
+    assert lib.mokgen_fwd_set_trace(buf.data_ptr(), TILES) == 0
+    layer(x, ids, w)
+    torch.cuda.synchronize()
+    assert lib.mokgen_fwd_set_trace(None, 0) == 0
+raw = buf.cpu()
+if os.environ.get("FWD_TRACE_OUT"):
+    torch.save(raw, Path(os.environ["FWD_TRACE_OUT"]) / "fwd-trace.pt")
+st = layer.stats()
+print(f"== {spec.name} {workload} {tokens} rows")
+print(f"trace build: {ms:.3f} ms per launch (median of 20); {'tuned ' + str(kwargs) if kwargs else 'plan defaults'}")
+
+ph = raw[:, TILES, 0]  # per CTA: start, compute start, compute end, combine start, end, dispatch?, -
+used = ph[:, 0] > 0
+ctas = int(used.sum())
+disp = used & (ph[:, 5] == 1)
+comp = used & (ph[:, 5] != 1)
+t0 = int(ph[used, 0].min())
+
+
+def us(v):
+    return (float(v) - t0) / 1e3
+
+
+print(f"phases   {ctas} CTAs ({int(disp.sum())} dispatch); us after the first CTA's start:")
+print(f"  compute roles start  median {us(ph[comp, 1].median()):8.1f}  max {us(ph[comp, 1].max()):8.1f}")
+print(f"  compute roles end    min {us(ph[comp, 2].min()):8.1f}  median {us(ph[comp, 2].median()):8.1f}  "
+      f"max {us(ph[comp, 2].max()):8.1f}")
+print(f"  combine start        median {us(ph[used, 3].median()):8.1f}  max {us(ph[used, 3].max()):8.1f}")
+print(f"  combine end          median {us(ph[used, 4].median()):8.1f}  max {us(ph[used, 4].max()):8.1f}")
+
+d = raw[disp, :TILES, 0]
+if d.shape[0]:
+    print("chunks   per chunk (dispatch CTAs): start, slot free, landed (last part), us")
+    for c in range(TILES):
+        if int(d[:, c, 2].max()) == 0:
+            break
+        print(f"  chunk {c}: start {us(d[:, c, 0].min()):8.1f}  free {us(d[:, c, 1].max()):8.1f}  "
+              f"landed {us(d[:, c, 2].max()):8.1f}")
+
+# SM clock rate: cycles per ns from the producers' first and last traced tiles
+prod = raw[comp, :TILES, 0]
+rates = []
+for r in prod:
+    n = int((r[:, 1] != 0).sum())
+    if n >= 2 and r[n - 1, 0] > r[0, 0]:
+        rates.append(float(r[n - 1, 1] - r[0, 1]) / float(r[n - 1, 0] - r[0, 0]))
+ghz = statistics.median(rates) if rates else 1.0
+print(f"clock    {ghz:.3f} GHz (SM cycles per ns of globaltimer, median over CTAs)")
+
+K_ = {"up": spec.hidden_size // 64, "down": spec.moe_intermediate_size // 64}
+stats = {k: {f: [] for f in ("kloop", "fullw", "epi", "sig", "gap", "dep", "empty")} for k in ("up", "down")}
+budget = {k: 0.0 for k in ("before", "kloop", "epilogue", "between", "after")}
+for ci in torch.nonzero(comp).flatten().tolist():
+    cons = raw[ci, :TILES]
+    n_t = int((cons[:, 1, 1] != 0).sum())
+    if n_t == 0:
+        continue
+    for role in (1, 2):
+        r = cons[:, role]
+        budget["before"] += float(r[0, 0] - ph[ci, 1]) * ghz / 2
+        for i in range(n_t):
+            kind = "up" if int(r[i, 6]) in (0, 2) else "down"
+            s = stats[kind]
+            kl, epi = float(r[i, 2] - r[i, 1]), float(r[i, 3] - r[i, 2])
+            s["kloop"].append(kl)
+            s["fullw"].append(float(r[i, 4]))
+            s["epi"].append(epi)
+            s["sig"].append(float(r[i, 5] - r[i, 3]))
+            budget["kloop"] += kl / 2
+            budget["epilogue"] += epi / 2
+            if i + 1 < n_t:
+                gap = float(r[i + 1, 1] - r[i, 5])
+                s["gap"].append(gap)
+                budget["between"] += (gap + float(r[i, 5] - r[i, 3])) / 2
+        last_end = r[n_t - 1, 0] + int(float(r[n_t - 1, 5] - r[n_t - 1, 1]) / ghz)
+        budget["after"] += float(ph[ci, 2] - last_end) * ghz / 2
+    p = cons[:, 0]
+    for i in range(int((p[:, 1] != 0).sum())):
+        kind = "up" if int(p[i, 4]) in (0, 2) else "down"
+        stats[kind]["dep"].append(float(p[i, 2] - p[i, 1]))
+        stats[kind]["empty"].append(float(p[i, 7]))
+
+
+def med(v):
+    return statistics.median(v) if v else float("nan")
+
+
+print(f"tiles    medians over the compute CTAs' traced tiles (first {TILES} per CTA), SM cycles")
+print(f"  {'kind':5s} {'tiles':>6s} {'dense':>7s} {'k-loop':>7s} {'full wt':>7s} {'epilog':>7s} {'signal':>7s} "
+      f"{'gap':>7s} {'dep wt':>7s} {'sum dep':>9s} {'empty wt':>8s}")
+for kind, s in stats.items():
+    n = len(s["kloop"]) // 2
+    dense = K_[kind] * 1024
+    print(f"  {kind:5s} {n:6d} {dense:7d} {med(s['kloop']):7.0f} {med(s['fullw']):7.0f} {med(s['epi']):7.0f} "
+          f"{med(s['sig']):7.0f} {med(s['gap']):7.0f} {med(s['dep']):7.0f} {sum(s['dep']):9.0f} {med(s['empty']):8.0f}")
+total = sum(budget.values())
+comb = float((ph[comp, 4] - ph[comp, 3]).sum()) * ghz
+print("budget   compute CTAs' cycles (per CTA, the two warpgroups averaged), share of the compute roles' span:")
+for k, v in budget.items():
+    print(f"  {k:9s} {v / max(total, 1) * 100:6.1f}%   ({v / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA)")
+print(f"  combine   {comb / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA after the compute roles")
+if st:
+    print(f"stats    {st}")

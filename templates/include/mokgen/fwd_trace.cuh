@@ -1,0 +1,69 @@
+// Trace builds of the forward megakernel only (-DMOKGEN_FWD_TRACE; .ci/fwd_trace.py builds one
+// and reads it). Every other build compiles none of this: MOKGEN_FWD_TRACE_ONLY(...) is empty.
+//
+// The buffer (int64, set by moe_forward.cu's mokgen_fwd_set_trace) holds, per CTA of the launch,
+// g_tiles + 1 records of kRoles x kFields values. Record i < g_tiles is the CTA's i-th tile (a
+// dispatch CTA: its i-th chunk), record g_tiles the CTA's phases:
+//   role 0 (the producer thread)
+//     [0] globaltimer at the tile's start  [1] clock64 at its start  [2] clock64 after its
+//     dependency waits (chunk landed; down tiles: the row block's up tiles)  [3] clock64 after
+//     its last load was issued  [4] kind  [5] chunk  [6] rows | n << 16  [7] cycles waiting for
+//     empty stages
+//   roles 1, 2 (consumer warpgroups)
+//     [0] globaltimer at the tile's start  [1] clock64 at its start  [2] clock64 after the last
+//     wgmma retired  [3] clock64 after the epilogue  [4] cycles waiting for full stages
+//     [5] clock64 after the signal handshake  [6] kind  [7] rows
+//   dispatch CTAs, role 0 of chunk c's record: [0] globaltimer at the chunk's start  [1] after its
+//     ring slot was free  [2] after this CTA's part of it landed
+//   phase record, role 0: [0] globaltimer at the kernel's start  [1] at the compute roles' start
+//     (after the chunk-0 pull and the pipeline set-up)  [2] at the compute roles' end  [3] at the
+//     combine's start  [4] at its end  [5] 1 for a dispatch CTA
+// Consumer values are written by every thread of the warpgroup (the same slots, no branch on the
+// thread index: ptxas serializes the wgmma of a kernel whose consumers branch on it).
+#pragma once
+
+#include "common.cuh"
+
+#ifdef MOKGEN_FWD_TRACE
+#define MOKGEN_FWD_TRACE_ONLY(...) __VA_ARGS__
+
+namespace mokgen {
+namespace fwd_trace {
+
+constexpr int kRoles = 3, kFields = 8;
+__device__ long long* g_buf = nullptr;
+__device__ int g_tiles = 0;
+// Handed from hopper_gemm.cuh's loops to their callers, per role: the clock after the last
+// wgmma (consumers) and the cycles of stage waits in the last tile.
+__shared__ long long s_kloop_end[kRoles], s_waited[kRoles];
+
+MOKGEN_DEVICE long long clock() { return clock64(); }
+
+MOKGEN_DEVICE unsigned long long timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The record of tile i (i == g_tiles: the phase record) and role, or null without a buffer.
+MOKGEN_DEVICE long long* record(int i, int role) {
+  long long* buf = g_buf;
+  if (buf == nullptr) return nullptr;
+  return buf + ((int64_t(blockIdx.x) * (g_tiles + 1) + i) * kRoles + role) * kFields;
+}
+
+// Field `field` of tile i's record (tiles past the traced ones are not recorded).
+MOKGEN_DEVICE void put(int i, int role, int field, long long v) {
+  if (i < g_tiles)
+    if (long long* r = record(i, role)) r[field] = v;
+}
+
+MOKGEN_DEVICE void phase(int field, long long v) {
+  if (long long* r = record(g_tiles, 0)) r[field] = v;
+}
+
+}  // namespace fwd_trace
+}  // namespace mokgen
+#else
+#define MOKGEN_FWD_TRACE_ONLY(...)
+#endif
