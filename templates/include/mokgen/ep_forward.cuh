@@ -594,11 +594,24 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         constexpr int kSig = 4;
         __shared__ uint64_t sig_done[kSig], sig_free[kSig];
         __shared__ int s_abort;  // set by the producer when a wait failed; the pipeline drains
+        // The tile queue: one walker thread (thread 64, warp 2 of the producer warpgroup, which
+        // has no other role) walks the order once and writes each tile's arguments to entry
+        // i % kQueue; the producer, the signaller and the 256 consumer threads read them from
+        // there instead of each walking the order themselves (the walk cost the consumers 2-8k
+        // cycles between tiles on qwen3.5-35b-a3b, docs/perf-notes.md v0.15). q_full[j]: the
+        // walker's arrival; q_empty[j]: every reader's (2 + 256). An entry of kind -1 ends it.
+        constexpr int kQueue = 32, kQueueReaders = 2 + 256;
+        __shared__ int4 s_queue[kQueue][2];
+        __shared__ uint64_t q_full[kQueue], q_empty[kQueue];
         const int wgi = tid / 128;
         if (tid == 0) {
           for (int j = 0; j < kSig; ++j) {
             sm90::mbar_init(&sig_done[j], 256);
             sm90::mbar_init(&sig_free[j], 1);
+          }
+          for (int j = 0; j < kQueue; ++j) {
+            sm90::mbar_init(&q_full[j], 1);
+            sm90::mbar_init(&q_empty[j], kQueueReaders);
           }
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
@@ -608,12 +621,37 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         else
           __syncthreads();
         volatile int* abort_flag = &s_abort;
+        // Calls fn(kind, c, le, rows, m, n, share) for this CTA's tiles in order, read from the
+        // tile queue (each reader once per entry).
+        auto for_each_queued = [&](auto&& fn) {
+          for (int i = 0;; ++i) {
+            const int j = i % kQueue;
+            sm90::mbar_wait(&q_full[j], uint32_t(i / kQueue) & 1u);
+            const int4 a = s_queue[j][0], b = s_queue[j][1];
+            sm90::mbar_arrive(&q_empty[j]);  // release: the entry was read
+            if (a.x < 0) break;
+            fn(a.x, a.y, a.z, a.w, b.x, b.y, b.z);
+          }
+        };
         if (wgi == 0) {
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+          if (tid == 64) {  // the walker
+            int i = 0;
+            auto enqueue = [&](int kind, int c, int le, int rows, int m, int n, int share) {
+              const int j = i % kQueue;
+              if (i >= kQueue) sm90::mbar_wait(&q_empty[j], uint32_t(i / kQueue - 1) & 1u);
+              s_queue[j][0] = make_int4(kind, c, le, rows);
+              s_queue[j][1] = make_int4(m, n, share, 0);
+              sm90::mbar_arrive(&q_full[j]);  // release: the entry's stores
+              ++i;
+            };
+            for_each_tile(enqueue);
+            enqueue(-1, 0, 0, 0, 0, 0, 0);
+          }
           if (tid == 32) {  // the signaller
             int i = 0, total_c = -1;
             unsigned long long total = 0;
-            for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
+            for_each_queued([&](int kind, int c, int le, int rows, int m, int n, int) {
               const int j = i % kSig;
               sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
               const int slot = c % R;
@@ -642,7 +680,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
             MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); int tr_i = 0;)
-            for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int share) {
+            for_each_queued([&](int kind, int c, int le, int rows, int m, int n, int share) {
               MOKGEN_FWD_TRACE_ONLY(
                   const int tr_me = tr_i++;
                   fwd_trace::put(tr_me, 0, 0, fwd_trace::timer()); fwd_trace::put(tr_me, 0, 1, fwd_trace::clock());
@@ -693,9 +731,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   fwd_trace::put(tr_me, 0, 3, fwd_trace::clock()); fwd_trace::put(tr_me, 0, 7, fwd_trace::s_waited[0]);)
             });
           }
-          __syncwarp();  // warps 0 and 1 reconverge before the warpgroup-wide barrier and setmaxnreg
-          // Warps 2 and 3 have no role: parked on a named barrier (blocked, issuing nothing) until
-          // the producer and the signaller are done. Without it they spin in setmaxnreg.inc (it
+          __syncwarp();  // warps 0-2 reconverge before the warpgroup-wide barrier and setmaxnreg
+          // Warp 3 (and warp 2 after the walk) has no role: parked on a named barrier (blocked,
+          // issuing nothing) until the producer and the signaller are done. Without it they spin in setmaxnreg.inc (it
           // retries until the consumers give their registers back, at their end) for the whole
           // kernel, taking issue slots from the consumer warps of their sub-partitions (v0.5
           // profile: 14% of all warp samples). Barrier 1 is used nowhere else.
@@ -705,7 +743,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
           int i = 0;
-          for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
+          for_each_queued([&](int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             MOKGEN_FWD_TRACE_ONLY(
                 fwd_trace::put(i, wgi, 0, fwd_trace::timer()); fwd_trace::put(i, wgi, 1, fwd_trace::clock());
