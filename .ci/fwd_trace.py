@@ -6,6 +6,8 @@ says what each CTA records; a separate build-cache entry, since the flags are pa
 bench uses (the tuned entry where one matches; FWD_TRACE_TUNED=0 for the plan's defaults). Times
 the trace build's launch (median of 20; the stamps cost a little), then traces one launch and
 prints:
+  timing    the trace build's launch, and the untraced build's in a subprocess before and after
+            (the same inputs and layer arguments; what the stamps cost, within the clock's drift)
   phases    the launch's start, the compute roles' start and end, the combine, from the stamps
   chunks    when each ring chunk landed (the dispatch CTAs' last part) and how long it took
   tiles     per kind (up, down): tiles, and medians over every compute CTA's tiles of the
@@ -17,12 +19,14 @@ prints:
   budget    the compute CTAs' time summed over CTAs, split into: before the first tile, k-loops,
             epilogues, between tiles (handshake, walk, producer dependency waits), after the last
             tile (to the compute roles' end), and the combine
+FWD_TRACE_TILES (default 160): tiles traced per CTA; a CTA with more is reported as truncated.
 FWD_TRACE_OUT=DIR saves the raw records there (fwd-trace.pt: int64 [CTAs, tiles + 1, 3, 8]).
 Usage: python3 .ci/fwd_trace.py SPEC [local|layer] [TOKENS]  (kimi-k2.5 local)"""
 
 import ctypes
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +35,10 @@ import torch
 from mokgen import bench, build
 from mokgen.spec import load_spec
 
-build.BASE_FLAGS = [*build.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"]  # the trace build: its own cache entry
+# FWD_TRACE_PLAIN=1 (this script's own subprocess): time the untraced build only
+PLAIN = os.environ.get("FWD_TRACE_PLAIN") == "1"
+if not PLAIN:
+    build.BASE_FLAGS = [*build.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"]  # the trace build: its own cache entry
 
 from mokgen.ep import MoELayer, _tuned_choice  # noqa: E402
 from mokgen.load import load  # noqa: E402
@@ -61,6 +68,20 @@ layer = MoELayer(spec, max_tokens=tokens, device="cuda", **kwargs)
 with torch.no_grad():
     layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
 layer.check_ids = False
+if PLAIN:
+    with torch.no_grad():
+        print(f"{statistics.median(bench.time_cuda(lambda i: layer(x, ids, w), n_inputs=1, iters=20)):.3f}")
+    sys.exit(0)
+
+
+def untraced_ms() -> str:
+    proc = subprocess.run([sys.executable, __file__, *sys.argv[1:]], env={**os.environ, "FWD_TRACE_PLAIN": "1"},
+                          capture_output=True, text=True)
+    lines = proc.stdout.split()
+    return f"{lines[-1]} ms" if proc.returncode == 0 and lines else f"failed ({proc.stderr.strip().splitlines()[-1:]})"
+
+
+plain_before = untraced_ms()
 lib = load(spec, kwargs.get("build_options")).LIB
 if not hasattr(lib, "mokgen_fwd_set_trace"):
     sys.exit("the loaded forward is not a trace build (a prebuilt package of this spec took its place?)")
@@ -76,11 +97,16 @@ with torch.no_grad():
     torch.cuda.synchronize()
     assert lib.mokgen_fwd_set_trace(None, 0) == 0
 raw = buf.cpu()
+plain_after = untraced_ms()
 if os.environ.get("FWD_TRACE_OUT"):
     torch.save(raw, Path(os.environ["FWD_TRACE_OUT"]) / "fwd-trace.pt")
 st = layer.stats()
 print(f"== {spec.name} {workload} {tokens} rows")
-print(f"trace build: {ms:.3f} ms per launch (median of 20); {'tuned ' + str(kwargs) if kwargs else 'plan defaults'}")
+print(f"timing   trace build {ms:.3f} ms per launch (median of 20); untraced build {plain_before} before, "
+      f"{plain_after} after; {'tuned ' + str(kwargs) if kwargs else 'plan defaults'}")
+full = int((raw[:, TILES - 1, 1, 1] != 0).sum())
+if full:
+    print(f"WARNING: {full} CTAs filled all {TILES} traced tiles (more are not recorded): raise FWD_TRACE_TILES")
 
 ph = raw[:, TILES, 0]  # per CTA: start, compute start, compute end, combine start, end, dispatch?, -
 used = ph[:, 0] > 0

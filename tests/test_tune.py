@@ -201,6 +201,34 @@ def _meta(**changes):
     return meta
 
 
+def test_confirm_choice_keeps_only_a_winner_that_holds_in_alternation():
+    """confirm_choice times the defaults and the candidate in turn; the candidate keeps the win
+    only beyond NOISE on the medians of its rounds; a failure on either side decides at once."""
+    seq: list[int] = []
+
+    def timer(times):
+        it = {i: iter(v) for i, v in times.items()}
+
+        def measure(i):
+            seq.append(i)
+            return next(it[i])
+        return measure
+
+    best, rec = tune_mod.confirm_choice(5, timer({0: [2.0, 2.1, 2.0], 5: [1.8, 1.9, 1.8]}), rounds=3)
+    assert best == 5 and rec["held"] and seq == [0, 5, 0, 5, 0, 5]
+    assert rec["default_ms"] == [2.0, 2.1, 2.0] and rec["candidate_ms"] == [1.8, 1.9, 1.8]
+    # within NOISE (1%) of the defaults' median: the defaults win
+    best, rec = tune_mod.confirm_choice(5, timer({0: [2.0, 2.0, 2.0], 5: [1.99, 1.985, 1.99]}), rounds=3)
+    assert best == 0 and not rec["held"]
+    # the first pass's advantage was drift: the candidate is slower in alternation
+    best, rec = tune_mod.confirm_choice(2, timer({0: [1.0, 1.0, 1.0], 2: [1.1, 1.05, 1.2]}), rounds=3)
+    assert best == 0 and not rec["held"]
+    # the candidate fails: the defaults; the defaults fail: the candidate
+    assert tune_mod.confirm_choice(4, timer({0: [1.0], 4: [None]}), rounds=3)[0] == 0
+    best, rec = tune_mod.confirm_choice(4, timer({0: [None], 4: []}), rounds=3)
+    assert best == 4 and rec["held"] and rec["default_ms"] == []
+
+
 def test_lookup_finds_a_fitting_entry_user_dir_first(tuned_dirs):
     user, package = tuned_dirs
     spec = load_spec("qwen3-30b-a3b")
@@ -370,10 +398,14 @@ def test_tune_writes_the_winner_and_no_partial(fake_gpu, tuned_dirs):
     times[5] = 0.995  # within 1% of candidate 3: a tie, the lower index wins
     times[2] = RuntimeError("launch failed")
     result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20)
-    assert timed == list(range(len(space.candidates)))
+    n = len(space.candidates)
+    # every candidate once, then the winner and the defaults in alternation
+    assert timed == list(range(n)) + [0, 3] * tune_mod.CONFIRM_ROUNDS
     assert result.best_index == 3 and result.path == tuned_dirs[0] / TuneKey.of(spec, gpu=GPU, ep=1, tokens=2048).relpath()
     doc = json.loads(result.path.read_text())
     assert doc["best"] == space.candidates[3].to_json() and doc["default_ms"] == 2.0 and doc["best_ms"] == 1.0
+    assert doc["confirm"] == {"candidate": 3, "rounds": tune_mod.CONFIRM_ROUNDS, "held": True,
+                              "default_ms": [2.0] * tune_mod.CONFIRM_ROUNDS, "candidate_ms": [1.0] * tune_mod.CONFIRM_ROUNDS}
     assert doc["candidates"][2]["ms"] is None and doc["candidates"][2]["error"] == "launch failed"
     assert not list(tuned_dirs[0].rglob("*.partial"))
     assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=2048).best == space.candidates[3]
@@ -388,15 +420,22 @@ def test_tune_resumes_successes_and_retries_failures(fake_gpu, tuned_dirs):
                                   "outcomes": outcomes})
     logs: list[str] = []
     result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, log=logs.append)
-    assert 0 not in timed and timed == list(range(1, len(space.candidates)))  # the failure is timed again
+    n = len(space.candidates)
+    # the failure is timed again, the resumed success is not; then candidate 1 (2.1 ms against
+    # the resumed 5.0) is confirmed in alternation with the defaults, which now take 2.0: it
+    # does not hold, and the defaults win
+    assert timed == list(range(1, n)) + [0, 1] * tune_mod.CONFIRM_ROUNDS
     assert result.outcomes[0].ms == 5.0 and result.outcomes[1].ms == times[1]
+    assert result.best_index == 0 and result.default_ms == 2.0 and result.best_ms == 2.0
+    assert result.confirm["held"] is False and result.confirm["candidate"] == 1
     assert any(line.startswith("resuming: 1 of") for line in logs)
+    assert any("did not hold against the defaults" in line for line in logs)
     # --no-resume times everything again
     timed.clear()
     tune_mod.write_json(partial, {"_metadata": tune_mod.metadata(GPU), "candidates": [c.to_json() for c in space.candidates],
                                   "outcomes": outcomes})
     tune_mod.tune(spec, ep=1, tokens=2048, iters=20, resume=False)
-    assert timed == list(range(len(space.candidates)))
+    assert timed == list(range(len(space.candidates)))  # the defaults win the first pass: no confirmation
 
 
 def test_tune_all_failed_names_the_partial_file(fake_gpu, tuned_dirs):
