@@ -33,6 +33,7 @@
 #include "tile_order.cuh"
 
 #include <cstring>
+#include <type_traits>
 
 namespace mokgen {
 
@@ -599,14 +600,18 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // i % kQueue; the producer, the signaller and the 256 consumer threads read them from
         // there instead of each walking the order themselves (the walk cost the consumers 2-8k
         // cycles between tiles on qwen3.5-35b-a3b, docs/perf-notes.md v0.15). q_full[j]: the
-        // walker's arrival; q_empty[j]: every reader's (2 + 256). An entry of kind -1 ends it.
-        constexpr int kQueue = 32, kQueueReaders = 2 + 256;
-        __shared__ int4 s_queue[kQueue][2];
+        // walker's arrival; q_empty[j]: the producer's, the signaller's and one per consumer warp
+        // (lane 0 after the warp's __syncwarp, which orders its lanes' reads before the arrive:
+        // 256 arrivals on one barrier serialize). An entry of kind -1 ends the queue.
+        constexpr int kQueue = 32, kQueueReaders = 2 + 8;
+        // entry: (kind & 15 | share << 4 | rows << 8, c, le, m) and n; kind -1 (the whole word) ends
+        __shared__ int4 s_queue[kQueue];
+        __shared__ int s_queue_n[kQueue];
         __shared__ uint64_t q_full[kQueue], q_empty[kQueue];
         const int wgi = tid / 128;
         if (tid == 0) {
           for (int j = 0; j < kSig; ++j) {
-            sm90::mbar_init(&sig_done[j], 256);
+            sm90::mbar_init(&sig_done[j], 8);  // one arrival per consumer warp
             sm90::mbar_init(&sig_free[j], 1);
           }
           for (int j = 0; j < kQueue; ++j) {
@@ -621,16 +626,24 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         else
           __syncthreads();
         volatile int* abort_flag = &s_abort;
-        // Calls fn(kind, c, le, rows, m, n, share) for this CTA's tiles in order, read from the
-        // tile queue (each reader once per entry).
-        auto for_each_queued = [&](auto&& fn) {
+        // Calls fn(i, kind, c, le, rows, m, n, share) for this CTA's tiles i = 0, 1, ... in order,
+        // read from the tile queue (each reader once per entry).
+        // kWarp: the caller is a whole warp (the consumers), which arrives once, by lane 0.
+        auto for_each_queued = [&](auto&& fn, auto warp_reader) {
+          constexpr bool kWarp = decltype(warp_reader)::value;
           for (int i = 0;; ++i) {
             const int j = i % kQueue;
             sm90::mbar_wait(&q_full[j], uint32_t(i / kQueue) & 1u);
-            const int4 a = s_queue[j][0], b = s_queue[j][1];
-            sm90::mbar_arrive(&q_empty[j]);  // release: the entry was read
+            const int4 a = s_queue[j];
+            const int n = s_queue_n[j];
+            if constexpr (kWarp) {
+              __syncwarp();
+              if (lane == 0) sm90::mbar_arrive(&q_empty[j]);  // release: the warp read the entry
+            } else {
+              sm90::mbar_arrive(&q_empty[j]);  // release: the entry was read
+            }
             if (a.x < 0) break;
-            fn(a.x, a.y, a.z, a.w, b.x, b.y, b.z);
+            fn(i, a.x & 15, a.y, a.z, a.x >> 8, a.w, n, (a.x >> 4) & 15);
           }
         };
         if (wgi == 0) {
@@ -640,8 +653,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             auto enqueue = [&](int kind, int c, int le, int rows, int m, int n, int share) {
               const int j = i % kQueue;
               if (i >= kQueue) sm90::mbar_wait(&q_empty[j], uint32_t(i / kQueue - 1) & 1u);
-              s_queue[j][0] = make_int4(kind, c, le, rows);
-              s_queue[j][1] = make_int4(m, n, share, 0);
+              s_queue[j] = make_int4(kind < 0 ? -1 : kind | share << 4 | rows << 8, c, le, m);
+              s_queue_n[j] = n;
               sm90::mbar_arrive(&q_full[j]);  // release: the entry's stores
               ++i;
             };
@@ -649,9 +662,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             enqueue(-1, 0, 0, 0, 0, 0, 0);
           }
           if (tid == 32) {  // the signaller
-            int i = 0, total_c = -1;
+            int total_c = -1;
             unsigned long long total = 0;
-            for_each_queued([&](int kind, int c, int le, int rows, int m, int n, int) {
+            for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
               const int j = i % kSig;
               sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
               const int slot = c % R;
@@ -673,14 +686,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 }
               }
               sm90::mbar_arrive(&sig_free[j]);
-              ++i;
-            });
+            }, std::false_type{});
           }
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
             MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); int tr_i = 0;)
-            for_each_queued([&](int kind, int c, int le, int rows, int m, int n, int share) {
+            for_each_queued([&](int, int kind, int c, int le, int rows, int m, int n, int share) {
               MOKGEN_FWD_TRACE_ONLY(
                   const int tr_me = tr_i++;
                   fwd_trace::put(tr_me, 0, 0, fwd_trace::timer()); fwd_trace::put(tr_me, 0, 1, fwd_trace::clock());
@@ -729,7 +741,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               }
               MOKGEN_FWD_TRACE_ONLY(
                   fwd_trace::put(tr_me, 0, 3, fwd_trace::clock()); fwd_trace::put(tr_me, 0, 7, fwd_trace::s_waited[0]);)
-            });
+            }, std::false_type{});
           }
           __syncwarp();  // warps 0-2 reconverge before the warpgroup-wide barrier and setmaxnreg
           // Warp 3 (and warp 2 after the walk) has no role: parked on a named barrier (blocked,
@@ -742,8 +754,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         } else {
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
-          int i = 0;
-          for_each_queued([&](int kind, int c, int le, int rows, int m, int n, int) {
+          for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             MOKGEN_FWD_TRACE_ONLY(
                 fwd_trace::put(i, wgi, 0, fwd_trace::timer()); fwd_trace::put(i, wgi, 1, fwd_trace::clock());
@@ -774,10 +785,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 fwd_trace::put(i, wgi, 4, fwd_trace::s_waited[wgi]);)
             const int j = i % kSig;
             if (i >= kSig) sm90::mbar_wait(&sig_free[j], uint32_t(i / kSig - 1) & 1u);
-            sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
+            __syncwarp();  // the warp's stores before lane 0's arrive (256 arrivals serialize)
+            if (lane == 0) sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
             MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(i, wgi, 5, fwd_trace::clock());)
-            ++i;
-          });
+          }, std::true_type{});
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
         if constexpr (kPair == 2)

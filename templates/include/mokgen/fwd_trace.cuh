@@ -39,27 +39,40 @@ __shared__ long long s_kloop_end[kRoles], s_waited[kRoles];
 
 MOKGEN_DEVICE long long clock() { return clock64(); }
 
+// The low 32 bits of the SM clock, for the waits summed inside the k-loops: one register each
+// (a tile's waits are far below 2^32 cycles).
+MOKGEN_DEVICE unsigned clock32() {
+  unsigned t;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(t));
+  return t;
+}
+
 MOKGEN_DEVICE unsigned long long timer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 
-// The record of tile i (i == g_tiles: the phase record) and role, or null without a buffer.
+// The buffer and its tile count are read at each stamp (volatile): hoisted out of the tile loop
+// they would hold three registers across the consumers' k-loop, which has none to spare.
+MOKGEN_DEVICE long long* buffer() { return *const_cast<long long* volatile*>(&g_buf); }
+MOKGEN_DEVICE int tiles() { return *const_cast<volatile int*>(&g_tiles); }
+
+// The record of tile i (i == tiles(): the phase record) and role, or null without a buffer.
 MOKGEN_DEVICE long long* record(int i, int role) {
-  long long* buf = g_buf;
+  long long* buf = buffer();
   if (buf == nullptr) return nullptr;
-  return buf + ((int64_t(blockIdx.x) * (g_tiles + 1) + i) * kRoles + role) * kFields;
+  return buf + ((int64_t(blockIdx.x) * (tiles() + 1) + i) * kRoles + role) * kFields;
 }
 
 // Field `field` of tile i's record (tiles past the traced ones are not recorded).
 MOKGEN_DEVICE void put(int i, int role, int field, long long v) {
-  if (i < g_tiles)
+  if (i < tiles())
     if (long long* r = record(i, role)) r[field] = v;
 }
 
 MOKGEN_DEVICE void phase(int field, long long v) {
-  if (long long* r = record(g_tiles, 0)) r[field] = v;
+  if (long long* r = record(tiles(), 0)) r[field] = v;
 }
 
 }  // namespace fwd_trace
