@@ -40,26 +40,21 @@ PLAIN = os.environ.get("FWD_TRACE_PLAIN") == "1"
 if not PLAIN:
     build.BASE_FLAGS = [*build.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"]  # the trace build: its own cache entry
 
-from mokgen.ep import MoELayer, _tuned_choice  # noqa: E402
+from mokgen.ep import MoELayer  # noqa: E402
 from mokgen.load import load  # noqa: E402
 
 TILES = int(os.environ.get("FWD_TRACE_TILES", "160"))
 name = sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"
 workload = sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
-dev = torch.device("cuda", torch.cuda.current_device())
 kwargs = {}
 if workload == "local":
     ep = bench.LOCAL_EP.get(real.name, 8)
     spec, tokens = bench.local_spec(real, ep)
-    entry, options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
-        real, None, ep, 2048, dev, True, None, (None, None, None))
+    if os.environ.get("FWD_TRACE_TUNED", "1") == "1":
+        kwargs = bench.local_layer_kwargs(real, ep) or {}
 else:
     spec, tokens = real, int(sys.argv[3]) if len(sys.argv) > 3 else 16384
-    entry = None
-if os.environ.get("FWD_TRACE_TUNED", "1") == "1" and workload == "local" and entry is not None:
-    kwargs = {"build_options": options, "chunk_rows": chunk_rows, "ring_chunks": ring_chunks,
-              "dispatch_ctas": dispatch_ctas}
 wg, wu, wd = bench._weights(spec)
 gen = torch.Generator(device="cuda").manual_seed(1)
 x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)

@@ -223,20 +223,26 @@ def local_spec(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> tuple[MoES
     return spec_from_dict(d, source=f"bench local workload of {spec.name}"), rows
 
 
+def local_layer_kwargs(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> dict | None:
+    """MoELayer arguments for the stand-in layer of ``spec``'s local work at EP ``ep``: the real
+    spec's tuned entry at this EP degree, if any (as a MoELayer of the real spec at EP ep would
+    take it), else None (the plan's defaults)."""
+    from mokgen.ep import _tuned_choice
+
+    entry, options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
+        spec, None, ep, tokens_per_gpu, torch.device("cuda", torch.cuda.current_device()), True, None, (None, None, None))
+    if entry is None:
+        return None
+    return {"build_options": options, "chunk_rows": chunk_rows, "ring_chunks": ring_chunks,
+            "dispatch_ctas": dispatch_ctas}
+
+
 def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2048, iters: int = 20,
                 loop: bool = False) -> list[Row]:
     """Workload (a): one rank's expert work after dispatch (ep from LOCAL_EP, default 8)."""
-    from mokgen.ep import _tuned_choice
-
     ep = LOCAL_EP.get(spec.name, 8) if ep is None else ep
     local, rows = local_spec(spec, ep, tokens_per_gpu)
-    # the layer of a stand-in spec: the real spec's tuned entry at this EP degree, if any (as a
-    # MoELayer of the real spec at EP ep would take it)
-    entry, options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
-        spec, None, ep, tokens_per_gpu, torch.device("cuda", torch.cuda.current_device()), True, None, (None, None, None))
-    kwargs = None if entry is None else {"build_options": options, "chunk_rows": chunk_rows, "ring_chunks": ring_chunks,
-                                         "dispatch_ctas": dispatch_ctas}
-    out = bench_layer(local, rows, iters=iters, loop=loop, layer_kwargs=kwargs)
+    out = bench_layer(local, rows, iters=iters, loop=loop, layer_kwargs=local_layer_kwargs(spec, ep, tokens_per_gpu))
     for r in out:
         r.workload = f"local EP{ep}"
     return out

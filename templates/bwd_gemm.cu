@@ -105,6 +105,16 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 // k-blocks of a weight-gradient tile whose K is an expert's `rows` (0 for an expert without rows).
 MOKGEN_DEVICE int weight_k_blocks(int rows) { return (rows + bwd::kBK - 1) / bwd::kBK; }
 
+// The weight kernels' tile walk (both schedules): this CTA's (or pair's) tiles of E x m_tiles x
+// n_tiles, as run_roles takes it (walk(fn)).
+template <int kPair>
+MOKGEN_DEVICE auto weight_walk(const int32_t* offs, int E, int total, int m_tiles, int n_tiles, int crank) {
+  return [=](auto&& fn) {
+    bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn,
+                           kPair, crank);
+  };
+}
+
 // Where a weight-gradient tile's k-blocks come from (both kernels): A columns m * 128 .., B
 // columns col0 .., both from k row row0 (the expert's first), one operand pair.
 MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int m, int col0) {
@@ -135,10 +145,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   MOKGEN_TRACE_STATE();
   bwd::run_roles<kPair>(
       s, pipe,
-      [&](auto&& fn) {
-        bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn,
-                               kPair, crank);
-      },
+      weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank),
       [&](int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
         bwd::produce<true, true, false, kPair>(s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kBN), crank);
@@ -173,10 +180,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   MOKGEN_TRACE_STATE();
   bwd::run_roles<kPair>(
       s, pipe,
-      [&](auto&& fn) {
-        bwd::walk_weight_tiles(offs, E, total, m_tiles, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn,
-                               kPair, crank);
-      },
+      weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank),
       [&](int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
         bwd::produce_pp<kPair>(s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kPPBN), crank);

@@ -379,6 +379,13 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
   }
 }
 
+// Zeroes k rows [valid, end) of one box (rows of 128 bytes), by the 128 threads t of a warpgroup:
+// the tail rows of a short last k-block within its last 16-row wgmma step.
+MOKGEN_DEVICE void zero_box_rows(unsigned char* box, int valid, int end, int t) {
+  for (int i = t * 16; i < (end - valid) * 128; i += 128 * 16)
+    *reinterpret_cast<uint4*>(box + valid * 128 + i) = make_uint4(0, 0, 0, 0);
+}
+
 // Zero k rows [valid, end) of boxes of a stage (a short last k-block of a weight-gradient tile:
 // the TMA box also brought the next expert's rows; end = valid rounded up to the 16 k rows the
 // last wgmma steps read). MN-major boxes only. Lockstep consumers (kAll false): warpgroup wg
@@ -389,16 +396,13 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
 // The caller orders these generic-proxy writes before the wgmma reads (fence.proxy.async).
 template <bool kAll>
 MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int t) {
-  const int bytes = (end - valid) * 128;  // per box
   constexpr int kBoxes = kAll ? 5 : 3;
   unsigned char* boxes[kBoxes];
   boxes[0] = st + wg * kBox;
 #pragma unroll
   for (int b = 1; b < kBoxes; ++b) boxes[b] = st + kABytes + (kAll ? b - 1 : 2 * wg + b - 1) * kBox;
 #pragma unroll
-  for (int b = 0; b < kBoxes; ++b)
-    for (int i = t * 16; i < bytes; i += 128 * 16)
-      *reinterpret_cast<uint4*>(boxes[b] + valid * 128 + i) = make_uint4(0, 0, 0, 0);
+  for (int b = 0; b < kBoxes; ++b) zero_box_rows(boxes[b], valid, end, t);
 }
 
 // Consumer warpgroup wg (0/1): every k-block of one tile into acc (fp32, m64n256 layout: warp w,
@@ -576,11 +580,8 @@ MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_val
     if (kb == n_k - 1 && k_valid_last < kBK) {
       steps = (k_valid_last + 15) / 16;
       if (k_valid_last % 16) {
-        const int bytes = (16 * steps - k_valid_last) * 128;
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
-          for (int i = t * 16; i < bytes; i += 128 * 16)
-            *reinterpret_cast<uint4*>(st + b * kBox + k_valid_last * 128 + i) = make_uint4(0, 0, 0, 0);
+        for (int b = 0; b < 4; ++b) zero_box_rows(st + b * kBox, k_valid_last, 16 * steps, t);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
       }
