@@ -646,6 +646,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             fn(i, a.x & 15, a.y, a.z, a.x >> 8, a.w, n, (a.x >> 4) & 15);
           }
         };
+        MOKGEN_FWD_TRACE_ONLY(int tr_sig_n = 0;)  // the signaller's tiles
         if (wgi == 0) {
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
           if (tid == 64) {  // the walker
@@ -686,6 +687,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 }
               }
               sm90::mbar_arrive(&sig_free[j]);
+              MOKGEN_FWD_TRACE_ONLY(fwd_trace::flush_consumers(i); tr_sig_n = i + 1;)
             }, std::false_type{});
           }
           if (tid == 0) {
@@ -757,8 +759,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             MOKGEN_FWD_TRACE_ONLY(
-                fwd_trace::put(i, wgi, 0, fwd_trace::timer()); fwd_trace::put(i, wgi, 1, fwd_trace::clock());
-                fwd_trace::put(i, wgi, 6, kind); fwd_trace::put(i, wgi, 7, rows);)
+                fwd_trace::stage(i, wgi, 0, fwd_trace::timer()); fwd_trace::stage(i, wgi, 1, fwd_trace::clock());
+                fwd_trace::stage(i, wgi, 6, kind); fwd_trace::stage(i, wgi, 7, rows);)
             if constexpr (Cfg::kFuseShared) {
               // one call site per tile type for routed and shared tiles (one inlined mainloop
               // each): output rows through SharedOrSlotRows
@@ -781,13 +783,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
             }
             MOKGEN_FWD_TRACE_ONLY(
-                fwd_trace::put(i, wgi, 2, fwd_trace::s_kloop_end[wgi]); fwd_trace::put(i, wgi, 3, fwd_trace::clock());
-                fwd_trace::put(i, wgi, 4, fwd_trace::s_waited[wgi]);)
+                fwd_trace::stage(i, wgi, 2, fwd_trace::s_kloop_end[wgi]); fwd_trace::stage(i, wgi, 3, fwd_trace::clock());
+                fwd_trace::stage(i, wgi, 4, fwd_trace::s_waited[wgi]);)
             const int j = i % kSig;
             if (i >= kSig) sm90::mbar_wait(&sig_free[j], uint32_t(i / kSig - 1) & 1u);
             __syncwarp();  // the warp's stores before lane 0's arrive (256 arrivals serialize)
             if (lane == 0) sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
-            MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(i, wgi, 5, fwd_trace::clock());)
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::stage(i, wgi, 5, fwd_trace::clock());)
           }, std::true_type{});
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
@@ -795,7 +797,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           cute::cluster_sync();  // no multicast or remote arrive targets a CTA after this
         else
           __syncthreads();
-        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(2, fwd_trace::timer());)
+        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(2, fwd_trace::timer());
+                              if (tid == 32 && tr_sig_n > 0) fwd_trace::flush_consumers(tr_sig_n - 1, true);)
         ok = ok && !*abort_flag;
       } else if constexpr (Cfg::kWgmma) {
         // Phased schedule (MOKGEN_SCHEDULE=phased): per chunk, the up tiles, a barrier of all
