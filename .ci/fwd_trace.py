@@ -41,20 +41,23 @@ if not PLAIN:
     build.BASE_FLAGS = [*build.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"]  # the trace build: its own cache entry
 
 from mokgen.ep import MoELayer  # noqa: E402
-from mokgen.load import load  # noqa: E402
 
 TILES = int(os.environ.get("FWD_TRACE_TILES", "160"))
 name = sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"
 workload = sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
-kwargs = {}
+TUNED = os.environ.get("FWD_TRACE_TUNED", "1") == "1"
+# the layer's arguments: the stand-in of (a) takes the real spec's tuned entry (as the bench does);
+# the real spec of (b) looks its own up (tuned=True), as the bench's layer does
+kwargs = {"tuned": False}
 if workload == "local":
     ep = bench.LOCAL_EP.get(real.name, 8)
     spec, tokens = bench.local_spec(real, ep)
-    if os.environ.get("FWD_TRACE_TUNED", "1") == "1":
-        kwargs = bench.local_layer_kwargs(real, ep) or {}
+    if TUNED:
+        kwargs = bench.local_layer_kwargs(real, ep) or kwargs
 else:
     spec, tokens = real, int(sys.argv[3]) if len(sys.argv) > 3 else 16384
+    kwargs = {"tuned": TUNED}
 wg, wu, wd = bench._weights(spec)
 gen = torch.Generator(device="cuda").manual_seed(1)
 x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
@@ -77,7 +80,7 @@ def untraced_ms() -> str:
 
 
 plain_before = untraced_ms()
-lib = load(spec, kwargs.get("build_options")).LIB
+lib = layer._kernel.LIB  # the library this layer runs (its build options, tuned or not)
 if not hasattr(lib, "mokgen_fwd_set_trace"):
     sys.exit("the loaded forward is not a trace build (a prebuilt package of this spec took its place?)")
 lib.mokgen_fwd_set_trace.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -96,9 +99,15 @@ plain_after = untraced_ms()
 if os.environ.get("FWD_TRACE_OUT"):
     torch.save(raw, Path(os.environ["FWD_TRACE_OUT"]) / "fwd-trace.pt")
 st = layer.stats()
+if layer.tuned_entry is not None:
+    config = f"tuned {layer.tuned_entry.path.name} (build options {layer.build_options})"
+elif "build_options" in kwargs:
+    config = f"tuned {kwargs}"
+else:
+    config = "plan defaults"
 print(f"== {spec.name} {workload} {tokens} rows")
 print(f"timing   trace build {ms:.3f} ms per launch (median of 20); untraced build {plain_before} before, "
-      f"{plain_after} after; {'tuned ' + str(kwargs) if kwargs else 'plan defaults'}")
+      f"{plain_after} after; {config}")
 full = int((raw[:, TILES - 1, 1, 1] != 0).sum())
 if full:
     print(f"WARNING: {full} CTAs filled all {TILES} traced tiles (more are not recorded): raise FWD_TRACE_TILES")
