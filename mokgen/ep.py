@@ -153,11 +153,19 @@ def _raise(bufs: EpBuffers, err: dict, timeout_ms: float) -> None:
     raise KernelError(abi.describe_error(err, timeout_ms))
 
 
+#: a one-rank layer whose experts are at most this wide (moe_intermediate_size) dispatches with an
+#: eighth of its CTAs, not a sixteenth: a routed row's copy then weighs more against its GEMMs
+#: (qwen3.5-35b-a3b, 512: 16 dispatch CTAs of 132 against 8, 3.02 -> 2.12 ms with the tile
+#: queue; docs/perf-notes.md, v0.16)
+NARROW_EXPERTS = 768
+
+
 def _ctas(kernel, launch_ranks: int, world: int | None = None) -> tuple[int, int]:
     """(CTAs per rank, dispatch CTAs of them) for a launch of ``launch_ranks`` ranks of an EP
     group of ``world`` (default: launch_ranks). Dispatch gets an eighth of a rank's CTAs, a
     sixteenth when the group is one rank (its pulls are local copies): measured 1-3% faster
-    than an eighth on one H200 (docs/perf-notes.md, v0.4)."""
+    than an eighth on one H200 (docs/perf-notes.md, v0.4), except for narrow experts
+    (NARROW_EXPERTS), which keep an eighth."""
     total = int(kernel.LIB.mokgen_ep_max_ctas())
     if total <= 0:
         raise KernelError("cannot query the megakernel's occupancy on this device")
@@ -168,7 +176,8 @@ def _ctas(kernel, launch_ranks: int, world: int | None = None) -> tuple[int, int
         raise InputError(f"{launch_ranks} ranks in one launch need at least {2 * pair * launch_ranks} co-resident "
                          f"CTAs; this GPU holds {total}")
     world = launch_ranks if world is None else world
-    dispatch = max(1, per_rank // (16 if world == 1 else 8))
+    narrow = int(kernel.INTERMEDIATE_SIZE) <= NARROW_EXPERTS
+    dispatch = max(1, per_rank // (16 if world == 1 and not narrow else 8))
     return per_rank, min(per_rank - pair, -(-dispatch // pair) * pair)
 
 
@@ -475,7 +484,7 @@ class MoELayer(torch.nn.Module):
     ``max_tokens``: the most tokens any rank will pass (sizes the symmetric buffers once).
     ``chunk_rows`` / ``ring_chunks``: the receive ring (default: ``plan.ep_defaults``);
     ``dispatch_ctas``: how many of the rank's CTAs pull rows while the rest compute (default: an
-    eighth of them; a sixteenth for a single rank).
+    eighth of them; a sixteenth for a single rank, unless its experts are narrow: ``NARROW_EXPERTS``).
     ``tuned``: use the tuned entry of (spec, this GPU, EP degree, max_tokens' bucket) where one
     exists and fits (``mokgen tune``; ``tuned_entry`` then names its file): its build options
     and, for those not passed here, its chunk_rows / ring_chunks / dispatch_ctas. Without one,

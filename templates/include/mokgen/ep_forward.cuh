@@ -33,6 +33,7 @@
 #include "tile_order.cuh"
 
 #include <cstring>
+#include <type_traits>
 
 namespace mokgen {
 
@@ -594,11 +595,28 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         constexpr int kSig = 4;
         __shared__ uint64_t sig_done[kSig], sig_free[kSig];
         __shared__ int s_abort;  // set by the producer when a wait failed; the pipeline drains
+        // The tile queue: one walker thread (thread 64, warp 2 of the producer warpgroup, which
+        // has no other role) walks the order once and writes each tile's arguments to entry
+        // i % kQueue; the producer, the signaller and the 256 consumer threads read them from
+        // there instead of each walking the order themselves (the walk cost the consumers 2-8k
+        // cycles between tiles on qwen3.5-35b-a3b, docs/perf-notes.md v0.15). q_full[j]: the
+        // walker's arrival; q_empty[j]: the producer's, the signaller's and one per consumer warp
+        // (lane 0 after the warp's __syncwarp, which orders its lanes' reads before the arrive:
+        // 256 arrivals on one barrier serialize). An entry of kind -1 ends the queue.
+        constexpr int kQueue = 32, kQueueReaders = 2 + 8;
+        // entry: (kind & 15 | share << 4 | rows << 8, c, le, m) and n; kind -1 (the whole word) ends
+        __shared__ int4 s_queue[kQueue];
+        __shared__ int s_queue_n[kQueue];
+        __shared__ uint64_t q_full[kQueue], q_empty[kQueue];
         const int wgi = tid / 128;
         if (tid == 0) {
           for (int j = 0; j < kSig; ++j) {
-            sm90::mbar_init(&sig_done[j], 256);
+            sm90::mbar_init(&sig_done[j], 8);  // one arrival per consumer warp
             sm90::mbar_init(&sig_free[j], 1);
+          }
+          for (int j = 0; j < kQueue; ++j) {
+            sm90::mbar_init(&q_full[j], 1);
+            sm90::mbar_init(&q_empty[j], kQueueReaders);
           }
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
@@ -608,12 +626,46 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         else
           __syncthreads();
         volatile int* abort_flag = &s_abort;
+        // Calls fn(i, kind, c, le, rows, m, n, share) for this CTA's tiles i = 0, 1, ... in order,
+        // read from the tile queue (each reader once per entry).
+        // kWarp: the caller is a whole warp (the consumers), which arrives once, by lane 0.
+        auto for_each_queued = [&](auto&& fn, auto warp_reader) {
+          constexpr bool kWarp = decltype(warp_reader)::value;
+          for (int i = 0;; ++i) {
+            const int j = i % kQueue;
+            sm90::mbar_wait(&q_full[j], uint32_t(i / kQueue) & 1u);
+            const int4 a = s_queue[j];
+            const int n = s_queue_n[j];
+            if constexpr (kWarp) {
+              __syncwarp();
+              if (lane == 0) sm90::mbar_arrive(&q_empty[j]);  // release: the warp read the entry
+            } else {
+              sm90::mbar_arrive(&q_empty[j]);  // release: the entry was read
+            }
+            if (a.x < 0) break;
+            fn(i, a.x & 15, a.y, a.z, a.x >> 8, a.w, n, (a.x >> 4) & 15);
+          }
+        };
+        MOKGEN_FWD_TRACE_ONLY(int tr_sig_n = 0;)  // the signaller's tiles
         if (wgi == 0) {
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+          if (tid == 64) {  // the walker
+            int i = 0;
+            auto enqueue = [&](int kind, int c, int le, int rows, int m, int n, int share) {
+              const int j = i % kQueue;
+              if (i >= kQueue) sm90::mbar_wait(&q_empty[j], uint32_t(i / kQueue - 1) & 1u);
+              s_queue[j] = make_int4(kind < 0 ? -1 : kind | share << 4 | rows << 8, c, le, m);
+              s_queue_n[j] = n;
+              sm90::mbar_arrive(&q_full[j]);  // release: the entry's stores
+              ++i;
+            };
+            for_each_tile(enqueue);
+            enqueue(-1, 0, 0, 0, 0, 0, 0);
+          }
           if (tid == 32) {  // the signaller
-            int i = 0, total_c = -1;
+            int total_c = -1;
             unsigned long long total = 0;
-            for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
+            for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
               const int j = i % kSig;
               sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
               const int slot = c % R;
@@ -635,14 +687,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 }
               }
               sm90::mbar_arrive(&sig_free[j]);
-              ++i;
-            });
+              MOKGEN_FWD_TRACE_ONLY(fwd_trace::flush_consumers(i); tr_sig_n = i + 1;)
+            }, std::false_type{});
           }
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
             MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); int tr_i = 0;)
-            for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int share) {
+            for_each_queued([&](int, int kind, int c, int le, int rows, int m, int n, int share) {
               MOKGEN_FWD_TRACE_ONLY(
                   const int tr_me = tr_i++;
                   fwd_trace::put(tr_me, 0, 0, fwd_trace::timer()); fwd_trace::put(tr_me, 0, 1, fwd_trace::clock());
@@ -691,11 +743,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               }
               MOKGEN_FWD_TRACE_ONLY(
                   fwd_trace::put(tr_me, 0, 3, fwd_trace::clock()); fwd_trace::put(tr_me, 0, 7, fwd_trace::s_waited[0]);)
-            });
+            }, std::false_type{});
           }
-          __syncwarp();  // warps 0 and 1 reconverge before the warpgroup-wide barrier and setmaxnreg
-          // Warps 2 and 3 have no role: parked on a named barrier (blocked, issuing nothing) until
-          // the producer and the signaller are done. Without it they spin in setmaxnreg.inc (it
+          __syncwarp();  // warps 0-2 reconverge before the warpgroup-wide barrier and setmaxnreg
+          // Warp 3 (and warp 2 after the walk) has no role: parked on a named barrier (blocked,
+          // issuing nothing) until the producer and the signaller are done. Without it they spin in setmaxnreg.inc (it
           // retries until the consumers give their registers back, at their end) for the whole
           // kernel, taking issue slots from the consumer warps of their sub-partitions (v0.5
           // profile: 14% of all warp samples). Barrier 1 is used nowhere else.
@@ -704,12 +756,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         } else {
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
-          int i = 0;
-          for_each_tile([&](int kind, int c, int le, int rows, int m, int n, int) {
+          for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             MOKGEN_FWD_TRACE_ONLY(
-                fwd_trace::put(i, wgi, 0, fwd_trace::timer()); fwd_trace::put(i, wgi, 1, fwd_trace::clock());
-                fwd_trace::put(i, wgi, 6, kind); fwd_trace::put(i, wgi, 7, rows);)
+                fwd_trace::stage(i, wgi, 0, fwd_trace::timer()); fwd_trace::stage(i, wgi, 1, fwd_trace::clock());
+                fwd_trace::stage(i, wgi, 6, kind); fwd_trace::stage(i, wgi, 7, rows);)
             if constexpr (Cfg::kFuseShared) {
               // one call site per tile type for routed and shared tiles (one inlined mainloop
               // each): output rows through SharedOrSlotRows
@@ -732,21 +783,22 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
             }
             MOKGEN_FWD_TRACE_ONLY(
-                fwd_trace::put(i, wgi, 2, fwd_trace::s_kloop_end[wgi]); fwd_trace::put(i, wgi, 3, fwd_trace::clock());
-                fwd_trace::put(i, wgi, 4, fwd_trace::s_waited[wgi]);)
+                fwd_trace::stage(i, wgi, 2, fwd_trace::s_kloop_end[wgi]); fwd_trace::stage(i, wgi, 3, fwd_trace::clock());
+                fwd_trace::stage(i, wgi, 4, fwd_trace::s_waited[wgi]);)
             const int j = i % kSig;
             if (i >= kSig) sm90::mbar_wait(&sig_free[j], uint32_t(i / kSig - 1) & 1u);
-            sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
-            MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(i, wgi, 5, fwd_trace::clock());)
-            ++i;
-          });
+            __syncwarp();  // the warp's stores before lane 0's arrive (256 arrivals serialize)
+            if (lane == 0) sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::stage(i, wgi, 5, fwd_trace::clock());)
+          }, std::true_type{});
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
         if constexpr (kPair == 2)
           cute::cluster_sync();  // no multicast or remote arrive targets a CTA after this
         else
           __syncthreads();
-        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(2, fwd_trace::timer());)
+        MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(2, fwd_trace::timer());
+                              if (tid == 32 && tr_sig_n > 0) fwd_trace::flush_consumers(tr_sig_n - 1, true);)
         ok = ok && !*abort_flag;
       } else if constexpr (Cfg::kWgmma) {
         // Phased schedule (MOKGEN_SCHEDULE=phased): per chunk, the up tiles, a barrier of all

@@ -18,8 +18,14 @@
 //   phase record, role 0: [0] globaltimer at the kernel's start  [1] at the compute roles' start
 //     (after the chunk-0 pull and the pipeline set-up)  [2] at the compute roles' end  [3] at the
 //     combine's start  [4] at its end  [5] 1 for a dispatch CTA
-// Consumer values are written by every thread of the warpgroup (the same slots, no branch on the
-// thread index: ptxas serializes the wgmma of a kernel whose consumers branch on it).
+// Consumer values are staged in shared memory during the tile (stage: one shared store; a global
+// address computed in the consumers' loop cost them a spill) and written to the records by the
+// signaller thread (flush_consumers, after the tile's handshake; the clock after the handshake,
+// [5], which is staged after it, one tile later, and the last tile's after the compute roles'
+// end). Every consumer thread stages (the same slots, no branch on the thread index: ptxas
+// serializes the wgmma of a kernel whose consumers branch on it). The staging ring is twice as
+// deep as the signal ring: a consumer warpgroup starts tile i only after the signaller has handled
+// tile i - 1 - kSig.
 #pragma once
 
 #include "common.cuh"
@@ -36,8 +42,19 @@ __device__ int g_tiles = 0;
 // Handed from hopper_gemm.cuh's loops to their callers, per role: the clock after the last
 // wgmma (consumers) and the cycles of stage waits in the last tile.
 __shared__ long long s_kloop_end[kRoles], s_waited[kRoles];
+// The consumer warpgroups' staged fields (roles 1 and 2), by tile i % kStage.
+constexpr int kStage = 8;
+__shared__ long long s_stage[kStage][2][kFields];
 
 MOKGEN_DEVICE long long clock() { return clock64(); }
+
+// The low 32 bits of the SM clock, for the waits summed inside the k-loops: one register each
+// (a tile's waits are far below 2^32 cycles).
+MOKGEN_DEVICE unsigned clock32() {
+  unsigned t;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(t));
+  return t;
+}
 
 MOKGEN_DEVICE unsigned long long timer() {
   unsigned long long t;
@@ -45,21 +62,44 @@ MOKGEN_DEVICE unsigned long long timer() {
   return t;
 }
 
-// The record of tile i (i == g_tiles: the phase record) and role, or null without a buffer.
+// The buffer and its tile count are read at each stamp (volatile): hoisted out of the tile loop
+// they would hold three registers across the consumers' k-loop, which has none to spare.
+MOKGEN_DEVICE long long* buffer() { return *const_cast<long long* volatile*>(&g_buf); }
+MOKGEN_DEVICE int tiles() { return *const_cast<volatile int*>(&g_tiles); }
+
+// The record of tile i (i == tiles(): the phase record) and role, or null without a buffer.
 MOKGEN_DEVICE long long* record(int i, int role) {
-  long long* buf = g_buf;
+  long long* buf = buffer();
   if (buf == nullptr) return nullptr;
-  return buf + ((int64_t(blockIdx.x) * (g_tiles + 1) + i) * kRoles + role) * kFields;
+  return buf + ((int64_t(blockIdx.x) * (tiles() + 1) + i) * kRoles + role) * kFields;
 }
 
 // Field `field` of tile i's record (tiles past the traced ones are not recorded).
 MOKGEN_DEVICE void put(int i, int role, int field, long long v) {
-  if (i < g_tiles)
+  if (i < tiles())
     if (long long* r = record(i, role)) r[field] = v;
 }
 
+// Stage field `field` of tile i's record of consumer role `role` (1 or 2).
+MOKGEN_DEVICE void stage(int i, int role, int field, long long v) { s_stage[i % kStage][role - 1][field] = v; }
+
+// Write both consumer roles' staged fields of tile i (all but [5]) and [5] of tile i - 1 (the
+// signaller, once it has acquired tile i's handshake); last: [5] of tile i only.
+MOKGEN_DEVICE void flush_consumers(int i, bool last = false) {
+  for (int role = 1; role <= 2; ++role) {
+    const long long* st = s_stage[i % kStage][role - 1];
+    if (last) {
+      put(i, role, 5, st[5]);
+      continue;
+    }
+    for (int f = 0; f < kFields; ++f)
+      if (f != 5) put(i, role, f, st[f]);
+    if (i > 0) put(i - 1, role, 5, s_stage[(i - 1) % kStage][role - 1][5]);
+  }
+}
+
 MOKGEN_DEVICE void phase(int field, long long v) {
-  if (long long* r = record(g_tiles, 0)) r[field] = v;
+  if (long long* r = record(tiles(), 0)) r[field] = v;
 }
 
 }  // namespace fwd_trace

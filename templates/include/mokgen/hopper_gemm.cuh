@@ -232,11 +232,11 @@ struct HopperTile {
   MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const CUtensorMap* map_a, int a_row0,
                                     const CUtensorMap* map_b0, const CUtensorMap* map_b1, int b_row0,
                                     int share = kShareNone, int crank = 0) {
-    MOKGEN_FWD_TRACE_ONLY(long long tr_waited = 0;)
+    MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)
     for (int kb = 0; kb < kKTiles; ++kb) {
-      MOKGEN_FWD_TRACE_ONLY(const long long tr0 = fwd_trace::clock();)
+      MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
-      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock() - tr0;)
+      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       uint64_t* full = &s.full[pipe.stage];
       mbar_arrive_expect_tx(full, kStageBytes);
@@ -284,12 +284,12 @@ struct HopperTile {
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
     // retired and hand its stage back to the producer.
     int prev_stage = -1;
-    MOKGEN_FWD_TRACE_ONLY(long long tr_waited = 0;)
+    MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)
 #pragma unroll 2  // as the compiler picks for long K; a short K fully unrolled spilled the accumulators
     for (int kb = 0; kb < kKTiles; ++kb) {
-      MOKGEN_FWD_TRACE_ONLY(const long long tr0 = fwd_trace::clock();)
+      MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
       mbar_wait(&s.full[pipe.stage], pipe.phase);
-      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock() - tr0;)
+      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sa = st + wg * (64 * kRowBytes);
       const unsigned char* sb = st + kABytes;
