@@ -436,9 +436,12 @@ def _tuned_choice(spec: MoESpec, group, world: int, max_tokens: int, device, tun
     if entry is None:
         return None, env.plan_options_with(None), explicit
     best, (c, r, d) = entry.best, explicit
+    # an entry timed on the one-GPU stand-in of EP > 1 found its dispatch count for local copies;
+    # a real EP layer's dispatch crosses links, so it keeps its own default there
+    tuned_d = None if entry.key.workload == "local" and world > 1 else best.dispatch_ctas
     return entry, env.plan_options_with(best.build_options()), (best.chunk_rows if c is None else c,
                                                                  best.ring_chunks if r is None else r,
-                                                                 best.dispatch_ctas if d is None else d)
+                                                                 tuned_d if d is None else d)
 
 
 def _load_agreed(spec: MoESpec, options: dict, group, entry):

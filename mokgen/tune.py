@@ -63,10 +63,11 @@ CHUNKS = (1024, 2048, 4096, 8192)
 RINGS = (4, 8)
 #: dispatch CTAs per rank tried beside the default, under a process group only (real transfers)
 DISPATCH = (8, 24)  # the default is an eighth of the CTAs: 16 of an H200's 132
-#: dispatch CTAs tried for a one-rank layer (EP 1: the real single-GPU layer, whose dispatch is a
-#: local copy of every routed row; the default there is a sixteenth of the CTAs, 8 of 132, or an
-#: eighth for narrow experts, ep.NARROW_EXPERTS: one of these runs as the default does). Not for
-#: the one-GPU stand-ins of EP > 1, whose real dispatch crosses links.
+#: dispatch CTAs tried for a one-rank launch (the real single-GPU layer, and the one-GPU stand-in
+#: of EP > 1), whose dispatch is a local copy of every routed row; the default there is a
+#: sixteenth of the CTAs, 8 of 132, or an eighth for narrow experts (ep.NARROW_EXPERTS): one of
+#: these runs as the default does. A stand-in's count serves the stand-in only: a real EP layer,
+#: whose dispatch crosses links, keeps its own default (ep._tuned_choice).
 DISPATCH_ONE_RANK = (4, 8, 16, 24)
 #: the ring may take at most this share of the GPU's memory
 RING_MEMORY_SHARE = 0.25

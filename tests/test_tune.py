@@ -587,6 +587,33 @@ def test_layer_takes_the_entry_and_explicit_values_win(monkeypatch):
     assert entry is None and options == env.plan_options()
 
 
+def test_a_stand_in_entry_sets_the_stand_ins_dispatch_but_not_a_real_ep_layers(monkeypatch):
+    import torch
+
+    from mokgen import bench
+    from mokgen import ep as ep_mod
+
+    spec = load_spec("kimi-k2.5")
+    best = Candidate(2, 64, 4096, 8, 4)
+    key = TuneKey.of(spec, gpu=GPU, ep=8, tokens=2048, workload="local")
+    entry = tune_mod.Entry(Path("/tuned") / key.relpath(), key, best, {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tune_mod, "lookup", lambda *a, **k: entry)
+    # a real EP8 layer: the entry's build options, chunk and ring; its own dispatch default
+    got, options, runtime = ep_mod._tuned_choice(spec, None, 8, 2048, "cuda:0", True, None, (None, None, None))
+    assert got is entry and options["cluster"] == 2 and runtime == (4096, 8, None)
+    assert ep_mod._tuned_choice(spec, None, 8, 2048, "cuda:0", True, None, (None, None, 12))[2] == (4096, 8, 12)
+    # the stand-in the entry was timed on runs all of it
+    kwargs = bench.local_layer_kwargs(spec, 8)
+    assert (kwargs["chunk_rows"], kwargs["ring_chunks"], kwargs["dispatch_ctas"]) == (4096, 8, 4)
+    # an entry timed on the real layer keeps its dispatch count at EP > 1
+    layer_key = TuneKey.of(spec, gpu=GPU, ep=8, tokens=2048)
+    monkeypatch.setattr(tune_mod, "lookup", lambda *a, **k: tune_mod.Entry(Path("/t") / layer_key.relpath(),
+                                                                           layer_key, best, {}))
+    assert ep_mod._tuned_choice(spec, None, 8, 2048, "cuda:0", True, None, (None, None, None))[2] == (4096, 8, 4)
+
+
 def test_layer_falls_back_to_the_default_build_when_the_tuned_one_cannot_load(monkeypatch):
     from mokgen import ep as ep_mod
     from mokgen.errors import LoadError
