@@ -19,6 +19,9 @@ prints:
   budget    the compute CTAs' time summed over CTAs, split into: before the first tile, k-loops,
             epilogues, between tiles (handshake, walk, producer dependency waits), after the last
             tile (to the compute roles' end), and the combine
+  pipeline  per chunk: when it landed, when the producers started its up tiles and how long those
+            waited for it, when its down tiles ended; then the compute CTAs' waits for chunks to
+            land against their other dependency waits
 FWD_TRACE_TILES (default 160): tiles traced per CTA; a CTA with more is reported as truncated.
 FWD_TRACE_OUT=DIR saves the raw records there (fwd-trace.pt: int64 [CTAs, tiles + 1, 3, 8]).
 Usage: python3 .ci/fwd_trace.py SPEC [local|layer] [TOKENS]  (kimi-k2.5 local)"""
@@ -202,5 +205,46 @@ print("budget   compute CTAs' cycles (per CTA, the two warpgroups averaged), sha
 for k, v in budget.items():
     print(f"  {k:9s} {v / max(total, 1) * 100:6.1f}%   ({v / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA)")
 print(f"  combine   {comb / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA after the compute roles")
+
+
+def pipeline() -> None:
+    """Per chunk: when it landed, when the producers started its up tiles and how long those waited
+    for it, and when its down tiles ended (a consumer record's chunk is the producer record's at
+    the same queue position); then the compute CTAs' waits for chunks against their other waits."""
+    if not d.shape[0]:
+        return
+    rows = []  # (chunk, producer start ns, dependency-wait cycles, kind, end ns)
+    for ci in torch.nonzero(comp).flatten().tolist():
+        p, cons = raw[ci, :TILES, 0], raw[ci, :TILES, 1]
+        for i in range(int((p[:, 1] != 0).sum())):
+            kind, c = int(p[i, 4]), int(p[i, 5])
+            if kind not in (0, 1) or cons[i, 1] == 0:
+                continue
+            end = float(cons[i, 0]) + float(cons[i, 5] - cons[i, 1]) / ghz
+            rows.append((c, float(p[i, 0]), float(p[i, 2] - p[i, 1]), kind, end))
+    n_comp = max(int(comp.sum()), 1)
+    print("pipeline per chunk, us: landed; its up tiles' producer starts (first, last) and waits for it "
+          "(summed over CTAs); its down tiles' last end")
+    chunk_wait = other_wait = 0.0
+    for c in range(TILES):
+        landed = float(d[:, c, 2].max())
+        if landed == 0:
+            break
+        ups = [r for r in rows if r[0] == c and r[3] == 0]
+        downs = [r for r in rows if r[0] == c and r[3] == 1]
+        if not ups:
+            continue
+        # an up tile's wait for its chunk: the part of its dependency wait before the chunk landed
+        waited = sum(min(r[2] / ghz, max(0.0, landed - r[1])) for r in ups)
+        chunk_wait += waited
+        other_wait += sum(r[2] / ghz for r in ups) - waited + sum(r[2] / ghz for r in downs)
+        last_down = max((r[4] for r in downs), default=float("nan"))
+        print(f"  chunk {c}: landed {us(landed):8.1f}  up starts {us(min(r[1] for r in ups)):8.1f} "
+              f"{us(max(r[1] for r in ups)):8.1f}  waited {waited / 1e3:8.1f}  down end {us(last_down):8.1f}")
+    print(f"  per compute CTA: {chunk_wait / 1e3 / n_comp:.1f} us waiting for chunks to land, "
+          f"{other_wait / 1e3 / n_comp:.1f} us in the producers' other dependency waits (row blocks, fences)")
+
+
+pipeline()
 if st:
     print(f"stats    {st}")
