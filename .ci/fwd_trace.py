@@ -22,6 +22,9 @@ prints:
   pipeline  per chunk: when it landed, when the producers started its up tiles and how long those
             waited for it, when its down tiles ended; then the compute CTAs' waits for chunks to
             land against their other dependency waits
+  blocks    where the records carry each tile's row (newer trace builds): the down tiles'
+            dependency waits, the part of them before their row block's last up tile ended, and
+            the spread of a block's up tiles' ends
 FWD_TRACE_TILES (default 160): tiles traced per CTA; a CTA with more is reported as truncated.
 FWD_TRACE_OUT=DIR saves the raw records there (fwd-trace.pt: int64 [CTAs, tiles + 1, 3, 8]).
 Usage: python3 .ci/fwd_trace.py SPEC [local|layer] [TOKENS]  (kimi-k2.5 local)"""
@@ -245,6 +248,35 @@ def pipeline() -> None:
           f"{other_wait / 1e3 / n_comp:.1f} us in the producers' other dependency waits (row blocks, fences)")
 
 
+def row_blocks() -> None:
+    """Down tiles against their row blocks' up tiles (compute CTAs whose producer records carry the
+    row, phase field 6): when the last up tile of the block ended (its consumers' handshake) and
+    the part of the down tile's dependency wait before that; the spread of a block's up tiles."""
+    carry = comp & (ph[:, 6] == 1)
+    if not bool(carry.any()):
+        return
+    ups, downs = {}, []  # (chunk, row) -> [end ns]; (chunk, row, producer start ns, wait ns)
+    for ci in torch.nonzero(carry).flatten().tolist():
+        p, cons = raw[ci, :TILES, 0], raw[ci, :TILES, 1]
+        for i in range(int((p[:, 1] != 0).sum())):
+            kind, c, m = int(p[i, 4]), int(p[i, 5]), int(p[i, 6]) >> 32
+            if kind == 0 and cons[i, 1] != 0:
+                ups.setdefault((c, m), []).append(float(cons[i, 0]) + float(cons[i, 5] - cons[i, 1]) / ghz)
+            elif kind == 1:
+                downs.append((c, m, float(p[i, 0]), float(p[i, 2] - p[i, 1]) / ghz))
+    waited = total = 0.0
+    for c, m, start, wait in downs:
+        total += wait
+        if (c, m) in ups:
+            waited += min(wait, max(0.0, max(ups[(c, m)]) - start))
+    spread = [max(v) - min(v) for v in ups.values() if len(v) > 1]
+    n = max(int(carry.sum()), 1)
+    print(f"blocks   down tiles: {total / 1e3 / n:.1f} us of dependency waits per compute CTA, "
+          f"{waited / 1e3 / n:.1f} us of it before their row block's last up tile ended; a block's up "
+          f"tiles ended over {statistics.median(spread) / 1e3 if spread else float('nan'):.1f} us (median)")
+
+
 pipeline()
+row_blocks()
 if st:
     print(f"stats    {st}")
