@@ -561,6 +561,29 @@ def test_ep_defaults(name):
     assert ep_mod._ring(spec, None, None) == (d["chunk_rows"], d["ring_chunks"])
 
 
+class _FakeKernel:
+    """What ep._ctas reads of a kernel module: its occupancy, its CTA pairs, its expert width."""
+
+    def __init__(self, ctas: int, pair: int, inter: int):
+        self.INTERMEDIATE_SIZE = inter
+        self.LIB = type("Lib", (), {"mokgen_ep_max_ctas": staticmethod(lambda: ctas),
+                                    "mokgen_ep_cluster": staticmethod(lambda: pair)})()
+
+
+@pytest.mark.parametrize("ctas,pair,inter,launch_ranks,world,want", [
+    (132, 1, 2048, 1, 1, (132, 8)),      # one rank: a sixteenth
+    (132, 1, 512, 1, 1, (132, 16)),      # one rank, narrow experts: an eighth
+    (132, 1, ep_mod.NARROW_EXPERTS, 1, 1, (132, 16)),
+    (132, 1, ep_mod.NARROW_EXPERTS + 1, 1, 1, (132, 8)),
+    (132, 2, 2048, 1, 1, (132, 8)),      # pairs: whole pairs
+    (132, 2, 512, 1, 1, (132, 16)),
+    (132, 1, 2048, 1, 8, (132, 16)),     # one rank of an EP group: an eighth
+    (132, 2, 512, 8, 8, (16, 2)),        # eight virtual ranks in one launch
+])
+def test_dispatch_ctas_default(ctas, pair, inter, launch_ranks, world, want):
+    assert ep_mod._ctas(_FakeKernel(ctas, pair, inter), launch_ranks, world) == want
+
+
 # ---- mokgen.bench's PyTorch peers on CPU -----------------------------------------------------------------
 
 BH, BI, BE, BK = 64, 32, 8, 2
