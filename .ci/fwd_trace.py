@@ -210,21 +210,33 @@ for k, v in budget.items():
 print(f"  combine   {comb / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA after the compute roles")
 
 
-def pipeline() -> None:
-    """Per chunk: when it landed, when the producers started its up tiles and how long those waited
-    for it, and when its down tiles ended (a consumer record's chunk is the producer record's at
-    the same queue position); then the compute CTAs' waits for chunks against their other waits."""
-    if not d.shape[0]:
-        return
-    rows = []  # (chunk, producer start ns, dependency-wait cycles, kind, end ns)
+def routed_tiles() -> list[tuple]:
+    """The compute CTAs' routed tiles: (kind, chunk, row or None, the producer's start ns, its
+    dependency wait ns, the consumers' end ns, the last after their handshake). A consumer
+    record's tile is the producer record's at the same queue position; the row is there where
+    the records carry it (phase field 6)."""
+    out = []
     for ci in torch.nonzero(comp).flatten().tolist():
         p, cons = raw[ci, :TILES, 0], raw[ci, :TILES, 1]
+        carry = int(ph[ci, 6]) == 1
         for i in range(int((p[:, 1] != 0).sum())):
-            kind, c = int(p[i, 4]), int(p[i, 5])
+            kind = int(p[i, 4])
             if kind not in (0, 1) or cons[i, 1] == 0:
                 continue
-            end = float(cons[i, 0]) + float(cons[i, 5] - cons[i, 1]) / ghz
-            rows.append((c, float(p[i, 0]), float(p[i, 2] - p[i, 1]), kind, end))
+            out.append((kind, int(p[i, 5]), int(p[i, 6]) >> 32 if carry else None, float(p[i, 0]),
+                        float(p[i, 2] - p[i, 1]) / ghz, float(cons[i, 0]) + float(cons[i, 5] - cons[i, 1]) / ghz))
+    return out
+
+
+def pipeline(tiles: list[tuple]) -> None:
+    """Per chunk: when it landed, when the producers started its up tiles and how long those waited
+    for it, and when its down tiles ended; then the compute CTAs' waits for chunks against their
+    other waits."""
+    if not d.shape[0]:
+        return
+    by_chunk: dict[tuple[int, int], list[tuple]] = {}
+    for t in tiles:
+        by_chunk.setdefault((t[1], t[0]), []).append(t)
     n_comp = max(int(comp.sum()), 1)
     print("pipeline per chunk, us: landed; its up tiles' producer starts (first, last) and waits for it "
           "(summed over CTAs); its down tiles' last end")
@@ -233,50 +245,45 @@ def pipeline() -> None:
         landed = float(d[:, c, 2].max())
         if landed == 0:
             break
-        ups = [r for r in rows if r[0] == c and r[3] == 0]
-        downs = [r for r in rows if r[0] == c and r[3] == 1]
+        ups, downs = by_chunk.get((c, 0), []), by_chunk.get((c, 1), [])
         if not ups:
             continue
         # an up tile's wait for its chunk: the part of its dependency wait before the chunk landed
-        waited = sum(min(r[2] / ghz, max(0.0, landed - r[1])) for r in ups)
+        waited = sum(min(t[4], max(0.0, landed - t[3])) for t in ups)
         chunk_wait += waited
-        other_wait += sum(r[2] / ghz for r in ups) - waited + sum(r[2] / ghz for r in downs)
-        last_down = max((r[4] for r in downs), default=float("nan"))
-        print(f"  chunk {c}: landed {us(landed):8.1f}  up starts {us(min(r[1] for r in ups)):8.1f} "
-              f"{us(max(r[1] for r in ups)):8.1f}  waited {waited / 1e3:8.1f}  down end {us(last_down):8.1f}")
+        other_wait += sum(t[4] for t in ups) - waited + sum(t[4] for t in downs)
+        last_down = max((t[5] for t in downs), default=float("nan"))
+        print(f"  chunk {c}: landed {us(landed):8.1f}  up starts {us(min(t[3] for t in ups)):8.1f} "
+              f"{us(max(t[3] for t in ups)):8.1f}  waited {waited / 1e3:8.1f}  down end {us(last_down):8.1f}")
     print(f"  per compute CTA: {chunk_wait / 1e3 / n_comp:.1f} us waiting for chunks to land, "
           f"{other_wait / 1e3 / n_comp:.1f} us in the producers' other dependency waits (row blocks, fences)")
 
 
-def row_blocks() -> None:
-    """Down tiles against their row blocks' up tiles (compute CTAs whose producer records carry the
-    row, phase field 6): when the last up tile of the block ended (its consumers' handshake) and
-    the part of the down tile's dependency wait before that; the spread of a block's up tiles."""
-    carry = comp & (ph[:, 6] == 1)
-    if not bool(carry.any()):
+def row_blocks(tiles: list[tuple]) -> None:
+    """Down tiles against their row blocks' up tiles (where the records carry the row): when the
+    last up tile of the block ended and the part of the down tile's dependency wait before that;
+    the spread of a block's up tiles' ends."""
+    n = int((comp & (ph[:, 6] == 1)).sum())
+    if n == 0:
         return
-    ups, downs = {}, []  # (chunk, row) -> [end ns]; (chunk, row, producer start ns, wait ns)
-    for ci in torch.nonzero(carry).flatten().tolist():
-        p, cons = raw[ci, :TILES, 0], raw[ci, :TILES, 1]
-        for i in range(int((p[:, 1] != 0).sum())):
-            kind, c, m = int(p[i, 4]), int(p[i, 5]), int(p[i, 6]) >> 32
-            if kind == 0 and cons[i, 1] != 0:
-                ups.setdefault((c, m), []).append(float(cons[i, 0]) + float(cons[i, 5] - cons[i, 1]) / ghz)
-            elif kind == 1:
-                downs.append((c, m, float(p[i, 0]), float(p[i, 2] - p[i, 1]) / ghz))
+    ends: dict[tuple[int, int], list[float]] = {}
+    for kind, c, m, _, _, end in tiles:
+        if kind == 0 and m is not None:
+            ends.setdefault((c, m), []).append(end)
     waited = total = 0.0
-    for c, m, start, wait in downs:
-        total += wait
-        if (c, m) in ups:
-            waited += min(wait, max(0.0, max(ups[(c, m)]) - start))
-    spread = [max(v) - min(v) for v in ups.values() if len(v) > 1]
-    n = max(int(carry.sum()), 1)
+    for kind, c, m, start, wait, _ in tiles:
+        if kind == 1 and m is not None:
+            total += wait
+            if (c, m) in ends:
+                waited += min(wait, max(0.0, max(ends[(c, m)]) - start))
+    spread = [max(v) - min(v) for v in ends.values() if len(v) > 1]
     print(f"blocks   down tiles: {total / 1e3 / n:.1f} us of dependency waits per compute CTA, "
           f"{waited / 1e3 / n:.1f} us of it before their row block's last up tile ended; a block's up "
           f"tiles ended over {statistics.median(spread) / 1e3 if spread else float('nan'):.1f} us (median)")
 
 
-pipeline()
-row_blocks()
+routed = routed_tiles()
+pipeline(routed)
+row_blocks(routed)
 if st:
     print(f"stats    {st}")

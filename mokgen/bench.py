@@ -230,12 +230,12 @@ def local_layer_kwargs(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> di
     from mokgen.ep import _tuned_choice
 
     entry, options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
-        spec, None, ep, tokens_per_gpu, torch.device("cuda", torch.cuda.current_device()), True, None, (None, None, None))
+        spec, None, ep, tokens_per_gpu, torch.device("cuda", torch.cuda.current_device()), True, None, (None, None, None),
+        stand_in=True)
     if entry is None:
         return None
-    # the stand-in runs what the entry timed, its dispatch count too (which a real EP layer ignores)
     return {"build_options": options, "chunk_rows": chunk_rows, "ring_chunks": ring_chunks,
-            "dispatch_ctas": entry.best.dispatch_ctas if entry.key.workload == "local" else dispatch_ctas}
+            "dispatch_ctas": dispatch_ctas}
 
 
 def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2048, iters: int = 20,

@@ -406,11 +406,14 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
 
 
 def _tuned_choice(spec: MoESpec, group, world: int, max_tokens: int, device, tuned: bool, build_options,
-                  explicit: tuple):
+                  explicit: tuple, stand_in: bool = False):
     """(tuned entry or None, build options, (chunk_rows, ring_chunks, dispatch_ctas)) of a new
     MoELayer: ``build_options`` as given; else the tuned entry of (spec, GPU, world, max_tokens'
     bucket) where one fits and, under a group, every rank found the same one; else the plan's
-    defaults. The caller's explicit run-time values (``explicit``, None = unset) always win."""
+    defaults. The caller's explicit run-time values (``explicit``, None = unset) always win.
+    An entry timed on the one-GPU stand-in of EP > 1 found its dispatch count for local copies:
+    a real EP layer, whose dispatch crosses links, keeps its own default; ``stand_in``: the
+    caller is that stand-in (bench.local_layer_kwargs), which runs the entry's count too."""
     import warnings
 
     if build_options is not None:
@@ -436,9 +439,7 @@ def _tuned_choice(spec: MoESpec, group, world: int, max_tokens: int, device, tun
     if entry is None:
         return None, env.plan_options_with(None), explicit
     best, (c, r, d) = entry.best, explicit
-    # an entry timed on the one-GPU stand-in of EP > 1 found its dispatch count for local copies;
-    # a real EP layer's dispatch crosses links, so it keeps its own default there
-    tuned_d = None if entry.key.workload == "local" and world > 1 else best.dispatch_ctas
+    tuned_d = None if entry.key.workload == "local" and world > 1 and not stand_in else best.dispatch_ctas
     return entry, env.plan_options_with(best.build_options()), (best.chunk_rows if c is None else c,
                                                                  best.ring_chunks if r is None else r,
                                                                  tuned_d if d is None else d)
