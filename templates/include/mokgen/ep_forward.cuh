@@ -129,7 +129,7 @@ struct SymLayout {
 // Byte offsets inside a rank's private region.
 template <class Cfg>
 struct LocalLayout {
-  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done, recv_expert_offset,
+  size_t bar_rank, bar_compute, tile_next, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done, recv_expert_offset,
       recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
     const int64_t e_loc = Cfg::kExperts / world;
@@ -138,6 +138,7 @@ struct LocalLayout {
     auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
     bar_rank = take(8);
     bar_compute = take(8);
+    tile_next = take(8);  // flow schedule, CTAs alone: the next running index to claim (0 between launches)
     stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
@@ -545,13 +546,15 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         }
       };
       if constexpr (Cfg::kWgmma && Cfg::kFlow) {
-        // Flow schedule: no barrier between phases or chunks. One global tile order, dealt
-        // round-robin over the compute CTAs (t % Gc == cc): step s holds the up tiles of chunk s,
+        // Flow schedule: no barrier between phases or chunks. One global tile order, dealt over
+        // the compute CTAs (claimed in order by CTAs alone, round-robin to CTA pairs; see
+        // for_each_tile): step s holds the up tiles of chunk s,
         // then the down tiles of chunk s - 1 (of chunk s when the ring has one slot). A down tile
         // waits only for the up tiles of its own 128-row block (blk_done), an up tile only for
         // its chunk to land; the last down tile of a chunk frees its slot. Every dependency points
         // to an earlier tile of the order and each CTA takes its tiles in order, so the earliest
-        // unfinished tile can always run: no deadlock, and no wave quantization per phase.
+        // unfinished tile can always run (every compute CTA is resident; a claimed tile is run by
+        // its claimer): no deadlock, and no wave quantization per phase.
         // Clusters of two (Cfg::kCluster == 2): the order is over pair-tiles, dealt to the
         // Gc / 2 CTA pairs; a pair-tile is two tiles that share an operand (hopper_gemm.cuh):
         // row blocks m and m + 1 of an expert's segment with the same column tile (kShareB), and
@@ -562,27 +565,41 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // Fused shared expert (Cfg::kFuseShared, p.shared_w set): its tiles come first, kind 2
         // (up: the rank's own published x rows, no transfer) then kind 3 (down), m = token row:
         // they overlap the wait for the first chunk (the rest of it, after this CTA's own part).
-        auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
+        // Dealing (tile_order.cuh): CTA pairs take every units-th pair-tile; CTAs alone claim
+        // their next running index from a counter of the rank (tile_next), so tile t starts at
+        // about the same time on whichever CTA, and the tiles that share an operand run together
+        // (the counter hands indices out in order: each CTA's are increasing, every tile is
+        // claimed once, and the deadlock argument above holds as it did for the static deal).
+        // `next(want)`: the index after `want` (claim: the walker's, see the tile queue below).
+        auto for_each_tile = [&](auto&& fn, auto&& next) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
           const int units = Gc / kPair, unit = cc / kPair;
           const int crank = cc % kPair;
           int t = 0;
+          int want = kPair == 1 ? next(-1) : 0;
           if constexpr (Cfg::kFuseShared) {
             if (has_shared) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
               const int blocks = (T + 127) / 128;
               const int n_up = blocks * Up::kNTiles, n_all = n_up + blocks * Down::kNTiles;
-              for (int q = unit; q < n_all; q += units) {  // this CTA's: q % units == unit
+              auto shared_tile = [&](int q) {
                 const bool up = q < n_up;
                 const int qq = up ? q : q - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
                 const int m = qq / nt * 128;
                 fn(up ? 2 : 3, -1, 0, min(128, T - m), m, qq % nt, int(sm90::kShareNone));
-              }
+              };
+              if constexpr (kPair == 1)
+                for (; want < n_all; want = next(want)) shared_tile(want);
+              else
+                for (int q = unit; q < n_all; q += units) shared_tile(q);  // this pair's: q % units == unit
               t = n_all;
             }
           }
           static_assert(int(sm90::kShareNone) == 0 && int(sm90::kShareB) == 1 && int(sm90::kShareA) == 2,
                         "tile_order.cuh's share codes");
-          walk_flow_tiles<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, unit, units, crank,
-                                 t, fn);
+          if constexpr (kPair == 1)
+            walk_flow_tiles_dealt(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, t, want, next, fn);
+          else
+            walk_flow_tiles<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, unit, units,
+                                   crank, t, fn);
         };
         auto down_tiles = [&](int c) {  // down tiles of chunk c (all CTAs)
           return (unsigned long long)group_tiles(r_eoff, e_loc, c * C, min(n_rows, c * C + C), Down::kNTiles);
@@ -659,7 +676,21 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               sm90::mbar_arrive(&q_full[j]);  // release: the entry's stores
               ++i;
             };
-            for_each_tile(enqueue);
+            // The claim for entry i waits until entry i - kClaimAhead has been read by all: a
+            // claim made as the CTA nears the tile keeps the start times of a tile's index in
+            // step across CTAs (a claim made 32 entries ahead would not); the producer needs
+            // entry i about one tile before the consumers start it, so 3 entries leave it about
+            // two tiles for the claim's round trip.
+            constexpr int kClaimAhead = 3;
+            unsigned int* tile_next = at<unsigned int>(loc, L.tile_next);
+            auto claim = [&](int) {
+              if (i >= kClaimAhead) {
+                const int e = i - kClaimAhead;
+                sm90::mbar_wait(&q_empty[e % kQueue], uint32_t(e / kQueue) & 1u);
+              }
+              return int(atomicAdd(tile_next, 1u));
+            };
+            for_each_tile(enqueue, claim);
             enqueue(-1, 0, 0, 0, 0, 0, 0);
           }
           if (tid == 32) {  // the signaller
@@ -907,6 +938,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       for (int r = 0; r < p.launch_ranks; ++r) {
         *at<unsigned long long>(p.local[r], L.bar_rank) = tag(epoch + 1, 0);
         *at<unsigned long long>(p.local[r], L.bar_compute) = tag(epoch + 1, 0);
+        *at<unsigned int>(p.local[r], L.tile_next) = 0;
         for (int q = 0; q < p.ring_chunks; ++q)  // an aborted launch may leave parts counted
           at<unsigned long long>(p.local[r], L.chunk_arrived)[q] = 0;
       }

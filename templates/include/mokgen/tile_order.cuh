@@ -5,12 +5,17 @@
 // The received rows are expert-major: expert le owns rows [eoff[le], eoff[le + 1]) (eoff is
 // nondecreasing, eoff[e_loc] = n_rows), cut into chunks of C rows. A group (chunk c, kind: 0 = up
 // tiles, 1 = down tiles) lists, for each expert overlapping the chunk, its 128-row blocks in the
-// chunk times the kind's column tiles (block-major). With CTA pairs (kPair = 2) a group lists
-// pair-tiles instead: row blocks (2p, 2p + 1) of a segment with one column tile (the pair shares
-// the weight tile, share = 1), then, for an odd last block, column tiles (n2, n2 + 1) of it (the
-// pair shares the row tile, share = 2; past the last column tile, a partner of zero rows).
-// A CTA (or pair) `unit` of `units` takes the tiles t with t % units == unit of the running
-// index t.
+// chunk times the kind's column tiles, column-major: column tile 0 of each of its blocks, then
+// column tile 1, ... (the tiles that share a weight tile next to each other, v0.17). With CTA
+// pairs (kPair = 2) a group lists pair-tiles instead (block-major): row blocks (2p, 2p + 1) of a
+// segment with one column tile (the pair shares the weight tile, share = 1), then, for an odd
+// last block, column tiles (n2, n2 + 1) of it (the pair shares the row tile, share = 2; past the
+// last column tile, a partner of zero rows).
+// Dealing: a CTA (or pair) `unit` of `units` takes the tiles t with t % units == unit of the
+// running index t (StaticDeal); or, for CTAs alone, whichever tiles it claims from a counter
+// that all compute CTAs share, in order (the *_dealt walks with any increasing `next`): the
+// tiles that share an operand then start at about the same time whatever the CTAs' drift, so
+// the second reader finds the operand in L2 (v0.17).
 //
 // Each role visits only the experts overlapping a chunk (found by a running pointer or a binary
 // search) and jumps from one of its tiles to the next, so the walk costs O(its tiles + experts
@@ -47,26 +52,51 @@ MOKGEN_HOST_DEVICE int to_owned(int t, int unit, int units) {
   return d < 0 ? d + units : d;
 }
 
-// One group: the tiles of rows [r0, r1) (chunk c) of one kind with n_tiles column tiles, from
-// running index t; the experts from `le` on (the first that can overlap r0). Calls
-// fn(kind, c, le, rows, m (row in chunk), n, share) for this unit's tiles, in order; returns t
-// past the group.
-template <int kPair, class Fn>
-MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c, int n_tiles,
-                                  int unit, int units, int crank, int t, Fn&& fn) {
-  static_assert(kPair == 1 || kPair == 2, "CTAs alone or in pairs");
+// The static deal: unit `unit` of `units` takes the running indices t % units == unit.
+struct StaticDeal {
+  int unit, units;
+  MOKGEN_HOST_DEVICE int first(int t) const { return t + to_owned(t, unit, units); }  // its first index >= t
+  MOKGEN_HOST_DEVICE int operator()(int want) const { return want + units; }           // its next after want
+};
+
+// One group of CTAs alone: the tiles of rows [r0, r1) (chunk c) of one kind with n_tiles column
+// tiles, from running index t; the experts from `le` on (the first that can overlap r0). `want`
+// is the running index of the unit's next tile; for each tile of the group at index want, calls
+// fn(kind, c, le, rows, m (row in chunk), n, share) and then want = next(want) (strictly
+// increasing). Returns t past the group.
+template <class Next, class Fn>
+MOKGEN_HOST_DEVICE int walk_group_dealt(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c,
+                                        int n_tiles, int t, int& want, Next&& next, Fn&& fn) {
   for (; le < e_loc && eoff[le] < r1; ++le) {
     const int a = imax(r0, eoff[le]), b = imin(r1, eoff[le + 1]);
     if (b <= a) continue;
     const int nb = (b - a + 127) / 128;
-    if (kPair == 1) {
-      const int seg = nb * n_tiles;
-      for (int q = to_owned(t, unit, units); q < seg; q += units) {
-        const int m = a + q / n_tiles * 128;
-        fn(kind, c, le, imin(128, b - m), m - r0, q % n_tiles, 0);
-      }
-      t += seg;
-    } else {
+    const int seg = nb * n_tiles;
+    for (; want < t + seg; want = next(want)) {
+      const int q = want - t;
+      const int m = a + q % nb * 128;  // column-major: the segment's blocks for column tile q / nb
+      fn(kind, c, le, imin(128, b - m), m - r0, q / nb, 0);
+    }
+    t += seg;
+  }
+  return t;
+}
+
+// One group, dealt statically (see walk_group_dealt for CTAs alone; pairs below).
+template <int kPair, class Fn>
+MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c, int n_tiles,
+                                  int unit, int units, int crank, int t, Fn&& fn) {
+  static_assert(kPair == 1 || kPair == 2, "CTAs alone or in pairs");
+  if constexpr (kPair == 1) {
+    const StaticDeal deal{unit, units};
+    int want = deal.first(t);
+    return walk_group_dealt(eoff, e_loc, le, r0, r1, kind, c, n_tiles, t, want, deal, fn);
+  } else {
+  for (; le < e_loc && eoff[le] < r1; ++le) {
+    const int a = imax(r0, eoff[le]), b = imin(r1, eoff[le + 1]);
+    if (b <= a) continue;
+    const int nb = (b - a + 127) / 128;
+    {
       const int pairs = nb / 2 * n_tiles;
       for (int q = to_owned(t, unit, units); q < pairs; q += units) {
         const int m = a + (q / n_tiles * 2 + crank) * 128;
@@ -85,13 +115,37 @@ MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0
     }
   }
   return t;
+  }
 }
 
 // The flow schedule's routed tiles: step s holds the up tiles (kind 0) of chunk s, then the down
-// tiles (kind 1) of chunk s - lag; running index from t. Returns t past the last tile.
+// tiles (kind 1) of chunk s - lag; running index from t. CTAs alone, any deal (want, next as in
+// walk_group_dealt). Returns t past the last tile.
+template <class Next, class Fn>
+MOKGEN_HOST_DEVICE int walk_flow_tiles_dealt(const int32_t* eoff, int e_loc, int n_rows, int C, int num_chunks, int lag,
+                                             int up_tiles, int down_tiles, int t, int& want, Next&& next, Fn&& fn) {
+  int lo[2] = {0, 0};  // per kind: the first expert that can overlap its current chunk
+  for (int step = 0; step < num_chunks + lag; ++step)
+#pragma unroll  // lo[] in registers (indexed by a run-time kind it went to local memory)
+    for (int kind = 0; kind < 2; ++kind) {
+      const int c = kind == 0 ? step : step - lag;
+      if (c < 0 || c >= num_chunks) continue;
+      const int r0 = c * C, r1 = imin(n_rows, r0 + C);
+      lo[kind] = advance_expert(eoff, e_loc, lo[kind], r0);
+      t = walk_group_dealt(eoff, e_loc, lo[kind], r0, r1, kind, c, kind == 0 ? up_tiles : down_tiles, t, want, next, fn);
+    }
+  return t;
+}
+
+// The same, dealt statically, for CTAs alone or pairs.
 template <int kPair, class Fn>
 MOKGEN_HOST_DEVICE int walk_flow_tiles(const int32_t* eoff, int e_loc, int n_rows, int C, int num_chunks, int lag,
                                        int up_tiles, int down_tiles, int unit, int units, int crank, int t, Fn&& fn) {
+  if constexpr (kPair == 1) {
+    const StaticDeal deal{unit, units};
+    int want = deal.first(t);
+    return walk_flow_tiles_dealt(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, t, want, deal, fn);
+  } else {
   int lo[2] = {0, 0};  // per kind: the first expert that can overlap its current chunk
   for (int step = 0; step < num_chunks + lag; ++step)
 #pragma unroll  // lo[] in registers (indexed by a run-time kind it went to local memory)
@@ -104,6 +158,7 @@ MOKGEN_HOST_DEVICE int walk_flow_tiles(const int32_t* eoff, int e_loc, int n_row
                             t, fn);
     }
   return t;
+  }
 }
 
 // Tiles of one group, all units (CTAs alone): sum over the experts overlapping [r0, r1) of
