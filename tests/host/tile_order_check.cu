@@ -121,31 +121,36 @@ int main(int argc, char** argv) {
     // the dynamic deal (CTAs alone): a shared counter hands the running indices out in order,
     // so under any interleaving each unit gets an increasing subsequence of them; here a random
     // one per unit. Each unit's walk must give the tiles the whole order has at its indices.
-    {
-      const auto full = reference_flow(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, 0, 1, 0, 1, t0);
-      const int units = big ? rnd(60, 140) : rnd(1, 24);
-      std::vector<std::vector<int>> mine(units);
-      for (int g = t0; g < t0 + int(full.size()) + units; ++g) mine[rnd(0, units - 1)].push_back(g);
-      size_t visited = 0;
-      for (int unit = 0; unit < units; ++unit) {
-        const std::vector<int>& idx = mine[unit];
-        size_t k = 0;
-        auto next = [&](int) { ++k; return k < idx.size() ? idx[k] : 1 << 30; };
-        int want = idx.empty() ? 1 << 30 : idx[0];
-        std::vector<Tile> got;
-        const int end = mokgen::walk_flow_tiles_dealt(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, t0,
-                                                      want, next, [&](int kind, int c, int le, int rows, int m, int n, int sh) {
-                                                        got.emplace_back(kind, c, le, rows, m, n, sh);
-                                                      });
-        if (end != t0 + int(full.size())) return fail("dealt walk ends elsewhere", trial);
-        for (size_t i = 0; i < got.size(); ++i)
-          if (i >= idx.size() || got[i] != full[idx[i] - t0]) return fail("dealt walk differs", trial);
-        if (want < end) return fail("dealt walk stopped early", trial);
-        visited += got.size();
-        checked += long(got.size());
+    // Pairs: both CTAs of a unit get its indices; crank c's walk gives the reference's crank-c tiles.
+    for (int kPair = 1; kPair <= 2; ++kPair)
+      for (int crank = 0; crank < kPair; ++crank) {
+        const auto full = reference_flow(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, 0, 1, crank,
+                                         kPair, t0);
+        const int units = big ? rnd(60, 140) : rnd(1, 24);
+        std::vector<std::vector<int>> mine(units);
+        for (int g = t0; g < t0 + int(full.size()) + units; ++g) mine[rnd(0, units - 1)].push_back(g);
+        size_t visited = 0;
+        for (int unit = 0; unit < units; ++unit) {
+          const std::vector<int>& idx = mine[unit];
+          size_t k = 0;
+          auto next = [&](int) { ++k; return k < idx.size() ? idx[k] : 1 << 30; };
+          int want = idx.empty() ? 1 << 30 : idx[0];
+          std::vector<Tile> got;
+          auto fn = [&](int kind, int c, int le, int rows, int m, int n, int sh) { got.emplace_back(kind, c, le, rows, m, n, sh); };
+          const int end =
+              kPair == 1 ? mokgen::walk_flow_tiles_dealt<1>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles,
+                                                           down_tiles, crank, t0, want, next, fn)
+                         : mokgen::walk_flow_tiles_dealt<2>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles,
+                                                           down_tiles, crank, t0, want, next, fn);
+          if (end != t0 + int(full.size())) return fail("dealt walk ends elsewhere", trial);
+          for (size_t i = 0; i < got.size(); ++i)
+            if (i >= idx.size() || got[i] != full[idx[i] - t0]) return fail("dealt walk differs", trial);
+          if (want < end) return fail("dealt walk stopped early", trial);
+          visited += got.size();
+          checked += long(got.size());
+        }
+        if (visited != full.size()) return fail("dealt walks do not cover the order", trial);
       }
-      if (visited != full.size()) return fail("dealt walks do not cover the order", trial);
-    }
     // one group at a time (the phased schedule), and the tile count per group (the signaller)
     const int units = big ? rnd(60, 140) : rnd(1, 24);
     for (int c = 0; c < num_chunks; ++c)

@@ -565,41 +565,35 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // Fused shared expert (Cfg::kFuseShared, p.shared_w set): its tiles come first, kind 2
         // (up: the rank's own published x rows, no transfer) then kind 3 (down), m = token row:
         // they overlap the wait for the first chunk (the rest of it, after this CTA's own part).
-        // Dealing (tile_order.cuh): CTA pairs take every units-th pair-tile; CTAs alone claim
-        // their next running index from a counter of the rank (tile_next), so tile t starts at
-        // about the same time on whichever CTA, and the tiles that share an operand run together
-        // (the counter hands indices out in order: each CTA's are increasing, every tile is
-        // claimed once, and the deadlock argument above holds as it did for the static deal).
-        // `next(want)`: the index after `want` (claim: the walker's, see the tile queue below).
+        // Dealing (tile_order.cuh): each CTA (or pair) claims its next running index from a
+        // counter of the rank (tile_next), so tile t starts at about the same time on whichever
+        // CTA, and the tiles that share an operand run together (v0.17: round-robin dealing let
+        // the CTAs drift apart, and a shared operand was read from DRAM again). The counter hands
+        // indices out in order: each CTA's are increasing and every tile is claimed once, so the
+        // deadlock argument above holds as it did for the round-robin deal. A pair's leader
+        // (crank 0) claims for both and passes each index to its peer (the walker, below).
+        // `next(want)`: the index after `want`.
         auto for_each_tile = [&](auto&& fn, auto&& next) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
-          const int units = Gc / kPair, unit = cc / kPair;
           const int crank = cc % kPair;
           int t = 0;
-          int want = kPair == 1 ? next(-1) : 0;
+          int want = next(-1);
           if constexpr (Cfg::kFuseShared) {
             if (has_shared) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
               const int blocks = (T + 127) / 128;
               const int n_up = blocks * Up::kNTiles, n_all = n_up + blocks * Down::kNTiles;
-              auto shared_tile = [&](int q) {
-                const bool up = q < n_up;
-                const int qq = up ? q : q - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
+              for (; want < n_all; want = next(want)) {  // both CTAs of a pair run the tile (no share)
+                const bool up = want < n_up;
+                const int qq = up ? want : want - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
                 const int m = qq / nt * 128;
                 fn(up ? 2 : 3, -1, 0, min(128, T - m), m, qq % nt, int(sm90::kShareNone));
-              };
-              if constexpr (kPair == 1)
-                for (; want < n_all; want = next(want)) shared_tile(want);
-              else
-                for (int q = unit; q < n_all; q += units) shared_tile(q);  // this pair's: q % units == unit
+              }
               t = n_all;
             }
           }
           static_assert(int(sm90::kShareNone) == 0 && int(sm90::kShareB) == 1 && int(sm90::kShareA) == 2,
                         "tile_order.cuh's share codes");
-          if constexpr (kPair == 1)
-            walk_flow_tiles_dealt(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, t, want, next, fn);
-          else
-            walk_flow_tiles<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, unit, units,
-                                   crank, t, fn);
+          walk_flow_tiles_dealt<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, crank, t,
+                                       want, next, fn);
         };
         auto down_tiles = [&](int c) {  // down tiles of chunk c (all CTAs)
           return (unsigned long long)group_tiles(r_eoff, e_loc, c * C, min(n_rows, c * C + C), Down::kNTiles);
@@ -625,6 +619,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         __shared__ int4 s_queue[kQueue];
         __shared__ int s_queue_n[kQueue];
         __shared__ uint64_t q_full[kQueue], q_empty[kQueue];
+        // CTA pairs: the leader's claims, passed to the peer's walker (claim_full: the leader's
+        // remote arrival; claim_empty: the peer's, once it has read the index)
+        constexpr int kClaimRing = 8;
+        __shared__ int s_claim[kClaimRing];
+        __shared__ uint64_t claim_full[kClaimRing], claim_empty[kClaimRing];
         const int wgi = tid / 128;
         if (tid == 0) {
           for (int j = 0; j < kSig; ++j) {
@@ -635,6 +634,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             sm90::mbar_init(&q_full[j], 1);
             sm90::mbar_init(&q_empty[j], kQueueReaders);
           }
+          if constexpr (kPair == 2)
+            for (int j = 0; j < kClaimRing; ++j) {
+              sm90::mbar_init(&claim_full[j], 1);
+              sm90::mbar_init(&claim_empty[j], 1);
+            }
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
         }
@@ -683,12 +687,31 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             // two tiles for the claim's round trip.
             constexpr int kClaimAhead = 3;
             unsigned int* tile_next = at<unsigned int>(loc, L.tile_next);
+            int n_claims = 0;
             auto claim = [&](int) {
               if (i >= kClaimAhead) {
                 const int e = i - kClaimAhead;
                 sm90::mbar_wait(&q_empty[e % kQueue], uint32_t(e / kQueue) & 1u);
               }
-              return int(atomicAdd(tile_next, 1u));
+              if constexpr (kPair == 1) {
+                return int(atomicAdd(tile_next, 1u));
+              } else {
+                const int j = n_claims % kClaimRing;
+                const uint32_t ph = uint32_t(n_claims / kClaimRing) & 1u;
+                ++n_claims;
+                int v;
+                if (cc % 2 == 0) {  // the leader: claim, then hand the index to the peer
+                  if (n_claims > kClaimRing) sm90::mbar_wait_acquire_cluster(&claim_empty[j], ph ^ 1u);
+                  v = int(atomicAdd(tile_next, 1u));
+                  sm90::st_cluster_u32(&s_claim[j], 1u, uint32_t(v));
+                  sm90::mbar_arrive_release_cluster(&claim_full[j], 1u);
+                } else {
+                  sm90::mbar_wait_acquire_cluster(&claim_full[j], ph);
+                  v = s_claim[j];
+                  sm90::mbar_arrive_release_cluster(&claim_empty[j], 0u);
+                }
+                return v;
+              }
             };
             for_each_tile(enqueue, claim);
             enqueue(-1, 0, 0, 0, 0, 0, 0);

@@ -59,46 +59,32 @@ struct StaticDeal {
   MOKGEN_HOST_DEVICE int operator()(int want) const { return want + units; }           // its next after want
 };
 
-// One group of CTAs alone: the tiles of rows [r0, r1) (chunk c) of one kind with n_tiles column
-// tiles, from running index t; the experts from `le` on (the first that can overlap r0). `want`
-// is the running index of the unit's next tile; for each tile of the group at index want, calls
+// One group: the tiles of rows [r0, r1) (chunk c) of one kind with n_tiles column tiles, from
+// running index t; the experts from `le` on (the first that can overlap r0). `want` is the
+// running index of the unit's next tile; for each tile of the group at index want, calls
 // fn(kind, c, le, rows, m (row in chunk), n, share) and then want = next(want) (strictly
-// increasing). Returns t past the group.
-template <class Next, class Fn>
+// increasing). crank: the CTA's rank in its pair (the two CTAs of a pair get the same indices).
+// Returns t past the group.
+template <int kPair, class Next, class Fn>
 MOKGEN_HOST_DEVICE int walk_group_dealt(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c,
-                                        int n_tiles, int t, int& want, Next&& next, Fn&& fn) {
-  for (; le < e_loc && eoff[le] < r1; ++le) {
-    const int a = imax(r0, eoff[le]), b = imin(r1, eoff[le + 1]);
-    if (b <= a) continue;
-    const int nb = (b - a + 127) / 128;
-    const int seg = nb * n_tiles;
-    for (; want < t + seg; want = next(want)) {
-      const int q = want - t;
-      const int m = a + q % nb * 128;  // column-major: the segment's blocks for column tile q / nb
-      fn(kind, c, le, imin(128, b - m), m - r0, q / nb, 0);
-    }
-    t += seg;
-  }
-  return t;
-}
-
-// One group, dealt statically (see walk_group_dealt for CTAs alone; pairs below).
-template <int kPair, class Fn>
-MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c, int n_tiles,
-                                  int unit, int units, int crank, int t, Fn&& fn) {
+                                        int n_tiles, int crank, int t, int& want, Next&& next, Fn&& fn) {
   static_assert(kPair == 1 || kPair == 2, "CTAs alone or in pairs");
-  if constexpr (kPair == 1) {
-    const StaticDeal deal{unit, units};
-    int want = deal.first(t);
-    return walk_group_dealt(eoff, e_loc, le, r0, r1, kind, c, n_tiles, t, want, deal, fn);
-  } else {
   for (; le < e_loc && eoff[le] < r1; ++le) {
     const int a = imax(r0, eoff[le]), b = imin(r1, eoff[le + 1]);
     if (b <= a) continue;
     const int nb = (b - a + 127) / 128;
-    {
+    if constexpr (kPair == 1) {
+      const int seg = nb * n_tiles;
+      for (; want < t + seg; want = next(want)) {
+        const int q = want - t;
+        const int m = a + q % nb * 128;  // column-major: the segment's blocks for column tile q / nb
+        fn(kind, c, le, imin(128, b - m), m - r0, q / nb, 0);
+      }
+      t += seg;
+    } else {
       const int pairs = nb / 2 * n_tiles;
-      for (int q = to_owned(t, unit, units); q < pairs; q += units) {
+      for (; want < t + pairs; want = next(want)) {
+        const int q = want - t;
         const int m = a + (q / n_tiles * 2 + crank) * 128;
         fn(kind, c, le, imin(128, b - m), m - r0, q % n_tiles, 1);
       }
@@ -106,7 +92,8 @@ MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0
       if (nb % 2) {
         const int halves = (n_tiles + 1) / 2;
         const int m = a + (nb - 1) * 128;
-        for (int q = to_owned(t, unit, units); q < halves; q += units) {
+        for (; want < t + halves; want = next(want)) {
+          const int q = want - t;
           const bool real = 2 * q + crank < n_tiles;
           fn(kind, c, le, real ? imin(128, b - m) : 0, m - r0, real ? 2 * q + crank : 2 * q, 2);
         }
@@ -115,15 +102,24 @@ MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0
     }
   }
   return t;
-  }
+}
+
+// One group, dealt statically.
+template <int kPair, class Fn>
+MOKGEN_HOST_DEVICE int walk_group(const int32_t* eoff, int e_loc, int le, int r0, int r1, int kind, int c, int n_tiles,
+                                  int unit, int units, int crank, int t, Fn&& fn) {
+  const StaticDeal deal{unit, units};
+  int want = deal.first(t);
+  return walk_group_dealt<kPair>(eoff, e_loc, le, r0, r1, kind, c, n_tiles, crank, t, want, deal, fn);
 }
 
 // The flow schedule's routed tiles: step s holds the up tiles (kind 0) of chunk s, then the down
-// tiles (kind 1) of chunk s - lag; running index from t. CTAs alone, any deal (want, next as in
+// tiles (kind 1) of chunk s - lag; running index from t; any deal (want, next as in
 // walk_group_dealt). Returns t past the last tile.
-template <class Next, class Fn>
+template <int kPair, class Next, class Fn>
 MOKGEN_HOST_DEVICE int walk_flow_tiles_dealt(const int32_t* eoff, int e_loc, int n_rows, int C, int num_chunks, int lag,
-                                             int up_tiles, int down_tiles, int t, int& want, Next&& next, Fn&& fn) {
+                                             int up_tiles, int down_tiles, int crank, int t, int& want, Next&& next,
+                                             Fn&& fn) {
   int lo[2] = {0, 0};  // per kind: the first expert that can overlap its current chunk
   for (int step = 0; step < num_chunks + lag; ++step)
 #pragma unroll  // lo[] in registers (indexed by a run-time kind it went to local memory)
@@ -132,33 +128,20 @@ MOKGEN_HOST_DEVICE int walk_flow_tiles_dealt(const int32_t* eoff, int e_loc, int
       if (c < 0 || c >= num_chunks) continue;
       const int r0 = c * C, r1 = imin(n_rows, r0 + C);
       lo[kind] = advance_expert(eoff, e_loc, lo[kind], r0);
-      t = walk_group_dealt(eoff, e_loc, lo[kind], r0, r1, kind, c, kind == 0 ? up_tiles : down_tiles, t, want, next, fn);
+      t = walk_group_dealt<kPair>(eoff, e_loc, lo[kind], r0, r1, kind, c, kind == 0 ? up_tiles : down_tiles, crank, t,
+                                  want, next, fn);
     }
   return t;
 }
 
-// The same, dealt statically, for CTAs alone or pairs.
+// The same, dealt statically.
 template <int kPair, class Fn>
 MOKGEN_HOST_DEVICE int walk_flow_tiles(const int32_t* eoff, int e_loc, int n_rows, int C, int num_chunks, int lag,
                                        int up_tiles, int down_tiles, int unit, int units, int crank, int t, Fn&& fn) {
-  if constexpr (kPair == 1) {
-    const StaticDeal deal{unit, units};
-    int want = deal.first(t);
-    return walk_flow_tiles_dealt(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, t, want, deal, fn);
-  } else {
-  int lo[2] = {0, 0};  // per kind: the first expert that can overlap its current chunk
-  for (int step = 0; step < num_chunks + lag; ++step)
-#pragma unroll  // lo[] in registers (indexed by a run-time kind it went to local memory)
-    for (int kind = 0; kind < 2; ++kind) {
-      const int c = kind == 0 ? step : step - lag;
-      if (c < 0 || c >= num_chunks) continue;
-      const int r0 = c * C, r1 = imin(n_rows, r0 + C);
-      lo[kind] = advance_expert(eoff, e_loc, lo[kind], r0);
-      t = walk_group<kPair>(eoff, e_loc, lo[kind], r0, r1, kind, c, kind == 0 ? up_tiles : down_tiles, unit, units, crank,
-                            t, fn);
-    }
-  return t;
-  }
+  const StaticDeal deal{unit, units};
+  int want = deal.first(t);
+  return walk_flow_tiles_dealt<kPair>(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, crank, t, want,
+                                      deal, fn);
 }
 
 // Tiles of one group, all units (CTAs alone): sum over the experts overlapping [r0, r1) of
