@@ -129,8 +129,8 @@ struct SymLayout {
 // Byte offsets inside a rank's private region.
 template <class Cfg>
 struct LocalLayout {
-  size_t bar_rank, bar_compute, tile_next, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done, recv_expert_offset,
-      recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
+  size_t bar_rank, bar_compute, tile_next, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done,
+      recv_expert_offset, recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
     const int64_t e_loc = Cfg::kExperts / world;
     const int64_t ring_rows = int64_t(chunk_rows) * ring_chunks;
@@ -138,7 +138,7 @@ struct LocalLayout {
     auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
     bar_rank = take(8);
     bar_compute = take(8);
-    tile_next = take(8);  // flow schedule, CTAs alone: the next running index to claim (0 between launches)
+    tile_next = take(8);  // flow schedule: the next running index to claim (u32; 0 between launches)
     stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
@@ -546,16 +546,15 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         }
       };
       if constexpr (Cfg::kWgmma && Cfg::kFlow) {
-        // Flow schedule: no barrier between phases or chunks. One global tile order, dealt over
-        // the compute CTAs (claimed in order by CTAs alone, round-robin to CTA pairs; see
-        // for_each_tile): step s holds the up tiles of chunk s,
-        // then the down tiles of chunk s - 1 (of chunk s when the ring has one slot). A down tile
+        // Flow schedule: no barrier between phases or chunks. One global tile order, claimed in
+        // order by the compute CTAs (or CTA pairs; see for_each_tile): step s holds the up tiles
+        // of chunk s, then the down tiles of chunk s - 1 (of chunk s when the ring has one slot). A down tile
         // waits only for the up tiles of its own 128-row block (blk_done), an up tile only for
         // its chunk to land; the last down tile of a chunk frees its slot. Every dependency points
         // to an earlier tile of the order and each CTA takes its tiles in order, so the earliest
         // unfinished tile can always run (every compute CTA is resident; a claimed tile is run by
         // its claimer): no deadlock, and no wave quantization per phase.
-        // Clusters of two (Cfg::kCluster == 2): the order is over pair-tiles, dealt to the
+        // Clusters of two (Cfg::kCluster == 2): the order is over pair-tiles, claimed by the
         // Gc / 2 CTA pairs; a pair-tile is two tiles that share an operand (hopper_gemm.cuh):
         // row blocks m and m + 1 of an expert's segment with the same column tile (kShareB), and
         // for the odd last block of a segment, column tiles n and n + 1 (kShareA); a missing
@@ -719,9 +718,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           if (tid == 32) {  // the signaller
             int total_c = -1;
             unsigned long long total = 0;
+            MOKGEN_FWD_TRACE_ONLY(long long tr_wait = 0, tr_pub = 0, tr_pub_max = 0;)
             for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
               const int j = i % kSig;
+              MOKGEN_FWD_TRACE_ONLY(const long long tr0 = fwd_trace::clock();)
               sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
+              MOKGEN_FWD_TRACE_ONLY(const long long tr1 = fwd_trace::clock(); tr_wait += tr1 - tr0;)
               const int slot = c % R;
               if (!*abort_flag && rows > 0) {  // a zero-row tile of a pair finishes nothing
                 __threadfence();  // the consumers' stores (acquired through sig_done) -> gpu scope
@@ -740,20 +742,29 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   if (atomicAdd(&chk_done[slot], 1ull) + 1 == total) st_release_gpu(&freed[slot], tag(epoch, c + 1));
                 }
               }
+              MOKGEN_FWD_TRACE_ONLY(const long long tr2 = fwd_trace::clock() - tr1; tr_pub += tr2;
+                                    tr_pub_max = tr2 > tr_pub_max ? tr2 : tr_pub_max;)
               sm90::mbar_arrive(&sig_free[j]);
               MOKGEN_FWD_TRACE_ONLY(fwd_trace::flush_consumers(i); tr_sig_n = i + 1;)
             }, std::false_type{});
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(0, tr_wait, 1); fwd_trace::phase(1, tr_pub, 1);
+                                  fwd_trace::phase(2, tr_pub_max, 1); fwd_trace::phase(3, tr_sig_n, 1);)
           }
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
-            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); int tr_i = 0;)
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); fwd_trace::phase(6, 1); int tr_i = 0;)
             for_each_queued([&](int, int kind, int c, int le, int rows, int m, int n, int share) {
+              // the tile's record, located once (each put() reads the buffer's address and size
+              // from global memory: three of them here cost the v0.16 traces ~5k cycles of
+              // "dependency wait" per tile)
               MOKGEN_FWD_TRACE_ONLY(
                   const int tr_me = tr_i++;
-                  fwd_trace::put(tr_me, 0, 0, fwd_trace::timer()); fwd_trace::put(tr_me, 0, 1, fwd_trace::clock());
-                  fwd_trace::put(tr_me, 0, 4, kind); fwd_trace::put(tr_me, 0, 5, c);
-                  fwd_trace::put(tr_me, 0, 6, rows | (n << 16));)
+                  const long long tr_t0 = fwd_trace::timer(), tr_c0 = fwd_trace::clock();
+                  long long* tr_rec = fwd_trace::tile_record(tr_me, 0);
+                  fwd_trace::set(tr_rec, 0, tr_t0); fwd_trace::set(tr_rec, 1, tr_c0);
+                  fwd_trace::set(tr_rec, 4, kind); fwd_trace::set(tr_rec, 5, c);
+                  fwd_trace::set(tr_rec, 6, (long long)(rows | (n << 16)) | ((long long)m << 32));)
               if (Cfg::kFuseShared && kind >= 2) {  // fused shared expert: up tiles read the published x rows
                 if (kind == 3 && !*abort_flag) {
                   if (!w.wait_geq<false>(at<unsigned long long>(mine, S.shared_blk) + m / 128, Up::kNTiles,
@@ -772,7 +783,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 sm90::fence_proxy_async_global();  // ring rows: generic writes -> TMA reads
               }
               const int64_t row0 = int64_t(slot) * C + m;
-              MOKGEN_FWD_TRACE_ONLY(if (kind != 1) fwd_trace::put(tr_me, 0, 2, fwd_trace::clock());)
+              MOKGEN_FWD_TRACE_ONLY(if (kind != 1) fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
               if constexpr (Cfg::kFuseShared) {
                 if (kind == 2) {
                   Up::produce(Up::carve(smem), pipe, &maps.sym_x[g], m, &maps.sh_gate, &maps.sh_up, n * Up::kBN);
@@ -791,12 +802,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   if (!w.wait_geq<false>(&blk_done[row0], Up::kNTiles, kStageBlockReady, -1)) *abort_flag = 1;
                   sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
                 }
-                MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(tr_me, 0, 2, fwd_trace::clock());)
+                MOKGEN_FWD_TRACE_ONLY(fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
                 Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
                               le * kH + n * Down::kBN, share, cc % kPair);
               }
               MOKGEN_FWD_TRACE_ONLY(
-                  fwd_trace::put(tr_me, 0, 3, fwd_trace::clock()); fwd_trace::put(tr_me, 0, 7, fwd_trace::s_waited[0]);)
+                  fwd_trace::set(tr_rec, 3, fwd_trace::clock()); fwd_trace::set(tr_rec, 7, fwd_trace::s_waited[0]);)
             }, std::false_type{});
           }
           __syncwarp();  // warps 0-2 reconverge before the warpgroup-wide barrier and setmaxnreg

@@ -1,6 +1,6 @@
 // The compute tile order of the megakernel (ep_forward.cuh), as functions of the receive plan
-// only: every role of every compute CTA (producer, signaller, consumers) walks the same order,
-// and host programs can check it (tests/test_tile_order.py).
+// only: the walker thread of every compute CTA walks it (ep_forward.cuh's tile queue), and host
+// programs can check it (tests/test_tile_order.py).
 //
 // The received rows are expert-major: expert le owns rows [eoff[le], eoff[le + 1]) (eoff is
 // nondecreasing, eoff[e_loc] = n_rows), cut into chunks of C rows. A group (chunk c, kind: 0 = up
@@ -11,11 +11,12 @@
 // segment with one column tile (the pair shares the weight tile, share = 1), then, for an odd
 // last block, column tiles (n2, n2 + 1) of it (the pair shares the row tile, share = 2; past the
 // last column tile, a partner of zero rows).
-// Dealing: a CTA (or pair) `unit` of `units` takes the tiles t with t % units == unit of the
-// running index t (StaticDeal); or, for CTAs alone, whichever tiles it claims from a counter
-// that all compute CTAs share, in order (the *_dealt walks with any increasing `next`): the
-// tiles that share an operand then start at about the same time whatever the CTAs' drift, so
-// the second reader finds the operand in L2 (v0.17).
+// Dealing: the *_dealt walks take any strictly increasing sequence of running indices (`next`).
+// The forward megakernel's CTAs (or pairs) claim theirs from a counter that all compute CTAs of
+// a rank share, in order: the tiles that share an operand then start at about the same time
+// whatever the CTAs' drift, so the second reader finds the operand in L2 (v0.17). StaticDeal
+// (unit `unit` of `units` takes t % units == unit: the megakernel's deal until v0.16) serves the
+// phased schedule and the host check's reference.
 //
 // Each role visits only the experts overlapping a chunk (found by a running pointer or a binary
 // search) and jumps from one of its tiles to the next, so the walk costs O(its tiles + experts
