@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         __shared__ uint64_t q_full[kQueue], q_empty[kQueue];
         // CTA pairs: the leader's claims, passed to the peer's walker (claim_full: the leader's
         // remote arrival; claim_empty: the peer's, once it has read the index)
-        constexpr int kClaimRing = 8;
+        constexpr int kClaimRing = 4;
         __shared__ int s_claim[kClaimRing];
         __shared__ uint64_t claim_full[kClaimRing], claim_empty[kClaimRing];
         const int wgi = tid / 128;
