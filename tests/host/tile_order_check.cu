@@ -30,22 +30,24 @@ static std::vector<Tile> reference_flow(const std::vector<int>& eoff, int e_loc,
           for (int n = 0; n < n_tiles; ++n)
             for (int m = a; m < b; m += 128, ++t)
               if (t % units == unit) out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 0);
-        } else {
+        } else {  // by column pairs: pair-tiles of columns n2, n2 + 1, then the odd block's half
           const int nb = b > a ? (b - a + 127) / 128 : 0;
-          int mb = 0;
-          for (; mb + 1 < nb; mb += 2)
-            for (int n = 0; n < n_tiles; ++n, ++t)
+          for (int n2 = 0; n2 < n_tiles; n2 += 2) {
+            for (int n = n2; n < n2 + 2 && n < n_tiles; ++n)
+              for (int mb = 0; mb + 1 < nb; mb += 2, ++t)
+                if (t % units == unit) {
+                  const int m = a + (mb + crank) * 128;
+                  out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 1);
+                }
+            if (nb % 2) {
               if (t % units == unit) {
-                const int m = a + (mb + crank) * 128;
-                out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 1);
-              }
-          if (mb < nb)
-            for (int n2 = 0; n2 < n_tiles; n2 += 2, ++t)
-              if (t % units == unit) {
-                const int m = a + mb * 128;
+                const int m = a + (nb - 1) * 128;
                 const bool real = n2 + crank < n_tiles;
                 out.emplace_back(kind, c, le, real ? std::min(128, b - m) : 0, m - r0, real ? n2 + crank : n2, 2);
               }
+              ++t;
+            }
+          }
         }
       }
     }

@@ -7,10 +7,11 @@
 // tiles, 1 = down tiles) lists, for each expert overlapping the chunk, its 128-row blocks in the
 // chunk times the kind's column tiles, column-major: column tile 0 of each of its blocks, then
 // column tile 1, ... (the tiles that share a weight tile next to each other, v0.17). With CTA
-// pairs (kPair = 2) a group lists pair-tiles instead (block-major): row blocks (2p, 2p + 1) of a
-// segment with one column tile (the pair shares the weight tile, share = 1), then, for an odd
-// last block, column tiles (n2, n2 + 1) of it (the pair shares the row tile, share = 2; past the
-// last column tile, a partner of zero rows).
+// pairs (kPair = 2) a group lists pair-tiles instead: row blocks (2p, 2p + 1) of a segment with
+// one column tile (the pair shares the weight tile, share = 1) and, for an odd last block,
+// column tiles (2g, 2g + 1) of it (the pair shares the row tile, share = 2; past the last column
+// tile, a partner of zero rows), by column pairs: the pair-tiles of columns 2g and 2g + 1, then
+// the odd block's half g.
 // Dealing: the *_dealt walks take any strictly increasing sequence of running indices (`next`).
 // The forward megakernel's CTAs (or pairs) claim theirs from a counter that all compute CTAs of
 // a rank share, in order: the tiles that share an operand then start at about the same time
@@ -83,23 +84,27 @@ MOKGEN_HOST_DEVICE int walk_group_dealt(const int32_t* eoff, int e_loc, int le, 
       }
       t += seg;
     } else {
-      const int pairs = nb / 2 * n_tiles;
-      for (; want < t + pairs; want = next(want)) {
+      // Column-major too, by column pairs: for columns 2g and 2g + 1 the segment's pair-tiles
+      // (row-block pairs p = 0 .. np - 1) of column 2g, then of 2g + 1, then the odd last block's
+      // half g (columns 2g, 2g + 1: share = 2), so every reader of a weight tile is within
+      // 2 np + 1 indices of the others.
+      const int np = nb / 2, odd = nb % 2;
+      const int gs = 2 * np + odd;  // indices per column pair (the last: np + odd for an odd n_tiles)
+      const int seg = n_tiles * np + odd * ((n_tiles + 1) / 2);
+      for (; want < t + seg; want = next(want)) {
         const int q = want - t;
-        const int m = a + (q / n_tiles * 2 + crank) * 128;
-        fn(kind, c, le, imin(128, b - m), m - r0, q % n_tiles, 1);
-      }
-      t += pairs;
-      if (nb % 2) {
-        const int halves = (n_tiles + 1) / 2;
-        const int m = a + (nb - 1) * 128;
-        for (; want < t + halves; want = next(want)) {
-          const int q = want - t;
-          const bool real = 2 * q + crank < n_tiles;
-          fn(kind, c, le, real ? imin(128, b - m) : 0, m - r0, real ? 2 * q + crank : 2 * q, 2);
+        const int g = q / gs, r = q % gs;
+        const int cols = 2 * g + 1 < n_tiles ? 2 : 1;  // columns in this column pair
+        if (r < cols * np) {
+          const int m = a + (r % np * 2 + crank) * 128;
+          fn(kind, c, le, imin(128, b - m), m - r0, 2 * g + r / np, 1);
+        } else {
+          const int m = a + (nb - 1) * 128;
+          const bool real = 2 * g + crank < n_tiles;
+          fn(kind, c, le, real ? imin(128, b - m) : 0, m - r0, real ? 2 * g + crank : 2 * g, 2);
         }
-        t += halves;
       }
+      t += seg;
     }
   }
   return t;
