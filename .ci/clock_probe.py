@@ -1,6 +1,6 @@
 """The SM clock and power during back-to-back work (runs on an H200, not in CI).
 
-Times 150 back-to-back runs of one workload the way the bench does (a start event, the work, an
+Times RUNS (default 150) back-to-back runs of one workload the way the bench does (a start event, the work, an
 end event, a sync) while `nvidia-smi` samples the SM clock, power, temperature and the active
 clock-event reasons every 25 ms into CSV (0x4: software power cap). Workloads:
   fwdbwd   kimi-k2.5's local fwd+bwd, as `mokgen bench --backward` (the default)
@@ -9,7 +9,9 @@ clock-event reasons every 25 ms into CSV (0x4: software power cap). Workloads:
 Prints the runs' median, min, max and the first and last ten, and the median SM clock and power
 of the samples taken while they ran (does the megakernel hold the clock the dense GEMM holds
 under the same cap?).
-Usage: python3 .ci/clock_probe.py OUT.csv [fwdbwd|forward|ceiling]"""
+150 dense ceiling runs take 0.24 s, too short for the cap to act (v0.17: 1980 MHz, 148 W against
+the forward's 1500 MHz, 287 W over 0.5 s); give the ceiling about 1500 runs to compare.
+Usage: python3 .ci/clock_probe.py OUT.csv [fwdbwd|forward|ceiling] [RUNS]"""
 import datetime
 import statistics
 import subprocess
@@ -41,8 +43,12 @@ def window_medians(lines: list[str], t0: float, t1: float) -> tuple[float, float
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or (len(sys.argv) > 2 and sys.argv[2] not in WORKLOADS):
-        sys.exit(f"usage: python3 .ci/clock_probe.py OUT.csv [{'|'.join(WORKLOADS)}]")
+    if (len(sys.argv) < 2 or (len(sys.argv) > 2 and sys.argv[2] not in WORKLOADS)
+            or (len(sys.argv) > 3 and not sys.argv[3].isdigit())):
+        sys.exit(f"usage: python3 .ci/clock_probe.py OUT.csv [{'|'.join(WORKLOADS)}] [RUNS]")
+    runs = int(sys.argv[3]) if len(sys.argv) > 3 else 150
+    if runs < 10:
+        sys.exit(f"RUNS must be at least 10, got {runs}")
     import torch
 
     from mokgen import bench
@@ -74,13 +80,13 @@ def main() -> None:
                             "clocks_event_reasons.active", "--format=csv,noheader", "-lms", "25"], stdout=out)
     time.sleep(0.5)
     t0 = time.time()
-    ms = bench.time_cuda(step, n_inputs=1, warmup=0, iters=150)
+    ms = bench.time_cuda(step, n_inputs=1, warmup=0, iters=runs)
     t1 = time.time()
     time.sleep(0.3)
     smi.terminate()
     smi.wait()
     out.close()
-    print(f"150 {workload} runs: median {statistics.median(ms):.3f} min {min(ms):.3f} max {max(ms):.3f} ms; "
+    print(f"{runs} {workload} runs: median {statistics.median(ms):.3f} min {min(ms):.3f} max {max(ms):.3f} ms; "
           f"first 10 {[round(v, 2) for v in ms[:10]]}; last 10 {[round(v, 2) for v in ms[-10:]]}")
     if workload == "ceiling":
         print(f"dense ceiling: {2 * 8192**3 / statistics.median(ms) / 1e9:.0f} TFLOP/s (median run)")
