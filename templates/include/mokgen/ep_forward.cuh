@@ -251,9 +251,20 @@ MOKGEN_DEVICE void locate_row(int i, int e_loc, int world, const int32_t* expert
   *pair = at<const int32_t>(sym[s], send_pairs_off)[src_off[le * world + s] + idx];
 }
 
+// The regions' layouts of one launch, computed on the host (EpLauncher::launch): the kernel reads
+// the offsets from parameter memory where it needs them. Computed in the kernel, their 64-bit
+// offsets were held in registers for the whole launch, and the fused builds spilled them
+// (v0.17: the spill stores of qwen3.5-35b-a3b's fused build were these layouts' offsets).
+template <class Cfg>
+struct EpLayouts {
+  SymLayout<Cfg> S;
+  LocalLayout<Cfg> L;
+};
+
 template <class Cfg>
 __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
-    ep_forward_kernel(const __grid_constant__ EpParams p, const __grid_constant__ EpMaps maps) {
+    ep_forward_kernel(const __grid_constant__ EpParams p, const __grid_constant__ EpMaps maps,
+                      const __grid_constant__ EpLayouts<Cfg> lay) {
   using K_ = EpForward<Cfg>;
   using Up = typename K_::Up;
   using Down = typename K_::Down;
@@ -274,8 +285,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     const int W = p.world, G = p.ctas_per_rank, P = p.dispatch_ctas, Gc = G - P;
     const int e_loc = kE / W;
     const int T = p.num_tokens[g];
-    const SymLayout<Cfg> S(p.max_tokens);
-    const LocalLayout<Cfg> L(W, p.chunk_rows, p.ring_chunks);
+    const SymLayout<Cfg>& S = lay.S;
+    const LocalLayout<Cfg>& L = lay.L;
     char* mine = p.sym[rank];
     char* loc = p.local[g];
     const Waiter w{ctl, p.timeout_ns, epoch, rank};
@@ -968,7 +979,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     __threadfence();
     if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
       __threadfence();  // acquire: every CTA's updates of the counters come before the re-base
-      const LocalLayout<Cfg> L(p.world, p.chunk_rows, p.ring_chunks);
+      const LocalLayout<Cfg>& L = lay.L;
       for (int r = 0; r < p.launch_ranks; ++r) {
         *at<unsigned long long>(p.local[r], L.bar_rank) = tag(epoch + 1, 0);
         *at<unsigned long long>(p.local[r], L.bar_compute) = tag(epoch + 1, 0);
@@ -1054,7 +1065,8 @@ struct EpLauncher {
     EpMaps maps;
     memset(&maps, 0, sizeof(maps));
     if ((err = encode_maps(p, maps)) != cudaSuccess) return err;
-    void* args[] = {const_cast<EpParams*>(&p), &maps};
+    EpLayouts<Cfg> lay{SymLayout<Cfg>(p.max_tokens), LocalLayout<Cfg>(p.world, p.chunk_rows, p.ring_chunks)};
+    void* args[] = {const_cast<EpParams*>(&p), &maps, &lay};
     const unsigned grid = unsigned(p.launch_ranks * p.ctas_per_rank);
     if constexpr (Cfg::kCluster == 1) {
       last_mode() = 1;
