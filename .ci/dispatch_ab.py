@@ -4,8 +4,14 @@ local stand-in, the plan's defaults against half the dispatch CTAs, bulk, and bu
 and a quarter, timed as `mokgen tune` times a candidate (docs/perf-notes.md v0.17). Candidates
 whose build spills more than the default's are timed anyway (the tuner would drop them).
 Usage: python3 .ci/dispatch_ab.py [ROUNDS]"""
-import dataclasses, statistics, sys, time
+import dataclasses
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 from mokgen import bench, load_spec, tune
+
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 work = []
 for name, kind in (("qwen3.5-35b-a3b", "layer"), ("qwen3-30b-a3b", "layer"), ("kimi-k2.5", "local")):
@@ -20,7 +26,6 @@ for name, kind in (("qwen3.5-35b-a3b", "layer"), ("qwen3-30b-a3b", "layer"), ("k
              dataclasses.replace(base, pull_mode="bulk", dispatch_ctas=d // 4)]
     work.append((name, kind, spec, rows, cands))
 t0 = time.time()
-from concurrent.futures import ThreadPoolExecutor
 with ThreadPoolExecutor(3) as pool:
     for (name, _, spec, _, cands), res in zip(work, pool.map(lambda w: tune.build_candidates(w[2], w[4], jobs=2), work)):
         print(name, "builds", res, f"{time.time() - t0:.0f} s", flush=True)
