@@ -208,6 +208,14 @@ print("budget   compute CTAs' cycles (per CTA, the two warpgroups averaged), sha
 for k, v in budget.items():
     print(f"  {k:9s} {v / max(total, 1) * 100:6.1f}%   ({v / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA)")
 print(f"  combine   {comb / ghz / 1e3 / max(int(comp.sum()), 1):8.1f} us per CTA after the compute roles")
+sig = raw[:, TILES, 1]  # the signallers' sums (phase record, role 1), where the build records them
+if comp.any() and bool((sig[comp, 3] > 0).any()):
+    n_sig = max(int(comp.sum()), 1)
+    tiles_sig = float(sig[comp, 3].sum())
+    print(f"signaller per compute CTA: {float(sig[comp, 0].sum()) / ghz / 1e3 / n_sig:.1f} us waiting for the "
+          f"consumers' handshakes, {float(sig[comp, 1].sum()) / ghz / 1e3 / n_sig:.1f} us publishing "
+          f"({float(sig[comp, 1].sum()) / max(tiles_sig, 1):.0f} cycles per tile, the most "
+          f"{float(sig[comp, 2].max()):.0f})")
 
 
 def routed_tiles() -> list[tuple]:

@@ -1,6 +1,7 @@
 // Host check of templates/include/mokgen/tile_order.cuh (run by tests/test_tile_order.py):
 // the walks visit, for every unit, exactly the tiles the v0.2-v0.4 walk visited (every tile of
-// the order with a modulo each), in the same order, on random receive plans. Prints "ok N" or
+// the order with a modulo each; CTAs alone in the column-major order of v0.17), in the same
+// order, on random receive plans; and the dynamic deal's walks, on random claim sequences. Prints "ok N" or
 // the first difference, and exits 1.
 #include <cstdio>
 #include <cstdlib>
@@ -25,26 +26,28 @@ static std::vector<Tile> reference_flow(const std::vector<int>& eoff, int e_loc,
       const int n_tiles = kind == 0 ? up_tiles : down_tiles;
       for (int le = 0; le < e_loc; ++le) {
         const int a = std::max(r0, eoff[le]), b = std::min(r1, eoff[le + 1]);
-        if (kPair == 1) {
-          for (int m = a; m < b; m += 128)
-            for (int n = 0; n < n_tiles; ++n, ++t)
+        if (kPair == 1) {  // column-major (v0.17)
+          for (int n = 0; n < n_tiles; ++n)
+            for (int m = a; m < b; m += 128, ++t)
               if (t % units == unit) out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 0);
-        } else {
+        } else {  // by column pairs: pair-tiles of columns n2, n2 + 1, then the odd block's half
           const int nb = b > a ? (b - a + 127) / 128 : 0;
-          int mb = 0;
-          for (; mb + 1 < nb; mb += 2)
-            for (int n = 0; n < n_tiles; ++n, ++t)
+          for (int n2 = 0; n2 < n_tiles; n2 += 2) {
+            for (int n = n2; n < n2 + 2 && n < n_tiles; ++n)
+              for (int mb = 0; mb + 1 < nb; mb += 2, ++t)
+                if (t % units == unit) {
+                  const int m = a + (mb + crank) * 128;
+                  out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 1);
+                }
+            if (nb % 2) {
               if (t % units == unit) {
-                const int m = a + (mb + crank) * 128;
-                out.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 1);
-              }
-          if (mb < nb)
-            for (int n2 = 0; n2 < n_tiles; n2 += 2, ++t)
-              if (t % units == unit) {
-                const int m = a + mb * 128;
+                const int m = a + (nb - 1) * 128;
                 const bool real = n2 + crank < n_tiles;
                 out.emplace_back(kind, c, le, real ? std::min(128, b - m) : 0, m - r0, real ? n2 + crank : n2, 2);
               }
+              ++t;
+            }
+          }
         }
       }
     }
@@ -117,6 +120,39 @@ int main(int argc, char** argv) {
           return fail("the real up tiles are not all visited", trial);
       }
     }
+    // the dynamic deal (CTAs alone): a shared counter hands the running indices out in order,
+    // so under any interleaving each unit gets an increasing subsequence of them; here a random
+    // one per unit. Each unit's walk must give the tiles the whole order has at its indices.
+    // Pairs: both CTAs of a unit get its indices; crank c's walk gives the reference's crank-c tiles.
+    for (int kPair = 1; kPair <= 2; ++kPair)
+      for (int crank = 0; crank < kPair; ++crank) {
+        const auto full = reference_flow(eoff, e_loc, n_rows, C, num_chunks, lag, up_tiles, down_tiles, 0, 1, crank,
+                                         kPair, t0);
+        const int units = big ? rnd(60, 140) : rnd(1, 24);
+        std::vector<std::vector<int>> mine(units);
+        for (int g = t0; g < t0 + int(full.size()) + units; ++g) mine[rnd(0, units - 1)].push_back(g);
+        size_t visited = 0;
+        for (int unit = 0; unit < units; ++unit) {
+          const std::vector<int>& idx = mine[unit];
+          size_t k = 0;
+          auto next = [&](int) { ++k; return k < idx.size() ? idx[k] : 1 << 30; };
+          int want = idx.empty() ? 1 << 30 : idx[0];
+          std::vector<Tile> got;
+          auto fn = [&](int kind, int c, int le, int rows, int m, int n, int sh) { got.emplace_back(kind, c, le, rows, m, n, sh); };
+          const int end =
+              kPair == 1 ? mokgen::walk_flow_tiles_dealt<1>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles,
+                                                           down_tiles, crank, t0, want, next, fn)
+                         : mokgen::walk_flow_tiles_dealt<2>(eoff.data(), e_loc, n_rows, C, num_chunks, lag, up_tiles,
+                                                           down_tiles, crank, t0, want, next, fn);
+          if (end != t0 + int(full.size())) return fail("dealt walk ends elsewhere", trial);
+          for (size_t i = 0; i < got.size(); ++i)
+            if (i >= idx.size() || got[i] != full[idx[i] - t0]) return fail("dealt walk differs", trial);
+          if (want < end) return fail("dealt walk stopped early", trial);
+          visited += got.size();
+          checked += long(got.size());
+        }
+        if (visited != full.size()) return fail("dealt walks do not cover the order", trial);
+      }
     // one group at a time (the phased schedule), and the tile count per group (the signaller)
     const int units = big ? rnd(60, 140) : rnd(1, 24);
     for (int c = 0; c < num_chunks; ++c)
@@ -128,8 +164,8 @@ int main(int argc, char** argv) {
           int t = 0;
           for (int le = 0; le < e_loc; ++le) {
             const int a = std::max(r0, eoff[le]), b = std::min(r1, eoff[le + 1]);
-            for (int m = a; m < b; m += 128)
-              for (int n = 0; n < n_tiles; ++n, ++t)
+            for (int n = 0; n < n_tiles; ++n)
+              for (int m = a; m < b; m += 128, ++t)
                 if (t % units == unit) want.emplace_back(kind, c, le, std::min(128, b - m), m - r0, n, 0);
           }
           const int end = mokgen::walk_group<1>(eoff.data(), e_loc, mokgen::find_expert(eoff.data(), e_loc, r0), r0, r1,

@@ -129,8 +129,8 @@ struct SymLayout {
 // Byte offsets inside a rank's private region.
 template <class Cfg>
 struct LocalLayout {
-  size_t bar_rank, bar_compute, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done, recv_expert_offset,
-      recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
+  size_t bar_rank, bar_compute, tile_next, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done,
+      recv_expert_offset, recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
     const int64_t e_loc = Cfg::kExperts / world;
     const int64_t ring_rows = int64_t(chunk_rows) * ring_chunks;
@@ -138,6 +138,7 @@ struct LocalLayout {
     auto take = [&](size_t bytes) { const size_t here = at; at = align_up(at + bytes, 256); return here; };
     bar_rank = take(8);
     bar_compute = take(8);
+    tile_next = take(8);  // flow schedule: the next running index to claim (u32; 0 between launches)
     stats = take(8 * kStatSlots);
     chunk_landed = take(8 * ring_chunks);
     chunk_free = take(8 * ring_chunks);
@@ -250,9 +251,20 @@ MOKGEN_DEVICE void locate_row(int i, int e_loc, int world, const int32_t* expert
   *pair = at<const int32_t>(sym[s], send_pairs_off)[src_off[le * world + s] + idx];
 }
 
+// The regions' layouts of one launch, computed on the host (EpLauncher::launch): the kernel reads
+// the offsets from parameter memory where it needs them. Computed in the kernel, their 64-bit
+// offsets were held in registers for the whole launch, and the fused builds spilled them
+// (v0.17: the spill stores of qwen3.5-35b-a3b's fused build were these layouts' offsets).
+template <class Cfg>
+struct EpLayouts {
+  SymLayout<Cfg> S;
+  LocalLayout<Cfg> L;
+};
+
 template <class Cfg>
 __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
-    ep_forward_kernel(const __grid_constant__ EpParams p, const __grid_constant__ EpMaps maps) {
+    ep_forward_kernel(const __grid_constant__ EpParams p, const __grid_constant__ EpMaps maps,
+                      const __grid_constant__ EpLayouts<Cfg> lay) {
   using K_ = EpForward<Cfg>;
   using Up = typename K_::Up;
   using Down = typename K_::Down;
@@ -273,8 +285,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     const int W = p.world, G = p.ctas_per_rank, P = p.dispatch_ctas, Gc = G - P;
     const int e_loc = kE / W;
     const int T = p.num_tokens[g];
-    const SymLayout<Cfg> S(p.max_tokens);
-    const LocalLayout<Cfg> L(W, p.chunk_rows, p.ring_chunks);
+    const SymLayout<Cfg>& S = lay.S;
+    const LocalLayout<Cfg>& L = lay.L;
     char* mine = p.sym[rank];
     char* loc = p.local[g];
     const Waiter w{ctl, p.timeout_ns, epoch, rank};
@@ -545,14 +557,15 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         }
       };
       if constexpr (Cfg::kWgmma && Cfg::kFlow) {
-        // Flow schedule: no barrier between phases or chunks. One global tile order, dealt
-        // round-robin over the compute CTAs (t % Gc == cc): step s holds the up tiles of chunk s,
-        // then the down tiles of chunk s - 1 (of chunk s when the ring has one slot). A down tile
+        // Flow schedule: no barrier between phases or chunks. One global tile order, claimed in
+        // order by the compute CTAs (or CTA pairs; see for_each_tile): step s holds the up tiles
+        // of chunk s, then the down tiles of chunk s - 1 (of chunk s when the ring has one slot). A down tile
         // waits only for the up tiles of its own 128-row block (blk_done), an up tile only for
         // its chunk to land; the last down tile of a chunk frees its slot. Every dependency points
         // to an earlier tile of the order and each CTA takes its tiles in order, so the earliest
-        // unfinished tile can always run: no deadlock, and no wave quantization per phase.
-        // Clusters of two (Cfg::kCluster == 2): the order is over pair-tiles, dealt to the
+        // unfinished tile can always run (every compute CTA is resident; a claimed tile is run by
+        // its claimer): no deadlock, and no wave quantization per phase.
+        // Clusters of two (Cfg::kCluster == 2): the order is over pair-tiles, claimed by the
         // Gc / 2 CTA pairs; a pair-tile is two tiles that share an operand (hopper_gemm.cuh):
         // row blocks m and m + 1 of an expert's segment with the same column tile (kShareB), and
         // for the odd last block of a segment, column tiles n and n + 1 (kShareA); a missing
@@ -562,17 +575,25 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         // Fused shared expert (Cfg::kFuseShared, p.shared_w set): its tiles come first, kind 2
         // (up: the rank's own published x rows, no transfer) then kind 3 (down), m = token row:
         // they overlap the wait for the first chunk (the rest of it, after this CTA's own part).
-        auto for_each_tile = [&](auto&& fn) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
-          const int units = Gc / kPair, unit = cc / kPair;
+        // Dealing (tile_order.cuh): each CTA (or pair) claims its next running index from a
+        // counter of the rank (tile_next), so tile t starts at about the same time on whichever
+        // CTA, and the tiles that share an operand run together (v0.17: round-robin dealing let
+        // the CTAs drift apart, and a shared operand was read from DRAM again). The counter hands
+        // indices out in order: each CTA's are increasing and every tile is claimed once, so the
+        // deadlock argument above holds as it did for the round-robin deal. A pair's leader
+        // (crank 0) claims for both and passes each index to its peer (the walker, below).
+        // `next(want)`: the index after `want`.
+        auto for_each_tile = [&](auto&& fn, auto&& next) {  // fn(kind, c, le, rows, m (row in chunk), n, share)
           const int crank = cc % kPair;
           int t = 0;
+          int want = next(-1);
           if constexpr (Cfg::kFuseShared) {
             if (has_shared) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
               const int blocks = (T + 127) / 128;
               const int n_up = blocks * Up::kNTiles, n_all = n_up + blocks * Down::kNTiles;
-              for (int q = unit; q < n_all; q += units) {  // this CTA's: q % units == unit
-                const bool up = q < n_up;
-                const int qq = up ? q : q - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
+              for (; want < n_all; want = next(want)) {  // both CTAs of a pair run the tile (no share)
+                const bool up = want < n_up;
+                const int qq = up ? want : want - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
                 const int m = qq / nt * 128;
                 fn(up ? 2 : 3, -1, 0, min(128, T - m), m, qq % nt, int(sm90::kShareNone));
               }
@@ -581,8 +602,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           }
           static_assert(int(sm90::kShareNone) == 0 && int(sm90::kShareB) == 1 && int(sm90::kShareA) == 2,
                         "tile_order.cuh's share codes");
-          walk_flow_tiles<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, unit, units, crank,
-                                 t, fn);
+          walk_flow_tiles_dealt<kPair>(r_eoff, e_loc, n_rows, C, num_chunks, lag, Up::kNTiles, Down::kNTiles, crank, t,
+                                       want, next, fn);
         };
         auto down_tiles = [&](int c) {  // down tiles of chunk c (all CTAs)
           return (unsigned long long)group_tiles(r_eoff, e_loc, c * C, min(n_rows, c * C + C), Down::kNTiles);
@@ -608,6 +629,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         __shared__ int4 s_queue[kQueue];
         __shared__ int s_queue_n[kQueue];
         __shared__ uint64_t q_full[kQueue], q_empty[kQueue];
+        // CTA pairs: the leader's claims, passed to the peer's walker (claim_full: the leader's
+        // remote arrival; claim_empty: the peer's, once it has read the index)
+        constexpr int kClaimRing = 4;
+        __shared__ int s_claim[kClaimRing];
+        __shared__ uint64_t claim_full[kClaimRing], claim_empty[kClaimRing];
         const int wgi = tid / 128;
         if (tid == 0) {
           for (int j = 0; j < kSig; ++j) {
@@ -618,6 +644,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             sm90::mbar_init(&q_full[j], 1);
             sm90::mbar_init(&q_empty[j], kQueueReaders);
           }
+          if constexpr (kPair == 2)
+            for (int j = 0; j < kClaimRing; ++j) {
+              sm90::mbar_init(&claim_full[j], 1);
+              sm90::mbar_init(&claim_empty[j], 1);
+            }
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
         }
@@ -659,15 +690,51 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               sm90::mbar_arrive(&q_full[j]);  // release: the entry's stores
               ++i;
             };
-            for_each_tile(enqueue);
+            // The claim for entry i waits until entry i - kClaimAhead has been read by all: a
+            // claim made as the CTA nears the tile keeps the start times of a tile's index in
+            // step across CTAs (a claim made 32 entries ahead would not); the producer needs
+            // entry i about one tile before the consumers start it, so 3 entries leave it about
+            // two tiles for the claim's round trip.
+            constexpr int kClaimAhead = 3;
+            unsigned int* tile_next = at<unsigned int>(loc, L.tile_next);
+            int n_claims = 0;
+            auto claim = [&](int) {
+              if (i >= kClaimAhead) {
+                const int e = i - kClaimAhead;
+                sm90::mbar_wait(&q_empty[e % kQueue], uint32_t(e / kQueue) & 1u);
+              }
+              if constexpr (kPair == 1) {
+                return int(atomicAdd(tile_next, 1u));
+              } else {
+                const int j = n_claims % kClaimRing;
+                const uint32_t ph = uint32_t(n_claims / kClaimRing) & 1u;
+                ++n_claims;
+                int v;
+                if (cc % 2 == 0) {  // the leader: claim, then hand the index to the peer
+                  if (n_claims > kClaimRing) sm90::mbar_wait_acquire_cluster(&claim_empty[j], ph ^ 1u);
+                  v = int(atomicAdd(tile_next, 1u));
+                  sm90::st_cluster_u32(&s_claim[j], 1u, uint32_t(v));
+                  sm90::mbar_arrive_release_cluster(&claim_full[j], 1u);
+                } else {
+                  sm90::mbar_wait_acquire_cluster(&claim_full[j], ph);
+                  v = s_claim[j];
+                  sm90::mbar_arrive_release_cluster(&claim_empty[j], 0u);
+                }
+                return v;
+              }
+            };
+            for_each_tile(enqueue, claim);
             enqueue(-1, 0, 0, 0, 0, 0, 0);
           }
           if (tid == 32) {  // the signaller
             int total_c = -1;
             unsigned long long total = 0;
+            MOKGEN_FWD_TRACE_ONLY(long long tr_wait = 0, tr_pub = 0, tr_pub_max = 0;)
             for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
               const int j = i % kSig;
+              MOKGEN_FWD_TRACE_ONLY(const long long tr0 = fwd_trace::clock();)
               sm90::mbar_wait(&sig_done[j], uint32_t(i / kSig) & 1u);
+              MOKGEN_FWD_TRACE_ONLY(const long long tr1 = fwd_trace::clock(); tr_wait += tr1 - tr0;)
               const int slot = c % R;
               if (!*abort_flag && rows > 0) {  // a zero-row tile of a pair finishes nothing
                 __threadfence();  // the consumers' stores (acquired through sig_done) -> gpu scope
@@ -686,20 +753,29 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   if (atomicAdd(&chk_done[slot], 1ull) + 1 == total) st_release_gpu(&freed[slot], tag(epoch, c + 1));
                 }
               }
+              MOKGEN_FWD_TRACE_ONLY(const long long tr2 = fwd_trace::clock() - tr1; tr_pub += tr2;
+                                    tr_pub_max = tr2 > tr_pub_max ? tr2 : tr_pub_max;)
               sm90::mbar_arrive(&sig_free[j]);
               MOKGEN_FWD_TRACE_ONLY(fwd_trace::flush_consumers(i); tr_sig_n = i + 1;)
             }, std::false_type{});
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(0, tr_wait, 1); fwd_trace::phase(1, tr_pub, 1);
+                                  fwd_trace::phase(2, tr_pub_max, 1); fwd_trace::phase(3, tr_sig_n, 1);)
           }
           if (tid == 0) {
             typename Up::Pipe pipe;
             int acquired = -1;  // chunks 0..acquired have landed (acquired by this thread)
-            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); int tr_i = 0;)
+            MOKGEN_FWD_TRACE_ONLY(fwd_trace::phase(1, fwd_trace::timer()); fwd_trace::phase(6, 1); int tr_i = 0;)
             for_each_queued([&](int, int kind, int c, int le, int rows, int m, int n, int share) {
+              // the tile's record, located once (each put() reads the buffer's address and size
+              // from global memory: three of them here cost the v0.16 traces ~5k cycles of
+              // "dependency wait" per tile)
               MOKGEN_FWD_TRACE_ONLY(
                   const int tr_me = tr_i++;
-                  fwd_trace::put(tr_me, 0, 0, fwd_trace::timer()); fwd_trace::put(tr_me, 0, 1, fwd_trace::clock());
-                  fwd_trace::put(tr_me, 0, 4, kind); fwd_trace::put(tr_me, 0, 5, c);
-                  fwd_trace::put(tr_me, 0, 6, rows | (n << 16));)
+                  const long long tr_t0 = fwd_trace::timer(), tr_c0 = fwd_trace::clock();
+                  long long* tr_rec = fwd_trace::tile_record(tr_me, 0);
+                  fwd_trace::set(tr_rec, 0, tr_t0); fwd_trace::set(tr_rec, 1, tr_c0);
+                  fwd_trace::set(tr_rec, 4, kind); fwd_trace::set(tr_rec, 5, c);
+                  fwd_trace::set(tr_rec, 6, (long long)(rows | (n << 16)) | ((long long)m << 32));)
               if (Cfg::kFuseShared && kind >= 2) {  // fused shared expert: up tiles read the published x rows
                 if (kind == 3 && !*abort_flag) {
                   if (!w.wait_geq<false>(at<unsigned long long>(mine, S.shared_blk) + m / 128, Up::kNTiles,
@@ -718,7 +794,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 sm90::fence_proxy_async_global();  // ring rows: generic writes -> TMA reads
               }
               const int64_t row0 = int64_t(slot) * C + m;
-              MOKGEN_FWD_TRACE_ONLY(if (kind != 1) fwd_trace::put(tr_me, 0, 2, fwd_trace::clock());)
+              MOKGEN_FWD_TRACE_ONLY(if (kind != 1) fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
               if constexpr (Cfg::kFuseShared) {
                 if (kind == 2) {
                   Up::produce(Up::carve(smem), pipe, &maps.sym_x[g], m, &maps.sh_gate, &maps.sh_up, n * Up::kBN);
@@ -737,12 +813,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   if (!w.wait_geq<false>(&blk_done[row0], Up::kNTiles, kStageBlockReady, -1)) *abort_flag = 1;
                   sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
                 }
-                MOKGEN_FWD_TRACE_ONLY(fwd_trace::put(tr_me, 0, 2, fwd_trace::clock());)
+                MOKGEN_FWD_TRACE_ONLY(fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
                 Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
                               le * kH + n * Down::kBN, share, cc % kPair);
               }
               MOKGEN_FWD_TRACE_ONLY(
-                  fwd_trace::put(tr_me, 0, 3, fwd_trace::clock()); fwd_trace::put(tr_me, 0, 7, fwd_trace::s_waited[0]);)
+                  fwd_trace::set(tr_rec, 3, fwd_trace::clock()); fwd_trace::set(tr_rec, 7, fwd_trace::s_waited[0]);)
             }, std::false_type{});
           }
           __syncwarp();  // warps 0-2 reconverge before the warpgroup-wide barrier and setmaxnreg
@@ -903,10 +979,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     __threadfence();
     if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
       __threadfence();  // acquire: every CTA's updates of the counters come before the re-base
-      const LocalLayout<Cfg> L(p.world, p.chunk_rows, p.ring_chunks);
+      const LocalLayout<Cfg>& L = lay.L;
       for (int r = 0; r < p.launch_ranks; ++r) {
         *at<unsigned long long>(p.local[r], L.bar_rank) = tag(epoch + 1, 0);
         *at<unsigned long long>(p.local[r], L.bar_compute) = tag(epoch + 1, 0);
+        *at<unsigned int>(p.local[r], L.tile_next) = 0;
         for (int q = 0; q < p.ring_chunks; ++q)  // an aborted launch may leave parts counted
           at<unsigned long long>(p.local[r], L.chunk_arrived)[q] = 0;
       }
@@ -988,7 +1065,8 @@ struct EpLauncher {
     EpMaps maps;
     memset(&maps, 0, sizeof(maps));
     if ((err = encode_maps(p, maps)) != cudaSuccess) return err;
-    void* args[] = {const_cast<EpParams*>(&p), &maps};
+    EpLayouts<Cfg> lay{SymLayout<Cfg>(p.max_tokens), LocalLayout<Cfg>(p.world, p.chunk_rows, p.ring_chunks)};
+    void* args[] = {const_cast<EpParams*>(&p), &maps, &lay};
     const unsigned grid = unsigned(p.launch_ranks * p.ctas_per_rank);
     if constexpr (Cfg::kCluster == 1) {
       last_mode() = 1;

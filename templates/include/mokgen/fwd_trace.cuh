@@ -7,8 +7,8 @@
 //   role 0 (the producer thread)
 //     [0] globaltimer at the tile's start  [1] clock64 at its start  [2] clock64 after its
 //     dependency waits (chunk landed; down tiles: the row block's up tiles)  [3] clock64 after
-//     its last load was issued  [4] kind  [5] chunk  [6] rows | n << 16  [7] cycles waiting for
-//     empty stages
+//     its last load was issued  [4] kind  [5] chunk  [6] rows | n << 16 | m << 32  [7] cycles
+//     waiting for empty stages
 //   roles 1, 2 (consumer warpgroups)
 //     [0] globaltimer at the tile's start  [1] clock64 at its start  [2] clock64 after the last
 //     wgmma retired  [3] clock64 after the epilogue  [4] cycles waiting for full stages
@@ -17,7 +17,10 @@
 //     ring slot was free  [2] after this CTA's part of it landed
 //   phase record, role 0: [0] globaltimer at the kernel's start  [1] at the compute roles' start
 //     (after the chunk-0 pull and the pipeline set-up)  [2] at the compute roles' end  [3] at the
-//     combine's start  [4] at its end  [5] 1 for a dispatch CTA
+//     combine's start  [4] at its end  [5] 1 for a dispatch CTA  [6] 1: the producer records
+//     carry the tile's row (m << 32 in their [6])
+//   phase record, role 1 (the signaller of a compute CTA): [0] cycles waiting for the consumers'
+//     handshakes  [1] cycles publishing (fence and counters)  [2] the most of one tile  [3] tiles
 // Consumer values are staged in shared memory during the tile (stage: one shared store; a global
 // address computed in the consumers' loop cost them a spill) and written to the records by the
 // signaller thread (flush_consumers, after the tile's handshake; the clock after the handshake,
@@ -74,6 +77,13 @@ MOKGEN_DEVICE long long* record(int i, int role) {
   return buf + ((int64_t(blockIdx.x) * (tiles() + 1) + i) * kRoles + role) * kFields;
 }
 
+// Tile i's record of `role`, or null (past the traced tiles, or no buffer): a role that writes
+// several fields of a tile locates the record once and writes them with set().
+MOKGEN_DEVICE long long* tile_record(int i, int role) { return i < tiles() ? record(i, role) : nullptr; }
+MOKGEN_DEVICE void set(long long* r, int field, long long v) {
+  if (r != nullptr) r[field] = v;
+}
+
 // Field `field` of tile i's record (tiles past the traced ones are not recorded).
 MOKGEN_DEVICE void put(int i, int role, int field, long long v) {
   if (i < tiles())
@@ -98,8 +108,8 @@ MOKGEN_DEVICE void flush_consumers(int i, bool last = false) {
   }
 }
 
-MOKGEN_DEVICE void phase(int field, long long v) {
-  if (long long* r = record(tiles(), 0)) r[field] = v;
+MOKGEN_DEVICE void phase(int field, long long v, int role = 0) {
+  if (long long* r = record(tiles(), role)) r[field] = v;
 }
 
 }  // namespace fwd_trace

@@ -81,6 +81,30 @@ MOKGEN_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_id) {
       "r"(cta_id)
       : "memory");
 }
+// The same with release at cluster scope (orders this thread's prior stores to the peer's shared
+// memory before the arrival), and its matching wait (acquire at cluster scope): the walkers'
+// hand-over of claimed tile indices (ep_forward.cuh), off the k-loops.
+MOKGEN_DEVICE void mbar_arrive_release_cluster(uint64_t* bar, uint32_t cta_id) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(cta_id)
+      : "memory");
+}
+MOKGEN_DEVICE void mbar_wait_acquire_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
 // Store a 32-bit value at the same shared-memory offset in CTA cta_id of the cluster.
 MOKGEN_DEVICE void st_cluster_u32(void* smem, uint32_t cta_id, uint32_t value) {
   asm volatile(
