@@ -152,10 +152,7 @@ def test_every_bundled_spec_compiles(name):
     # parameter, v0.18)
     log = (result.entry / "build.log").read_text()
     assert re.search(r"Used \d+ registers", log), log[-2000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills, "no spill lines in the ptxas report"
-    assert all(a == "0" and b == "0" for a, b in spills), \
-        [l for l in build_mod.resource_report(result.entry) if "spill" in l]
+    _assert_no_spills(result)
 
     # the C ABI: symbols exported, callable without a GPU
     if shutil.which("nm"):
