@@ -1,0 +1,147 @@
+"""Interleaved A/B of two variants of one tree, in one process (runs on an H200, not in CI).
+
+`.ci/ab-bench` compares two trees in alternated rounds of `mokgen bench`, a process each; its
+noise floor is about 3% (docs/perf-notes.md v0.18: byte-identical machine code differed by
+2.3-2.8% over three rounds), because the clock under the power cap drifts between rounds. Here
+both variants live in one process as two MoELayers (each its own weights and buffers, the same
+inputs) and are launched alternately in ABBA blocks, each launch timed by CUDA events. A drift
+slower than a block cancels out of each block's ratio. Variants are plan options (build options,
+env.plan_options_with) and the layer's runtime arguments (chunk_rows, ring_chunks, dispatch_ctas),
+so a change to measure this way has to sit behind a plan option on its branch.
+
+Prints per workload: the median launch of A and of B, the median over blocks of B's time / A's
+(its 95% bootstrap interval beside it), and in how many blocks B was faster. With no --b, B is A
+again: the noise floor of the method itself.
+
+Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
+                                   [--blocks N] [--out FILE.json]
+  WORKLOAD  SPEC:local (the bench's local stand-in, EP from bench.LOCAL_EP) or SPEC:layer[:TOKENS]
+            (default 16384)
+  --a/--b   plan options or runtime arguments, e.g. narrow_tiles=0 or cluster=1,dispatch_ctas=16
+  --blocks  ABBA blocks per workload (default 100: 400 launches)
+Both variants use the plan's defaults (no tuned entry) where they set nothing."""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from mokgen import bench, build, env
+from mokgen.ep import MoELayer
+from mokgen.spec import load_spec
+
+RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas")
+
+
+def parse_variant(text: str) -> tuple[dict, dict]:
+    """'k=v,k=v' -> (build options, runtime arguments); values: int, true/false, else a string."""
+    opts, rt = {}, {}
+    for item in filter(None, (text or "").split(",")):
+        if "=" not in item:
+            sys.exit(f"ab_variants: expected KEY=VALUE, got {item!r}")
+        k, v = (s.strip() for s in item.split("=", 1))
+        if v.lower() in ("true", "false"):
+            val = v.lower() == "true"
+        else:
+            try:
+                val = int(v)
+            except ValueError:
+                val = v
+        if k in RUNTIME:
+            rt[k] = val
+        else:
+            if k == "narrow_tiles" and isinstance(val, int):
+                val = bool(val)
+            opts[k] = val
+    return opts, rt
+
+
+def workload(text: str):
+    """'SPEC:local' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows)."""
+    parts = text.split(":")
+    name, kind = parts[0], parts[1] if len(parts) > 1 else "local"
+    real = load_spec(name)
+    if kind == "local":
+        spec, rows = bench.local_spec(real, bench.LOCAL_EP.get(real.name, 8))
+    elif kind == "layer":
+        spec, rows = real, int(parts[2]) if len(parts) > 2 else 16384
+    else:
+        sys.exit(f"ab_variants: workload kind must be local or layer, got {kind!r}")
+    return f"{name} {kind} {rows}", spec, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("workloads", nargs="+")
+    ap.add_argument("--a", default="")
+    ap.add_argument("--b", default=None)
+    ap.add_argument("--blocks", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    va = parse_variant(args.a)
+    vb = va if args.b is None else parse_variant(args.b)
+    work = [workload(w) for w in args.workloads]
+    # every build first, in parallel (the cache makes MoELayer's own load instant)
+    jobs = [(spec, env.plan_options_with(v[0])) for _, spec, _ in work for v in {id(va): va, id(vb): vb}.values()]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda j: build.build(j[0], publish_generated=False, options=j[1]), jobs))
+    results = []
+    for label, spec, rows in work:
+        wg, wu, wd = bench._weights(spec)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        inputs = []
+        for _ in range(3):
+            x = torch.randn(rows, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+            inputs.append((x, *bench._routing(spec, rows, gen)))
+        layers = []
+        for opts, rt in (va, vb):
+            layer = MoELayer(spec, max_tokens=rows, tuned=False, build_options=env.plan_options_with(opts), **rt)
+            with torch.no_grad():
+                layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+            layer.check_ids = False
+            layers.append(layer)
+        del wg, wu, wd
+
+        def launch(layer, i, inputs=inputs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            layer(*inputs[i % len(inputs)])
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        ta, tb, ratios = [], [], []
+        with torch.no_grad():
+            for i in range(6):  # warm-up, both
+                launch(layers[i % 2], i)
+            for blk in range(args.blocks):
+                a1 = launch(layers[0], blk)
+                b1 = launch(layers[1], blk)
+                b2 = launch(layers[1], blk + 1)
+                a2 = launch(layers[0], blk + 1)
+                ta += [a1, a2]
+                tb += [b1, b2]
+                ratios.append((b1 + b2) / (a1 + a2))
+        for layer in layers:
+            layer.check_errors()
+        rng = random.Random(0)
+        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+        r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks,
+             "a_ms": statistics.median(ta), "b_ms": statistics.median(tb), "ratio": statistics.median(ratios),
+             "ratio_lo": boot[50], "ratio_hi": boot[1949], "b_faster": sum(x < 1 for x in ratios)}
+        results.append(r)
+        print(f"{label:34s} A {r['a_ms']:.3f} ms  B {r['b_ms']:.3f} ms  B/A {r['ratio']:.4f} "
+              f"[{r['ratio_lo']:.4f}, {r['ratio_hi']:.4f}]  B faster in {r['b_faster']}/{args.blocks} blocks", flush=True)
+        del layers, inputs
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
