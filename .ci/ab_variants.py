@@ -35,6 +35,7 @@ from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
 
 RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas")
+BOOL_OPTIONS = ("narrow_tiles", "dispatch_join", "fuse_shared")  # given as 1 / 0
 
 
 def parse_variant(text: str) -> tuple[dict, dict]:
@@ -54,7 +55,7 @@ def parse_variant(text: str) -> tuple[dict, dict]:
         if k in RUNTIME:
             rt[k] = val
         else:
-            if k == "narrow_tiles" and isinstance(val, int):
+            if k in BOOL_OPTIONS and isinstance(val, int):
                 val = bool(val)
             opts[k] = val
     return opts, rt

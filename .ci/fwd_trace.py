@@ -16,6 +16,8 @@ prints:
             dependency wait (chunk landed; a down tile: its row block's up tiles) and its waits
             for empty stages; in SM cycles, beside the tensor core's time for the tile at the
             dense rate (1024 cycles per 128 x 256 x 64 k-block, both warpgroups')
+            and per kind, the tiles of at most 64 rows (an expert segment's partial last block)
+            against the others: their k-loops and full-stage waits
   budget    the compute CTAs' time summed over CTAs, split into: before the first tile, k-loops,
             epilogues, between tiles (handshake, walk, producer dependency waits), after the last
             tile (to the compute roles' end), and the combine
@@ -27,6 +29,8 @@ prints:
             the spread of a block's up tiles' ends
 FWD_TRACE_TILES (default 160): tiles traced per CTA; a CTA with more is reported as truncated.
 FWD_TRACE_OUT=DIR saves the raw records there (fwd-trace.pt: int64 [CTAs, tiles + 1, 3, 8]).
+The trace build keeps the dispatch CTAs out of the compute (plan dispatch_join is off there:
+their records hold their chunks), so its compute span is a little longer than the plain build's.
 Usage: python3 .ci/fwd_trace.py SPEC [local|layer] [TOKENS]  (kimi-k2.5 local)"""
 
 import ctypes
@@ -159,6 +163,7 @@ print(f"clock    {ghz:.3f} GHz (SM cycles per ns of globaltimer, median over CTA
 K_ = {"up": spec.hidden_size // 64, "down": spec.moe_intermediate_size // 64}
 stats = {k: {f: [] for f in ("kloop", "fullw", "epi", "sig", "gap", "dep", "empty")} for k in ("up", "down")}
 budget = {k: 0.0 for k in ("before", "kloop", "epilogue", "between", "after")}
+by_rows = {}  # (kind, at most 64 rows) -> ([k-loop], [full waits]): a partial block's tiles against full ones
 for ci in torch.nonzero(comp).flatten().tolist():
     cons = raw[ci, :TILES]
     n_t = int((cons[:, 1, 1] != 0).sum())
@@ -173,6 +178,9 @@ for ci in torch.nonzero(comp).flatten().tolist():
             kl, epi = float(r[i, 2] - r[i, 1]), float(r[i, 3] - r[i, 2])
             s["kloop"].append(kl)
             s["fullw"].append(float(r[i, 4]))
+            part = by_rows.setdefault((kind, int(r[i, 7]) <= 64), ([], []))
+            part[0].append(kl)
+            part[1].append(float(r[i, 4]))
             s["epi"].append(epi)
             s["sig"].append(float(r[i, 5] - r[i, 3]))
             budget["kloop"] += kl / 2
@@ -202,6 +210,9 @@ for kind, s in stats.items():
     dense = K_[kind] * 1024
     print(f"  {kind:5s} {n:6d} {dense:7d} {med(s['kloop']):7.0f} {med(s['fullw']):7.0f} {med(s['epi']):7.0f} "
           f"{med(s['sig']):7.0f} {med(s['gap']):7.0f} {med(s['dep']):7.0f} {sum(s['dep']):9.0f} {med(s['empty']):8.0f}")
+print("  by rows (k-loop / full wt medians): " + "; ".join(
+    f"{kind} {'<= 64' if small else '> 64'} rows: {len(v[0]) // 2} tiles, {med(v[0]):.0f} / {med(v[1]):.0f}"
+    for (kind, small), v in sorted(by_rows.items(), key=lambda kv: (kv[0][0] != "up", not kv[0][1]))))
 total = sum(budget.values())
 comb = float((ph[comp, 4] - ph[comp, 3]).sum()) * ghz
 print("budget   compute CTAs' cycles (per CTA, the two warpgroups averaged), share of the compute roles' span:")

@@ -23,6 +23,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_FUSE_SHARED": "1 or 0: the shared expert inside the megakernel where the plan allows, or in PyTorch (default: inside wherever the plan allows)",
     "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
     "MOKGEN_PULL_MODE": "copy (default: 16-byte loads and stores by every dispatch thread) or bulk (TMA bulk copies through shared memory) for the dispatch's row copy",
+    "MOKGEN_DISPATCH_JOIN": "1 (default) or 0: dispatch CTAs go on computing tiles after their last pull (flow schedule), or idle until the combine",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
@@ -167,6 +168,11 @@ def pull_mode() -> str:
     return _choice("MOKGEN_PULL_MODE", ("copy", "bulk"))
 
 
+def dispatch_join() -> bool:
+    """MOKGEN_DISPATCH_JOIN: 1 (default) or 0."""
+    return _choice("MOKGEN_DISPATCH_JOIN", ("1", "0")) == "1"
+
+
 def bwd_gemm_enabled() -> bool:
     """MOKGEN_BWD_GEMM: on unless set to 0 (measured faster than torch._grouped_mm on the H200, v0.10)."""
     return _get("MOKGEN_BWD_GEMM") is None or _flag("MOKGEN_BWD_GEMM")
@@ -190,7 +196,7 @@ def tuned_enabled() -> bool:
 #: plan option -> the switch that sets it
 PLAN_SWITCHES = {"gemm_core": "MOKGEN_GEMM_CORE", "schedule": "MOKGEN_SCHEDULE", "cluster": "MOKGEN_CLUSTER",
                  "fuse_shared": "MOKGEN_FUSE_SHARED", "block_k": "MOKGEN_BLOCK_K", "pull_unroll": "MOKGEN_PULL_UNROLL",
-                 "pull_mode": "MOKGEN_PULL_MODE"}
+                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN"}
 
 
 def switch_set(option: str) -> bool:
@@ -211,4 +217,5 @@ def plan_options_with(tuned: dict | None) -> dict:
 def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
-            "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode()}
+            "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode(),
+            "dispatch_join": dispatch_join()}

@@ -93,6 +93,11 @@ class Plan(BaseModel):
     # "bulk" (one thread per CTA drives TMA bulk copies through shared memory, bulk_copy.cuh;
     # Hopper core only).
     pull_mode: str = "copy"
+    # Dispatch CTAs that have pulled their last chunk go on as compute CTAs, claiming tiles like
+    # the others (ep_forward.cuh, kJoin): no SM idles from the last chunk's landing to the end of
+    # the compute. Flow schedule of the Hopper core only (the phased one deals tiles to a fixed
+    # set of CTAs).
+    dispatch_join: bool = False
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -138,7 +143,7 @@ def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
               fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
-              pull_mode: str = "copy") -> Plan:
+              pull_mode: str = "copy", dispatch_join: bool = True) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
@@ -146,7 +151,8 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     otherwise; None: wherever it can); ``block_k`` 32 gives the Hopper
     core 9 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core);
     ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy; ``pull_mode``: the
-    dispatch's copy engine ("bulk": TMA bulk copies, Hopper core only)."""
+    dispatch's copy engine ("bulk": TMA bulk copies, Hopper core only); ``dispatch_join``: dispatch
+    CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise)."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES)):
@@ -182,6 +188,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         fuse_shared=bool(fuse_shared) and can_fuse_shared(spec, gemm_core, schedule, cluster),
         pull_unroll=pull_unroll,
         pull_mode=pull_mode,
+        dispatch_join=bool(dispatch_join) and gemm_core == "wgmma" and schedule == "flow",
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -236,6 +236,31 @@ def test_bulk_pull_gives_the_same_bits(monkeypatch, name):
 
 
 @pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
+@pytest.mark.parametrize("name,cluster", [("qwen3-30b-a3b", "1"), ("qwen3-30b-a3b", "2"), ("qwen3.5-35b-a3b", "1")])
+def test_dispatch_join_gives_the_same_bits(monkeypatch, name, cluster):
+    """MOKGEN_DISPATCH_JOIN=1 (the default: a dispatch CTA claims tiles once it has pulled the
+    last chunk) against 0 (it idles until the combine): which CTA runs a tile changes no byte of
+    it. Rings that let the dispatch run far ahead (8 slots of 256 rows: the joined CTAs find many
+    tiles left) and close behind (3 of 1024); one rank, and four virtual ranks with an empty
+    one; CTAs alone and in pairs; the fused shared expert's build (qwen3.5-35b-a3b)."""
+    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+    spec = load_spec(name)
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    for sizes in ([3000], [2100, 0, 1300, 700]):
+        xs, ids, ws = _inputs(spec, sizes, gen)
+        runs = {}
+        for join in ("0", "1"):
+            monkeypatch.setenv("MOKGEN_DISPATCH_JOIN", join)
+            for chunk, ring in ((256, 8), (1024, 3)):
+                runs[join, chunk, ring] = torch.cat(
+                    virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+        _assert_close(spec, [runs["1", 256, 8]], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
+        for cfg, out in runs.items():
+            assert torch.equal(out, runs["0", 1024, 3]), f"{spec.name} {sizes}: bits differ for {cfg}"
+
+
+@pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
 def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the
     same pipeline; under the flow schedule both are in flight at once (the stage stride must be

@@ -290,7 +290,7 @@ def test_schedule_from_environment(monkeypatch):
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
-                                  "block_k": 64, "pull_unroll": 12, "pull_mode": "copy"}
+                                  "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -383,6 +383,18 @@ def test_pull_mode_option(monkeypatch):
         make_plan(spec, gemm_core="mma_sync", pull_mode="bulk")
     _check_switch(monkeypatch, "MOKGEN_PULL_MODE", "pull_mode", "bulk", "bulk", "tma",
                   "MOKGEN_PULL_MODE must be copy or bulk")
+
+
+def test_dispatch_join_option(monkeypatch):
+    spec = load_spec("kimi-k2.5")
+    a, b = make_plan(spec), make_plan(spec, dispatch_join=False)
+    assert (a.dispatch_join, b.dispatch_join) == (True, False)
+    assert cache_key(a, **KEY_ARGS) != cache_key(b, **KEY_ARGS)
+    # only the Hopper core's flow schedule lets a dispatch CTA claim tiles
+    assert make_plan(spec, schedule="phased").dispatch_join is False
+    assert make_plan(spec, gemm_core="mma_sync").dispatch_join is False
+    _check_switch(monkeypatch, "MOKGEN_DISPATCH_JOIN", "dispatch_join", "0", False, "yes",
+                  "MOKGEN_DISPATCH_JOIN must be 1 or 0")
 
 
 def test_pull_unroll_option(monkeypatch):

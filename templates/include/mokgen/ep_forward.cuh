@@ -270,6 +270,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
   using Down = typename K_::Down;
   constexpr int kH = K_::kH, kI = K_::kI, kE = K_::kE, kK = K_::kK;
   constexpr int kEpThreads = K_::kThreads;
+#ifdef MOKGEN_FWD_TRACE
+  constexpr bool kJoin = false;  // a trace build's records of a dispatch CTA hold its chunks (fwd_trace.cuh)
+#else
+  constexpr bool kJoin = Cfg::kDispatchJoin && Cfg::kWgmma && Cfg::kFlow;
+#endif
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_flag;
 
@@ -283,6 +288,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(0, fwd_trace::timer());)
     const int rank = p.rank_base + g;
     const int W = p.world, G = p.ctas_per_rank, P = p.dispatch_ctas, Gc = G - P;
+    // Dispatch CTAs that have pulled their last chunk join the compute CTAs (kJoin, below): the
+    // compute CTAs' final barrier then counts all G.
+    const int Gj = kJoin ? G : Gc;
     const int e_loc = kE / W;
     const int T = p.num_tokens[g];
     const SymLayout<Cfg>& S = lay.S;
@@ -491,32 +499,56 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       remote = __reduce_add_sync(0xffffffffu, remote);
       if (lane == 0 && remote) atomicAdd(reinterpret_cast<unsigned long long*>(st + kStatRowsRemote), (unsigned long long)remote);
     };
+    // Chunk 0 is shared by all G CTAs of the rank: the compute CTAs have nothing to do until it
+    // lands (the start-up bubble). One call site for every CTA (the smem it uses is free: a
+    // compute CTA sets up its pipeline after it).
+    if (ok && num_chunks > 0) {
+      MOKGEN_FWD_TRACE_ONLY(if (tid == 0 && cta < P) { fwd_trace::put(0, 0, 0, fwd_trace::timer()); fwd_trace::put(0, 0, 1, fwd_trace::timer()); })
+      pull_chunk(0, cta, G);
+      MOKGEN_FWD_TRACE_ONLY(if (tid == 0 && cta < P) fwd_trace::put(0, 0, 2, fwd_trace::timer());)
+    }
     if (ok && cta < P) {
       // Dispatch: pull chunk c into slot c % R once chunk c - R is consumed. All P dispatch CTAs
-      // share every chunk (CTA q pulls the q-th of P contiguous parts), so a chunk lands at the
-      // rate of P SMs, not one. Chunk 0 is shared by all G CTAs of the rank: the compute CTAs
-      // have nothing to do until it lands (the start-up bubble), so they pull parts P..G-1.
+      // share every later chunk (CTA q pulls the q-th of P contiguous parts), so a chunk lands
+      // at the rate of P SMs, not one.
       MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::phase(5, 1);)
-      for (int c = 0; c < num_chunks; ++c) {
+      for (int c = 1; c < num_chunks; ++c) {
         const int slot = c % R;
         MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::put(c, 0, 0, fwd_trace::timer());)
         if (tid == 0) s_flag = c < R || w.wait_geq<false>(&freed[slot], tag(epoch, c - R + 1), kStageRingFree, -1);
         __syncthreads();
         MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::put(c, 0, 1, fwd_trace::timer());)
         if (!s_flag) { ok = false; break; }
-        pull_chunk(c, cta, c == 0 ? G : P);
+        pull_chunk(c, cta, P);
         MOKGEN_FWD_TRACE_ONLY(if (tid == 0) fwd_trace::put(c, 0, 2, fwd_trace::timer());)
       }
-      count_remote();
-    } else if (ok) {
-      // Compute: first this CTA's part of chunk 0 (see dispatch above; smem is free until the
-      // pipeline below is set up, and pull_chunk ends with a CTA barrier), then chunks in order,
-      // tiles of a chunk dealt round-robin over the Gc compute CTAs.
-      if (num_chunks > 0) {
-        pull_chunk(0, cta, G);
-        count_remote();
-      }
-      const int cc = cta - P;
+    }
+    count_remote();
+    if (ok && (cta >= P || kJoin)) {
+      // Compute: chunks in order, tiles of a chunk dealt round-robin over the Gc compute CTAs
+      // (phased) or claimed in order (flow). kJoin: a dispatch CTA comes here after its last
+      // pull and claims tiles like the others from then on; its index among the compute CTAs,
+      // cc, follows theirs (P and G are even with pairs, so a pair's two CTAs keep their ranks
+      // in the pair).
+      // The region pointers and the plan's sizes, derived again from the parameters (opaque:
+      // the compiler cannot reuse the values from before the dispatch loop). With kJoin those
+      // would stay live across the dispatch's copy loop, and it spilled (qwen3.5-397b-a17b's
+      // local stand-in: 32 / 244 bytes).
+      loc = p.local[opaque(g)];
+      mine = p.sym[opaque(rank)];
+      r_eoff = at<int32_t>(loc, L.recv_expert_offset);
+      landed = at<unsigned long long>(loc, L.chunk_landed);
+      freed = at<unsigned long long>(loc, L.chunk_free);
+      chk_done = at<unsigned long long>(loc, L.chunk_done);
+      blk_done = at<unsigned long long>(loc, L.block_done);
+      meta = at<int2>(loc, L.ring_meta);
+      ring_x = at<bf16>(loc, L.ring_x);
+      ring_h = at<bf16>(loc, L.ring_h);
+      bar_comp = at<unsigned long long>(loc, L.bar_compute);
+      const int n_rows = r_eoff[e_loc];  // ok: the plan was read
+      const int C = p.chunk_rows, R = p.ring_chunks;
+      const int num_chunks = int(ceil_div(n_rows, C));
+      const int cc = cta >= P ? cta - P : cta - P + G;
       // Calls fn(le, rows, row0, n) for this CTA's tiles of `phase` (0 = up, 1 = down) in chunk c.
       auto for_my_tiles = [&](int c, int phase, auto&& fn) {
         const int r0 = c * C, r1 = min(n_rows, r0 + C);
@@ -942,7 +974,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       // All pushes of this CTA visible system-wide, then one CTA tells every owner.
       if (ok) {
         __threadfence_system();
-        ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
+        ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gj), w, &s_flag);
         if (ok && cc == 0 && tid == 0) {
           __threadfence_system();
           at<long long>(loc, L.stats)[kStatTimeDone] = (long long)globaltimer_ns();
