@@ -11,7 +11,9 @@ so a change to measure this way has to sit behind a plan option on its branch.
 
 Prints per workload: the median launch of A and of B, the median over blocks of B's time / A's
 (its 95% bootstrap interval beside it), and in how many blocks B was faster. With no --b, B is A
-again: the noise floor of the method itself.
+again: the noise floor of the method itself. `--b tuned`: B is the layer as `mokgen bench` builds
+it, with the shipped tuned entry where one fits (issue 7's same-run comparison of tuned against
+the defaults; A should then set nothing).
 
 Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
                                    [--blocks N] [--out FILE.json]
@@ -62,17 +64,31 @@ def parse_variant(text: str) -> tuple[dict, dict]:
 
 
 def workload(text: str):
-    """'SPEC:local' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows)."""
+    """'SPEC:local' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows, real spec, EP degree)."""
     parts = text.split(":")
     name, kind = parts[0], parts[1] if len(parts) > 1 else "local"
     real = load_spec(name)
+    ep = bench.LOCAL_EP.get(real.name, 8) if kind == "local" else 1
     if kind == "local":
-        spec, rows = bench.local_spec(real, bench.LOCAL_EP.get(real.name, 8))
+        spec, rows = bench.local_spec(real, ep)
     elif kind == "layer":
         spec, rows = real, int(parts[2]) if len(parts) > 2 else 16384
     else:
         sys.exit(f"ab_variants: workload kind must be local or layer, got {kind!r}")
-    return f"{name} {kind} {rows}", spec, rows
+    return f"{name} {kind} {rows}", spec, rows, real, ep
+
+
+def tuned_layer(spec, rows, real, ep):
+    """The layer as `mokgen bench` builds it: the tuned entry of the real spec at this EP degree
+    for a local stand-in (bench.local_layer_kwargs), the spec's own lookup for a layer. Returns (layer, what it took)."""
+    if ep > 1:
+        kwargs = bench.local_layer_kwargs(real, ep)
+        if kwargs is None:
+            return MoELayer(spec, max_tokens=rows, tuned=False), "no tuned entry (the defaults)"
+        return MoELayer(spec, max_tokens=rows, tuned=False, **kwargs), f"{real.name}'s tuned entry at EP{ep}: {kwargs}"
+    layer = MoELayer(spec, max_tokens=rows, tuned=True)
+    entry = layer.tuned_entry
+    return layer, f"the tuned entry {entry.path}" if entry is not None else "no tuned entry (the defaults)"
 
 
 def main() -> None:
@@ -84,14 +100,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     va = parse_variant(args.a)
-    vb = va if args.b is None else parse_variant(args.b)
+    tuned = args.b == "tuned"
+    vb = va if args.b is None or tuned else parse_variant(args.b)
     work = [workload(w) for w in args.workloads]
-    # every build first, in parallel (the cache makes MoELayer's own load instant)
-    jobs = [(spec, env.plan_options_with(v[0])) for _, spec, _ in work for v in {id(va): va, id(vb): vb}.values()]
+    # every build first, in parallel (the cache makes MoELayer's own load instant; a tuned
+    # entry's build is made by its layer)
+    jobs = [(spec, env.plan_options_with(v[0])) for _, spec, _, _, _ in work for v in {id(va): va, id(vb): vb}.values()]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda j: build.build(j[0], publish_generated=False, options=j[1]), jobs))
     results = []
-    for label, spec, rows in work:
+    for label, spec, rows, real, ep in work:
         wg, wu, wd = bench._weights(spec)
         gen = torch.Generator(device="cuda").manual_seed(5)
         inputs = []
@@ -99,8 +117,12 @@ def main() -> None:
             x = torch.randn(rows, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
             inputs.append((x, *bench._routing(spec, rows, gen)))
         layers = []
-        for opts, rt in (va, vb):
-            layer = MoELayer(spec, max_tokens=rows, tuned=False, build_options=env.plan_options_with(opts), **rt)
+        for side, (opts, rt) in enumerate((va, vb)):
+            if side == 1 and tuned:
+                layer, took = tuned_layer(spec, rows, real, ep)
+                print(f"{label}: B takes {took}", flush=True)
+            else:
+                layer = MoELayer(spec, max_tokens=rows, tuned=False, build_options=env.plan_options_with(opts), **rt)
             with torch.no_grad():
                 layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
             layer.check_ids = False

@@ -488,7 +488,8 @@ class MoELayer(torch.nn.Module):
     ``max_tokens``: the most tokens any rank will pass (sizes the symmetric buffers once).
     ``chunk_rows`` / ``ring_chunks``: the receive ring (default: ``plan.ep_defaults``);
     ``dispatch_ctas``: how many of the rank's CTAs pull rows while the rest compute (default: an
-    eighth of them; a sixteenth for a single rank, unless its experts are narrow: ``NARROW_EXPERTS``).
+    eighth of them; a sixteenth for a single rank, unless its experts are narrow: ``NARROW_EXPERTS``);
+    under the plan's ``dispatch_join`` (the default) they compute too once the last chunk is pulled.
     ``tuned``: use the tuned entry of (spec, this GPU, EP degree, max_tokens' bucket) where one
     exists and fits (``mokgen tune``; ``tuned_entry`` then names its file): its build options
     and, for those not passed here, its chunk_rows / ring_chunks / dispatch_ctas. Without one,
