@@ -3,7 +3,7 @@ by a kernel), checked on the host: tests/host/bwd_order_check.cu lists the order
 receive plans (uniform, skewed, mostly empty and tiny experts, up to 200 experts; chunks of
 7-4096 rows; random tile counts per kind) and checks that every tile is listed once against an
 independent listing, that every tile comes after its dependencies, that each expert's k-blocks
-for its weight tiles (bwd_expert_kblocks) cover its rows in ring order, and that a ring of
+for its weight tiles (bwd_expert_kblocks: per chunk segment) cover its rows in ring order, and that a ring of
 bwd_min_ring slots cannot deadlock, with no smaller ring found to work where the bound says it
 would not. Needs nvcc (host code only, no GPU)."""
 

@@ -5,8 +5,8 @@
 //     independently of the walk;
 //   - every tile's dependencies come before it: a dx tile after its block's dh tiles, a weight
 //     tile after every dh tile of its expert;
-//   - each expert's k-blocks for its weight tiles (bwd_expert_kblocks): pieces covering its rows
-//     in order, each inside one chunk at that chunk's ring rows;
+//   - each expert's k-blocks for its weight tiles (bwd_expert_kblocks): kKb rows of each chunk
+//     segment at a time, covering its rows in order, each inside one chunk at its ring rows;
 //   - the ring: with R = bwd_min_ring slots, for every chunk c >= R the tiles that free the slot
 //     of c - R come before the first tile that needs chunk c, and none of them needs a chunk >= c;
 //     the smallest R found by trying them all is never above bwd_min_ring.
@@ -118,27 +118,26 @@ int main(int argc, char** argv) {
       const auto [kind, c, le, m, n] = order[i];
       if (kind >= 2 && last_dh_of_expert[le] >= i) return fail("a weight tile comes before one of its expert's dh tiles", plan);
     }
-    // the weight tiles' k-blocks of each expert: pieces that cover its rows in order, each inside
-    // one chunk at that chunk's ring rows, at most two per k-block, k-blocks of kKb rows
+    // the weight tiles' k-blocks of each expert: one per kKb rows of each of its chunk segments
+    // (the last of a segment short), covering its rows in order, each inside one chunk at that
+    // chunk's ring rows
     for (int le = 0; le < e_loc; ++le) {
-      const int kKb = C >= 64 && rng() % 2 ? 64 : (C >= 32 ? 32 : C), R = 2 + int(rng() % 6);
-      int next = eoff[le], last_kb = -1, pieces_in_kb = 0, rows_in_kb = 0;
+      const int kKb = 1 << (3 + int(rng() % 4)), R = 2 + int(rng() % 6);  // 8 .. 64
+      int next = eoff[le], want_kb = 0;
       bool bad = false;
-      const int n_kb = mokgen::bwd_expert_kblocks(eoff.data(), le, C, R, kKb, [&](int kb, int row, int ring_row, int rows) {
-        if (kb != last_kb) {
-          if (last_kb >= 0 && rows_in_kb != kKb) bad = true;  // only the last k-block may be short
-          if (kb != last_kb + 1 || row != 0) bad = true;
-          last_kb = kb, pieces_in_kb = 0, rows_in_kb = 0;
-        }
-        if (row != rows_in_kb || rows <= 0 || ++pieces_in_kb > 2) bad = true;
-        const int c = next / C;
-        if ((next + rows - 1) / C != c) bad = true;  // a piece inside one chunk
+      const int n_kb = mokgen::bwd_expert_kblocks(eoff.data(), le, C, R, kKb, [&](int kb, int c, int ring_row, int rows) {
+        const int seg_end = std::min(eoff[le + 1], (next / C + 1) * C);
+        if (kb != want_kb++ || c != next / C || rows <= 0 || rows > kKb) bad = true;
+        if (rows < kKb && next + rows != seg_end) bad = true;  // short only at a segment's end
+        if (next + rows > seg_end) bad = true;                 // inside one chunk
         if (ring_row != (c % R) * C + next % C) bad = true;
-        next += rows, rows_in_kb += rows;
+        next += rows;
       });
-      if (bad || next != eoff[le + 1] || n_kb != int(mokgen::ceil_div(eoff[le + 1] - eoff[le], kKb)) ||
-          (n_kb > 0 && last_kb != n_kb - 1))
-        return fail("an expert's k-blocks do not cover its rows in ring order", plan);
+      int expect = 0;
+      for (int c = eoff[le] / C; eoff[le + 1] > eoff[le] && c <= (eoff[le + 1] - 1) / C; ++c)
+        expect += int(mokgen::ceil_div(std::min(eoff[le + 1], (c + 1) * C) - std::max(eoff[le], c * C), kKb));
+      if (bad || next != eoff[le + 1] || n_kb != expect || n_kb != want_kb)
+        return fail("an expert's k-blocks do not cover its chunk segments in ring order", plan);
     }
     // the ring
     const int r_min = mokgen::bwd_min_ring(eoff.data(), e_loc, C);

@@ -85,22 +85,21 @@ MOKGEN_HOST_DEVICE int walk_bwd_order(const int32_t* eoff, int e_loc, int n_rows
   return t;
 }
 
-// Expert le's rows as its weight tiles read them (their K): k-blocks of kKb rows in row order,
-// the last one short, each one or two pieces of contiguous ring rows. A chunk boundary inside a
-// k-block splits it, since the next chunk's slot need not follow in the ring (slot c % R).
-// fn(kb, row (in the k-block), ring_row, rows) per piece, in order; kKb <= C. Returns the
-// number of k-blocks.
+// Expert le's rows as its weight tiles read them (their K): per chunk the expert has rows in,
+// its segment there in k-blocks of kKb rows from the segment's start, the segment's last one
+// short. So a k-block is one TMA box of contiguous ring rows (the chunk's slot, c % R), whose
+// rows past the k-block's are zeroed in shared memory as a ragged last k-block's are today
+// (bwd_gemm.cuh). A k-block split at a chunk boundary would need a box at an unaligned row of
+// a swizzled stage instead; this costs a short k-block per chunk boundary inside an expert.
+// fn(kb, c, ring_row, rows) per k-block, in row order. Returns the number of k-blocks.
 template <class Fn>
 MOKGEN_HOST_DEVICE int bwd_expert_kblocks(const int32_t* eoff, int le, int C, int R, int kKb, Fn&& fn) {
   const int r0 = eoff[le], r1 = eoff[le + 1];
   int kb = 0;
-  for (int a = r0; a < r1; a += kKb, ++kb) {
-    const int b = imin(r1, a + kKb);
-    for (int p = a; p < b;) {  // at most two pieces (kKb <= C)
-      const int c = p / C, q = imin(b, (c + 1) * C);
-      fn(kb, p - a, (c % R) * C + (p - c * C), q - p);
-      p = q;
-    }
+  for (int a = r0; a < r1;) {  // a: the segment's first row
+    const int c = a / C, b = imin(r1, (c + 1) * C);
+    for (int p = a; p < b; p += kKb, ++kb) fn(kb, c, (c % R) * C + (p - c * C), imin(kKb, b - p));
+    a = b;
   }
   return kb;
 }
