@@ -22,6 +22,26 @@ def pythonpath(*first) -> str:
     return os.pathsep.join(parts)
 
 
+@pytest.fixture
+def host_check(tmp_path):
+    """Compiles tests/host/NAME.cu for the host (nvcc, the templates' include folder; no GPU) and
+    returns the executable: ``host_check("tile_order_check")``. For tests marked nvcc."""
+    import subprocess
+    from pathlib import Path
+
+    from mokgen.build import find_nvcc
+    from mokgen.paths import templates_dir
+
+    def compile_check(name: str) -> Path:
+        exe = tmp_path / name
+        subprocess.run([find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-I", str(templates_dir() / "include"),
+                        "-o", str(exe), str(Path(__file__).resolve().parent / "host" / f"{name}.cu")],
+                       check=True, capture_output=True, text=True)
+        return exe
+
+    return compile_check
+
+
 @functools.lru_cache(maxsize=None)
 def sass(library) -> str:
     """The SASS of a built library (cuobjdump beside nvcc); skips the calling test without cuobjdump."""

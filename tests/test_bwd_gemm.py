@@ -229,43 +229,25 @@ def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):
 
 
 @pytest.mark.nvcc
-def test_tile_walks_cover_every_tile_once_in_order(tmp_path):
+def test_tile_walks_cover_every_tile_once_in_order(host_check):
     """tests/host/bwd_tiles_check.cu on the CPU: the rows-GEMM and weight-gradient walks of
     bwd_tiles.cuh over random plans (empty and tiny experts, offs past the operands' rows, 1-140
     CTAs) visit every tile exactly once, each CTA in increasing order, with the clamped rows."""
-    from pathlib import Path
-
-    from mokgen import build as build_mod
-    from mokgen.paths import templates_dir
-
-    exe = tmp_path / "bwd_tiles_check"
-    src = Path(__file__).resolve().parent / "host" / "bwd_tiles_check.cu"
-    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-I", str(templates_dir() / "include"), "-o", str(exe), str(src)],
-                   check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe), "400"], capture_output=True, text=True)
+    run = subprocess.run([str(host_check("bwd_tiles_check")), "400"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
     assert int(run.stdout.split()[1]) > 100_000  # tiles checked
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("clamp", [None, 7.0])
-def test_swiglu_grad_matches_the_closed_form(tmp_path, clamp):
+def test_swiglu_grad_matches_the_closed_form(tmp_path, host_check, clamp):
     """swiglu_grad.cuh (the fused recompute's epilogue math), compiled for the host by
     tests/host/swiglu_check.cu, against mokgen.backward's closed form in float64 on values that
     cross the clamp (both signs of u, g above and below it) and reach the sigmoid's tails."""
-    from pathlib import Path
-
-    from mokgen import build as build_mod
     from mokgen.backward import _swiglu_grads
-    from mokgen.paths import templates_dir
     from mokgen.reference import swiglu
 
-    exe = tmp_path / "swiglu_check"
-    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-I", str(templates_dir() / "include"), "-o", str(exe),
-                    str(Path(__file__).resolve().parent / "host" / "swiglu_check.cu")],
-                   check=True, capture_output=True, text=True)
+    exe = host_check("swiglu_check")
     gen = torch.Generator().manual_seed(2)
     n = 20000
     g = torch.randn(n, generator=gen) * 6

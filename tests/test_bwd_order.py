@@ -10,23 +10,13 @@ would not. Needs nvcc (host code only, no GPU)."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from mokgen import build as build_mod
-from mokgen.paths import templates_dir
-
-ROOT = Path(__file__).resolve().parent
-
 
 @pytest.mark.nvcc
-def test_backward_order_lists_every_tile_once_after_its_dependencies(tmp_path):
-    exe = tmp_path / "bwd_order_check"
-    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-I", str(templates_dir() / "include"), "-o", str(exe), str(ROOT / "host" / "bwd_order_check.cu")],
-                   check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe), "200"], capture_output=True, text=True)
+def test_backward_order_lists_every_tile_once_after_its_dependencies(host_check):
+    run = subprocess.run([str(host_check("bwd_order_check")), "200"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
     _, tiles, tight = run.stdout.split()
     assert int(tiles) > 500_000  # tiles checked

@@ -95,20 +95,12 @@ def _device_blocks() -> torch.Tensor:
 
 
 @pytest.mark.nvcc
-def test_device_quantizer_matches_the_oracle_bit_for_bit(tmp_path):
+def test_device_quantizer_matches_the_oracle_bit_for_bit(tmp_path, host_check):
     """templates/include/mokgen/mx.cuh (the quantizer the kernels will use), compiled for the host
     by tests/host/mx_check.cu, gives the oracle's codes and scales on every test block."""
     import subprocess
-    from pathlib import Path
 
-    from mokgen import build as build_mod
-    from mokgen.paths import templates_dir
-
-    exe = tmp_path / "mx_check"
-    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-I", str(templates_dir() / "include"), "-o", str(exe),
-                    str(Path(__file__).resolve().parent / "host" / "mx_check.cu")],
-                   check=True, capture_output=True, text=True)
+    exe = host_check("mx_check")
     x = _device_blocks()
     (tmp_path / "in.bin").write_bytes(x.numpy().tobytes())
     run = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True)

@@ -9,22 +9,12 @@ walk, that every real tile is visited exactly once. Needs nvcc (host code only, 
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from mokgen import build as build_mod
-from mokgen.paths import templates_dir
-
-ROOT = Path(__file__).resolve().parent
-
 
 @pytest.mark.nvcc
-def test_tile_walks_match_the_reference_order(tmp_path):
-    exe = tmp_path / "tile_order_check"
-    subprocess.run([build_mod.find_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-I", str(templates_dir() / "include"), "-o", str(exe), str(ROOT / "host" / "tile_order_check.cu")],
-                   check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe), "1500"], capture_output=True, text=True)
+def test_tile_walks_match_the_reference_order(host_check):
+    run = subprocess.run([str(host_check("tile_order_check")), "1500"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
     assert int(run.stdout.split()[1]) > 100_000  # tiles compared
