@@ -24,10 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tile_waste import LAYERS, LOCAL, counts_layer, counts_local  # noqa: E402
-
-from mokgen import bench  # noqa: E402
-from mokgen.spec import load_spec  # noqa: E402
+from tile_waste import workloads  # noqa: E402
 
 KKB = 64
 
@@ -53,13 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     print(f"{'workload':34} {'routing':8} {'chunk':>6} {'R min':>6} {'ring MB':>8} {'k-blocks':>9}")
-    for name in LOCAL + LAYERS:
-        spec = load_spec(name)
-        if name in LOCAL:
-            ep = bench.LOCAL_EP.get(name, 8)
-            counts, label = counts_local(spec, ep, 2048, gen), f"{name} local EP{ep}"
-        else:
-            counts, label = counts_layer(spec, 16384, gen), f"{name} layer T=16384"
+    for spec, label, counts, _, _ in workloads(gen):
         n = sum(counts)
         skewed = [n // 2] + [round(c * (n - n // 2) / n) for c in counts[1:]]
         row_bytes = 2 * (2 * spec.hidden_size + 3 * spec.moe_intermediate_size)

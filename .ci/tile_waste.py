@@ -39,6 +39,19 @@ def counts_layer(spec, tokens: int, gen) -> list[int]:
     return torch.bincount(ids, minlength=spec.num_experts).tolist()
 
 
+def workloads(gen):
+    """The bench workloads in order, each as (spec, label, rows per expert, the spec the kernel is
+    planned for, compute CTAs): the local stand-ins at their EP degree (2048 tokens per GPU),
+    then the layers at T = 16384, on the routing drawn from ``gen``."""
+    for name in LOCAL + LAYERS:
+        spec = load_spec(name)
+        if name in LOCAL:
+            ep = bench.LOCAL_EP.get(name, 8)
+            yield spec, f"{name} local EP{ep}", counts_local(spec, ep, 2048, gen), bench.local_spec(spec, ep)[0], SMS - SMS // 8
+        else:
+            yield spec, f"{name} layer T=16384", counts_layer(spec, 16384, gen), spec, SMS - SMS // 16
+
+
 def blocks(counts: list[int], chunk: int, half: bool = False) -> float:
     """128-row blocks of the flow order: per chunk, per expert segment overlapping it. ``half``:
     count a block of at most 64 rows as half a block (its second consumer warpgroup idle)."""
@@ -64,15 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     print(f"{'workload':34} {'rows':>6} {'chunk':>6} {'padding':>8} {'halves':>8} {'tiles/CTA':>9}")
-    for name in LOCAL + LAYERS:
-        spec = load_spec(name)
-        if name in LOCAL:
-            ep = bench.LOCAL_EP.get(name, 8)
-            counts, label, world_ctas = counts_local(spec, ep, 2048, gen), f"{name} local EP{ep}", SMS - SMS // 8
-            work = bench.local_spec(spec, ep)[0]
-        else:
-            counts, label, world_ctas = counts_layer(spec, 16384, gen), f"{name} layer T=16384", SMS - SMS // 16
-            work = spec
+    for spec, label, counts, work, world_ctas in workloads(gen):
         plan = make_plan(work)
         up_n, down_n = spec.moe_intermediate_size // plan.gemm_block_n_up, spec.hidden_size // plan.gemm_block_n_down
         n = sum(counts)
