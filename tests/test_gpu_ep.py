@@ -73,6 +73,19 @@ def _assert_close(spec, outs, xs, ids, ws, wg, wu, wd):
     assert err < REL_TOL, f"{spec.name}: relative error {err:.3e}"
 
 
+def _switch_runs(monkeypatch, spec, inputs, weights, var, values, rings):
+    """The virtual-rank forward of ``inputs`` (xs, ids, ws) with switch ``var`` at each of
+    ``values`` and each (chunk_rows, ring_chunks) of ``rings``: {(value, chunk, ring): output}."""
+    (xs, ids, ws), (wg, wu, wd) = inputs, weights
+    runs = {}
+    for value in values:
+        monkeypatch.setenv(var, value)
+        for chunk, ring in rings:
+            runs[value, chunk, ring] = torch.cat(
+                virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+    return runs
+
+
 def _single_rank(spec, xs, ids, ws, wg, wu, wd):
     """The single-rank kernels on the concatenated tokens, in pieces of at most the planned
     maximum (tokens are independent, so the pieces give the same bits as one call)."""
@@ -200,12 +213,8 @@ def test_block_k_32_gives_the_same_bits(monkeypatch):
         wg, wu, wd = _weights(spec)
         gen = torch.Generator(device="cuda").manual_seed(12)
         xs, ids, ws = _inputs(spec, [1800, 0, 900, 600], gen)  # 4 ranks divide 16 and 256 experts
-        runs = {}
-        for bk in ("64", "32"):
-            monkeypatch.setenv("MOKGEN_BLOCK_K", bk)
-            for chunk, ring in ((256, 2), (1024, 3)):
-                runs[bk, chunk, ring] = torch.cat(
-                    virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+        runs = _switch_runs(monkeypatch, spec, (xs, ids, ws), (wg, wu, wd), "MOKGEN_BLOCK_K", ("64", "32"),
+                            ((256, 2), (1024, 3)))
         first = runs["64", 256, 2]
         _assert_close(spec, [first], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
         for cfg, out in runs.items():
@@ -225,11 +234,9 @@ def test_bulk_pull_gives_the_same_bits(monkeypatch, name):
     runs = {}
     for skew in (None, "one_rank"):
         xs, ids, ws = _inputs(spec, [2100, 0, 1300, 700], gen, skew=skew)
-        for mode in ("copy", "bulk"):
-            monkeypatch.setenv("MOKGEN_PULL_MODE", mode)
-            for chunk, ring in ((256, 2), (2048, 3)):
-                runs[skew, mode, chunk, ring] = torch.cat(
-                    virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+        modes = _switch_runs(monkeypatch, spec, (xs, ids, ws), (wg, wu, wd), "MOKGEN_PULL_MODE", ("copy", "bulk"),
+                             ((256, 2), (2048, 3)))
+        runs.update({(skew, *cfg): out for cfg, out in modes.items()})
         _assert_close(spec, [runs[skew, "bulk", 256, 2]], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
     for (skew, mode, chunk, ring), out in runs.items():
         assert torch.equal(out, runs[skew, "copy", 256, 2]), f"bits differ for {skew, mode, chunk, ring}"
@@ -249,12 +256,8 @@ def test_dispatch_join_gives_the_same_bits(monkeypatch, name, cluster):
     gen = torch.Generator(device="cuda").manual_seed(23)
     for sizes in ([3000], [2100, 0, 1300, 700]):
         xs, ids, ws = _inputs(spec, sizes, gen)
-        runs = {}
-        for join in ("0", "1"):
-            monkeypatch.setenv("MOKGEN_DISPATCH_JOIN", join)
-            for chunk, ring in ((256, 8), (1024, 3)):
-                runs[join, chunk, ring] = torch.cat(
-                    virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+        runs = _switch_runs(monkeypatch, spec, (xs, ids, ws), (wg, wu, wd), "MOKGEN_DISPATCH_JOIN", ("0", "1"),
+                            ((256, 8), (1024, 3)))
         _assert_close(spec, [runs["1", 256, 8]], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
         for cfg, out in runs.items():
             assert torch.equal(out, runs["0", 1024, 3]), f"{spec.name} {sizes}: bits differ for {cfg}"
