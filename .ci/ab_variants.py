@@ -130,12 +130,7 @@ def main() -> None:
         del wg, wu, wd
 
         def launch(layer, i, inputs=inputs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            layer(*inputs[i % len(inputs)])
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
+            return bench.time_launch(lambda: layer(*inputs[i % len(inputs)]))
 
         ta, tb, ratios = [], [], []
         with torch.no_grad():

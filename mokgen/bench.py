@@ -63,20 +63,22 @@ def phase_line(row: Row) -> str | None:
             f"then {row.ms - ph['done_ms']:.3f} ms to the end ({row.ms:.3f} ms median)")
 
 
+def time_launch(fn: Callable[[], object]) -> float:
+    """ms of one call of ``fn`` on the current stream, by CUDA events (synchronized)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_cuda(fn: Callable[[int], object], *, n_inputs: int, warmup: int = 3, iters: int = 20) -> list[float]:
     """Times ``fn(i)`` (i = input set index, rotating) with CUDA events; returns ms per run."""
     for i in range(warmup):
         fn(i % n_inputs)
     torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i % n_inputs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    return [time_launch(lambda: fn(i % n_inputs)) for i in range(iters)]
 
 
 def dense_ceiling_tflops(n: int = 8192, iters: int = 20) -> float:
