@@ -7,7 +7,12 @@ both variants live in one process as two MoELayers (each its own weights and buf
 inputs) and are launched alternately in ABBA blocks, each launch timed by CUDA events. A drift
 slower than a block cancels out of each block's ratio. Variants are plan options (build options,
 env.plan_options_with) and the layer's runtime arguments (chunk_rows, ring_chunks, dispatch_ctas),
-so a change to measure this way has to sit behind a plan option on its branch.
+so a change to measure this way has to sit behind a plan option on its branch. A key that starts
+with MOKGEN_ is an environment setting, applied around each of that side's launches: the
+switches read at call time, such as the backward's (MOKGEN_BWD_DX_PAIRS=fp32).
+`--backward`: each launch is a forward + backward step (the layer's output, backward of a fixed
+dOut, gradients of x, the routing weights and the weights; the gradients reset each step as in
+`mokgen bench --backward`).
 
 Prints per workload: the median launch of A and of B, the median over blocks of B's time / A's
 (its 95% bootstrap interval beside it), and in how many blocks B was faster. With no --b, B is A
@@ -16,15 +21,17 @@ it, with the shipped tuned entry where one fits (issue 7's same-run comparison o
 the defaults; A should then set nothing).
 
 Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
-                                   [--blocks N] [--out FILE.json]
+                                   [--blocks N] [--backward] [--out FILE.json]
   WORKLOAD  SPEC:local (the bench's local stand-in, EP from bench.LOCAL_EP) or SPEC:layer[:TOKENS]
             (default 16384)
-  --a/--b   plan options or runtime arguments, e.g. narrow_tiles=0 or cluster=1,dispatch_ctas=16
+  --a/--b   plan options, runtime arguments or MOKGEN_* settings, e.g. narrow_tiles=0 or
+            cluster=1,dispatch_ctas=16 or MOKGEN_BWD_DX_PAIRS=fp32
   --blocks  ABBA blocks per workload (default 100: 400 launches)
 Both variants use the plan's defaults (no tuned entry) where they set nothing."""
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -40,13 +47,17 @@ RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas")
 BOOL_OPTIONS = ("narrow_tiles", "dispatch_join", "fuse_shared")  # given as 1 / 0
 
 
-def parse_variant(text: str) -> tuple[dict, dict]:
-    """'k=v,k=v' -> (build options, runtime arguments); values: int, true/false, else a string."""
-    opts, rt = {}, {}
+def parse_variant(text: str) -> tuple[dict, dict, dict]:
+    """'k=v,k=v' -> (build options, runtime arguments, environment settings); values: int,
+    true/false, else a string (MOKGEN_* settings stay strings)."""
+    opts, rt, envs = {}, {}, {}
     for item in filter(None, (text or "").split(",")):
         if "=" not in item:
             sys.exit(f"ab_variants: expected KEY=VALUE, got {item!r}")
         k, v = (s.strip() for s in item.split("=", 1))
+        if k.startswith("MOKGEN_"):
+            envs[k] = v
+            continue
         if v.lower() in ("true", "false"):
             val = v.lower() == "true"
         else:
@@ -60,7 +71,16 @@ def parse_variant(text: str) -> tuple[dict, dict]:
             if k in BOOL_OPTIONS and isinstance(val, int):
                 val = bool(val)
             opts[k] = val
-    return opts, rt
+    return opts, rt, envs
+
+
+def apply_env(envs: dict, keys) -> None:
+    """The environment of one side: its MOKGEN_* settings set, the other side's keys removed."""
+    for k in keys:
+        if k in envs:
+            os.environ[k] = envs[k]
+        else:
+            os.environ.pop(k, None)
 
 
 def workload(text: str):
@@ -97,11 +117,15 @@ def main() -> None:
     ap.add_argument("--a", default="")
     ap.add_argument("--b", default=None)
     ap.add_argument("--blocks", type=int, default=100)
+    ap.add_argument("--backward", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     va = parse_variant(args.a)
     tuned = args.b == "tuned"
     vb = va if args.b is None or tuned else parse_variant(args.b)
+    env_keys = set(va[2]) | set(vb[2])
+    for k in env_keys:  # a side's settings are its own, not the caller's environment's
+        os.environ.pop(k, None)
     work = [workload(w) for w in args.workloads]
     # every build first, in parallel (the cache makes MoELayer's own load instant; a tuned
     # entry's build is made by its layer)
@@ -115,9 +139,13 @@ def main() -> None:
         inputs = []
         for _ in range(3):
             x = torch.randn(rows, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-            inputs.append((x, *bench._routing(spec, rows, gen)))
+            ids, w = bench._routing(spec, rows, gen)
+            if args.backward:
+                inputs.append((x.requires_grad_(True), ids, w.requires_grad_(True), torch.randn_like(x)))
+            else:
+                inputs.append((x, ids, w))
         layers = []
-        for side, (opts, rt) in enumerate((va, vb)):
+        for side, (opts, rt, _) in enumerate((va, vb)):
             if side == 1 and tuned:
                 layer, took = tuned_layer(spec, rows, real, ep)
                 print(f"{label}: B takes {took}", flush=True)
@@ -129,26 +157,36 @@ def main() -> None:
             layers.append(layer)
         del wg, wu, wd
 
-        def launch(layer, i, inputs=inputs):
-            return bench.time_launch(lambda: layer(*inputs[i % len(inputs)]))
+        def step(layer, args_):
+            if not args.backward:
+                return layer(*args_)
+            x, ids, w, g = args_
+            for t in (x, w, *layer.parameters()):
+                t.grad = None
+            layer(x, ids, w).backward(g)
+
+        def launch(side, i, inputs=inputs, layers=layers):
+            apply_env((va, vb)[side][2], env_keys)
+            return bench.time_launch(lambda: step(layers[side], inputs[i % len(inputs)]))
 
         ta, tb, ratios = [], [], []
-        with torch.no_grad():
+        with torch.set_grad_enabled(args.backward):
             for i in range(6):  # warm-up, both
-                launch(layers[i % 2], i)
+                launch(i % 2, i)
             for blk in range(args.blocks):
-                a1 = launch(layers[0], blk)
-                b1 = launch(layers[1], blk)
-                b2 = launch(layers[1], blk + 1)
-                a2 = launch(layers[0], blk + 1)
+                a1 = launch(0, blk)
+                b1 = launch(1, blk)
+                b2 = launch(1, blk + 1)
+                a2 = launch(0, blk + 1)
                 ta += [a1, a2]
                 tb += [b1, b2]
                 ratios.append((b1 + b2) / (a1 + a2))
+        apply_env({}, env_keys)
         for layer in layers:
             layer.check_errors()
         rng = random.Random(0)
         boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-        r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks,
+        r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks, "backward": args.backward,
              "a_ms": statistics.median(ta), "b_ms": statistics.median(tb), "ratio": statistics.median(ratios),
              "ratio_lo": boot[50], "ratio_hi": boot[1949], "b_faster": sum(x < 1 for x in ratios)}
         results.append(r)

@@ -20,7 +20,8 @@ _grouped_ok), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y is never recompu
 two forms:
 - mokgen's own Hopper kernels (``mokgen.bwd_gemm``, the default on an sm_90 GPU where H and I
   are multiples of 256; ``MOKGEN_BWD_GEMM=0`` turns them off): dh in fp32, g and u (saved or
-  recomputed, below) through SwiGLU's backward, dx as one accumulation over both products,
+  recomputed, below) through SwiGLU's backward, dx as one accumulation over both products
+  (each pair's row rounded to bf16 before the sum over a token's slots, MOKGEN_BWD_DX_PAIRS),
   weight gradients by one CTA per (expert, tile) in row order. Measured 1.07x (kimi-k2.5
   local) and 1.44x (qwen3.5-35b-a3b layer) the PyTorch autograd pipeline for fwd+bwd on the
   H200, where the torch._grouped_mm form was 0.89-0.91x (docs/perf-notes.md, v0.10).
@@ -50,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from mokgen import env
 from mokgen.errors import InputError
 from mokgen.reference import swiglu
 
@@ -284,8 +286,13 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         # ones, past offs[-1]): no fill first. One slot per token (K = 1, an EP rank's received
         # rows): the kernel rounds to bf16 itself, the bits of sum_slots' one rounding, with no
         # fp32 copy and no pass over it
+        # Several slots: each pair's row in bf16 by default (MOKGEN_BWD_DX_PAIRS), rounded once
+        # like the forward's combine slots and like the rows distributed_backward sends back, so
+        # the sum over the slots is the distributed one's, with half the bytes of fp32 rows
+        # written and read (measured: docs/perf-notes.md v0.20)
         one_slot = K == 1
-        dx_pairs = torch.empty(T * K, x.shape[1], dtype=torch.bfloat16 if one_slot else f32, device=x.device)
+        pair_dtype = torch.bfloat16 if one_slot or env.bwd_dx_pairs() == "bf16" else f32
+        dx_pairs = torch.empty(T * K, x.shape[1], dtype=pair_dtype, device=x.device)
         bwd_gemm.rows_gemm([(dg, w_gate), (du, w_up)], offs, b_major="mn", out=dx_pairs, out_rows=order)
         dx_rows = None
     else:

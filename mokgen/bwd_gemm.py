@@ -79,7 +79,7 @@ _SIGNATURES = {
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
-    "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _vp],
+    "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp, _vp],
 }
 #: entry points that return a value, not an error code: (argument types, result type)
@@ -383,14 +383,16 @@ def expert_major(topk_ids, experts: int, topk_weights=None):
 
 def sum_slots(dx_pairs, tokens: int, top_k: int):
     """``dx [tokens, H]`` bf16 from the dx rows of the (token, slot) pairs, ``dx_pairs
-    [tokens * top_k, H]`` fp32 (row ``t * top_k + j``): ``dx[t] = sum over j = 0..top_k-1, in that
-    order, of dx_pairs[t * top_k + j]`` in fp32, rounded once to bf16. The same bits as summing
-    the slots in place in fp32 and casting, in one pass (H a multiple of 4)."""
+    [tokens * top_k, H]`` fp32 or bf16 (row ``t * top_k + j``): ``dx[t] = sum over j =
+    0..top_k-1, in that order, of dx_pairs[t * top_k + j]`` in fp32, rounded once to bf16. The
+    same bits as summing the slots in place in fp32 (bf16 rows converted exactly) and casting, in
+    one pass (H a multiple of 4)."""
     import torch
 
-    if not isinstance(dx_pairs, torch.Tensor) or dx_pairs.dtype != torch.float32 or dx_pairs.dim() != 2 \
-            or not dx_pairs.is_contiguous() or not supported(dx_pairs.device):
-        raise InputError("dx_pairs must be a contiguous 2-d float32 tensor on a CUDA device of compute capability 9.0")
+    if not isinstance(dx_pairs, torch.Tensor) or dx_pairs.dtype not in (torch.float32, torch.bfloat16) \
+            or dx_pairs.dim() != 2 or not dx_pairs.is_contiguous() or not supported(dx_pairs.device):
+        raise InputError("dx_pairs must be a contiguous 2-d float32 or bfloat16 tensor on a CUDA device of compute "
+                         "capability 9.0")
     H = dx_pairs.shape[1]
     if tokens < 0 or top_k < 1 or dx_pairs.shape[0] != tokens * top_k or H % 4 or dx_pairs.data_ptr() % 16:
         raise InputError(f"dx_pairs must be [tokens * top_k, H] = [{tokens} * {top_k}, H] with H % 4 == 0 and 16-byte "
@@ -398,7 +400,8 @@ def sum_slots(dx_pairs, tokens: int, top_k: int):
     out = torch.empty(tokens, H, dtype=torch.bfloat16, device=dx_pairs.device)
     if tokens and H:
         with _on(dx_pairs.device) as stream:
-            load_library().sum_slots(out.data_ptr(), dx_pairs.data_ptr(), tokens, top_k, H, stream)
+            load_library().sum_slots(out.data_ptr(), dx_pairs.data_ptr(), tokens, top_k, H,
+                                     int(dx_pairs.dtype == torch.bfloat16), stream)
     return out
 
 

@@ -381,15 +381,25 @@ __global__ void __launch_bounds__(256)
 // dX of the tokens from the dx rows of their pairs: out[t, c] = bf16(sum over j = 0..K-1, in
 // that order, of in[t K + j, c]) (fp32 sums, one rounding), which is what the PyTorch form did
 // (a clone of slot 0, K - 1 in-place adds of strided views, a cast) in one pass. 4 columns per
-// thread.
-__global__ void __launch_bounds__(256) sum_slots_kernel(bf16* out, const float* in, int T, int K, int H) {
+// thread. InT: the pairs' rows in fp32, or in bf16 (each pair's fp32 dx rounded once by the rows
+// GEMM, as the forward's combine slots and the dx rows that come back across GPUs are: the sum
+// is then the distributed backward's, and half the bytes are written and read).
+MOKGEN_DEVICE float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+MOKGEN_DEVICE float4 load4(const bf16* p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+
+template <class InT>
+__global__ void __launch_bounds__(256) sum_slots_kernel(bf16* out, const InT* in, int T, int K, int H) {
   const int64_t q = H / 4, total = int64_t(T) * q;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / q, c = 4 * (i % q);
-    const float* src = in + t * K * H + c;
-    float4 acc = *reinterpret_cast<const float4*>(src);
+    const InT* src = in + t * K * H + c;
+    float4 acc = load4(src);
     for (int j = 1; j < K; ++j) {
-      const float4 v = *reinterpret_cast<const float4*>(src + int64_t(j) * H);
+      const float4 v = load4(src + int64_t(j) * H);
       acc.x += v.x;
       acc.y += v.y;
       acc.z += v.z;
@@ -752,13 +762,17 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   return launch(weight_kernel<1>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
 }
 
-// out [T, H] bf16: the sum over each token's K slots of in [T K, H] fp32 (sum_slots_kernel).
-// H % 4 == 0, T >= 1 (checked by the caller).
-int mokgen_bwd_sum_slots(void* out, const float* in, int T, int K, int H, cudaStream_t stream) {
+// out [T, H] bf16: the sum over each token's K slots of in [T K, H], fp32 (in_bf16 = 0) or
+// bf16 (sum_slots_kernel). H % 4 == 0, T >= 1 (checked by the caller).
+int mokgen_bwd_sum_slots(void* out, const void* in, int T, int K, int H, int in_bf16, cudaStream_t stream) {
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   const int64_t want = (int64_t(T) * (H / 4) + 255) / 256;
-  sum_slots_kernel<<<unsigned(want < 8 * grid ? want : 8 * grid), 256, 0, stream>>>(static_cast<bf16*>(out), in, T, K, H);
+  const unsigned blocks = unsigned(want < 8 * grid ? want : 8 * grid);
+  if (in_bf16)
+    sum_slots_kernel<bf16><<<blocks, 256, 0, stream>>>(static_cast<bf16*>(out), static_cast<const bf16*>(in), T, K, H);
+  else
+    sum_slots_kernel<float><<<blocks, 256, 0, stream>>>(static_cast<bf16*>(out), static_cast<const float*>(in), T, K, H);
   return int(cudaGetLastError());
 }
 

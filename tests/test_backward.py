@@ -407,6 +407,13 @@ def test_policy_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "sometimes")
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_POLICY must be save or recompute"):
         env.bwd_policy()
+    monkeypatch.delenv("MOKGEN_BWD_DX_PAIRS", raising=False)
+    assert env.bwd_dx_pairs() == "bf16"
+    monkeypatch.setenv("MOKGEN_BWD_DX_PAIRS", "fp32")
+    assert env.bwd_dx_pairs() == "fp32"
+    monkeypatch.setenv("MOKGEN_BWD_DX_PAIRS", "fp16")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DX_PAIRS must be bf16 or fp32"):
+        env.bwd_dx_pairs()
 
 
 def test_op_autograd_with_saved_pre_activations(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mokgen import bench, bwd_gemm, reference  # noqa: E402
+from mokgen import bench, bwd_gemm, env, reference  # noqa: E402
 from mokgen.backward import experts_backward  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
@@ -349,14 +349,16 @@ def test_expert_major_order_matches_the_stable_sort(E, T, K, skewed):
         bwd_gemm.expert_major(ids, bwd_gemm.EXPERT_MAJOR_MAX_EXPERTS + 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("K", [1, 3, 8])
-def test_sum_slots_has_the_bits_of_the_in_place_sum(K):
+def test_sum_slots_has_the_bits_of_the_in_place_sum(K, dtype):
     """dx over a token's slots in one pass: the same bits as slot 0 plus slots 1.. in order in
-    fp32, then one cast to bf16 (what mokgen.backward._unpermute does)."""
+    fp32 (bf16 rows converted exactly), then one cast to bf16 (what mokgen.backward._unpermute
+    does)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     T, H = 301, 768
-    pairs = torch.randn(T * K, H, generator=gen, device="cuda") * 3
-    want = pairs.view(T, K, H)[:, 0].clone()
+    pairs = (torch.randn(T * K, H, generator=gen, device="cuda") * 3).to(dtype)
+    want = pairs.view(T, K, H)[:, 0].float().clone()
     for j in range(1, K):
         want.add_(pairs.view(T, K, H)[:, j])
     got = bwd_gemm.sum_slots(pairs, T, K)
@@ -490,6 +492,22 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch, one
     monkeypatch.setattr(backward, "USE_EXPERT_MAJOR", False)
     sorted_by_torch = experts_backward(x, ids, w, wg, wu, wd, g)
     assert all(torch.equal(a, b) for a, b in zip(got, sorted_by_torch))
+    if one_slot:
+        return
+    # Each pair's dx row in bf16 (the default): dx is then the fixed-order fp32 sum of the bf16
+    # rows of each slot run alone (one pair per token, whose dx the GEMM rounds once), which is
+    # what distributed_backward sums; fp32 rows give another rounding within bf16 tolerance.
+    assert env.bwd_dx_pairs() == "bf16"
+    want_dx = torch.zeros(T, H, dtype=torch.float32, device="cuda")
+    for j in range(k):
+        one = experts_backward(x, ids[:, j:j + 1].contiguous(), w[:, j:j + 1].contiguous(), wg, wu, wd, g,
+                               need_weight_grads=False)
+        want_dx += one[0].float()
+    assert torch.equal(got[0], want_dx.to(torch.bfloat16))
+    monkeypatch.setenv("MOKGEN_BWD_DX_PAIRS", "fp32")
+    fp32_rows = experts_backward(x, ids, w, wg, wu, wd, g)
+    assert _rel(fp32_rows[0], want[0]) < 2e-2 and not torch.equal(fp32_rows[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(fp32_rows[1:], got[1:]))  # only dx changes
 
 
 def test_misaligned_or_strided_inputs_are_clear_errors():
