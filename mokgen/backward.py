@@ -263,7 +263,11 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     if ours and saved_gu is not None and FUSE_DH_SWIGLU:  # dSwiGLU in dh's epilogue: no fp32 dh_u
         hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(go, w_down, saved_gu, order, wt, offs, clamp_limit)
     elif ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
-        dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn")
+        # under the save policy dh in bf16 by default (MOKGEN_BWD_DH: the precision of
+        # torch._grouped_mm's dh, half the bytes of fp32 rows written and read; measured in
+        # docs/perf-notes.md v0.20); the recompute's fused kernel reads fp32
+        dh_dtype = torch.bfloat16 if saved_gu is not None and env.bwd_dh() == "bf16" else torch.float32
+        dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn", out_dtype=dh_dtype)
         if saved_gu is not None:
             hw, dg, du, dw_rows = bwd_gemm.swiglu_grads_saved(saved_gu, order, dh_u, wt, offs, clamp_limit)
         else:

@@ -77,7 +77,7 @@ _SIGNATURES = {
     "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _i, _vp],
     "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
-    "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _vp],
+    "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
     "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp, _vp],
@@ -232,14 +232,17 @@ def _check_clamp(clamp_limit) -> None:
         raise InputError(f"clamp_limit must be positive (or None), got {clamp_limit}")
 
 
-def _check_row_floats(dh_u, wt, rows: int, I: int, device) -> None:
-    """The SwiGLU backward's fp32 inputs: ``dh_u [rows, I]`` and ``wt [rows]``, contiguous, on ``device``."""
+def _check_row_floats(dh_u, wt, rows: int, I: int, device, *, dh_bf16_ok: bool = False) -> None:
+    """The SwiGLU backward's inputs: ``dh_u [rows, I]`` (fp32, or bf16 where ``dh_bf16_ok``) and
+    ``wt [rows]`` fp32, contiguous, on ``device``."""
     import torch
 
-    for name, t, shape in (("dh_u", dh_u, (rows, I)), ("wt", wt, (rows,))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape \
+    dh_types = (torch.float32, torch.bfloat16) if dh_bf16_ok else (torch.float32,)
+    for name, t, shape, types in (("dh_u", dh_u, (rows, I), dh_types), ("wt", wt, (rows,), (torch.float32,))):
+        if not isinstance(t, torch.Tensor) or t.dtype not in types or tuple(t.shape) != shape \
                 or not t.is_contiguous() or t.device != device:
-            raise InputError(f"{name} must be a contiguous float32 tensor of shape {shape} on {device}, got "
+            kinds = "float32 or bfloat16" if len(types) > 1 else "float32"
+            raise InputError(f"{name} must be a contiguous {kinds} tensor of shape {shape} on {device}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
 
 
@@ -256,7 +259,7 @@ def rows_cluster(N: int) -> int:
 
 
 def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, out_rows=None,
-              cluster: int | None = None):
+              cluster: int | None = None, out_dtype=None):
     """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
     bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
@@ -269,7 +272,9 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     values must lie in [0, R). Every result row is written by the kernels (no fill of the output
     first). ``cluster`` 2: CTA pairs that compute column tiles n, n + 1 of one row block load
     the A rows once between them (TMA multicast), where N / 256 is even; 1: every CTA loads its
-    own. The same bits either way. Default: MOKGEN_BWD_ROWS_CLUSTER, else rows_cluster(N)."""
+    own. The same bits either way. Default: MOKGEN_BWD_ROWS_CLUSTER, else rows_cluster(N).
+    ``out_dtype`` (without a map): the dtype of the output it allocates, torch.float32 (default)
+    or, with ``b_major="mn"``, torch.bfloat16 (the rounding above)."""
     import torch
 
     if cluster is None:
@@ -302,8 +307,14 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     if out_rows is None:
         if out is not None:
             raise InputError("rows_gemm: pass out together with out_rows (without a map it allocates its own)")
-        out = (torch.empty if rows and E else torch.zeros)(rows, N, dtype=torch.float32, device=a0.device)
+        out_dtype = torch.float32 if out_dtype is None else out_dtype
+        if out_dtype not in ((torch.float32, torch.bfloat16) if b_major == "mn" else (torch.float32,)):
+            raise InputError(f"rows_gemm: out_dtype must be torch.float32{' or torch.bfloat16' if b_major == 'mn' else ''}"
+                             f" with b_major={b_major!r}, got {out_dtype}")
+        out = (torch.empty if rows and E else torch.zeros)(rows, N, dtype=out_dtype, device=a0.device)
     else:
+        if out_dtype is not None:
+            raise InputError("rows_gemm: out_dtype is for the output it allocates (without out_rows); with a map, out sets it")
         if not isinstance(out_rows, torch.Tensor) or out_rows.dtype != torch.int64 or tuple(out_rows.shape) != (rows,) \
                 or not out_rows.is_contiguous() or out_rows.device != a0.device:
             raise InputError(f"out_rows must be a contiguous int64 tensor of shape ({rows},) on {a0.device}")
@@ -547,7 +558,8 @@ def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
     """:func:`swiglu_grads`'s outputs ``(hw, dg, du, d_wt)`` from saved pre-activations instead of
     a recompute: ``gu [pairs, 2 I]`` bf16 (row ``p``: g then u of pair ``p``, as the forward's
     ``save_gu`` output), ``order [rows]`` int64 (the pair of each expert-major row, values in
-    ``[0, pairs)``), ``dh_u [rows, I]`` and ``wt [rows]`` fp32, ``offs [E]`` int32. Rows from
+    ``[0, pairs)``), ``dh_u [rows, I]`` fp32 or bf16 (the dh GEMM's output rounded once,
+    MOKGEN_BWD_DH; read as exact fp32 values), ``wt [rows]`` fp32, ``offs [E]`` int32. Rows from
     ``offs[-1]`` on (pairs no expert computed) get zeros. ``d_wt`` is each row's sum in one fixed
     order (not the recompute's per-128-column partial sums, so the two policies agree within
     rounding, not bit for bit)."""
@@ -564,9 +576,9 @@ def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
     rows = order.shape[0]
     if rows > pairs:
         raise InputError(f"order has {rows} rows, more than gu's {pairs} pairs")
-    _check_row_floats(dh_u, wt, rows, I, gu.device)
+    _check_row_floats(dh_u, wt, rows, I, gu.device, dh_bf16_ok=True)
     if dh_u.data_ptr() % 16:
-        raise InputError("dh_u must start at a 16-byte aligned address (the kernel reads float4s)")
+        raise InputError("dh_u must start at a 16-byte aligned address (the kernel reads 16-byte vectors)")
     _check_clamp(clamp_limit)
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.shape[0] == 0:
         raise InputError("offs must be a non-empty 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
@@ -579,7 +591,8 @@ def swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp_limit=None):
         with _on(gu.device) as stream:
             load_library().swiglu_saved(h.data_ptr(), dg.data_ptr(), du.data_ptr(), d_wt.data_ptr(), gu.data_ptr(),
                                         order.data_ptr(), dh_u.data_ptr(), wt.data_ptr(), offs.data_ptr(), E, rows, I,
-                                        int(clamp), float(clamp_limit) if clamp else 0.0, stream)
+                                        int(clamp), float(clamp_limit) if clamp else 0.0,
+                                        int(dh_u.dtype == torch.bfloat16), stream)
     return h, dg, du, d_wt
 
 

@@ -34,6 +34,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_WEIGHTS": "split (default) or pingpong: the backward's weight-gradient GEMMs in 128 x 256 tiles split between the two consumer warpgroups, or in 128 x 128 tiles, each one warpgroup's, the two taking turns (measured no faster; the same bits)",
     "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. For the ping-pong weight gradients: how many k-blocks before its last one a warpgroup hands the turn over. The same bits at every value",
     "MOKGEN_BWD_DX_PAIRS": "bf16 (default) or fp32: where a token has several pairs, mokgen's backward GEMMs write each pair's dx row rounded to bf16 (as the forward's combine slots and the rows that come back across GPUs) or in fp32, before the fixed-order fp32 sum over the token's slots",
+    "MOKGEN_BWD_DH": "bf16 (default) or fp32: under the save policy, mokgen's dh GEMM (dOut through the down projection) writes its rows rounded to bf16, as torch._grouped_mm's would be, or in fp32, for SwiGLU's backward to read",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -188,6 +189,12 @@ def bwd_dx_pairs() -> str:
     """MOKGEN_BWD_DX_PAIRS: ``bf16`` (default) or ``fp32``, the dtype of the per-pair dx rows that
     mokgen's backward sums over a token's slots (mokgen.backward)."""
     return _choice("MOKGEN_BWD_DX_PAIRS", ("bf16", "fp32"))
+
+
+def bwd_dh() -> str:
+    """MOKGEN_BWD_DH: ``bf16`` (default) or ``fp32``, the dtype of the dh rows that SwiGLU's backward
+    reads under the save policy (mokgen.backward)."""
+    return _choice("MOKGEN_BWD_DH", ("bf16", "fp32"))
 
 
 def tuned_dir() -> Path:

@@ -311,9 +311,25 @@ __global__ void __launch_bounds__(256) zero_rows3_kernel(bf16* a, bf16* b, bf16*
 // [rows, I]) and dw[i] = sum_c dh_u[i, c] h[i, c] (fp32); zeros for rows past offs[E - 1] (pairs
 // no expert computed). One warp per row, 8 columns per lane and step (16-byte loads of g and u);
 // each lane sums its columns in order, then a fixed butterfly over the lanes: the same bits on
-// every run.
+// every run. DhT: dh_u in fp32, or in bf16 (the dh GEMM's fp32 sums rounded once: half the
+// bytes written and read; MOKGEN_BWD_DH).
+MOKGEN_DEVICE void load8(const float* p, float (&d)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  d[0] = a.x, d[1] = a.y, d[2] = a.z, d[3] = a.w, d[4] = b.x, d[5] = b.y, d[6] = b.z, d[7] = b.w;
+}
+MOKGEN_DEVICE void load8(const bf16* p, float (&d)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    d[2 * k] = __uint_as_float(w[k] << 16);
+    d[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
+template <class DhT>
 __global__ void __launch_bounds__(256)
-    swiglu_saved_kernel(bf16* h, bf16* dg, bf16* du, float* dw, const bf16* gu, const int64_t* order, const float* dh_u,
+    swiglu_saved_kernel(bf16* h, bf16* dg, bf16* du, float* dw, const bf16* gu, const int64_t* order, const DhT* dh_u,
                         const float* wt, const int32_t* offs, int E, int rows, int I, int clamp, float limit) {
   const int row = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -334,10 +350,10 @@ __global__ void __launch_bounds__(256)
   float dot = 0.f;
   for (int c = lane * 8; c < I; c += 256) {
     const uint4 gv = *reinterpret_cast<const uint4*>(g + c), uv = *reinterpret_cast<const uint4*>(u + c);
-    const float4 d0 = *reinterpret_cast<const float4*>(dh_u + at + c), d1 = *reinterpret_cast<const float4*>(dh_u + at + c + 4);
+    float d[8];
+    load8(dh_u + at + c, d);
     const bf16* gs = reinterpret_cast<const bf16*>(&gv);
     const bf16* us = reinterpret_cast<const bf16*>(&uv);
-    const float d[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
     uint32_t wh[4], wdg[4], wdu[4];
 #pragma unroll
     for (int k = 0; k < 8; k += 2) {
@@ -692,16 +708,21 @@ int mokgen_bwd_swiglu(void* h, void* dg, void* du, float* dw_part, const void* x
 }
 
 // SwiGLU's backward from saved pre-activations (swiglu_saved_kernel): gu [*, 2 I] bf16 (row p: g
-// then u of pair p), order [rows] int64 (the pair of expert-major row i), dh_u [rows, I] fp32, wt
-// [rows] fp32, offs [E] int32; out h (= swiglu(g, u) wt), dg, du [rows, I] bf16, dw [rows] fp32.
+// then u of pair p), order [rows] int64 (the pair of expert-major row i), dh_u [rows, I] fp32 (or
+// bf16: dh_bf16), wt [rows] fp32, offs [E] int32; out h (= swiglu(g, u) wt), dg, du [rows, I] bf16, dw [rows] fp32.
 // I % 8 == 0, rows >= 1 (checked by the caller).
 int mokgen_bwd_swiglu_saved(void* h, void* dg, void* du, float* dw, const void* gu, const int64_t* order,
-                            const float* dh_u, const float* wt, const int32_t* offs, int E, int rows, int I, int clamp,
-                            float limit, cudaStream_t stream) {
+                            const void* dh_u, const float* wt, const int32_t* offs, int E, int rows, int I, int clamp,
+                            float limit, int dh_bf16, cudaStream_t stream) {
   const unsigned blocks = unsigned((int64_t(rows) * 32 + 255) / 256);
-  swiglu_saved_kernel<<<blocks, 256, 0, stream>>>(static_cast<bf16*>(h), static_cast<bf16*>(dg), static_cast<bf16*>(du), dw,
-                                                  static_cast<const bf16*>(gu), order, dh_u, wt, offs, E, rows, I, clamp,
-                                                  limit);
+  bf16 *ho = static_cast<bf16*>(h), *dgo = static_cast<bf16*>(dg), *duo = static_cast<bf16*>(du);
+  const bf16* g = static_cast<const bf16*>(gu);
+  if (dh_bf16)
+    swiglu_saved_kernel<bf16><<<blocks, 256, 0, stream>>>(ho, dgo, duo, dw, g, order, static_cast<const bf16*>(dh_u),
+                                                          wt, offs, E, rows, I, clamp, limit);
+  else
+    swiglu_saved_kernel<float><<<blocks, 256, 0, stream>>>(ho, dgo, duo, dw, g, order, static_cast<const float*>(dh_u),
+                                                           wt, offs, E, rows, I, clamp, limit);
   return int(cudaGetLastError());
 }
 

@@ -414,6 +414,13 @@ def test_policy_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_DX_PAIRS", "fp16")
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_DX_PAIRS must be bf16 or fp32"):
         env.bwd_dx_pairs()
+    monkeypatch.delenv("MOKGEN_BWD_DH", raising=False)
+    assert env.bwd_dh() == "bf16"
+    monkeypatch.setenv("MOKGEN_BWD_DH", "fp32")
+    assert env.bwd_dh() == "fp32"
+    monkeypatch.setenv("MOKGEN_BWD_DH", "tf32")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DH must be bf16 or fp32"):
+        env.bwd_dh()
 
 
 def test_op_autograd_with_saved_pre_activations(monkeypatch):

@@ -33,9 +33,10 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # (single CTAs and CTA pairs), swiglu, swiglu_saved, dh with the saved SwiGLU backward,
     # weights and weights in ping-pong (single CTAs, pairs), zero_rows<fp32>, zero_rows<bf16>,
     # zero_rows3, sum_slots<fp32 in>, sum_slots<bf16 in>, and the row order's expert_count,
-    # expert_scan, expert_scatter
-    assert len(kernels) == 21, kernels
+    # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh
+    assert len(kernels) == 22, kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
+    assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
     assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels
     assert sum(re.search(r"\d\drows_kernel", k) is not None for k in kernels) == 6, kernels  # not zero_rows
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)

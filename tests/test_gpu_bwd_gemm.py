@@ -314,6 +314,14 @@ def test_rows_gemm_bf16_output_has_the_bits_of_the_fp32_sums_rounded():
         bwd_gemm.rows_gemm(kb, offs, b_major="k", out=out, out_rows=perm)
     with pytest.raises(InputError, match="float32 or bfloat16"):
         bwd_gemm.rows_gemm(ops, offs, out=out.half(), out_rows=perm)
+    # without a map (the backward's dh under MOKGEN_BWD_DH=bf16): the same rounding, every row
+    plain = bwd_gemm.rows_gemm(ops, offs)
+    rounded = bwd_gemm.rows_gemm(ops, offs, out_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, plain.to(torch.bfloat16))
+    with pytest.raises(InputError, match="out_dtype must be torch.float32 with b_major='k'"):
+        bwd_gemm.rows_gemm(kb, offs, b_major="k", out_dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="out_dtype is for the output it allocates"):
+        bwd_gemm.rows_gemm(ops, offs, out=out, out_rows=perm, out_dtype=torch.bfloat16)
 
 
 # (experts, tokens, slots, skewed): one chunk of 1024 pairs or less, a chunk and one pair, many
@@ -450,6 +458,13 @@ def test_swiglu_grads_from_saved_pre_activations(clamp):
         assert torch.equal(t, torch.zeros_like(t))
     again = bwd_gemm.swiglu_grads_saved(gu, order, dh_u, wt, offs, clamp)
     assert all(torch.equal(a, b) for a, b in zip((hw, dg, du, dw), again))
+    # dh_u in bf16 (MOKGEN_BWD_DH=bf16): the bits of the fp32 call on the same values
+    dh_b = dh_u.to(torch.bfloat16)
+    from_bf16 = bwd_gemm.swiglu_grads_saved(gu, order, dh_b, wt, offs, clamp)
+    from_fp32 = bwd_gemm.swiglu_grads_saved(gu, order, dh_b.float(), wt, offs, clamp)
+    assert all(torch.equal(a, b) for a, b in zip(from_bf16, from_fp32))
+    with pytest.raises(InputError, match="dh_u must be a contiguous float32 or bfloat16 tensor"):
+        bwd_gemm.swiglu_grads_saved(gu, order, dh_u.half(), wt, offs, clamp)
     # the recompute from the same x rows (g, u in fp32 there): equal up to g and u's bf16 rounding
     # (with a clamp, the masks of values within that rounding of the limit differ too: measured
     # 4.4e-2 at a limit of 0.75 that clips many values, so only the unclamped case is compared)
