@@ -304,8 +304,11 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     grads = None
     if need_weight_grads:
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
-            grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs),
-                     bwd_gemm.weight_grads(go, hw, offs)]
+            if env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
+                grads = [*bwd_gemm.weight_grads_joint(dg, du, rows, offs), bwd_gemm.weight_grads(go, hw, offs)]
+            else:
+                grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs),
+                         bwd_gemm.weight_grads(go, hw, offs)]
         else:
             dy = (go * wts).to(torch.bfloat16)  # bf16 * f32 promotes exactly to f32
             hb = h.to(torch.bfloat16)

@@ -76,6 +76,7 @@ _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _i, _vp],
     "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
     "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
@@ -125,6 +126,9 @@ class _Lib:
 
     def weights(self, *args) -> None:
         self._call("mokgen_bwd_weights", *args)
+
+    def weights2(self, *args) -> None:
+        self._call("mokgen_bwd_weights2", *args)
 
     def swiglu(self, *args) -> None:
         self._call("mokgen_bwd_swiglu", *args)
@@ -514,6 +518,43 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
         load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, cluster,
                                int(schedule == "pingpong"), stream)
     return out
+
+
+def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None):
+    """``(out0, out1)`` = ``(weight_grads(a0, b, offs), weight_grads(a1, b, offs))`` in one launch
+    (the split schedule): the gate's and up's ``dW = dg^T x``, ``du^T x`` over their shared x rows.
+    The two problems' tiles are stacked along M and an expert's tiles of both are walked together,
+    so its B rows are read from memory once for both instead of once per launch; each tile is the
+    single problem's, so the bits are weight_grads'. ``a0``, ``a1`` ``[rows, M]``, ``b [rows, N]``
+    bf16; the outputs ``[E, M, N]`` bf16, two allocations (a custom op's outputs may not alias).
+    ``cluster`` as weight_grads (2 needs M / 128 even)."""
+    import torch
+
+    cluster = env.bwd_cluster() if cluster is None else cluster
+    if cluster not in (1, 2):
+        raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
+    _check_operand("A0", a0, 2)
+    _check_operand("A1", a1, 2)
+    _check_operand("B", b, 2)
+    rows, M = a0.shape
+    N = b.shape[1]
+    if tuple(a1.shape) != (rows, M) or b.shape[0] != rows or a1.device != a0.device or b.device != a0.device:
+        raise InputError(f"A0 {tuple(a0.shape)}, A1 {tuple(a1.shape)} and B {tuple(b.shape)} must be [rows, M], "
+                         f"[rows, M] and [rows, N] on one device")
+    if M == 0 or N == 0 or M % BLOCK_M or N % BLOCK_N:
+        raise InputError(f"weight_grads_joint needs M, N > 0 with M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got "
+                         f"M = {M}, N = {N}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
+        raise InputError("offs must be a 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
+    E = offs.shape[0]
+    _check_offs(offs, E, a0.device)
+    alloc = torch.zeros if rows == 0 or E == 0 else torch.empty
+    out0, out1 = (alloc(E, M, N, dtype=torch.bfloat16, device=a0.device) for _ in range(2))
+    if rows and E:
+        with _on(a0.device) as stream:
+            load_library().weights2(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(), b.data_ptr(),
+                                    offs.data_ptr(), E, rows, M, N, cluster, stream)
+    return out0, out1
 
 
 def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):

@@ -55,7 +55,8 @@ MOKGEN_DEVICE void trace_record(int role, int tile, long long t0, long long t1, 
 struct Maps {
   CUtensorMap a[2];
   CUtensorMap b[2];
-  CUtensorMap c;  // the weight gradients' output (TMA stores); unused by the other kernels
+  CUtensorMap c;   // the weight gradients' output (TMA stores); unused by the other kernels
+  CUtensorMap c1;  // the joint weight gradients' second output (weight_kernel<..., true>)
 };
 
 // Rows GEMM: out[r, :] (OutT: fp32, or bf16 rounded from the fp32 sums; ld = N) = sum_p A_p[r, :]
@@ -115,14 +116,31 @@ MOKGEN_DEVICE auto weight_walk(const int32_t* offs, int E, int total, int m_tile
   };
 }
 
+// Two weight-gradient problems over one B, stacked along M (weight_kernel's joint form, the gate
+// and up projections' dW = dg^T x and du^T x): the M tiles of problem 1 follow problem 0's, each
+// problem's A its own map (maps.a[p]) and its output its own map (maps.c, maps.c1).
+struct StackedM {
+  int p;    // the problem of M row m0
+  int col;  // m0 within the problem's A columns and output rows
+  MOKGEN_DEVICE StackedM(int m0, int Mp) : p(m0 >= Mp), col(m0 >= Mp ? m0 - Mp : m0) {}
+};
+
 // Where a weight-gradient tile's k-blocks come from (both kernels): A columns m * 128 .., B
-// columns col0 .., both from k row row0 (the expert's first), one operand pair.
-MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int m, int col0) {
+// columns col0 .., both from k row row0 (the expert's first), one operand pair. kJoint: M tile m
+// of the two stacked problems (StackedM, Mp rows each), A from that problem's map.
+template <bool kJoint = false>
+MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int m, int col0, int Mp = 0) {
+  int p = 0, a_col = m * bwd::kBM;
+  if constexpr (kJoint) {
+    const StackedM sm(a_col, Mp);
+    p = sm.p;
+    a_col = sm.col;
+  }
   bwd::TileSrc t;
-  t.a[0] = t.a[1] = &maps.a[0];
+  t.a[0] = t.a[1] = &maps.a[p];
   t.b[0] = t.b[1] = &maps.b[0];
   t.a_row = row0;
-  t.a_col = m * bwd::kBM;
+  t.a_col = a_col;
   t.b_row = row0;
   t.b_col = col0;
   t.n_k = weight_k_blocks(rows);
@@ -134,9 +152,14 @@ MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int
 // A [rows, M], B [rows, N]. kPair = 2: clusters of two CTAs, row blocks 2 mp and 2 mp + 1 sharing
 // B (bwd_gemm.cuh); M / 128 even. The same tiles and k order either way, so the same bits. The
 // epilogue stores through shared memory (store_tile_tma): kWeightSmemBytes.
-template <int kPair>
+// kJoint (M = 2 Mp): two problems sharing B, out_p[e] = A_p[rows of e]^T B[rows of e] with A_p =
+// maps.a[p] [rows, Mp] and out_p = maps.c, maps.c1 over [E Mp, N] (StackedM). An expert's tiles
+// of both problems are walked together, so its B rows are read from memory once for both (the
+// gate's and up's dW share the x rows); each tile is the single problem's, so the same bits.
+template <int kPair, bool kJoint = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
-    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead) {
+    weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
+                  int Mp) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair>(smem);
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
@@ -148,7 +171,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank),
       [&](int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
-        bwd::produce<true, true, false, kPair>(s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kBN), crank);
+        bwd::produce<true, true, false, kPair>(s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp),
+                                               crank);
         MOKGEN_TRACE_END(0);
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
@@ -157,7 +181,13 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         const int n_k = weight_k_blocks(rows);
         bwd::consume<true, true, kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
         MOKGEN_TRACE_MARK();
-        bwd::store_tile_tma(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
+        if constexpr (kJoint) {
+          const StackedM sm(m * bwd::kBM, Mp);
+          bwd::store_tile_tma(acc, s, wg, sm.p ? &maps.c1 : &maps.c, e * Mp + sm.col, n * bwd::kBN,
+                              MOKGEN_TRACE_ROUNDS);
+        } else {
+          bwd::store_tile_tma(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
+        }
         MOKGEN_TRACE_END(1 + wg);
       });
   bwd::store_tma_done();  // the consumers' last stores complete before the CTA exits
@@ -629,6 +659,19 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
                 out_rows, g_lead);
 }
 
+// weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
+template <bool kJoint>
+int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* offs, int E, int rows, int M, int N,
+                   int Mp, cudaStream_t stream) {
+  if (pairs_fit) {
+    const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
+    if (pairs > 0)
+      return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
+                          g_lead, Mp);
+  }
+  return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp);
+}
+
 }  // namespace
 
 extern "C" {
@@ -775,12 +818,28 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
     }
     return launch(weight_pp_kernel<1>, grid, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
   }
-  if (pairs_fit) {
-    const int pairs = resident_pairs(weight_kernel<2>, bwd::kWeightSmemBytes);
-    if (pairs > 0)
-      return launch_pairs(weight_kernel<2>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
-  }
-  return launch(weight_kernel<1>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
+  return launch_weights<false>(maps, pairs_fit, grid, offs, E, rows, M, N, M, stream);
+}
+
+// The joint form of two weight-gradient problems over one B (weight_kernel<..., true>, StackedM):
+// out_p [E, Mp, N] bf16, out_p[e] = A_p[rows of e]^T B[rows of e], A_p [rows, Mp], B [rows, N];
+// the split schedule only. Mp % 128 == 0 (cluster 2: Mp / 128 even), N % 256 == 0 (checked by
+// the caller).
+int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, const void* b, const int32_t* offs,
+                        int E, int rows, int Mp, int N, int cluster, cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.a[0], a0, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.a[1], a1, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.c, out0, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.c1, out1, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS)
+    return kBadMap;
+  maps.b[1] = maps.b[0];
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  // a pair's two row blocks in one problem: Mp / 128 even
+  return launch_weights<true>(maps, cluster == 2 && (Mp / bwd::kBM) % 2 == 0, grid, offs, E, rows, 2 * Mp, N, Mp,
+                              stream);
 }
 
 // out [T, H] bf16: the sum over each token's K slots of in [T K, H], fp32 (in_bf16 = 0) or

@@ -17,7 +17,7 @@ from mokgen.errors import InputError  # noqa: E402
 
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
            "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
-           "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved")
+           "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved", "mokgen_bwd_weights2")
 
 
 @pytest.mark.nvcc
@@ -33,8 +33,10 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # (single CTAs and CTA pairs), swiglu, swiglu_saved, dh with the saved SwiGLU backward,
     # weights and weights in ping-pong (single CTAs, pairs), zero_rows<fp32>, zero_rows<bf16>,
     # zero_rows3, sum_slots<fp32 in>, sum_slots<bf16 in>, and the row order's expert_count,
-    # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh
-    assert len(kernels) == 22, kernels
+    # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh; the joint weights (single
+    # CTAs, pairs)
+    assert len(kernels) == 24, kernels
+    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 4, kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
     assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
     assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels

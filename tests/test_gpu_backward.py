@@ -209,6 +209,31 @@ def test_gradients_bitwise_over_20_repeats(gemms, policy):
         assert all(torch.equal(a, b) for a, b in zip(got, first))
 
 
+def test_joint_weight_grads_give_the_bits_of_two_launches(monkeypatch, policy):
+    """MOKGEN_BWD_WEIGHTS_JOINT=1 (the gate's and up's weight gradients in one launch over their
+    shared x rows) through MoELayer's backward (the custom op, whose outputs may not alias): the
+    same gradient bits as two launches."""
+    from mokgen import bwd_gemm
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    torch.manual_seed(6)
+    layer = MoELayer(spec, max_tokens=1024, device="cuda")
+    x = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    ids = torch.rand(1000, spec.num_experts, device="cuda").topk(spec.top_k, dim=-1).indices
+    w = torch.rand(1000, spec.top_k, device="cuda").requires_grad_(True)
+    g = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16)
+    runs = []
+    for joint in ("0", "1"):
+        monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", joint)
+        for t in (x, w, *layer.parameters()):
+            t.grad = None
+        layer(x, ids, w).backward(g)
+        runs.append([t.grad.clone() for t in (x, w, *layer.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_tiny_spec_gradcheck_and_kernel_agreement():
     """A float64 gradcheck of the reference on the tiny example spec (its autograd is the oracle),
     then the kernel's gradients against that oracle within bf16 tolerance."""

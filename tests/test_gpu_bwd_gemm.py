@@ -260,6 +260,30 @@ def test_weight_grad_pairs_give_the_bits_of_single_ctas(M):
         assert (c == 0 and torch.equal(single[e], torch.zeros_like(single[e]))) or _rel(single[e], want) < 1e-2
 
 
+@pytest.mark.parametrize("M, cluster", [(384, 1), (512, 2), (384, 2)], ids=["single", "pairs", "odd-row-blocks"])
+def test_joint_weight_grads_have_the_bits_of_two_launches(M, cluster):
+    """The gate's and up's weight gradients in one launch (two problems over one B, stacked along
+    M, an expert's tiles of both walked together): each output the bits of its own weight_grads
+    launch, with empty experts, one-row experts and rows ending mid-step; CTA pairs where M / 128
+    is even (384: three row blocks per problem, single CTAs). Each output a contiguous [E, M, N]."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    counts = torch.randint(0, 300, (33,), generator=torch.Generator().manual_seed(13)).tolist()
+    counts[0] = counts[20] = 0
+    counts[7] = 1
+    N = 512
+    rows = sum(counts) + SPARE_ROWS
+    a0, a1, b = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    want = [bwd_gemm.weight_grads(a, b, offs, cluster=1) for a in (a0, a1)]
+    for _ in range(3):
+        got = bwd_gemm.weight_grads_joint(a0, a1, b, offs, cluster=cluster)
+        for g, w in zip(got, want):
+            assert g.shape == (len(counts), M, N) and g.is_contiguous() and torch.equal(g, w)
+    assert torch.equal(want[1][20], torch.zeros_like(want[1][20]))
+    with pytest.raises(InputError, match="must be \\[rows, M\\]"):
+        bwd_gemm.weight_grads_joint(a0, a1[:, :256].contiguous(), b, offs)
+
+
 def test_rows_gemm_writes_every_row_of_a_poisoned_output():
     """The output needs no fill: rows past offs[-1] come back as zeros (at their mapped rows where
     a map is given), from memory that held NaNs; rows no map entry names keep their values."""
