@@ -45,6 +45,9 @@ class Row:
     # mokgen rows: the kernel's own phase times of the last timed launch (``abi.parse_stats``:
     # pull_start_ms, pull_ms, push_ms, done_ms, from the rank's first CTA start)
     phases: dict = field(default_factory=dict)
+    # fwd+bwd rows: the peak GPU memory of the timed steps above what was allocated before them
+    # (GiB), the side's own activations, gradients and workspaces
+    peak_gib: float | None = None
 
 
 PHASES = ("pull_start_ms", "pull_ms", "push_ms", "done_ms")
@@ -343,7 +346,7 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     on mokgen's backward GEMMs with g and u recomputed or saved by the forward) against the
     ``torch._grouped_mm`` pipeline under autograd. Gradients for x, the routing weights and the
     three expert weights; FLOPs counted as 3x the forward's. Each row's ``ms_all`` holds the
-    timings; the peak memory of each side (bytes above the inputs) is put in ``impl``. Every
+    timings; the peak memory of each side (bytes above the inputs) is its ``peak_gib``. Every
     step starts with the gradients set to None, as ``optimizer.zero_grad()`` leaves them by
     default, so neither side pays for adding into an existing ``.grad`` (v0.7 and earlier
     accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides)."""
@@ -395,8 +398,8 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
         peak = torch.cuda.max_memory_allocated() - base
         ms = statistics.median(times)
-        rows.append(Row(f"{workload} fwd+bwd", spec.name, tokens, f"{name} [peak +{peak / 2**30:.2f} GiB]", ms,
-                        flops / ms / 1e9, times))
+        rows.append(Row(f"{workload} fwd+bwd", spec.name, tokens, name, ms, flops / ms / 1e9, times,
+                        peak_gib=peak / 2**30))
     return rows
 
 

@@ -324,6 +324,25 @@ def _init_ep_group() -> bool:
     return dist.get_rank() == 0
 
 
+def bench_table(rows, ceiling: float, gpu: str) -> Table:
+    """`mokgen bench`'s table: a row per implementation, each peer's time against the best mokgen
+    row of its (workload, spec, tokens) group, and, where the rows are fwd+bwd ones, the peak
+    memory of each side above its inputs."""
+    table = Table(title=f"mokgen bench on {gpu} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
+    peaks = any(r.peak_gib is not None for r in rows)
+    for col in ("workload", "spec", "tokens", "implementation", "ms", "TFLOP/s", "% ceiling", "mokgen speedup",
+                *(("peak GiB",) if peaks else ())):
+        table.add_column(col)
+    for r in rows:
+        group = [q for q in rows if (q.workload, q.spec, q.tokens) == (r.workload, r.spec, r.tokens)]
+        best = min((q.ms for q in group if q.impl.startswith("mokgen")), default=None)
+        speed = "" if r.impl.startswith("mokgen") or best is None else f"{r.ms / best:.2f}x"
+        peak = ("" if r.peak_gib is None else f"+{r.peak_gib:.2f}",) if peaks else ()
+        table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
+                      f"{100 * r.tflops / ceiling:.0f}%", speed, *peak)
+    return table
+
+
 @main.command()
 @click.argument("spec_refs", metavar="[SPEC]...", nargs=-1)
 @click.option("--all", "all_specs", is_flag=True, help="every bundled spec")
@@ -397,16 +416,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                                   + f" ({time.perf_counter() - start:.0f} s)", highlight=False)
     if not main_rank:
         return
-    table = Table(title=f"mokgen bench on {torch.cuda.get_device_name()} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
-    for col in ("workload", "spec", "tokens", "implementation", "ms", "TFLOP/s", "% ceiling", "mokgen speedup"):
-        table.add_column(col)
-    for r in rows:
-        group = [q for q in rows if (q.workload, q.spec, q.tokens) == (r.workload, r.spec, r.tokens)]
-        best = min((q.ms for q in group if q.impl.startswith("mokgen")), default=None)
-        speed = "" if r.impl.startswith("mokgen") or best is None else f"{r.ms / best:.2f}x"
-        table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
-                      f"{100 * r.tflops / ceiling:.0f}%", speed)
-    console.print(table)
+    console.print(bench_table(rows, ceiling, torch.cuda.get_device_name()))
     for r in rows:
         line = b.phase_line(r)
         if line:

@@ -106,3 +106,27 @@ def test_phase_line_from_kernel_statistics():
     assert "all pushed at 3.960 ms, then 0.540 ms to the end (4.500 ms median)" in line
     row.phases = {"pull_start_ms": None, "pull_ms": None, "push_ms": None, "done_ms": None}  # an aborted launch
     assert phase_line(row) is None
+
+
+def test_bench_table_speedups_and_peak_memory_column():
+    """The table compares each peer with the best mokgen row of its group; fwd+bwd rows add a
+    peak-memory column (rows without a figure leave it blank), forward rows alone have none."""
+    from rich.console import Console
+
+    from mokgen.bench import Row
+    from mokgen.cli import bench_table
+
+    def render(rows):
+        console = Console(width=240, record=True)
+        console.print(bench_table(rows, 700.0, "NVIDIA H200"))
+        return console.export_text()
+
+    fwd = [Row("layer", "qwen3.5-35b-a3b", 16384, "mokgen megakernel (W=1)", 2.0, 400.0),
+           Row("layer", "qwen3.5-35b-a3b", 16384, "torch._grouped_mm", 5.0, 160.0)]
+    text = render(fwd)
+    assert "peak GiB" not in text and "2.50x" in text and "dense bf16 ceiling 700" in text
+    bwd = [Row("layer fwd+bwd", "qwen3.5-35b-a3b", 16384, "mokgen megakernel + mokgen backward, save (W=1)", 6.4,
+               390.0, peak_gib=2.19),
+           Row("layer fwd+bwd", "qwen3.5-35b-a3b", 16384, "torch._grouped_mm autograd", 14.5, 170.0, peak_gib=2.13)]
+    text = render(fwd + bwd)
+    assert "peak GiB" in text and "+2.19" in text and "+2.13" in text and "2.27x" in text
