@@ -519,8 +519,12 @@ def prebuilt(as_json: bool) -> None:
               help="--chunk-sweep: the chunk sizes (received rows per compute batch)")
 @click.option("--plots", "plot_dir", type=click.Path(file_okay=False), default="tune-out", show_default=True,
               help="--chunk-sweep: where the JSON and PNG go")
+@click.option("--confirm", "confirm", type=click.Choice(["rounds", "interleaved"]), default="rounds",
+              show_default=True,
+              help="how a winner other than the defaults is confirmed: alternated rounds of medians, or "
+                   "interleaved ABBA blocks of single launches in one process (one GPU; under torchrun the rounds)")
 def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_run, chunk_sweep, chunks,
-         plot_dir) -> None:
+         plot_dir, confirm) -> None:
     """Pick tile, pipeline and overlap parameters per SPEC on this GPU (mokgen.tune): build and
     time every candidate of the search space against the plan's defaults, write the tuned file
     that `mokgen.MoELayer` and `mokgen build --ep/--tokens` then use, print default vs tuned."""
@@ -602,7 +606,8 @@ def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_
 
             results.append(tune_mod.tune(spec, ep=ep, tokens=tokens, iters=iters, resume=not no_resume, group=group,
                                          root=Path(out_dir) if out_dir else None, jobs=jobs,
-                                         log=lambda s, p=progress: p.console.print(s, markup=False), step=step))
+                                         log=lambda s, p=progress: p.console.print(s, markup=False), step=step,
+                                         confirm=confirm))
     if not main_rank:
         return
     table = Table(title=f"mokgen tune on {torch.cuda.get_device_name()}: EP{ep}, {tokens} tokens per rank")

@@ -15,6 +15,11 @@ confirmed: it and the defaults are timed again in alternation (CONFIRM_ROUNDS ea
 stays the winner only if the median of its rounds beats the defaults' by more than NOISE. Under
 the H200's power cap a time drifts with the GPU's recent load over a tune of many candidates,
 so only interleaved times compare; the stored default and tuned times are the confirmation's.
+``confirm="interleaved"`` (`mokgen tune --confirm interleaved`, one GPU) confirms instead in
+CONFIRM_BLOCKS ABBA blocks of single launches with both layers alive in one process, the method
+of `.ci/ab_variants.py` (noise floor about 0.5% against the rounds' 3%, docs/perf-notes.md
+v0.19): the winner holds if the median per-block ratio is below 1 - NOISE and its bootstrap 95%
+upper bound below 1. The rounds stay the default until its GPU test has run.
 
 Results are stored as JSON per (spec, GPU name, numerics, EP degree, token bucket, workload)
 with a ``_metadata`` block: compared on lookup are its format, the mokgen version, the GPU, the
@@ -45,7 +50,7 @@ import statistics
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from mokgen import env
 from mokgen._version import __version__
@@ -57,6 +62,13 @@ from mokgen.spec import MoESpec
 NOISE = 0.01
 #: alternated re-timings of the defaults and the first pass's winner before the winner is kept
 CONFIRM_ROUNDS = 3
+#: the interleaved confirmation (``confirm="interleaved"``): ABBA blocks of single launches, and
+#: the resamples of its bootstrap interval
+CONFIRM_BLOCKS = 50
+CONFIRM_BOOTSTRAP = 2000
+#: how the first pass's winner is confirmed: "rounds" (CONFIRM_ROUNDS alternated medians, the
+#: default) or "interleaved" (CONFIRM_BLOCKS ABBA blocks in one process, one GPU only)
+CONFIRM_METHODS = ("rounds", "interleaved")
 #: chunk sizes (received rows per compute batch) the search tries beside the plan's default
 CHUNKS = (1024, 2048, 4096, 8192)
 #: ring slots tried beside the default
@@ -441,15 +453,12 @@ def build_candidates(spec: MoESpec, candidates: list[Candidate], *, jobs: int = 
     return out
 
 
-def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
-    """A function (candidate) -> median ms of ``spec``'s layer on ``rows`` tokens per rank,
-    uniform routing, bench's weights and inputs (shared by every candidate). Under a process
-    group a failure to load the kernel on one rank fails the candidate on all of them in step
-    (the layer's constructor agrees on the load first)."""
+def _timing_problem(spec: MoESpec, rows: int, group=None):
+    """The timers' weights (this rank's experts under a process group) and three input sets of
+    ``rows`` tokens, uniform routing, as the bench makes them."""
     import torch
 
     from mokgen import bench
-    from mokgen.ep import MoELayer
 
     rank = 0 if group is None else torch.distributed.get_rank(group)
     gen = torch.Generator(device="cuda").manual_seed(11 + rank)
@@ -462,15 +471,39 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
     for _ in range(3):
         x = torch.randn(rows, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         inputs.append((x, *bench._routing(spec, rows, gen)))
+    return (wg, wu, wd), inputs
+
+
+def _candidate_layer(spec: MoESpec, rows: int, c: "Candidate", weights, group=None):
+    """Candidate ``c``'s MoELayer holding ``weights`` (id checks off)."""
+    import torch
+
+    from mokgen.ep import MoELayer
+
+    # MoELayer's constructor agrees on the kernel's load before its first collective
+    # (ep._load_agreed): a load failing on one rank raises on every rank
+    layer = MoELayer(spec, group, max_tokens=rows, tuned=False, build_options=env.plan_options_with(c.build_options()),
+                     **c.runtime())
+    wg, wu, wd = weights
+    with torch.no_grad():
+        layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+    layer.check_ids = False
+    return layer
+
+
+def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
+    """A function (candidate) -> median ms of ``spec``'s layer on ``rows`` tokens per rank,
+    uniform routing, bench's weights and inputs (shared by every candidate). Under a process
+    group a failure to load the kernel on one rank fails the candidate on all of them in step
+    (the layer's constructor agrees on the load first)."""
+    import torch
+
+    from mokgen import bench
+
+    weights, inputs = _timing_problem(spec, rows, group)
 
     def time_one(c: Candidate) -> float:
-        # MoELayer's constructor agrees on the kernel's load before its first collective
-        # (ep._load_agreed): a load failing on one rank raises on every rank
-        layer = MoELayer(spec, group, max_tokens=rows, tuned=False, build_options=env.plan_options_with(c.build_options()),
-                         **c.runtime())
-        with torch.no_grad():
-            layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
-        layer.check_ids = False
+        layer = _candidate_layer(spec, rows, c, weights, group)
         with torch.no_grad():
             times = bench.time_cuda(lambda i: layer(*inputs[i]), n_inputs=len(inputs), iters=iters)
         layer.check_errors()  # a launch that timed out fails the candidate
@@ -478,6 +511,76 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
         return statistics.median(times)
 
     return time_one
+
+
+def _pair_timer(spec: MoESpec, rows: int):
+    """A function (candidate a, candidate b, blocks) -> ``blocks`` pairs (a's ms, b's ms): both
+    layers live at once (each its own buffers, the same weights and inputs) and are launched in
+    ABBA blocks of single launches timed by CUDA events, each pair the block's two launches of a
+    side summed. A drift of the clock slower than a block (the H200's power cap) cancels out of
+    the block's ratio. One GPU, no process group. A launch error or timeout raises."""
+    import torch
+
+    from mokgen import bench
+
+    weights, inputs = _timing_problem(spec, rows)
+
+    def time_pairs(a: Candidate, b: Candidate, blocks: int) -> list[tuple[float, float]]:
+        layers = [_candidate_layer(spec, rows, c, weights) for c in (a, b)]
+
+        def launch(side: int, i: int) -> float:
+            return bench.time_launch(lambda: layers[side](*inputs[i % len(inputs)]))
+
+        pairs = []
+        with torch.no_grad():
+            for i in range(6):  # warm-up, both sides
+                launch(i % 2, i)
+            for blk in range(blocks):
+                a1, b1, b2, a2 = launch(0, blk), launch(1, blk), launch(1, blk + 1), launch(0, blk + 1)
+                pairs.append((a1 + a2, b1 + b2))
+        for layer in layers:
+            layer.check_errors()
+        return pairs
+
+    return time_pairs
+
+
+def interleaved_verdict(pairs: Sequence[tuple[float, float]], *, noise: float = NOISE, resamples: int = CONFIRM_BOOTSTRAP,
+                        seed: int = 0) -> dict[str, Any]:
+    """The interleaved confirmation's decision from ABBA blocks ``(defaults' ms, candidate's ms)``:
+    the per-block ratios candidate / defaults, their median, and a bootstrap 95% interval of the
+    median (``resamples`` resamples from a fixed seed: the same verdict for the same times). The
+    candidate holds only if the median is below ``1 - noise`` and the interval's upper bound below
+    1, so a winner within the noise or not resolved from it goes back to the defaults."""
+    import random
+
+    if not pairs:
+        raise InputError("interleaved_verdict needs at least one block")
+    ratios = [b / a for a, b in pairs]
+    rng = random.Random(seed)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    lo, hi = boot[int(0.025 * resamples)], boot[min(resamples - 1, int(0.975 * resamples))]
+    median = statistics.median(ratios)
+    return {"ratio": median, "ratio_lo": lo, "ratio_hi": hi, "held": median < 1 - noise and hi < 1}
+
+
+def confirm_interleaved(first: int, time_pairs: Callable[[int, int, int], Sequence[tuple[float, float]]],
+                        blocks: int = CONFIRM_BLOCKS, noise: float = NOISE) -> tuple[int, dict[str, Any]]:
+    """confirm_choice's interleaved form: the defaults (index 0) and ``first`` in ``blocks`` ABBA
+    blocks (``time_pairs(0, first, blocks)``, raising for a failure of either side, which keeps
+    the defaults); the winner and the record. The record's ``default_ms`` / ``candidate_ms`` are
+    the per-launch times of each block (half its pair), so Result's medians are launch times."""
+    record: dict[str, Any] = {"candidate": first, "method": "interleaved", "blocks": blocks, "default_ms": [],
+                              "candidate_ms": [], "held": False}
+    try:
+        pairs = list(time_pairs(0, first, blocks))
+    except Exception as err:  # either side failing to run: the defaults stay
+        record["error"] = _one_line(err)
+        return 0, record
+    record["default_ms"] = [a / 2 for a, _ in pairs]
+    record["candidate_ms"] = [b / 2 for _, b in pairs]
+    record.update(interleaved_verdict(pairs, noise=noise))
+    return (first if record["held"] else 0), record
 
 
 @dataclass
@@ -562,16 +665,21 @@ def _workload(spec: MoESpec, ep: int, tokens: int, distributed: bool) -> tuple[M
 
 def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bool = True, group=None,
          root: Optional[Path] = None, jobs: int = 4, log: Callable[[str], None] = lambda s: None,
-         step: Callable[[int, int, Candidate, Outcome], None] = lambda i, n, c, o: None) -> Result:
+         step: Callable[[int, int, Candidate, Outcome], None] = lambda i, n, c, o: None,
+         confirm: str = "rounds") -> Result:
     """Measure every candidate of ``spec`` at EP ``ep`` and ``tokens`` per rank on this GPU, write
     the tuned file (under ``root``, default $MOKGEN_TUNED_DIR) and return the result. Resumable:
     the timings so far are kept in ``<file>.partial`` after every candidate and reused by a rerun
     with the same metadata and candidates. Under a process group (``group``), the ranks time
     together, every rank making the same collective calls: rank 0 reads the partial file and
     broadcasts it, a candidate's time is the slowest rank's (a failure on any rank fails it),
-    rank 0 writes the file and decides the winner."""
+    rank 0 writes the file and decides the winner. ``confirm``: how a winner other than the
+    defaults is confirmed, "rounds" (confirm_choice) or "interleaved" (confirm_interleaved; one
+    GPU only: under a process group the rounds are used)."""
     import torch
 
+    if confirm not in CONFIRM_METHODS:
+        raise InputError(f"confirm must be one of {', '.join(CONFIRM_METHODS)}, got {confirm!r}")
     if not torch.cuda.is_available():
         raise InputError("mokgen tune times candidates on a CUDA GPU; none is visible")
     distributed = group is not None
@@ -660,18 +768,27 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
         best = box[0]
     if isinstance(best, str):
         raise InputError(f"{spec.name}: {best}")
-    confirm = None
-    if best != 0 and done[0].ms is not None:  # every rank knows best (broadcast) and times in step
+    record = None
+    if best != 0 and done[0].ms is not None and confirm == "interleaved" and not distributed:
+        log(f"confirming {cands[best].label()} against the defaults ({CONFIRM_BLOCKS} interleaved ABBA blocks)")
+        first = best
+        pair_timer = _pair_timer(work, rows)
+        best, record = confirm_interleaved(first, lambda a, b, n: pair_timer(cands[a], cands[b], n))
+        if best != first:
+            log(f"{cands[first].label()} did not hold against the defaults interleaved "
+                f"(ratio {record.get('ratio', float('nan')):.4f}, upper bound {record.get('ratio_hi', float('nan')):.4f}"
+                f"{', ' + record['error'] if 'error' in record else ''}): the defaults win")
+    elif best != 0 and done[0].ms is not None:  # every rank knows best (broadcast) and times in step
         log(f"confirming {cands[best].label()} against the defaults ({CONFIRM_ROUNDS} alternated rounds)")
         first = best
-        best, confirm = confirm_choice(first, lambda i: measure(cands[i]).ms)
+        best, record = confirm_choice(first, lambda i: measure(cands[i]).ms)
         if distributed:  # rank 0's decision (the times are the same reduced values on every rank)
             box = [best]
             dist.broadcast_object_list(box, src=src0, group=group)
             best = box[0]
         if best != first:
             log(f"{cands[first].label()} did not hold against the defaults in alternation: the defaults win")
-    result = Result(key, path, space, done, best, workload, confirm)
+    result = Result(key, path, space, done, best, workload, record)
     if rank0:
         write_json(path, to_doc(result, meta))
         if partial.exists():

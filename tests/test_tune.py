@@ -229,6 +229,44 @@ def test_confirm_choice_keeps_only_a_winner_that_holds_in_alternation():
     assert best == 4 and rec["held"] and rec["default_ms"] == []
 
 
+def test_interleaved_verdict_needs_a_resolved_win_beyond_the_noise():
+    """The interleaved confirmation holds only where the median per-block ratio is below
+    1 - NOISE and the bootstrap interval's upper bound below 1; the same times give the same
+    verdict (a fixed seed)."""
+    clear = [(2.0, 1.9 + 0.001 * (i % 7)) for i in range(50)]  # 5% faster in every block
+    v = tune_mod.interleaved_verdict(clear)
+    assert v["held"] and v["ratio"] == pytest.approx(0.9515, abs=2e-3) and v["ratio_lo"] <= v["ratio"] <= v["ratio_hi"] < 1
+    assert tune_mod.interleaved_verdict(clear) == v
+    small = [(2.0, 1.99) for _ in range(50)]  # 0.5% faster: within NOISE
+    assert not tune_mod.interleaved_verdict(small)["held"]
+    # a 2% median gain that the blocks do not resolve: half of them 10% slower
+    noisy = [(2.0, 1.96)] * 26 + [(2.0, 2.2)] * 24
+    v = tune_mod.interleaved_verdict(noisy)
+    assert v["ratio"] == pytest.approx(0.98) and v["ratio_hi"] >= 1 and not v["held"]
+    with pytest.raises(InputError, match="at least one block"):
+        tune_mod.interleaved_verdict([])
+
+
+def test_confirm_interleaved_keeps_the_defaults_unless_the_candidate_holds():
+    calls = []
+
+    def pairs(times):
+        def time_pairs(a, b, n):
+            calls.append((a, b, n))
+            if isinstance(times, Exception):
+                raise times
+            return [times] * n
+        return time_pairs
+
+    best, rec = tune_mod.confirm_interleaved(4, pairs((4.0, 3.6)), blocks=10)
+    assert best == 4 and rec["held"] and calls == [(0, 4, 10)] and rec["method"] == "interleaved"
+    assert rec["default_ms"] == [2.0] * 10 and rec["candidate_ms"] == [1.8] * 10 and rec["ratio"] == pytest.approx(0.9)
+    best, rec = tune_mod.confirm_interleaved(4, pairs((4.0, 4.1)), blocks=10)
+    assert best == 0 and not rec["held"]
+    best, rec = tune_mod.confirm_interleaved(4, pairs(RuntimeError("launch timed out\nat rank 0")), blocks=10)
+    assert best == 0 and rec["error"] == "launch timed out at rank 0" and rec["default_ms"] == []
+
+
 def test_lookup_finds_a_fitting_entry_user_dir_first(tuned_dirs):
     user, package = tuned_dirs
     spec = load_spec("qwen3-30b-a3b")
@@ -436,6 +474,41 @@ def test_tune_resumes_successes_and_retries_failures(fake_gpu, tuned_dirs):
                                   "outcomes": outcomes})
     tune_mod.tune(spec, ep=1, tokens=2048, iters=20, resume=False)
     assert timed == list(range(len(space.candidates)))  # the defaults win the first pass: no confirmation
+
+
+def test_tune_confirms_interleaved_when_asked(fake_gpu, tuned_dirs, monkeypatch):
+    """confirm="interleaved": the first pass's winner against the defaults in ABBA blocks of the
+    pair timer (here its times: the candidate's per-launch 1.0 against the defaults' 2.0), the
+    record in the file, the stored times the blocks' per-launch medians; a pair timer that shows
+    no gain gives the defaults back; an unknown method is a clear error before anything runs."""
+    spec, space, times, timed = fake_gpu
+    times[3] = 1.0
+    seen = []
+
+    def fake_pairs(work, rows):
+        def time_pairs(a, b, n):
+            ia, ib = space.candidates.index(a), space.candidates.index(b)
+            seen.append((ia, ib, n))
+            return [(2 * times[ia], 2 * times[ib])] * n
+        return time_pairs
+
+    monkeypatch.setattr(tune_mod, "_pair_timer", fake_pairs)
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="interleaved")
+    assert timed == list(range(len(space.candidates)))  # no rounds of medians
+    assert seen == [(0, 3, tune_mod.CONFIRM_BLOCKS)] and result.best_index == 3
+    doc = json.loads(result.path.read_text())
+    assert doc["confirm"]["method"] == "interleaved" and doc["confirm"]["held"] is True
+    assert doc["default_ms"] == 2.0 and doc["best_ms"] == 1.0
+    times[3] = 1.995  # the first pass's 1.0 does not hold in the blocks
+    monkeypatch.setattr(tune_mod, "_pair_timer", lambda work, rows: lambda a, b, n: [(4.0, 3.99)] * n)
+    tuned = dict(times)
+    times[3] = 1.0
+    logs = []
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="interleaved", resume=False, log=logs.append)
+    assert result.best_index == 0 and any("did not hold against the defaults interleaved" in s for s in logs)
+    assert tuned[3] == 1.995
+    with pytest.raises(InputError, match="confirm must be one of rounds, interleaved, got 'best-of-3'"):
+        tune_mod.tune(spec, ep=1, tokens=2048, confirm="best-of-3")
 
 
 def test_tune_all_failed_names_the_partial_file(fake_gpu, tuned_dirs):
@@ -665,3 +738,20 @@ def test_shipped_tuned_files_fit_this_tree(monkeypatch):
         assert meta["plan_options"] == tune_mod.metadata(meta["gpu"])["plan_options"], path
         Candidate.from_json(doc["best"])
         assert path.parent.name in ALL_SPECS, path
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_pair_timer_times_both_layers_in_abba_blocks():
+    """The interleaved confirmation's timer on the H200: the defaults against themselves (two
+    layers of one build) in ABBA blocks give pairs of positive times whose median ratio is 1
+    within the method's noise, and the verdict keeps the defaults."""
+    from mokgen.spec import load_spec as load
+
+    spec = load(str(TINY))
+    space = search_space(spec, ep=1, tokens=256, gpu_memory=141 << 30)
+    default = space.candidates[0]
+    pairs = tune_mod._pair_timer(spec, 256)(default, default, 20)
+    assert len(pairs) == 20 and all(a > 0 and b > 0 for a, b in pairs)
+    v = tune_mod.interleaved_verdict(pairs)
+    assert 0.95 < v["ratio"] < 1.05 and not v["held"]
