@@ -19,10 +19,11 @@ Two paths compute this. BF16 inputs take the grouped path (where torch._grouped_
 _grouped_ok), with ``d w[t, j] = <dOut[t] Wd[e], h>`` so that y is never recomputed, in one of
 two forms:
 - mokgen's own Hopper kernels (``mokgen.bwd_gemm``, the default on an sm_90 GPU where H and I
-  are multiples of 256; ``MOKGEN_BWD_GEMM=0`` turns them off): dh in fp32, g and u (saved or
-  recomputed, below) through SwiGLU's backward, dx as one accumulation over both products
-  (each pair's row rounded to bf16 before the sum over a token's slots, MOKGEN_BWD_DX_PAIRS),
-  weight gradients by one CTA per (expert, tile) in row order. Measured 1.07x (kimi-k2.5
+  are multiples of 256; ``MOKGEN_BWD_GEMM=0`` turns them off): dh in fp32 (bf16 under the save
+  policy, MOKGEN_BWD_DH), g and u (saved or recomputed, below) through SwiGLU's backward, dx as
+  one accumulation over both products (each pair's row rounded to bf16 before the sum over a
+  token's slots, MOKGEN_BWD_DX_PAIRS), weight gradients by one CTA per (expert, tile) in row
+  order (the gate's and up's in one launch with MOKGEN_BWD_WEIGHTS_JOINT=1). Measured 1.07x (kimi-k2.5
   local) and 1.44x (qwen3.5-35b-a3b layer) the PyTorch autograd pipeline for fwd+bwd on the
   H200, where the torch._grouped_mm form was 0.89-0.91x (docs/perf-notes.md, v0.10).
 - ``torch._grouped_mm``: seven grouped GEMMs (bf16 operands, fp32 accumulation, like the
