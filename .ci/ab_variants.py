@@ -14,8 +14,10 @@ switches read at call time, such as the backward's (MOKGEN_BWD_DX_PAIRS=fp32).
 dOut, gradients of x, the routing weights and the weights; the gradients reset each step as in
 `mokgen bench --backward`).
 
-Prints per workload: the median launch of A and of B, the median over blocks of B's time / A's
-(its 95% bootstrap interval beside it), and in how many blocks B was faster. With no --b, B is A
+Prints per workload: the median launch of A and of B (each block's mean of its two), the median
+over blocks of B's time / A's (its 95% bootstrap interval beside it, bench.block_ratio), and in
+how many blocks B was faster (the blocks: bench.abba_blocks, which the tuner's interleaved
+confirmation uses too). With no --b, B is A
 again: the noise floor of the method itself. `--b tuned`: B is the layer as `mokgen bench` builds
 it, with the shipped tuned entry where one fits (issue 7's same-run comparison of tuned against
 the defaults; A should then set nothing).
@@ -32,7 +34,6 @@ Both variants use the plan's defaults (no tuned entry) where they set nothing.""
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -169,26 +170,16 @@ def main() -> None:
             apply_env((va, vb)[side][2], env_keys)
             return bench.time_launch(lambda: step(layers[side], inputs[i % len(inputs)]))
 
-        ta, tb, ratios = [], [], []
         with torch.set_grad_enabled(args.backward):
-            for i in range(6):  # warm-up, both
-                launch(i % 2, i)
-            for blk in range(args.blocks):
-                a1 = launch(0, blk)
-                b1 = launch(1, blk)
-                b2 = launch(1, blk + 1)
-                a2 = launch(0, blk + 1)
-                ta += [a1, a2]
-                tb += [b1, b2]
-                ratios.append((b1 + b2) / (a1 + a2))
+            pairs = bench.abba_blocks(launch, args.blocks)
         apply_env({}, env_keys)
         for layer in layers:
             layer.check_errors()
-        rng = random.Random(0)
-        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+        ratio, lo, hi = bench.block_ratio(pairs)
         r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks, "backward": args.backward,
-             "a_ms": statistics.median(ta), "b_ms": statistics.median(tb), "ratio": statistics.median(ratios),
-             "ratio_lo": boot[50], "ratio_hi": boot[1949], "b_faster": sum(x < 1 for x in ratios)}
+             # a launch's median time per side (half of a block's two)
+             "a_ms": statistics.median(a / 2 for a, _ in pairs), "b_ms": statistics.median(b / 2 for _, b in pairs),
+             "ratio": ratio, "ratio_lo": lo, "ratio_hi": hi, "b_faster": sum(b < a for a, b in pairs)}
         results.append(r)
         print(f"{label:34s} A {r['a_ms']:.3f} ms  B {r['b_ms']:.3f} ms  B/A {r['ratio']:.4f} "
               f"[{r['ratio_lo']:.4f}, {r['ratio_hi']:.4f}]  B faster in {r['b_faster']}/{args.blocks} blocks", flush=True)

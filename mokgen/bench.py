@@ -76,6 +76,33 @@ def time_launch(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end)
 
 
+def abba_blocks(launch: Callable[[int, int], float], blocks: int, *, warmup: int = 6) -> list[tuple[float, float]]:
+    """An interleaved comparison of two sides: ``warmup`` launches alternating, then ``blocks``
+    ABBA blocks of ``launch(side, i)`` (side 0 = A, 1 = B; i the block's input index, i + 1 for
+    its second half; returns ms). Each block gives (A's two launches, B's two) summed: a drift of
+    the clock slower than a block cancels out of its ratio. `.ci/ab_variants.py` and the tuner's
+    interleaved confirmation time this way."""
+    for i in range(warmup):
+        launch(i % 2, i)
+    pairs = []
+    for blk in range(blocks):
+        a1, b1, b2, a2 = launch(0, blk), launch(1, blk), launch(1, blk + 1), launch(0, blk + 1)
+        pairs.append((a1 + a2, b1 + b2))
+    return pairs
+
+
+def block_ratio(pairs, *, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, 2.5th, 97.5th percentile) of B / A over ABBA blocks ``pairs`` of (A ms, B ms): the
+    median of the per-block ratios and a bootstrap 95% interval of it (``resamples`` resamples
+    from a fixed seed, so the same times give the same interval)."""
+    import random
+
+    ratios = [b / a for a, b in pairs]
+    rng = random.Random(seed)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), boot[int(0.025 * resamples)], boot[min(resamples - 1, int(0.975 * resamples))]
+
+
 def time_cuda(fn: Callable[[int], object], *, n_inputs: int, warmup: int = 3, iters: int = 20) -> list[float]:
     """Times ``fn(i)`` (i = input set index, rotating) with CUDA events; returns ms per run."""
     for i in range(warmup):

@@ -531,13 +531,8 @@ def _pair_timer(spec: MoESpec, rows: int):
         def launch(side: int, i: int) -> float:
             return bench.time_launch(lambda: layers[side](*inputs[i % len(inputs)]))
 
-        pairs = []
         with torch.no_grad():
-            for i in range(6):  # warm-up, both sides
-                launch(i % 2, i)
-            for blk in range(blocks):
-                a1, b1, b2, a2 = launch(0, blk), launch(1, blk), launch(1, blk + 1), launch(0, blk + 1)
-                pairs.append((a1 + a2, b1 + b2))
+            pairs = bench.abba_blocks(launch, blocks)
         for layer in layers:
             layer.check_errors()
         return pairs
@@ -552,15 +547,11 @@ def interleaved_verdict(pairs: Sequence[tuple[float, float]], *, noise: float = 
     median (``resamples`` resamples from a fixed seed: the same verdict for the same times). The
     candidate holds only if the median is below ``1 - noise`` and the interval's upper bound below
     1, so a winner within the noise or not resolved from it goes back to the defaults."""
-    import random
+    from mokgen import bench
 
     if not pairs:
         raise InputError("interleaved_verdict needs at least one block")
-    ratios = [b / a for a, b in pairs]
-    rng = random.Random(seed)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    lo, hi = boot[int(0.025 * resamples)], boot[min(resamples - 1, int(0.975 * resamples))]
-    median = statistics.median(ratios)
+    median, lo, hi = bench.block_ratio(pairs, resamples=resamples, seed=seed)
     return {"ratio": median, "ratio_lo": lo, "ratio_hi": hi, "held": median < 1 - noise and hi < 1}
 
 

@@ -130,3 +130,24 @@ def test_bench_table_speedups_and_peak_memory_column():
            Row("layer fwd+bwd", "qwen3.5-35b-a3b", 16384, "torch._grouped_mm autograd", 14.5, 170.0, peak_gib=2.13)]
     text = render(fwd + bwd)
     assert "peak GiB" in text and "+2.19" in text and "+2.13" in text and "2.27x" in text
+
+
+def test_abba_blocks_interleave_the_sides_and_block_ratio_is_reproducible():
+    """abba_blocks launches warm-up then A B B A per block (input i, then i + 1), pairing each
+    side's two launches; block_ratio's median and bootstrap interval come from those pairs, the
+    same on every call (fixed seed)."""
+    from mokgen.bench import abba_blocks, block_ratio
+
+    calls = []
+
+    def launch(side, i):
+        calls.append((side, i))
+        return 1.0 + side * 0.1 + 0.01 * (i % 3)  # B 10% slower, a drift both sides share
+
+    pairs = abba_blocks(launch, 4, warmup=2)
+    assert calls[:2] == [(0, 0), (1, 1)]
+    assert calls[2:6] == [(0, 0), (1, 0), (1, 1), (0, 1)] and len(calls) == 2 + 4 * 4
+    assert pairs[0] == pytest.approx((2.01, 2.21))
+    ratio, lo, hi = block_ratio(pairs)
+    assert lo <= ratio <= hi and ratio == pytest.approx(1.1, abs=0.01)
+    assert block_ratio(pairs) == (ratio, lo, hi)
