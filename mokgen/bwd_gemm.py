@@ -478,6 +478,27 @@ def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None):
     return h, dg, du, dw_part.sum(dim=1)
 
 
+def _weight_cluster(cluster: int | None) -> int:
+    """The weight gradients' CTAs per cluster: ``cluster``, else MOKGEN_BWD_CLUSTER; 1 or 2."""
+    cluster = env.bwd_cluster() if cluster is None else cluster
+    if cluster not in (1, 2):
+        raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
+    return cluster
+
+
+def _weight_experts(fn: str, M: int, N: int, offs, device) -> int:
+    """The weight gradients' tile-sized M and N and their offsets checked; returns the experts."""
+    import torch
+
+    if M == 0 or N == 0 or M % BLOCK_M or N % BLOCK_N:
+        raise InputError(f"{fn} needs M, N > 0 with M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got M = {M}, N = {N}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
+        raise InputError("offs must be a 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
+    E = offs.shape[0]
+    _check_offs(offs, E, device)
+    return E
+
+
 def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
     row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
@@ -491,9 +512,7 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     docs/perf-notes.md v0.14). The same bits every way."""
     import torch
 
-    cluster = env.bwd_cluster() if cluster is None else cluster
-    if cluster not in (1, 2):
-        raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
+    cluster = _weight_cluster(cluster)
     schedule = env.bwd_weights() if schedule is None else schedule
     if schedule not in WEIGHT_SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(WEIGHT_SCHEDULES)}, got {schedule!r}")
@@ -504,13 +523,7 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     N = b.shape[1]
     if b.shape[0] != rows or b.device != a.device:
         raise InputError(f"A {tuple(a.shape)} and B {tuple(b.shape)} must have the same rows, on one device")
-    if M == 0 or N == 0 or M % BLOCK_M or N % BLOCK_N:
-        raise InputError(f"weight_grads needs M, N > 0 with M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got M = {M}, "
-                         f"N = {N}")
-    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
-        raise InputError("offs must be a 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
-    E = offs.shape[0]
-    _check_offs(offs, E, a.device)
+    E = _weight_experts("weight_grads", M, N, offs, a.device)
     if rows == 0 or E == 0:
         return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
@@ -530,9 +543,7 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None):
     ``cluster`` as weight_grads (2 needs M / 128 even)."""
     import torch
 
-    cluster = env.bwd_cluster() if cluster is None else cluster
-    if cluster not in (1, 2):
-        raise InputError(f"cluster must be 1 or 2, got {cluster!r}")
+    cluster = _weight_cluster(cluster)
     _check_operand("A0", a0, 2)
     _check_operand("A1", a1, 2)
     _check_operand("B", b, 2)
@@ -541,13 +552,7 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None):
     if tuple(a1.shape) != (rows, M) or b.shape[0] != rows or a1.device != a0.device or b.device != a0.device:
         raise InputError(f"A0 {tuple(a0.shape)}, A1 {tuple(a1.shape)} and B {tuple(b.shape)} must be [rows, M], "
                          f"[rows, M] and [rows, N] on one device")
-    if M == 0 or N == 0 or M % BLOCK_M or N % BLOCK_N:
-        raise InputError(f"weight_grads_joint needs M, N > 0 with M % {BLOCK_M} == 0 and N % {BLOCK_N} == 0, got "
-                         f"M = {M}, N = {N}")
-    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
-        raise InputError("offs must be a 1-d int32 tensor (the rows per expert, inclusive prefix sums)")
-    E = offs.shape[0]
-    _check_offs(offs, E, a0.device)
+    E = _weight_experts("weight_grads_joint", M, N, offs, a0.device)
     alloc = torch.zeros if rows == 0 or E == 0 else torch.empty
     out0, out1 = (alloc(E, M, N, dtype=torch.bfloat16, device=a0.device) for _ in range(2))
     if rows and E:

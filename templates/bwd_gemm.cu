@@ -352,8 +352,8 @@ MOKGEN_DEVICE void load8(const bf16* p, float (&d)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    d[2 * k] = __uint_as_float(w[k] << 16);
-    d[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    d[2 * k] = bwd::bf16_lo(w[k]);
+    d[2 * k + 1] = bwd::bf16_hi(w[k]);
   }
 }
 
@@ -433,8 +433,7 @@ __global__ void __launch_bounds__(256)
 MOKGEN_DEVICE float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 MOKGEN_DEVICE float4 load4(const bf16* p) {
   const uint2 v = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                     __uint_as_float(v.y & 0xffff0000u));
+  return make_float4(bwd::bf16_lo(v.x), bwd::bf16_hi(v.x), bwd::bf16_lo(v.y), bwd::bf16_hi(v.y));
 }
 
 template <class InT>

@@ -407,20 +407,14 @@ def test_policy_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "sometimes")
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_POLICY must be save or recompute"):
         env.bwd_policy()
-    monkeypatch.delenv("MOKGEN_BWD_DX_PAIRS", raising=False)
-    assert env.bwd_dx_pairs() == "bf16"
-    monkeypatch.setenv("MOKGEN_BWD_DX_PAIRS", "fp32")
-    assert env.bwd_dx_pairs() == "fp32"
-    monkeypatch.setenv("MOKGEN_BWD_DX_PAIRS", "fp16")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DX_PAIRS must be bf16 or fp32"):
-        env.bwd_dx_pairs()
-    monkeypatch.delenv("MOKGEN_BWD_DH", raising=False)
-    assert env.bwd_dh() == "bf16"
-    monkeypatch.setenv("MOKGEN_BWD_DH", "fp32")
-    assert env.bwd_dh() == "fp32"
-    monkeypatch.setenv("MOKGEN_BWD_DH", "tf32")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DH must be bf16 or fp32"):
-        env.bwd_dh()
+    for name, read, bad in (("MOKGEN_BWD_DX_PAIRS", env.bwd_dx_pairs, "fp16"), ("MOKGEN_BWD_DH", env.bwd_dh, "tf32")):
+        monkeypatch.delenv(name, raising=False)
+        assert read() == "bf16"
+        monkeypatch.setenv(name, "fp32")
+        assert read() == "fp32"
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ToolchainError, match=f"{name} must be bf16 or fp32"):
+            read()
 
 
 def test_op_autograd_with_saved_pre_activations(monkeypatch):

@@ -191,14 +191,21 @@ def test_gradients_every_spec_every_world(name, gemms, policy):
         assert all(torch.equal(a, b) for a, b in zip(got, first)), f"W={W}: bits differ from W=1"
 
 
-def test_gradients_bitwise_over_20_repeats(gemms, policy):
+def _small_layer_problem(seed: int):
+    """SMALL's MoELayer and 1000 tokens (x and the routing weights requiring gradients, top-k of
+    random scores, a dOut), drawn from torch's global generator seeded with ``seed``."""
     spec = load_spec(SMALL)
-    torch.manual_seed(4)
+    torch.manual_seed(seed)
     layer = MoELayer(spec, max_tokens=1024, device="cuda")
     x = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16).requires_grad_(True)
     ids = torch.rand(1000, spec.num_experts, device="cuda").topk(spec.top_k, dim=-1).indices
     w = torch.rand(1000, spec.top_k, device="cuda").requires_grad_(True)
     g = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16)
+    return layer, x, ids, w, g
+
+
+def test_gradients_bitwise_over_20_repeats(gemms, policy):
+    layer, x, ids, w, g = _small_layer_problem(4)
     first = None
     for _ in range(20):
         for t in (x, w, *layer.parameters()):
@@ -218,12 +225,7 @@ def test_joint_weight_grads_give_the_bits_of_two_launches(monkeypatch, policy):
     spec = load_spec(SMALL)
     if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
         pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
-    torch.manual_seed(6)
-    layer = MoELayer(spec, max_tokens=1024, device="cuda")
-    x = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16).requires_grad_(True)
-    ids = torch.rand(1000, spec.num_experts, device="cuda").topk(spec.top_k, dim=-1).indices
-    w = torch.rand(1000, spec.top_k, device="cuda").requires_grad_(True)
-    g = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16)
+    layer, x, ids, w, g = _small_layer_problem(6)
     runs = []
     for joint in ("0", "1"):
         monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", joint)

@@ -237,15 +237,23 @@ def test_staggered_and_lockstep_consumers_give_the_same_bits():
         bwd_gemm.set_stagger(True)
 
 
+def _ragged_counts(experts: int, seed: int, empty: tuple[int, ...], one_row: int) -> list[int]:
+    """Rows per expert in 0..299 from ``seed``, the experts ``empty`` without rows and expert
+    ``one_row`` with one."""
+    counts = torch.randint(0, 300, (experts,), generator=torch.Generator().manual_seed(seed)).tolist()
+    for e in empty:
+        counts[e] = 0
+    counts[one_row] = 1
+    return counts
+
+
 @pytest.mark.parametrize("M", [2048, 384], ids=["pairs", "odd-row-blocks"])
 def test_weight_grad_pairs_give_the_bits_of_single_ctas(M):
     """CTA pairs (cluster=2: row blocks m, m + 1 share B by TMA multicast) walk the same tiles and
     k-blocks as single CTAs, so the bits are the same; many experts, so every pair walks many
     tiles (empty experts, rows that end mid-step). M / 128 odd (384) falls back to single CTAs."""
     gen = torch.Generator(device="cuda").manual_seed(9)
-    counts = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(9)).tolist()
-    counts[3] = counts[17] = 0
-    counts[5] = 1
+    counts = _ragged_counts(40, 9, (3, 17), 5)
     N = 768
     rows = sum(counts) + SPARE_ROWS
     a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
@@ -267,9 +275,7 @@ def test_joint_weight_grads_have_the_bits_of_two_launches(M, cluster):
     launch, with empty experts, one-row experts and rows ending mid-step; CTA pairs where M / 128
     is even (384: three row blocks per problem, single CTAs). Each output a contiguous [E, M, N]."""
     gen = torch.Generator(device="cuda").manual_seed(13)
-    counts = torch.randint(0, 300, (33,), generator=torch.Generator().manual_seed(13)).tolist()
-    counts[0] = counts[20] = 0
-    counts[7] = 1
+    counts = _ragged_counts(33, 13, (0, 20), 7)
     N = 512
     rows = sum(counts) + SPARE_ROWS
     a0, a1, b = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)

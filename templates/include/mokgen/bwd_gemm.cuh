@@ -110,6 +110,10 @@ MOKGEN_DEVICE uint64_t smem_desc_mn(const void* smem) {
 }
 
 using cute::SM90::GMMA::Major;
+
+// The two bf16 of a 32-bit word as floats (exact): the low half is the element at the lower address.
+MOKGEN_DEVICE float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+MOKGEN_DEVICE float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 template <bool kAMN, bool kBMN>
 using Mma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<kAMN ? Major::MN : Major::K, kBMN ? Major::MN : Major::K>;
 
@@ -856,8 +860,7 @@ MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int i = 4 * b + k;  // group i: columns 8 i + 2 q + {0, 1}, bf16 pairs low then high
-        words[k] = swiglu_words(__uint_as_float(gw[k] << 16), __uint_as_float(gw[k] & 0xffff0000u),
-                                __uint_as_float(uw[k] << 16), __uint_as_float(uw[k] & 0xffff0000u),
+        words[k] = swiglu_words(bf16_lo(gw[k]), bf16_hi(gw[k]), bf16_lo(uw[k]), bf16_hi(uw[k]),
                                 acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1], weight, clamp, limit, dot);
       }
       store_swiglu_groups(words, b, q, valid, h, dg, du, off);
