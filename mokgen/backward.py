@@ -23,7 +23,7 @@ two forms:
   policy, MOKGEN_BWD_DH), g and u (saved or recomputed, below) through SwiGLU's backward, dx as
   one accumulation over both products (each pair's row rounded to bf16 before the sum over a
   token's slots, MOKGEN_BWD_DX_PAIRS), weight gradients by one CTA per (expert, tile) in row
-  order (the gate's and up's in one launch with MOKGEN_BWD_WEIGHTS_JOINT=1). Measured 1.07x (kimi-k2.5
+  order (the gate's and up's in one launch, MOKGEN_BWD_WEIGHTS_JOINT). Measured 1.07x (kimi-k2.5
   local) and 1.44x (qwen3.5-35b-a3b layer) the PyTorch autograd pipeline for fwd+bwd on the
   H200, where the torch._grouped_mm form was 0.89-0.91x (docs/perf-notes.md, v0.10).
 - ``torch._grouped_mm``: seven grouped GEMMs (bf16 operands, fp32 accumulation, like the

@@ -519,10 +519,10 @@ def prebuilt(as_json: bool) -> None:
               help="--chunk-sweep: the chunk sizes (received rows per compute batch)")
 @click.option("--plots", "plot_dir", type=click.Path(file_okay=False), default="tune-out", show_default=True,
               help="--chunk-sweep: where the JSON and PNG go")
-@click.option("--confirm", "confirm", type=click.Choice(["rounds", "interleaved"]), default="rounds",
+@click.option("--confirm", "confirm", type=click.Choice(["interleaved", "rounds"]), default="interleaved",
               show_default=True,
-              help="how a winner other than the defaults is confirmed: alternated rounds of medians, or "
-                   "interleaved ABBA blocks of single launches in one process (one GPU; under torchrun the rounds)")
+              help="how a winner other than the defaults is confirmed: interleaved ABBA blocks of single launches "
+                   "in one process (one GPU; under torchrun the rounds), or alternated rounds of medians")
 def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_run, chunk_sweep, chunks,
          plot_dir, confirm) -> None:
     """Pick tile, pipeline and overlap parameters per SPEC on this GPU (mokgen.tune): build and

@@ -66,8 +66,9 @@ CONFIRM_ROUNDS = 3
 #: the resamples of its bootstrap interval
 CONFIRM_BLOCKS = 50
 CONFIRM_BOOTSTRAP = 2000
-#: how the first pass's winner is confirmed: "rounds" (CONFIRM_ROUNDS alternated medians, the
-#: default) or "interleaved" (CONFIRM_BLOCKS ABBA blocks in one process, one GPU only)
+#: how the first pass's winner is confirmed: "interleaved" (CONFIRM_BLOCKS ABBA blocks in one
+#: process, the default on one GPU; measured in v0.21) or "rounds" (CONFIRM_ROUNDS alternated
+#: medians, used under a process group whatever is asked)
 CONFIRM_METHODS = ("rounds", "interleaved")
 #: chunk sizes (received rows per compute batch) the search tries beside the plan's default
 CHUNKS = (1024, 2048, 4096, 8192)
@@ -657,7 +658,7 @@ def _workload(spec: MoESpec, ep: int, tokens: int, distributed: bool) -> tuple[M
 def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bool = True, group=None,
          root: Optional[Path] = None, jobs: int = 4, log: Callable[[str], None] = lambda s: None,
          step: Callable[[int, int, Candidate, Outcome], None] = lambda i, n, c, o: None,
-         confirm: str = "rounds") -> Result:
+         confirm: str = "interleaved") -> Result:
     """Measure every candidate of ``spec`` at EP ``ep`` and ``tokens`` per rank on this GPU, write
     the tuned file (under ``root``, default $MOKGEN_TUNED_DIR) and return the result. Resumable:
     the timings so far are kept in ``<file>.partial`` after every candidate and reused by a rerun
@@ -665,8 +666,8 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     together, every rank making the same collective calls: rank 0 reads the partial file and
     broadcasts it, a candidate's time is the slowest rank's (a failure on any rank fails it),
     rank 0 writes the file and decides the winner. ``confirm``: how a winner other than the
-    defaults is confirmed, "rounds" (confirm_choice) or "interleaved" (confirm_interleaved; one
-    GPU only: under a process group the rounds are used)."""
+    defaults is confirmed, "interleaved" (confirm_interleaved, the default; one GPU only: under a
+    process group the rounds are used) or "rounds" (confirm_choice)."""
     import torch
 
     if confirm not in CONFIRM_METHODS:

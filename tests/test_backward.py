@@ -415,6 +415,13 @@ def test_policy_switches(monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ToolchainError, match=f"{name} must be bf16 or fp32"):
             read()
+    monkeypatch.delenv("MOKGEN_BWD_WEIGHTS_JOINT", raising=False)
+    assert env.bwd_weights_joint()  # one launch for the gate's and up's weight gradients (v0.21)
+    monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", "0")
+    assert not env.bwd_weights_joint()
+    monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", "yes")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_WEIGHTS_JOINT must be 1 or 0"):
+        env.bwd_weights_joint()
 
 
 def test_op_autograd_with_saved_pre_activations(monkeypatch):

@@ -435,7 +435,7 @@ def test_tune_writes_the_winner_and_no_partial(fake_gpu, tuned_dirs):
     times[3] = 1.0
     times[5] = 0.995  # within 1% of candidate 3: a tie, the lower index wins
     times[2] = RuntimeError("launch failed")
-    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20)
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="rounds")
     n = len(space.candidates)
     # every candidate once, then the winner and the defaults in alternation
     assert timed == list(range(n)) + [0, 3] * tune_mod.CONFIRM_ROUNDS
@@ -457,7 +457,7 @@ def test_tune_resumes_successes_and_retries_failures(fake_gpu, tuned_dirs):
     tune_mod.write_json(partial, {"_metadata": tune_mod.metadata(GPU), "candidates": [c.to_json() for c in space.candidates],
                                   "outcomes": outcomes})
     logs: list[str] = []
-    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, log=logs.append)
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, log=logs.append, confirm="rounds")
     n = len(space.candidates)
     # the failure is timed again, the resumed success is not; then candidate 1 (2.1 ms against
     # the resumed 5.0) is confirmed in alternation with the defaults, which now take 2.0: it
@@ -472,12 +472,12 @@ def test_tune_resumes_successes_and_retries_failures(fake_gpu, tuned_dirs):
     timed.clear()
     tune_mod.write_json(partial, {"_metadata": tune_mod.metadata(GPU), "candidates": [c.to_json() for c in space.candidates],
                                   "outcomes": outcomes})
-    tune_mod.tune(spec, ep=1, tokens=2048, iters=20, resume=False)
+    tune_mod.tune(spec, ep=1, tokens=2048, iters=20, resume=False, confirm="rounds")
     assert timed == list(range(len(space.candidates)))  # the defaults win the first pass: no confirmation
 
 
-def test_tune_confirms_interleaved_when_asked(fake_gpu, tuned_dirs, monkeypatch):
-    """confirm="interleaved": the first pass's winner against the defaults in ABBA blocks of the
+def test_tune_confirms_interleaved_by_default(fake_gpu, tuned_dirs, monkeypatch):
+    """confirm="interleaved" (the default): the first pass's winner against the defaults in ABBA blocks of the
     pair timer (here its times: the candidate's per-launch 1.0 against the defaults' 2.0), the
     record in the file, the stored times the blocks' per-launch medians; a pair timer that shows
     no gain gives the defaults back; an unknown method is a clear error before anything runs."""
@@ -493,7 +493,7 @@ def test_tune_confirms_interleaved_when_asked(fake_gpu, tuned_dirs, monkeypatch)
         return time_pairs
 
     monkeypatch.setattr(tune_mod, "_pair_timer", fake_pairs)
-    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="interleaved")
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20)
     assert timed == list(range(len(space.candidates)))  # no rounds of medians
     assert seen == [(0, 3, tune_mod.CONFIRM_BLOCKS)] and result.best_index == 3
     doc = json.loads(result.path.read_text())
