@@ -44,7 +44,7 @@ from mokgen import bench, build, env
 from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
 
-RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas")
+RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas", "bwd_ring", "bwd_policy")  # MoELayer arguments
 BOOL_OPTIONS = ("narrow_tiles", "dispatch_join", "fuse_shared")  # given as 1 / 0
 
 

@@ -69,6 +69,34 @@ def parse_stats(vals: list[int]) -> dict:
     return out
 
 
+#: kStatSlots (ep_forward.cuh) and kRouteParts (ep_routing.cuh): array lengths of LocalLayout
+LAYOUT_STAT_SLOTS = 9
+ROUTE_PARTS = 32
+#: the fields of LocalLayout (ep_forward.cuh), in the order its constructor takes them
+LOCAL_FIELDS = ("bar_rank", "bar_compute", "tile_next", "stats", "chunk_landed", "chunk_free", "chunk_arrived",
+                "chunk_done", "block_done", "recv_expert_offset", "recv_base", "recv_src_off", "ring_meta", "ring_x",
+                "ring_h", "route_hist")
+
+
+def local_layout(experts: int, hidden: int, inter: int, world: int, chunk_rows: int, ring_chunks: int) -> dict[str, int]:
+    """mokgen::LocalLayout<Cfg> (ep_forward.cuh): the byte offset of each array in a rank's
+    private region, and ``total``. The backward reads the receive ring's x rows in place through
+    it (mokgen.ep.EpBuffers.ring_x); EpBuffers checks ``total`` and ``stats`` against the
+    library's own figures before it trusts the rest, and tests/test_ep_inputs.py compares every
+    field with the compiled header."""
+    e_loc = experts // world
+    ring_rows = chunk_rows * ring_chunks
+    sizes = (8, 8, 8, 8 * LAYOUT_STAT_SLOTS, 8 * ring_chunks, 8 * ring_chunks, 8 * ring_chunks, 8 * ring_chunks,
+             8 * ring_rows, 4 * (e_loc + 1), 4 * (experts + 1), 4 * experts, 8 * ring_rows, 2 * ring_rows * hidden,
+             2 * ring_rows * inter, 4 * ROUTE_PARTS * experts)
+    out, at = {}, 0
+    for name, size in zip(LOCAL_FIELDS, sizes):
+        out[name] = at
+        at = (at + size + 255) // 256 * 256
+    out["total"] = at
+    return out
+
+
 # mokgen::Control (sync.cuh): u64 epoch, u32 finished, u32 abort, then ErrorRecord
 # {int code, rank, stage, peer; u64 epoch}.
 ERROR_OFFSET = 16

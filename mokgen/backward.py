@@ -98,7 +98,7 @@ def _swiglu_fwd_bwd(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, clamp_li
 
 
 def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit=None,
-                     need_weight_grads: bool = True, saved_gu=None):
+                     need_weight_grads: bool = True, saved_gu=None, ring_x=None):
     """Gradients of ``out = experts_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down)``.
 
     ``x [T, H]``, ``topk_ids [T, K]`` (ids in ``[0, E)``), ``topk_weights [T, K]``, ``w_gate`` /
@@ -107,7 +107,15 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
     then u of pair (t, j); g and u are then not recomputed (the BF16 path; the per-expert loop
     of other dtypes ignores them). Computes in fp32 (fp64 for fp64 inputs) and returns
     ``(dx, d_topk_weights, dw_gate, dw_up, dw_down)`` in the dtypes of the inputs (the weight
-    gradients are None unless ``need_weight_grads``)."""
+    gradients are None unless ``need_weight_grads``). ``ring_x`` (optional): the pairs' x rows
+    already in the expert-major order of mokgen.bwd_gemm.expert_major, bf16 ``[T * K, H]`` (a
+    one-rank forward's receive ring, mokgen.ep.ring_rows_of; rows past the valid pairs are not
+    read), used instead of gathering them from x where mokgen's GEMMs run; else ignored."""
+    if ring_x is not None:
+        T, K = topk_ids.shape
+        if ring_x.dtype != torch.bfloat16 or tuple(ring_x.shape) != (T * K, x.shape[1]) or not ring_x.is_contiguous():
+            raise InputError(f"ring_x must be a contiguous bf16 tensor [T * K, H] = {(T * K, x.shape[1])}, got "
+                             f"{ring_x.dtype} {tuple(ring_x.shape)}")
     if saved_gu is not None:
         T, K = topk_ids.shape
         I = w_gate.shape[1]
@@ -116,7 +124,7 @@ def experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, 
                              f"{saved_gu.dtype} {tuple(saved_gu.shape)}")
     if _grouped_ok(x, w_gate, w_up, w_down):
         return _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
-                                         need_weight_grads, saved_gu)
+                                         need_weight_grads, saved_gu, ring_x)
     T, K = topk_ids.shape
     E = w_gate.shape[0]
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32, or fp64 for an oracle
@@ -229,7 +237,7 @@ FUSE_DH_SWIGLU = False
 
 
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
-                              need_weight_grads, saved_gu=None):
+                              need_weight_grads, saved_gu=None, ring_x=None):
     """The BF16 path of experts_backward: grouped GEMMs over the expert-major rows."""
     T, K = topk_ids.shape
     E, I = w_gate.shape[0], w_gate.shape[1]
@@ -243,7 +251,10 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # the kernels treat rows past offs[-1] as no expert's (zeros): no wait for the device to
     # count the valid pairs, and (expert_major) the order, token of each row, offsets and
     # routing weights in one launch; torch._grouped_mm gets the valid rows only
+    in_ring = False
     if ours and USE_EXPERT_MAJOR and E <= bwd_gemm.EXPERT_MAJOR_MAX_EXPERTS:
+        # the forward's ring holds the rows in this order (every pair, the dropped ones last)
+        in_ring = ring_x is not None
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         order, tok, offs, wt = bwd_gemm.expert_major(ids32.contiguous(), E, topk_weights.to(f32).contiguous())
         wts = wt.unsqueeze(1)
@@ -255,7 +266,9 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         tok = torch.div(order, K, rounding_mode="floor")
         wt = topk_weights.reshape(-1).index_select(0, order).to(f32)  # [rows], as expert_major's
         wts = wt.unsqueeze(1)
-    rows = x.index_select(0, tok).contiguous()
+    # the x rows of the pairs, in order: in place in the forward's receive ring (issue 5's ring
+    # walked in reverse: 2 T K H bytes neither written nor read again), or gathered again
+    rows = ring_x if in_ring else x.index_select(0, tok).contiguous()
     go = grad_out.to(torch.bfloat16).index_select(0, tok).contiguous()
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
@@ -331,18 +344,21 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
 def experts_backward_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                         w_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
                         clamp_limit: Optional[float], saved_gu: Optional[torch.Tensor] = None,
+                        ring_x: Optional[torch.Tensor] = None,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts_backward as one opaque operator, so that torch.compile (AOTAutograd) traces the
     megakernel's backward as a single node: its data-dependent sizes (rows per expert) stay
     inside. Returns fresh tensors (dx, d_topk_weights, dw_gate, dw_up, dw_down)."""
-    out = experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, saved_gu=saved_gu)
+    out = experts_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, saved_gu=saved_gu,
+                           ring_x=ring_x)
     inputs = (x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out)
     # a custom op may not return its inputs: copy in the (theoretical) case a path returns one
     return tuple(o.clone() if any(o is i for i in inputs) else o for o in out)
 
 
 @experts_backward_op.register_fake
-def _experts_backward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, saved_gu=None):
+def _experts_backward_fake(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit, saved_gu=None,
+                           ring_x=None):
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate), torch.empty_like(w_up),
             torch.empty_like(w_down))
 
@@ -445,8 +461,14 @@ def ep_op_backward(saved: dict, grads_out):
         return ts[0].contiguous() if len(ts) == 1 else torch.cat(list(ts))
 
     e_loc = [t.shape[0] for t in wg]
+    # one rank: its x rows in place in the forward's receive ring, if that still holds them
+    ring = None
+    if n == 1:
+        from mokgen.ep import ring_rows_of
+
+        ring = ring_rows_of(saved.get("local_ptr"), xs[0], ids[0])
     # saved["gu"] (the "save" policy): the op's pre-activations, already rank by rank in pair order
     dx, dw, dwg, dwu, dwd = experts_backward_op(cat(xs), cat(ids), cat(ws), cat(wg), cat(wu), cat(wd), cat(gos),
-                                                saved["clamp_limit"], saved.get("gu"))
+                                                saved["clamp_limit"], saved.get("gu"), ring)
     return (list(dx.split(sizes)), list(dw.split(sizes)), list(dwg.split(e_loc)), list(dwu.split(e_loc)),
             list(dwd.split(e_loc)))

@@ -414,6 +414,13 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         else:
             impls["mokgen megakernel + mokgen backward, recompute (W=1)"] = ours_on(True, "recompute")
             impls["mokgen megakernel + mokgen backward, save (W=1)"] = ours_on(True, "save")
+            ring_layer = _ring_reuse_layer(spec, tokens, layer)
+            if ring_layer is not None:
+                def ring_run(i, ring_layer=ring_layer):
+                    x, ids, w, g = inputs[i]
+                    fresh(x, w, *ring_layer.parameters())
+                    ring_layer(x, ids, w).backward(g)
+                impls[RING_ROW] = ring_run
     impls["torch._grouped_mm autograd"] = peer
     rows = []
     flops = 3 * routed_flops(spec, tokens)
@@ -424,10 +431,33 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         torch.cuda.reset_peak_memory_stats()
         times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
         peak = torch.cuda.max_memory_allocated() - base
+        if name == RING_ROW:  # the ring it holds for the life of the layer, beyond the default's
+            peak += ring_layer._ep.local.numel() - layer._ep.local.numel()
         ms = statistics.median(times)
         rows.append(Row(f"{workload} fwd+bwd", spec.name, tokens, name, ms, flops / ms / 1e9, times,
                         peak_gib=peak / 2**30))
     return rows
+
+
+#: the fwd+bwd bench's row of a layer whose ring is sized to hold every pair (bwd_ring "reuse")
+RING_ROW = "mokgen megakernel + mokgen backward, save, ring reused (W=1)"
+
+
+def _ring_reuse_layer(spec: MoESpec, tokens: int, layer):
+    """For the fwd+bwd bench: where ``layer``'s ring (as tuned) holds fewer rows than the pairs,
+    so its backward gathers them, a copy of it with bwd_ring "reuse" (the ring grown to hold
+    them, read in place by the backward); else None (the default row reads the ring already).
+    Its peak memory counts the larger ring."""
+    from mokgen.ep import MoELayer
+
+    if layer.world != 1 or layer.chunk_rows * layer.ring_chunks >= tokens * spec.top_k:
+        return None
+    other = MoELayer(spec, max_tokens=tokens, device="cuda", chunk_rows=layer.chunk_rows, ring_chunks=layer.ring_chunks,
+                     dispatch_ctas=layer._dispatch, build_options=layer.build_options, tuned=False, bwd_ring="reuse")
+    with torch.no_grad():
+        other.w_gate.copy_(layer.w_gate), other.w_up.copy_(layer.w_up), other.w_down.copy_(layer.w_down)
+    other.check_ids = False
+    return other
 
 
 def block_flops(spec: MoESpec, tokens: int) -> float:

@@ -36,6 +36,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. For the ping-pong weight gradients: how many k-blocks before its last one a warpgroup hands the turn over. The same bits at every value",
     "MOKGEN_BWD_DX_PAIRS": "bf16 (default) or fp32: where a token has several pairs, mokgen's backward GEMMs write each pair's dx row rounded to bf16 (as the forward's combine slots and the rows that come back across GPUs) or in fp32, before the fixed-order fp32 sum over the token's slots",
     "MOKGEN_BWD_DH": "bf16 (default) or fp32: under the save policy, mokgen's dh GEMM (dOut through the down projection) writes its rows rounded to bf16, as torch._grouped_mm's would be, or in fp32, for SwiGLU's backward to read",
+    "MOKGEN_BWD_RING": "auto (default), reuse or gather: a one-rank MoELayer's backward reads the x rows of its pairs in place from the forward's receive ring where the ring still holds all of them (auto), also sizes its ring to hold max_tokens x top_k rows so that it does (reuse), or always gathers them again (gather)",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -190,6 +191,12 @@ def bwd_dx_pairs() -> str:
     """MOKGEN_BWD_DX_PAIRS: ``bf16`` (default) or ``fp32``, the dtype of the per-pair dx rows that
     mokgen's backward sums over a token's slots (mokgen.backward)."""
     return _choice("MOKGEN_BWD_DX_PAIRS", ("bf16", "fp32"))
+
+
+def bwd_ring() -> str:
+    """MOKGEN_BWD_RING: ``auto`` (default), ``reuse`` or ``gather``, where a one-rank MoELayer's
+    backward takes its pairs' x rows from (mokgen.ep.MoELayer's ``bwd_ring``)."""
+    return _choice("MOKGEN_BWD_RING", ("auto", "reuse", "gather"))
 
 
 def bwd_weights_joint() -> bool:

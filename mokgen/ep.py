@@ -21,6 +21,7 @@ call (and on ``check_errors()``), so the forward itself never waits on the host.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -78,10 +79,35 @@ class EpBuffers:
             self.peer_ptrs = [int(handle.buffer_ptrs[r]) for r in range(g.world)]
             torch.cuda.synchronize(device)
             dist.barrier(group=group)  # every rank's zeroed flags exist before anyone signals
+        # the receive ring's x rows of rank 0, for the backward to read in place (ring_x): their
+        # offset from abi.local_layout, trusted only where that mirror gives the library's own
+        # size and statistics offset
+        self._ring_x_offset = None
+        names = ("NUM_EXPERTS", "HIDDEN_SIZE", "INTERMEDIATE_SIZE")
+        if all(hasattr(kernel, n) for n in names):
+            lay = abi.local_layout(*(int(getattr(kernel, n)) for n in names), g.world, g.chunk_rows, g.ring_chunks)
+            if (lay["total"], lay["stats"]) == (self.local_bytes, self.stats_offset):
+                self._ring_x_offset = lay["ring_x"]
+        #: what the last launch on these buffers wrote into the ring (MoELayer.forward: its
+        #: inputs' identity, see _ring_key), or None: unknown, the ring is not read back
+        self.ring_key = None
+        #: set for good once a launch went where the host cannot follow it (a CUDA graph capture)
+        self.ring_untracked = False
         self._pending = None  # (pinned copy of the error record, event) of the last launch
         self._side = None  # the stream the error record's copy runs on (EpBuffers.watch)
         # plain ints, fixed for the life of the buffers (torch.compile sees constants)
         self._addresses = (self.peer_ptrs, self.local.data_ptr(), self.local_bytes, self.ctl.data_ptr())
+
+    def ring_x(self, rows: int) -> torch.Tensor | None:
+        """Rank 0's receive-ring x rows ``[rows, H]`` bf16 as a view of the private region, or None
+        where the ring has fewer rows (or its layout is not known). Ring row i is received row i
+        while the ring holds every received row (chunk c sits in slot c % ring_chunks)."""
+        g = self.geometry
+        if self._ring_x_offset is None or rows > g.chunk_rows * g.ring_chunks:
+            return None
+        H = int(self.kernel.HIDDEN_SIZE)
+        at = self._ring_x_offset
+        return self.local[at:at + 2 * rows * H].view(torch.bfloat16).view(rows, H)
 
     def addresses(self) -> tuple[list[int], int, int, int]:
         """(peer sym pointers, local base, local bytes per rank, control block) for the op."""
@@ -141,6 +167,33 @@ class EpBuffers:
 #: process group of each multi-GPU layer, by the address of its private region (the op's
 #: local_ptr argument): how the op's backward finds the group to exchange gradients over
 _EP_GROUPS: dict[int, object] = {}
+
+
+#: local region address -> the one-rank MoELayer buffers there, for the backward's ring lookup
+_RING_OWNERS: "dict[int, weakref.ref[EpBuffers]]" = {}
+
+
+def _ring_key(x: torch.Tensor, ids: torch.Tensor) -> tuple:
+    """What identifies a launch's ring contents: its x and expert ids (storage, shape, version).
+    The ring's x rows are a function of those two alone, and the autograd graph keeps both
+    alive (saved) until the backward, so no other tensor can take their storage meanwhile."""
+    return (x.data_ptr(), tuple(x.shape), x._version, ids.data_ptr(), tuple(ids.shape), ids._version)
+
+
+def ring_rows_of(local_ptr: int | None, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """The forward's receive-ring x rows ``[T K, H]`` (received order: expert-major, then the
+    pair order; the backward's mokgen.bwd_gemm.expert_major order) of the one-rank MoELayer
+    whose private region is at ``local_ptr``, if its last launch was the one of ``x`` and
+    ``ids`` and the ring still holds every row; else None (the backward gathers them again)."""
+    if local_ptr is None or torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in (x, ids)):
+        return None  # (AOTAutograd traces a compiled backward with fake tensors: no storage to match)
+    if torch._guards.detect_fake_mode((x, ids)) is not None:
+        return None
+    ref = _RING_OWNERS.get(int(local_ptr))
+    bufs = None if ref is None else ref()
+    if bufs is None or bufs.ring_untracked or bufs.ring_key is None or bufs.ring_key != _ring_key(x, ids):
+        return None
+    return bufs.ring_x(ids.numel())
 
 
 def ep_group_of(local_ptr: int | None):
@@ -217,6 +270,31 @@ def _bwd_policy(value: str | None) -> str:
     if value not in BWD_POLICIES:
         raise InputError(f"bwd_policy must be one of {', '.join(BWD_POLICIES)}, got {value!r}")
     return value
+
+
+BWD_RINGS = ("auto", "reuse", "gather")
+
+
+def _bwd_ring(value: str | None) -> str:
+    """Where a one-rank layer's backward takes its x rows from: ``value``, or MOKGEN_BWD_RING."""
+    if value is None:
+        return env.bwd_ring()
+    if value not in BWD_RINGS:
+        raise InputError(f"bwd_ring must be one of {', '.join(BWD_RINGS)}, got {value!r}")
+    return value
+
+
+def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: int, ring_chunks: int,
+                       bwd_ring: str) -> int:
+    """ring_chunks of a new MoELayer: under bwd_ring "reuse" (one rank), enough chunks to hold
+    max_tokens x top_k rows, so that the backward can read every pair's x row in place."""
+    if bwd_ring != "reuse" or world != 1:
+        return ring_chunks
+    need = -(-max_tokens * spec.top_k // chunk_rows)
+    if need > 1024:
+        raise InputError(f"bwd_ring='reuse': {max_tokens} x {spec.top_k} rows need {need} ring chunks of {chunk_rows} "
+                         "rows, more than 1024; pass a larger chunk_rows or bwd_ring='auto'")
+    return max(ring_chunks, need)
 
 
 def _op(kernel):
@@ -498,14 +576,23 @@ class MoELayer(torch.nn.Module):
     ``bwd_policy``: ``"save"`` or ``"recompute"`` (default: MOKGEN_BWD_POLICY, else save), the
     backward's source of the pre-activations g and u (mokgen.backward); the attribute of the
     same name can change it between calls. A multi-GPU layer always recomputes.
+    ``bwd_ring``: ``"auto"``, ``"reuse"`` or ``"gather"`` (default: MOKGEN_BWD_RING, else auto),
+    where a one-rank layer's backward takes its pairs' x rows: in place from the forward's
+    receive ring, where the ring still holds every received row and no other launch of this
+    layer ran in between (auto; eager mode: never under torch.compile or after a CUDA graph
+    capture of the layer); the same, with the ring sized to hold max_tokens x top_k rows so that
+    it always does (reuse: 2 (H + I) + 16 bytes per row of memory for the life of the layer); or
+    gathered again from x (gather). The bits are the same.
     """
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
                  chunk_rows: int | None = None, ring_chunks: int | None = None,
                  dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None,
-                 tuned: bool = True, build_options: dict | None = None, bwd_policy: str | None = None):
+                 tuned: bool = True, build_options: dict | None = None, bwd_policy: str | None = None,
+                 bwd_ring: str | None = None):
         super().__init__()
         self.bwd_policy = bwd_policy  # checked once, by the property's setter
+        self.bwd_ring = _bwd_ring(bwd_ring)
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
         if group is not None:
@@ -533,6 +620,8 @@ class MoELayer(torch.nn.Module):
                 (chunk_rows, ring_chunks, dispatch_ctas))
         self.build_options = dict(build_options)
         self.chunk_rows, self.ring_chunks = _ring(s, chunk_rows, ring_chunks)
+        self.ring_chunks = _ring_for_backward(s, self.world, self.max_tokens, self.chunk_rows, self.ring_chunks,
+                                              self.bwd_ring)
         self.timeout_ms = float(timeout_ms)
         #: validate the expert-id range before each launch (one device sync; off for graphs)
         self.check_ids = True
@@ -554,6 +643,8 @@ class MoELayer(torch.nn.Module):
             self._ctas, self._dispatch = _ctas(self._kernel, 1, self.world)
         if self.world > 1:
             _EP_GROUPS[int(self._ep.addresses()[1])] = group
+        elif self.build_options.get("pull_mode") != "gather":  # (which reads x in place: no ring rows)
+            _RING_OWNERS[int(self._ep.addresses()[1])] = weakref.ref(self._ep)
         if dispatch_ctas is not None:
             pair = int(self._kernel.LIB.mokgen_ep_cluster())
             P = int(dispatch_ctas)
@@ -633,9 +724,18 @@ class MoELayer(torch.nn.Module):
         g = bufs.geometry
         tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args,
                           (x, topk_weights, self.w_gate, self.w_up, self.w_down, *(t for t in shared_args if t is not None)))
+        ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        # what this launch leaves in the ring, for the backward (ring_rows_of): known in eager
+        # mode only; a compiled call forgets the last key, a captured one stops the tracking
+        if compiling:
+            bufs.ring_key = None
+        elif torch.cuda.is_current_stream_capturing():
+            bufs.ring_key, bufs.ring_untracked = None, True
+        else:
+            bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
         out = _op(self._kernel)(
             [x],
-            [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
+            [ids32],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
             [self.w_gate], [self.w_up], [self.w_down],
             *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,

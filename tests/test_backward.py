@@ -394,6 +394,87 @@ def test_save_is_asked_only_where_the_backward_can_use_it():
         _bwd_policy("keep")
 
 
+def test_ring_reuse_bookkeeping(monkeypatch):
+    """The backward's ring lookup (mokgen.ep.ring_rows_of): rows only for the launch whose x and
+    ids it was given (same storage, shape and version), while the ring holds T K rows, never
+    after a capture or under no key; the "reuse" sizing; the bwd_ring checks."""
+    import weakref
+
+    from mokgen import ep, env
+    from mokgen.errors import InputError, ToolchainError
+    from mokgen.spec import load_spec
+
+    class Bufs:  # what ring_rows_of reads of an EpBuffers
+        def __init__(self, ring_rows, H):
+            self.ring_rows, self.H, self.ring_key, self.ring_untracked = ring_rows, H, None, False
+            self.storage = torch.arange(ring_rows * H, dtype=torch.float32).to(torch.bfloat16)
+
+        def ring_x(self, rows):
+            return None if rows > self.ring_rows else self.storage[: rows * self.H].view(rows, self.H)
+
+    T, K, H = 6, 2, 4
+    x, ids = torch.randn(T, H).to(torch.bfloat16), torch.zeros(T, K, dtype=torch.int32)
+    bufs = Bufs(16, H)
+    monkeypatch.setitem(ep._RING_OWNERS, 1234, weakref.ref(bufs))
+    assert ep.ring_rows_of(1234, x, ids) is None  # no launch recorded
+    bufs.ring_key = ep._ring_key(x, ids)
+    rows = ep.ring_rows_of(1234, x, ids)
+    assert rows.shape == (T * K, H) and rows.data_ptr() == bufs.storage.data_ptr()
+    assert ep.ring_rows_of(None, x, ids) is None and ep.ring_rows_of(99, x, ids) is None
+    assert ep.ring_rows_of(1234, x.clone(), ids) is None  # another x: another launch's rows
+    assert ep.ring_rows_of(1234, x, ids.clone()) is None
+    assert ep.ring_rows_of(1234, x[:5], ids[:5]) is None  # a view of the same storage
+    x.add_(1)  # the same tensor, written since
+    assert ep.ring_rows_of(1234, x, ids) is None
+    bufs.ring_key = ep._ring_key(x, ids)
+    assert ep.ring_rows_of(1234, x, ids) is not None
+    bufs.ring_untracked = True  # a CUDA graph captured a launch: its replays are invisible
+    assert ep.ring_rows_of(1234, x, ids) is None
+    bufs.ring_untracked, bufs.ring_rows = False, T * K - 1  # a ring of fewer rows than pairs
+    assert ep.ring_rows_of(1234, x, ids) is None
+    del bufs
+    assert ep.ring_rows_of(1234, x, ids) is None  # the layer is gone
+
+    spec = load_spec("qwen3-30b-a3b")  # top-8
+    assert ep._ring_for_backward(spec, 1, 16384, 8192, 4, "reuse") == 16
+    assert ep._ring_for_backward(spec, 1, 1000, 1024, 2, "reuse") == 8
+    assert ep._ring_for_backward(spec, 1, 100, 8192, 4, "reuse") == 4  # already holds them
+    assert ep._ring_for_backward(spec, 1, 16384, 8192, 4, "auto") == 4
+    assert ep._ring_for_backward(spec, 2, 16384, 8192, 4, "reuse") == 4  # across GPUs: not in this ring
+    with pytest.raises(InputError, match="16448 x 8 rows need 1028 ring chunks of 128 rows, more than 1024"):
+        ep._ring_for_backward(spec, 1, 16448, 128, 4, "reuse")
+    with pytest.raises(InputError, match="bwd_ring must be one of auto, reuse, gather, got 'keep'"):
+        ep._bwd_ring("keep")
+    monkeypatch.delenv("MOKGEN_BWD_RING", raising=False)
+    assert ep._bwd_ring(None) == "auto" and ep._bwd_ring("gather") == "gather"
+    monkeypatch.setenv("MOKGEN_BWD_RING", "reuse")
+    assert ep._bwd_ring(None) == "reuse"
+    monkeypatch.setenv("MOKGEN_BWD_RING", "always")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_RING must be auto or reuse or gather"):
+        env.bwd_ring()
+
+
+def test_ring_rows_are_checked_and_ignored_off_mokgens_gemms():
+    """experts_backward's ring_x: a wrong shape or dtype is a clear error; where mokgen's GEMMs
+    do not run (here, on the CPU), the rows are gathered from x and ring_x is not read."""
+    from mokgen.errors import InputError
+
+    torch.manual_seed(3)
+    T, K, E, H, I = 9, 2, 4, 16, 8
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    wg, wu = (torch.randn(E, I, H) * 0.3).to(torch.bfloat16), (torch.randn(E, I, H) * 0.3).to(torch.bfloat16)
+    wd = (torch.randn(E, H, I) * 0.3).to(torch.bfloat16)
+    g = torch.randn(T, H).to(torch.bfloat16)
+    want = experts_backward(x, ids, w, wg, wu, wd, g)
+    got = experts_backward(x, ids, w, wg, wu, wd, g, ring_x=torch.full((T * K, H), float("nan"), dtype=torch.bfloat16))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for bad in (torch.zeros(T * K - 1, H, dtype=torch.bfloat16), torch.zeros(T * K, H), torch.zeros(H, T * K).t()):
+        with pytest.raises(InputError, match=r"ring_x must be a contiguous bf16 tensor \[T \* K, H\] = \(18, 16\)"):
+            experts_backward(x, ids, w, wg, wu, wd, g, ring_x=bad)
+
+
 def test_policy_switches(monkeypatch):
     from mokgen import env
     from mokgen.errors import ToolchainError

@@ -546,6 +546,43 @@ def test_ep_params_field_offsets_match_the_header(tmp_path):
     assert (got["rec_peer"], got["rec_epoch"]) == (12, 16)  # matches struct "<iiiiQ"
 
 
+@pytest.mark.nvcc
+def test_local_layout_mirror_matches_the_header(tmp_path):
+    """abi.local_layout, through which the backward finds the ring's x rows in place: every
+    field's offset and the total as the compiled LocalLayout gives them, for ranks, chunk sizes
+    and ring lengths that move every array."""
+    tc = build_mod.find_toolchain()
+    cases = [(160, 2048, 512, 1, 8192, 4), (160, 2048, 512, 1, 8192, 16), (384, 7168, 2048, 8, 4096, 3),
+             (16, 256, 128, 4, 128, 1), (257, 640, 96, 1, 1000, 7)]
+    lines = ["#include <cstdio>", '#include "mokgen/ep_forward.cuh"']
+    for i, (e, h, inter, *_rest) in enumerate(cases):
+        lines.append(f"struct Cfg{i} {{ static constexpr int kExperts = {e}, kHidden = {h}, kInter = {inter}; }};")
+    lines.append("int main() {")
+    for i, (_e, _h, _i, w, c, r) in enumerate(cases):
+        lines.append(f"  {{ mokgen::LocalLayout<Cfg{i}> L({w}, {c}, {r});")
+        for name in (*abi.LOCAL_FIELDS, "total"):
+            lines.append(f'    std::printf("{i} {name} %zu\\n", L.{name});')
+        lines.append("  }")
+    lines += ["  return 0;", "}"]
+    (tmp_path / "layout.cu").write_text("\n".join(lines) + "\n")
+    cmd = [tc.nvcc, "-std=c++17", *build_mod.ARCH_FLAGS["sm_90a"], "-I", str(templates_dir() / "include"),
+           "-I", tc.cutlass_include, "layout.cu", "-o", "layout"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, timeout=60, check=True).stdout
+    got: dict[int, dict[str, int]] = {}
+    for line in out.splitlines():
+        i, name, v = line.split()
+        got.setdefault(int(i), {})[name] = int(v)
+    for i, case in enumerate(cases):
+        assert abi.local_layout(*case) == got[i], case
+    # the region's size as the library computes it, for the built spec
+    spec, lib = load_spec(SMALL), _library()
+    for W, C, S in ((1, 8192, 4), (1, 1024, 64), (2, 512, 3)):
+        lay = abi.local_layout(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, W, C, S)
+        assert (lay["total"], lay["stats"]) == (lib.mokgen_ep_local_bytes(W, C, S), lib.mokgen_ep_stats_offset(W, C, S))
+
+
 # ---- ring defaults -------------------------------------------------------------------------------------
 
 

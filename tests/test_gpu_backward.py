@@ -236,6 +236,87 @@ def test_joint_weight_grads_give_the_bits_of_two_launches(monkeypatch, policy):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def _spy_ring(monkeypatch):
+    """A list that gets, per backward of a one-rank layer, whether it read the ring in place."""
+    from mokgen import ep
+
+    used, real = [], ep.ring_rows_of
+
+    def spy(*args):
+        rows = real(*args)
+        used.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(ep, "ring_rows_of", spy)
+    return used
+
+
+def test_backward_reads_the_forward_ring_in_place(monkeypatch, policy):
+    """The one-rank layer's backward takes its pairs' x rows from the forward's receive ring
+    (bwd_ring "auto": the ring holds them here): the ring's rows are x's rows in expert_major's
+    order, bit for bit, and the gradients are the bits of gathering them again ("gather"). After
+    another forward of the layer in between, the backward gathers again, with the same bits."""
+    from mokgen import bwd_gemm, ep
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    layer, x, ids, w, g = _small_layer_problem(8)
+    ids = ids.to(torch.int32)
+    assert layer.ring_chunks * layer.chunk_rows >= ids.numel()
+    used = _spy_ring(monkeypatch)
+
+    def run(bwd_ring, between=None):
+        layer.bwd_ring = bwd_ring
+        for t in (x, w, *layer.parameters()):
+            t.grad = None
+        out = layer(x, ids, w)
+        if between is not None:
+            with torch.no_grad():
+                layer(*between)
+        out.backward(g)
+        return [t.grad.clone() for t in (x, w, *layer.parameters())]
+
+    gathered = run("gather")
+    assert used == [False]
+    in_ring = run("auto")
+    assert used[-1] is True
+    assert all(torch.equal(a, b) for a, b in zip(in_ring, gathered))
+    rows = ep.ring_rows_of(layer._ep.addresses()[1], x, ids)
+    assert rows is not None and rows.shape == (ids.numel(), spec.hidden_size)
+    _, tok, offs, _ = bwd_gemm.expert_major(ids, spec.num_experts, w.detach().float().contiguous())
+    n = int(offs[-1])
+    assert n == ids.numel() and torch.equal(rows[:n], x.detach().index_select(0, tok[:n].long()))
+    x2 = torch.randn_like(x)
+    after = run("auto", between=(x2, ids, w.detach()))
+    assert used[-1] is False
+    assert all(torch.equal(a, b) for a, b in zip(after, gathered))
+
+
+def test_reuse_sizes_the_ring_to_hold_every_pair(monkeypatch):
+    """bwd_ring "reuse": a ring asked for with fewer rows than max_tokens x top_k grows to hold
+    them, and the backward reads it in place; "auto" with the small ring gathers. The bits agree."""
+    from mokgen import bwd_gemm
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    _, x, ids, w, g = _small_layer_problem(9)
+    used = _spy_ring(monkeypatch)
+    runs = []
+    for mode in ("auto", "reuse"):
+        torch.manual_seed(9)
+        layer = MoELayer(spec, max_tokens=1024, device="cuda", chunk_rows=1024, ring_chunks=2, bwd_ring=mode)
+        assert layer.ring_chunks == (2 if mode == "auto" else 8)
+        for t in (x, w):
+            t.grad = None
+        layer(x, ids, w).backward(g)
+        runs.append([t.grad.clone() for t in (x, w, *layer.parameters())])
+        del layer
+    assert used == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_tiny_spec_gradcheck_and_kernel_agreement():
     """A float64 gradcheck of the reference on the tiny example spec (its autograd is the oracle),
     then the kernel's gradients against that oracle within bf16 tolerance."""
