@@ -13,7 +13,14 @@ from mokgen import bench, env
 
 spec, tokens = bench.backward_workload(sys.argv[1], *sys.argv[2:4])
 workload = sys.argv[2] if len(sys.argv) > 2 else "local"
-layer, (wg, wu, wd), [(x, ids, w, g)] = bench.backward_problem(spec, tokens)
+# a local stand-in takes the real spec's tuned entry, as `mokgen bench --backward` does (v0.21)
+kwargs = None
+if workload == "local":
+    from mokgen.spec import load_spec
+
+    real = load_spec(sys.argv[1])
+    kwargs = bench.local_layer_kwargs(real, bench.LOCAL_EP.get(real.name, 8))
+layer, (wg, wu, wd), [(x, ids, w, g)] = bench.backward_problem(spec, tokens, layer_kwargs=kwargs)
 clamp = spec.activation.clamp_limit
 leaves = (x, w, wg, wu, wd, *layer.parameters())
 

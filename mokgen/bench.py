@@ -332,10 +332,11 @@ def backward_workload(name: str, workload: str = "local", tokens: int | None = N
     return spec, 16384 if tokens is None else int(tokens)
 
 
-def backward_problem(spec: MoESpec, tokens: int, n_inputs: int = 1):
+def backward_problem(spec: MoESpec, tokens: int, n_inputs: int = 1, layer_kwargs: dict | None = None):
     """The fwd+bwd bench's problem: a single-GPU MoELayer holding the bench's weights (id checks
-    off), the same weights as leaves for the PyTorch peer ``(wg, wu, wd)``, and ``n_inputs``
-    input sets ``(x, ids, w, dOut)`` with x and w requiring gradients."""
+    off; ``layer_kwargs``: its MoELayer arguments, as bench_layer's, e.g. a local stand-in's
+    tuned entry), the same weights as leaves for the PyTorch peer ``(wg, wu, wd)``, and
+    ``n_inputs`` input sets ``(x, ids, w, dOut)`` with x and w requiring gradients."""
     from mokgen.ep import MoELayer
 
     wg, wu, wd = (w.detach().requires_grad_(True) for w in _weights(spec))
@@ -345,7 +346,7 @@ def backward_problem(spec: MoESpec, tokens: int, n_inputs: int = 1):
         x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
         ids, w = _routing(spec, tokens, gen)
         inputs.append((x, ids, w.requires_grad_(True), torch.randn_like(x)))
-    layer = MoELayer(spec, max_tokens=tokens, device="cuda")
+    layer = MoELayer(spec, max_tokens=tokens, device="cuda", **(layer_kwargs or {}))
     with torch.no_grad():
         layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
     layer.check_ids = False
@@ -367,7 +368,7 @@ def local_expert_rows(name: str, ep: int = 8, seed: int = 3):
 
 
 def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
-                         workload: str = "layer") -> list[Row]:
+                         workload: str = "layer", layer_kwargs: dict | None = None) -> list[Row]:
     """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then
     its autograd backward, mokgen/backward.py: on torch._grouped_mm with g and u recomputed, and
     on mokgen's backward GEMMs with g and u recomputed or saved by the forward) against the
@@ -376,8 +377,10 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     timings; the peak memory of each side (bytes above the inputs) is its ``peak_gib``. Every
     step starts with the gradients set to None, as ``optimizer.zero_grad()`` leaves them by
     default, so neither side pays for adding into an existing ``.grad`` (v0.7 and earlier
-    accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides)."""
-    layer, (wg, wu, wd), inputs = backward_problem(spec, tokens, n_inputs)
+    accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides).
+    ``layer_kwargs``: MoELayer arguments (a local stand-in's tuned entry, local_layer_kwargs, as
+    the forward bench's local rows take it; v0.21)."""
+    layer, (wg, wu, wd), inputs = backward_problem(spec, tokens, n_inputs, layer_kwargs)
     clamp = spec.activation.clamp_limit
 
     def fresh(*leaves):

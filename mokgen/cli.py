@@ -399,7 +399,8 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                 elif wl == "local" and backward:
                     ep = b.LOCAL_EP.get(spec.name, 8)
                     local, local_rows = b.local_spec(spec, ep, tokens or 2048)
-                    rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}")
+                    rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}",
+                                                   layer_kwargs=b.local_layer_kwargs(spec, ep, tokens or 2048))
                 elif wl == "local":
                     rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
                 elif wl == "block":
