@@ -253,7 +253,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # routing weights in one launch; torch._grouped_mm gets the valid rows only
     in_ring = False
     if ours and USE_EXPERT_MAJOR and E <= bwd_gemm.EXPERT_MAJOR_MAX_EXPERTS:
-        # the forward's ring holds the rows in this order (every pair, the dropped ones last)
+        # the forward's ring holds the valid pairs' rows in this order (rows past offs[-1] are
+        # not read: no expert's)
         in_ring = ring_x is not None
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         order, tok, offs, wt = bwd_gemm.expert_major(ids32.contiguous(), E, topk_weights.to(f32).contiguous())
