@@ -261,27 +261,26 @@ def _check_ids_range(ids_list, num_experts: int) -> None:
 
 
 BWD_POLICIES = ("save", "recompute")
+BWD_RINGS = ("auto", "reuse", "gather")
+
+
+def _arg_or_env(name: str, value: str | None, allowed: tuple[str, ...], from_env) -> str:
+    """A MoELayer choice argument ``name``: ``value`` if one of ``allowed``, or (None) its switch."""
+    if value is None:
+        return from_env()
+    if value not in allowed:
+        raise InputError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def _bwd_policy(value: str | None) -> str:
     """The backward's save-or-recompute policy (mokgen.backward): ``value``, or MOKGEN_BWD_POLICY."""
-    if value is None:
-        return env.bwd_policy()
-    if value not in BWD_POLICIES:
-        raise InputError(f"bwd_policy must be one of {', '.join(BWD_POLICIES)}, got {value!r}")
-    return value
-
-
-BWD_RINGS = ("auto", "reuse", "gather")
+    return _arg_or_env("bwd_policy", value, BWD_POLICIES, env.bwd_policy)
 
 
 def _bwd_ring(value: str | None) -> str:
     """Where a one-rank layer's backward takes its x rows from: ``value``, or MOKGEN_BWD_RING."""
-    if value is None:
-        return env.bwd_ring()
-    if value not in BWD_RINGS:
-        raise InputError(f"bwd_ring must be one of {', '.join(BWD_RINGS)}, got {value!r}")
-    return value
+    return _arg_or_env("bwd_ring", value, BWD_RINGS, env.bwd_ring)
 
 
 def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: int, ring_chunks: int,
