@@ -270,7 +270,13 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # the x rows of the pairs, in order: in place in the forward's receive ring (issue 5's ring
     # walked in reverse: 2 T K H bytes neither written nor read again), or gathered again
     rows = ring_x if in_ring else x.index_select(0, tok).contiguous()
-    go = grad_out.to(torch.bfloat16).index_select(0, tok).contiguous()
+    # the dOut rows of the pairs, in order: gathered into a copy (2 T K H bytes written, then
+    # read by dh and dW_down), or (MOKGEN_BWD_DOUT=inline, mokgen's GEMMs on the split weight
+    # schedule) loaded by those two GEMMs through the token index from dOut itself (v0.22)
+    inline_dout = (ours and env.bwd_dout() == "inline" and env.bwd_weights() == "split"
+                   and not (saved_gu is not None and FUSE_DH_SWIGLU))
+    dout = grad_out.to(torch.bfloat16).contiguous()
+    go = None if inline_dout else dout.index_select(0, tok).contiguous()
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
@@ -282,7 +288,10 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         # torch._grouped_mm's dh, half the bytes of fp32 rows written and read; measured in
         # docs/perf-notes.md v0.20); the recompute's fused kernel reads fp32
         dh_dtype = torch.bfloat16 if saved_gu is not None and env.bwd_dh() == "bf16" else torch.float32
-        dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn", out_dtype=dh_dtype)
+        if inline_dout:
+            dh_u = bwd_gemm.rows_gemm([(dout, w_down)], offs, b_major="mn", out_dtype=dh_dtype, a_index=tok)
+        else:
+            dh_u = bwd_gemm.rows_gemm([(go, w_down)], offs, b_major="mn", out_dtype=dh_dtype)
         if saved_gu is not None:
             hw, dg, du, dw_rows = bwd_gemm.swiglu_grads_saved(saved_gu, order, dh_u, wt, offs, clamp_limit)
         else:
@@ -319,11 +328,12 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     grads = None
     if need_weight_grads:
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
+            dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
+                       else bwd_gemm.weight_grads(go, hw, offs))
             if env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
-                grads = [*bwd_gemm.weight_grads_joint(dg, du, rows, offs), bwd_gemm.weight_grads(go, hw, offs)]
+                grads = [*bwd_gemm.weight_grads_joint(dg, du, rows, offs), dw_down]
             else:
-                grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs),
-                         bwd_gemm.weight_grads(go, hw, offs)]
+                grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs), dw_down]
         else:
             dy = (go * wts).to(torch.bfloat16)  # bf16 * f32 promotes exactly to f32
             hb = h.to(torch.bfloat16)

@@ -76,6 +76,8 @@ _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _i, _vp],
     "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_rows_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp],
+    "mokgen_bwd_weights_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
@@ -126,6 +128,12 @@ class _Lib:
 
     def weights(self, *args) -> None:
         self._call("mokgen_bwd_weights", *args)
+
+    def rows_gathered(self, *args) -> None:
+        self._call("mokgen_bwd_rows_gathered", *args)
+
+    def weights_gathered(self, *args) -> None:
+        self._call("mokgen_bwd_weights_gathered", *args)
 
     def weights2(self, *args) -> None:
         self._call("mokgen_bwd_weights2", *args)
@@ -256,6 +264,20 @@ def _check_row_floats(dh_u, wt, rows: int, I: int, device, *, dh_bf16_ok: bool =
 ROWS_PAIR_MIN_N = 4096
 
 
+def _check_index(a_index, rows: int | None, device) -> int:
+    """A gathered operand's row index: a contiguous 1-d int64 tensor on ``device`` (``rows`` long
+    where given); returns its length. Its values are trusted (the backward's token index)."""
+    import torch
+
+    if not isinstance(a_index, torch.Tensor) or a_index.dtype != torch.int64 or a_index.dim() != 1 \
+            or not a_index.is_contiguous() or a_index.device != device \
+            or (rows is not None and a_index.shape[0] != rows):
+        want = f"({rows},)" if rows is not None else "(rows,)"
+        raise InputError(f"a_index must be a contiguous int64 tensor of shape {want} on {device}, got "
+                         f"{getattr(a_index, 'dtype', type(a_index).__name__)} {tuple(getattr(a_index, 'shape', ()))}")
+    return int(a_index.shape[0])
+
+
 def rows_cluster(N: int) -> int:
     """The rows GEMMs' CTAs per cluster when neither the call nor MOKGEN_BWD_ROWS_CLUSTER says:
     column-tile pairs (2) from N = ROWS_PAIR_MIN_N, single CTAs (1) below."""
@@ -263,7 +285,7 @@ def rows_cluster(N: int) -> int:
 
 
 def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, out_rows=None,
-              cluster: int | None = None, out_dtype=None):
+              cluster: int | None = None, out_dtype=None, a_index=None):
     """``out [rows, N] fp32 = sum_p A_p @ B_p[e]`` for the rows of each expert ``e``: ``A_p``
     ``[rows, K]`` bf16, ``B_p`` ``[E, K, N]`` (``b_major="mn"``) or ``[E, N, K]`` (``"k"``)
     bf16, one or two pairs of the same shapes, ``offs`` ``[E]`` int32 (rows past ``offs[-1]``
@@ -278,7 +300,12 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     the A rows once between them (TMA multicast), where N / 256 is even; 1: every CTA loads its
     own. The same bits either way. Default: MOKGEN_BWD_ROWS_CLUSTER, else rows_cluster(N).
     ``out_dtype`` (without a map): the dtype of the output it allocates, torch.float32 (default)
-    or, with ``b_major="mn"``, torch.bfloat16 (the rounding above)."""
+    or, with ``b_major="mn"``, torch.bfloat16 (the rounding above).
+    ``a_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): A's rows gathered by the
+    kernel, row ``r`` of A being row ``a_index[r]`` of ``pairs[0][0]`` (``[S, K]``), with no
+    gathered copy made (the backward's dh = dOut Wd from dOut's token rows; MOKGEN_BWD_DOUT);
+    one pair, ``b_major="mn"``, single CTAs (``cluster`` is not used). The bits of the call on
+    ``A.index_select(0, a_index)``."""
     import torch
 
     if cluster is None:
@@ -294,11 +321,15 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
         _check_operand(f"B[{p}]", b, 3)
     a0, b0 = pairs[0]
     rows, K = a0.shape
+    if a_index is not None:
+        if len(pairs) != 1 or b_major != "mn":
+            raise InputError("rows_gemm: a_index takes one (A, B) pair with b_major='mn'")
+        rows = _check_index(a_index, None, a0.device)
     E = b0.shape[0]
     N = b0.shape[2] if b_major == "mn" else b0.shape[1]
     want_b = (E, K, N) if b_major == "mn" else (E, N, K)
     for p, (a, b) in enumerate(pairs):
-        if tuple(a.shape) != (rows, K) or tuple(b.shape) != want_b or a.device != a0.device or b.device != a0.device:
+        if (a_index is None and tuple(a.shape) != (rows, K)) or tuple(b.shape) != want_b or a.device != a0.device or b.device != a0.device:
             raise InputError(f"pair {p}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit A [rows, K] = "
                              f"{(rows, K)} and B {'[E, K, N]' if b_major == 'mn' else '[E, N, K]'} = {want_b} "
                              f"on {a0.device}")
@@ -330,6 +361,13 @@ def rows_gemm(pairs: Sequence[tuple], offs, *, b_major: str = "mn", out=None, ou
     if rows == 0 or E == 0:
         if rows and out_rows is not None:  # no expert: every row is past offs[-1]
             out.index_fill_(0, out_rows, 0.0)
+        return out
+    if a_index is not None:
+        with _on(a0.device) as stream:
+            load_library().rows_gathered(out.data_ptr(), a0.data_ptr(), a_index.data_ptr(), b0.data_ptr(),
+                                         offs.data_ptr(), E, rows, K, N,
+                                         out_rows.data_ptr() if out_rows is not None else None,
+                                         int(out.dtype == torch.bfloat16), stream)
         return out
     a1, b1 = pairs[1] if len(pairs) > 1 else (a0, b0)
     with _on(a0.device) as stream:
@@ -499,7 +537,7 @@ def _weight_experts(fn: str, M: int, N: int, offs, device) -> int:
     return E
 
 
-def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None):
+def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None, a_index=None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
     row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
     without rows. ``cluster`` 2: CTA pairs that compute row blocks m, m + 1 of one tile column
@@ -509,7 +547,12 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     turns at the k-loop (the stagger lead: how many k-blocks before its last one a warpgroup
     hands the turn over) so one's epilogue overlaps the other's wgmma. Default:
     MOKGEN_BWD_WEIGHTS (env.BWD_WEIGHTS_DEFAULT, "split": the ping-pong measured no faster,
-    docs/perf-notes.md v0.14). The same bits every way."""
+    docs/perf-notes.md v0.14). The same bits every way.
+    ``a_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): A's rows gathered by the
+    kernel, row ``r`` of A being row ``a_index[r]`` of ``a`` (``[S, M]``), with no gathered copy
+    made (the backward's dW_down = dOut^T hw from dOut's token rows; MOKGEN_BWD_DOUT); the split
+    schedule, single CTAs (``cluster`` is not used). The bits of the call on
+    ``a.index_select(0, a_index)``."""
     import torch
 
     cluster = _weight_cluster(cluster)
@@ -520,6 +563,10 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     _check_operand("A", a, 2)
     _check_operand("B", b, 2)
     rows, M = a.shape
+    if a_index is not None:
+        if schedule != "split":
+            raise InputError(f"weight_grads: a_index needs the split schedule, got {schedule!r}")
+        rows = _check_index(a_index, b.shape[0], a.device)
     N = b.shape[1]
     if b.shape[0] != rows or b.device != a.device:
         raise InputError(f"A {tuple(a.shape)} and B {tuple(b.shape)} must have the same rows, on one device")
@@ -527,6 +574,11 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     if rows == 0 or E == 0:
         return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
+    if a_index is not None:
+        with _on(a.device) as stream:
+            load_library().weights_gathered(out.data_ptr(), a.data_ptr(), a_index.data_ptr(), b.data_ptr(),
+                                            offs.data_ptr(), E, rows, M, N, stream)
+        return out
     with _on(a.device) as stream:
         load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, cluster,
                                int(schedule == "pingpong"), stream)

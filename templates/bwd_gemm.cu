@@ -64,16 +64,20 @@ struct Maps {
 // [E, N, K] (map over [E N, K]).
 // kPair = 2: clusters of two CTAs computing column tiles 2 np and 2 np + 1 of one row block,
 // sharing A (bwd_gemm.cuh); N / 256 even. The same tiles and k order either way, so the same bits.
-template <bool kBMN, class OutT, int kPair = 1>
+// kGather (single CTAs, B MN-major, one pair): A row r is source row ga.index[r] of ga.src,
+// loaded by warpgroup 0's 128 threads (bwd::produce_gathered) instead of the TMA; maps.a unused.
+template <bool kBMN, class OutT, int kPair = 1, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
-                OutT* out, const int64_t* out_rows, int lead) {
+                OutT* out, const int64_t* out_rows, int lead, bwd::Gather ga) {
+  static_assert(!kGather || (kPair == 1 && kBMN), "gathered rows GEMMs: single CTAs, B MN-major");
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline<bwd::kStages, kPair>(smem);
+  const bwd::Smem s =
+      bwd::start_pipeline<bwd::kStages, kPair, bwd::kStageBytes, 2, kGather ? bwd::kGatherFull : 1>(smem);
   const int n_tiles = N / bwd::kBN, kb_per_pair = K / bwd::kBK;
   const int crank = bwd::pair_rank<kPair>();
   auto pipe = bwd::make_pipe<bwd::kStages>(lead);
-  bwd::run_roles<kPair>(
+  bwd::run_roles<kPair, kGather>(
       s, pipe,
       [&](auto&& fn) {
         bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn, kPair,
@@ -91,11 +95,17 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         t.b_col = n * bwd::kBN;
         t.n_k = pairs * kb_per_pair;
         t.kb_per_pair = kb_per_pair;
-        bwd::produce<false, kBMN, false, kPair, true>(s, pipe, t, crank);
+        t.a_rows = rows;
+        if constexpr (kGather) {
+          const int64_t unused[4] = {0, 0, 0, 0};  // a K-major A loads its rows' sources itself
+          bwd::produce_gathered<false, kBMN>(s, pipe, t, ga, unused);
+        } else {
+          bwd::produce<false, kBMN, false, kPair, true>(s, pipe, t, crank);
+        }
       },
       [&](int wg, int e, int row0, int rows, int n) {
         float acc[bwd::kAcc];
-        bwd::consume<false, kBMN, kPair>(s, pipe, wg, pairs * kb_per_pair, bwd::kBK, acc);
+        bwd::consume<false, kBMN, kPair, kGather>(s, pipe, wg, pairs * kb_per_pair, bwd::kBK, acc);
         if (out_rows != nullptr)
           bwd::store_tile(acc, wg, rows, out + n * bwd::kBN, N, out_rows + row0);
         else
@@ -145,6 +155,7 @@ MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int
   t.b_col = col0;
   t.n_k = weight_k_blocks(rows);
   t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
+  t.a_rows = rows;
   return t;
 }
 
@@ -156,30 +167,51 @@ MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int
 // maps.a[p] [rows, Mp] and out_p = maps.c, maps.c1 over [E Mp, N] (StackedM). An expert's tiles
 // of both problems are walked together, so its B rows are read from memory once for both (the
 // gate's and up's dW share the x rows); each tile is the single problem's, so the same bits.
-template <int kPair, bool kJoint = false>
+// kGather (single CTAs, one problem): A's k row r is source row ga.index[r] of ga.src (M
+// columns), loaded by warpgroup 0's 128 threads (bwd::produce_gathered); maps.a unused.
+template <int kPair, bool kJoint = false, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
-                  int Mp) {
+                  int Mp, bwd::Gather ga) {
+  static_assert(!kGather || (kPair == 1 && !kJoint), "gathered weight gradients: single CTAs, one problem");
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair>(smem);
+  const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair, bwd::kStageBytes, 2,
+                                          kGather ? bwd::kGatherFull : 1>(smem);
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kBN;
   const int crank = bwd::pair_rank<kPair>();
   auto pipe = bwd::make_pipe<bwd::kWeightStages>(lead);
   MOKGEN_TRACE_STATE();
-  bwd::run_roles<kPair>(
+  // the gathering producer issues each tile one step behind the walk (bwd::GatherAhead); the
+  // walk then ends with one call at e = -1, which the producer takes to issue its last tile
+  // and the consumers ignore
+  bwd::GatherAhead ahead;
+  const auto walk = weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank);
+  bwd::run_roles<kPair, kGather>(
       s, pipe,
-      weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank),
+      [&](auto&& fn) {
+        walk(fn);
+        if constexpr (kGather) fn(-1, 0, 0, 0, 0);
+      },
       [&](int e, int row0, int rows, int m, int n) {
-        MOKGEN_TRACE_BEGIN();
-        bwd::produce<true, true, false, kPair>(s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp),
-                                               crank);
-        MOKGEN_TRACE_END(0);
+        if constexpr (kGather) {
+          if (e < 0)
+            ahead.finish(s, pipe, ga);
+          else
+            ahead.next(s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp), ga);
+        } else {
+          MOKGEN_TRACE_BEGIN();
+          bwd::produce<true, true, false, kPair>(s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp),
+                                                 crank);
+          MOKGEN_TRACE_END(0);
+        }
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
+        if constexpr (kGather)
+          if (e < 0) return;
         MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
         const int n_k = weight_k_blocks(rows);
-        bwd::consume<true, true, kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
+        bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
         MOKGEN_TRACE_MARK();
         if constexpr (kJoint) {
           const StackedM sm(m * bwd::kBM, Mp);
@@ -652,10 +684,10 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
     const int clusters = resident_pairs(rows_kernel<kBMN, OutT, 2>, bwd::kSmemBytes);
     if (clusters > 0)
       return launch_pairs(rows_kernel<kBMN, OutT, 2>, clusters, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N,
-                          pairs, out, out_rows, g_lead);
+                          pairs, out, out_rows, g_lead, bwd::Gather{});
   }
   return launch(rows_kernel<kBMN, OutT, 1>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, out,
-                out_rows, g_lead);
+                out_rows, g_lead, bwd::Gather{});
 }
 
 // weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
@@ -666,9 +698,10 @@ int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* of
     const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
     if (pairs > 0)
       return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
-                          g_lead, Mp);
+                          g_lead, Mp, bwd::Gather{});
   }
-  return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp);
+  return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp,
+                bwd::Gather{});
 }
 
 }  // namespace
@@ -728,6 +761,33 @@ int mokgen_bwd_rows(void* out, const void* a0, const void* b0, const void* a1, c
   zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
   return b_mn ? launch_rows<true, float>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows)
               : launch_rows<false, float>(pairs_fit, grid, stream, maps, offs, E, rows, K, N, pairs, o, out_rows);
+}
+
+// mokgen_bwd_rows with one pair, B MN-major and A's rows gathered: row r of A is row index[r]
+// of src ([src_rows, K] bf16, row-major; index int64 [rows], trusted to lie in [0, src_rows)),
+// loaded through the index by the kernel (rows_kernel<true, ..., 1, true>) instead of from a
+// gathered copy: dh = dOut Wd[e] straight from dOut's token rows. Single CTAs. The bits of
+// mokgen_bwd_rows on the gathered copy.
+int mokgen_bwd_rows_gathered(void* out, const void* src, const int64_t* index, const void* b0, const int32_t* offs,
+                             int E, int rows, int K, int N, const int64_t* out_rows, int out_bf16,
+                             cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.b[0], b0, uint64_t(E) * K, uint64_t(N), 64) != CUDA_SUCCESS) return kBadMap;
+  maps.b[1] = maps.b[0];
+  maps.a[0] = maps.a[1] = maps.b[0];  // unused (A comes through the index)
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(K)};
+  if (out_bf16) {
+    bf16* o = static_cast<bf16*>(out);
+    zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
+    return launch(rows_kernel<true, bf16, 1, true>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, 1, o,
+                  out_rows, g_lead, ga);
+  }
+  float* o = static_cast<float*>(out);
+  zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
+  return launch(rows_kernel<true, float, 1, true>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, 1, o,
+                out_rows, g_lead, ga);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see
@@ -818,6 +878,25 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
     return launch(weight_pp_kernel<1>, grid, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
   }
   return launch_weights<false>(maps, pairs_fit, grid, offs, E, rows, M, N, M, stream);
+}
+
+// mokgen_bwd_weights (split schedule, single CTAs) with A's k rows gathered: row r of A is row
+// index[r] of src ([src_rows, M] bf16; index int64 [rows], trusted to lie in [0, src_rows)),
+// loaded through the index by the kernel (weight_kernel<1, false, true>): dWd = dOut^T hw
+// straight from dOut's token rows. The bits of mokgen_bwd_weights on the gathered copy.
+int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index, const void* b, const int32_t* offs,
+                                int E, int rows, int M, int N, cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.c, out, uint64_t(E) * M, uint64_t(N), 64) != CUDA_SUCCESS)
+    return kBadMap;
+  maps.b[1] = maps.b[0];
+  maps.a[0] = maps.a[1] = maps.b[0];  // unused (A comes through the index)
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(M)};
+  return launch(weight_kernel<1, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead,
+                M, ga);
 }
 
 // The joint form of two weight-gradient problems over one B (weight_kernel<..., true>, StackedM):

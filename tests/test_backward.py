@@ -496,6 +496,13 @@ def test_policy_switches(monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ToolchainError, match=f"{name} must be bf16 or fp32"):
             read()
+    monkeypatch.delenv("MOKGEN_BWD_DOUT", raising=False)
+    assert env.bwd_dout() == "gather"  # a gathered copy of the pairs' dOut rows (inline: opt-in until GPU-tested)
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "inline")
+    assert env.bwd_dout() == "inline"
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "tma")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DOUT must be gather or inline"):
+        env.bwd_dout()
     monkeypatch.delenv("MOKGEN_BWD_WEIGHTS_JOINT", raising=False)
     assert env.bwd_weights_joint()  # one launch for the gate's and up's weight gradients (v0.21)
     monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", "0")

@@ -290,6 +290,55 @@ def test_joint_weight_grads_have_the_bits_of_two_launches(M, cluster):
         bwd_gemm.weight_grads_joint(a0, a1[:, :256].contiguous(), b, offs)
 
 
+@pytest.mark.parametrize("K, M", [(512, 256), (1024, 384)], ids=["even", "odd-row-blocks"])
+def test_gathered_operands_have_the_bits_of_the_gathered_copy(K, M):
+    """MOKGEN_BWD_DOUT=inline's GEMMs (a_index: A's rows loaded through an index by warpgroup 0's
+    cp.async instead of by TMA from a gathered copy): dh's rows GEMM (fp32 and bf16 out, with and
+    without a scatter map) and dW_down's weight gradients (rows ending mid-step, whose zero-filled
+    tail the consumers also zero) give the bits of the same calls on ``src.index_select(0,
+    index)``, at every stagger lead; the index repeats source rows (a token's K slots) in no
+    order; empty experts, one-row experts, rows past offs[-1]."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    counts = _ragged_counts(29, 21, (0, 13), 6) + COUNTS_STEPS
+    E, N = len(counts), 512
+    rows = sum(counts) + SPARE_ROWS
+    S = rows // 3 + 1  # source rows: each used about three times
+    index = torch.randint(0, S, (rows,), generator=gen, device="cuda")
+    src_k, src_m = _randn(S, K, gen=gen), _randn(S, M, gen=gen)
+    wd = _randn(E, K, N, gen=gen, scale=K**-0.5)
+    hw = _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    copy_k, copy_m = src_k.index_select(0, index), src_m.index_select(0, index)
+    order = torch.randperm(rows, generator=gen, device="cuda")
+    try:
+        for lead in (0, bwd_gemm.MAX_LEAD):
+            bwd_gemm.set_stagger(lead)
+            for dtype in (torch.float32, torch.bfloat16):
+                want = bwd_gemm.rows_gemm([(copy_k, wd)], offs, out_dtype=dtype, cluster=1)
+                for _ in range(2):
+                    got = bwd_gemm.rows_gemm([(src_k, wd)], offs, out_dtype=dtype, a_index=index)
+                    assert got.dtype == dtype and torch.equal(got, want), (lead, dtype)
+                scattered = torch.full((rows, N), float("nan"), dtype=dtype, device="cuda")
+                bwd_gemm.rows_gemm([(src_k, wd)], offs, out=scattered, out_rows=order, a_index=index)
+                assert torch.equal(scattered[order], want), (lead, dtype)
+            want_w = bwd_gemm.weight_grads(copy_m, hw, offs, cluster=1, schedule="split")
+            for _ in range(2):
+                assert torch.equal(bwd_gemm.weight_grads(src_m, hw, offs, a_index=index), want_w), lead
+    finally:
+        bwd_gemm.set_stagger(True)
+    s0 = sum(counts[:6])  # the one-row expert, against fp32 PyTorch
+    ref = copy_m[s0:s0 + 1].float().t() @ hw[s0:s0 + 1].float()
+    assert _rel(want_w[6], ref) < 1e-2 and torch.equal(want_w[0], torch.zeros_like(want_w[0]))
+    with pytest.raises(InputError, match="a_index must be a contiguous int64 tensor"):
+        bwd_gemm.rows_gemm([(src_k, wd)], offs, a_index=index.to(torch.int32))
+    with pytest.raises(InputError, match="a_index takes one"):
+        bwd_gemm.rows_gemm([(src_k, wd), (src_k, wd)], offs, a_index=index)
+    with pytest.raises(InputError, match=r"a_index must be a contiguous int64 tensor of shape \(%d,\)" % rows):
+        bwd_gemm.weight_grads(src_m, hw, offs, a_index=index[1:])
+    with pytest.raises(InputError, match="a_index needs the split schedule"):
+        bwd_gemm.weight_grads(src_m, hw, offs, a_index=index, schedule="pingpong")
+
+
 def test_rows_gemm_writes_every_row_of_a_poisoned_output():
     """The output needs no fill: rows past offs[-1] come back as zeros (at their mapped rows where
     a map is given), from memory that held NaNs; rows no map entry names keep their values."""
@@ -553,6 +602,40 @@ def test_experts_backward_on_mokgen_gemms_matches_the_reference(monkeypatch, one
     fp32_rows = experts_backward(x, ids, w, wg, wu, wd, g)
     assert _rel(fp32_rows[0], want[0]) < 2e-2 and not torch.equal(fp32_rows[0], got[0])
     assert all(torch.equal(a, b) for a, b in zip(fp32_rows[1:], got[1:]))  # only dx changes
+
+
+@pytest.mark.parametrize("policy", ["save", "recompute"])
+def test_experts_backward_with_dout_inline_has_the_bits_of_the_gathered_copy(monkeypatch, policy):
+    """MOKGEN_BWD_DOUT=inline (dh and dW_down load dOut's rows through the token index) changes
+    where the rows come from, not the operands: every gradient has the bits of the default
+    (a gathered copy), under both policies, with skewed routing (empty experts) and dropped
+    pairs (ids outside [0, E), sorted past offs[-1]); and a non-contiguous dOut (the expand
+    of a sum's backward) is taken as its values."""
+    spec = load_spec("qwen3-30b-a3b")
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    E, I, H = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    wg, wu = _randn(E, I, H, gen=gen, scale=H**-0.5), _randn(E, I, H, gen=gen, scale=H**-0.5)
+    wd = _randn(E, H, I, gen=gen, scale=I**-0.5)
+    T = 611
+    x, g = _randn(T, H, gen=gen), _randn(T, H, gen=gen)
+    ids, w = bench.skewed_routing(spec, T, gen, hot_experts=3)
+    ids = ids.long()
+    ids[5, 1] = E  # a dropped pair
+    ids[17, 0] = -1
+    monkeypatch.setenv("MOKGEN_BWD_GEMM", "1")
+    # the save policy's pre-activations (any values: only the two modes are compared)
+    saved = _randn(T * ids.shape[1], 2 * I, gen=gen) if policy == "save" else None
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "gather")
+    want = experts_backward(x, ids, w, wg, wu, wd, g, saved_gu=saved)
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "inline")
+    for _ in range(2):
+        got = experts_backward(x, ids, w, wg, wu, wd, g, saved_gu=saved)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), policy
+    ones = torch.ones(1, H, dtype=torch.bfloat16, device="cuda").expand(T, H)  # stride 0: not contiguous
+    got = experts_backward(x, ids, w, wg, wu, wd, ones, saved_gu=saved)
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "gather")
+    assert all(torch.equal(a, b) for a, b in zip(got, experts_backward(x, ids, w, wg, wu, wd, ones.contiguous(),
+                                                                        saved_gu=saved)))
 
 
 def test_misaligned_or_strided_inputs_are_clear_errors():

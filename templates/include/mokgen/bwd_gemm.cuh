@@ -242,14 +242,16 @@ MOKGEN_DEVICE void stagger_lead_done(const Smem& s, P& pipe) {
 // peer) afterwards. kReaders: the consumer warpgroups that read each stage (2: both, the tile
 // split between them; 1: the ping-pong's, each stage one warpgroup's), so empty counts kReaders
 // arrivals per CTA of the pair. turn[0] starts complete: warpgroup 0 has the first turn.
-template <int kS, int kPair = 1, int kStageB = kStageBytes, int kReaders = 2>
+// kFull: the arrivals that complete a full barrier's phase (1: the producer thread's
+// expect_tx; a gathering producer's 128 threads add one each, kGatherFull).
+template <int kS, int kPair = 1, int kStageB = kStageBytes, int kReaders = 2, int kFull = 1>
 MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
   static_assert(kPair == 1 || kPair == 2, "single CTAs or pairs");
   static_assert(kReaders == 1 || kReaders == 2, "one or both consumer warpgroups read a stage");
   const Smem s = carve<kS, kStageB>(raw);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kS; ++i) {
-      sm90::mbar_init(&s.full[i], 1);
+      sm90::mbar_init(&s.full[i], kFull);
       sm90::mbar_init(&s.empty[i], kReaders * kPair);
     }
     sm90::mbar_init(lead_barrier(s), 1);
@@ -288,13 +290,14 @@ MOKGEN_DEVICE void release(const Smem& s, int st, int t) {
 // has nothing to do after giving its registers back), warpgroups 1 and 2 run consume(wg,
 // tile...) with wg = 0 or 1; each role keeps its own copy of the stage ring's position. A pair
 // ends with a cluster barrier of all threads: no multicast or remote arrive targets a CTA that
-// has exited.
-template <int kPair = 1, class P, class Walk, class Produce, class Consume>
+// has exited. kWideProducer: all 128 threads of warpgroup 0 run produce (the gathering
+// producer, produce_gathered).
+template <int kPair = 1, bool kWideProducer = false, class P, class Walk, class Produce, class Consume>
 MOKGEN_DEVICE void run_roles(const Smem& s, P& pipe, Walk walk, Produce produce, Consume consume) {
   const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
-    if (tid == 0) walk(produce);
+    if (kWideProducer || tid == 0) walk(produce);
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
     // the stagger: warpgroup 1 starts after warpgroup 0's lead, and warpgroup 0 arrives even
@@ -321,7 +324,36 @@ struct TileSrc {
   int a_row, a_col;  // A K-major: first row; A MN-major: first M column (a_row: first k row)
   int b_row, b_col;  // B MN-major: first k row and N column; B K-major: first N row (b_col unused)
   int n_k, kb_per_pair;
+  int a_rows = 0;    // A's valid rows from a_row (the tile's rows; the expert's k rows): produce_gathered only
 };
+
+// B's boxes of one k-block (at k0) into sb, by TMA on the stage's full barrier (produce: the
+// layouts it lists; kShareB: this CTA's half multicast into both CTAs of the pair).
+template <bool kBMN, bool kGated, bool kShareB>
+MOKGEN_DEVICE void load_b(const TileSrc& t, unsigned char* sb, uint64_t* full, const CUtensorMap* map_b, int k0,
+                          int crank) {
+  if constexpr (kBMN) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kShareB) {
+        if ((j >> 1) == crank)
+          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_b, full, uint16_t(0b11),
+                                                 uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), sb + j * kBox,
+                                                 t.b_col + 64 * j, t.b_row + k0);
+      } else {
+        cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + j * kBox, t.b_col + 64 * j, t.b_row + k0);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kGated)
+        cute::SM90_TMA_LOAD_2D::copy(h ? t.b[1] : t.b[0], full, 0, sb + h * (2 * kBox), k0, t.b_row);
+      else
+        cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + h * (2 * kBox), k0, t.b_row + 128 * h);
+    }
+  }
+}
 
 // Producer (one thread): every k-block of one tile. kGated (K-major B only): B's two 128-row
 // boxes are rows b_row.. of b[0] (gate) and of b[1] (up), as the forward's gated tile; one pair.
@@ -357,31 +389,141 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
         cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, k0, t.a_row + 64 * h);
       }
     }
-    unsigned char* sb = st + kABytes;
-    if constexpr (kBMN) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if constexpr (kShareB) {
-          if ((j >> 1) == crank)
-            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_b, full, uint16_t(0b11),
-                                                   uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), sb + j * kBox,
-                                                   t.b_col + 64 * j, t.b_row + k0);
-        } else {
-          cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + j * kBox, t.b_col + 64 * j, t.b_row + k0);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (kGated)
-          cute::SM90_TMA_LOAD_2D::copy(h ? t.b[1] : t.b[0], full, 0, sb + h * (2 * kBox), k0, t.b_row);
-        else
-          cute::SM90_TMA_LOAD_2D::copy(map_b, full, 0, sb + h * (2 * kBox), k0, t.b_row + 128 * h);
-      }
-    }
+    load_b<kBMN, kGated, kShareB>(t, st + kABytes, full, map_b, k0, crank);
     pipe.advance();
   }
 }
+
+// The gathering producer (v0.22; MOKGEN_BWD_DOUT=inline): the B boxes by TMA as produce's (one
+// operand pair, single CTAs), A's 128 x 64 rows loaded through an index by the 128 threads of
+// warpgroup 0 with cp.async. Each A box is 64 rows of 128 bytes in the 128-byte swizzle the TMA
+// writes (16-byte chunk c of row r at (c ^ (r % 8)) 16 within the row), whichever way the
+// consumers read it, so one routine fills both forms:
+//   K-major A (the rows GEMMs: dh = dOut Wd): tile row m is source row index[a_row + m],
+//     bytes 2 k0 .. 2 k0 + 127 (box m / 64);
+//   MN-major A (the weight gradients: dWd = dOut^T hw): k row r is source row
+//     index[a_row + k0 + r], columns a_col + 64 h .. + 63 (box h).
+// Thread t copies chunk t % 8 of rows t / 8 + 16 i: eight lanes cover one row's 128 bytes, so a
+// warp's cp.async reads four whole rows. Rows past a_rows (past the tile, or the expert's last
+// k row) are zero-filled (a source size of 0: nothing read). Every thread then arrives on the
+// stage's full barrier through cp.async.mbarrier.arrive.noinc, which fires when its copies have
+// landed: the barrier expects kGatherFull arrivals (thread 0's expect_tx of the B bytes and one
+// per thread). The consumers fence the generic proxy's writes before their wgmma read them
+// (consume<..., true>). The index of the next k-block's k rows is loaded before the wait for
+// its stage, so its latency overlaps the wait. An A tile row of dOut gathered this way is the
+// row the gather kernel would have written: the same operands, so the same bits.
+struct Gather {
+  const bf16* src;       // the source rows, ld elements each (16-byte aligned)
+  const int64_t* index;  // the source row of each A row (K-major) or k row (MN-major)
+  int64_t ld;
+};
+constexpr int kGatherFull = 1 + 128;  // a gathered stage's full-barrier arrivals
+
+MOKGEN_DEVICE void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+MOKGEN_DEVICE void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// MN-major A: the source rows of this thread's k rows kb 64 + t / 8 + 16 i (i = 0..3) of tile
+// t, -1 past the expert's rows. The first k-block's are loaded by the caller while the previous
+// tile's k-loop is still being issued (GatherAhead), so a tile's start does not wait for them.
+MOKGEN_DEVICE void gathered_k_rows(const TileSrc& t, const Gather& g, int kb, int64_t (&r)[4]) {
+  const int j = (threadIdx.x & 127) >> 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = kb * kBK + j + 16 * i;
+    r[i] = k < t.a_rows ? g.index[t.a_row + k] : -1;
+  }
+}
+
+// first: MN-major A only, gathered_k_rows(t, g, 0, first) (K-major A loads its rows' sources
+// itself, once per tile).
+template <bool kAMN, bool kBMN, class P>
+MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, const Gather& g,
+                                    const int64_t (&first)[4]) {
+  const int tid = threadIdx.x & 127, c = tid & 7, j = tid >> 3;
+  // row j of each group of 16 rows: its swizzled chunk (r % 8 == j % 8 for r = j + 16 i)
+  const uint32_t at = uint32_t(j * 128 + ((c ^ (j & 7)) << 4));
+  if constexpr (!kAMN) {
+    const bf16* src[8];  // tile rows j + 16 i, i = 0..7 (i < 4: box 0), for the whole k-loop
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int m = j + 16 * i;
+      src[i] = m < t.a_rows ? g.src + g.index[t.a_row + m] * g.ld + 8 * c : nullptr;
+    }
+    for (int kb = 0; kb < t.n_k; ++kb) {
+      pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
+      unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+      uint64_t* full = &s.full[pipe.stage];
+      const int k0 = kb * kBK;
+      if (tid == 0) {
+        mbar_arrive_expect_tx(full, kBBytes);
+        load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], k0, 0);
+      }
+      const uint32_t dst = smem_u32(st) + at;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)  // row j + 16 i at byte 128 (j + 16 i) of the two boxes: 2048 i
+        cp_async16(dst + i * 2048, src[i] != nullptr ? src[i] + k0 : g.src, src[i] != nullptr);
+      cp_async_arrive(full);
+      pipe.advance();
+    }
+  } else {
+    int64_t cur[4], nxt[4];  // the source rows of k rows j + 16 i (-1: past the expert's rows)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cur[i] = first[i];
+    for (int kb = 0; kb < t.n_k; ++kb) {
+      if (kb + 1 < t.n_k) gathered_k_rows(t, g, kb + 1, nxt);
+      pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
+      unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+      uint64_t* full = &s.full[pipe.stage];
+      const int k0 = kb * kBK;
+      if (tid == 0) {
+        mbar_arrive_expect_tx(full, kBBytes);
+        load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], k0, 0);
+      }
+      const uint32_t dst = smem_u32(st) + at;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool valid = cur[i] >= 0;
+        const bf16* row = g.src + (valid ? cur[i] : 0) * g.ld + t.a_col + 8 * c;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) cp_async16(dst + h * kBox + i * 2048, row + 64 * h, valid);
+      }
+      cp_async_arrive(full);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+      pipe.advance();
+    }
+  }
+}
+
+// The weight kernel's gathering producer one tile behind its walk: tile i + 1's first source
+// rows are loaded (gathered_k_rows) before tile i's k-loop is issued, so their latency hides
+// behind it; finish() issues the last tile. Without it each tile's first k-block waited for
+// the index before its copies (a tile of the qwen3.5-35b-a3b layer's dW_down has 8 k-blocks).
+struct GatherAhead {
+  TileSrc tile;
+  int64_t first[4];
+  bool pending = false;
+  template <class P>
+  MOKGEN_DEVICE void next(const Smem& s, P& pipe, const TileSrc& t, const Gather& g) {
+    int64_t rows[4];
+    if (t.n_k > 0) gathered_k_rows(t, g, 0, rows);
+    if (pending) produce_gathered<true, true>(s, pipe, tile, g, first);
+    tile = t;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) first[i] = rows[i];
+    pending = true;
+  }
+  template <class P>
+  MOKGEN_DEVICE void finish(const Smem& s, P& pipe, const Gather& g) {
+    if (pending) produce_gathered<true, true>(s, pipe, tile, g, first);
+    pending = false;
+  }
+};
 
 // Zeroes k rows [valid, end) of one box (rows of 128 bytes), by the 128 threads t of a warpgroup:
 // the tail rows of a short last k-block within its last 16-row wgmma step.
@@ -413,7 +555,9 @@ MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int 
 // lane l hold rows 16 w + l / 4 (+ 8) and columns 8 i + 2 (l % 4) + {0, 1} of group i, in
 // acc[4 i + {0, 1}] (+ {2, 3} for the row + 8)). k_valid: the rows of the last k-block that
 // belong to the tile's K (64 unless the K is ragged). With no k-block, acc is zero.
-template <bool kAMN, bool kBMN, int kPair = 1, class P>
+// kGathered: A came by cp.async (produce_gathered), generic-proxy writes that the wgmma (the
+// async proxy) may read only after a proxy fence, here after each full-barrier wait.
+template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, class P>
 MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc]) {
   const int t = threadIdx.x & 127;
   if (n_k == 0) {
@@ -426,6 +570,7 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
 #pragma unroll 2  // as the forward's mainloop (no spills either way)
   for (int kb = 0; kb < n_k; ++kb) {
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
+    if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     // a short last k-block runs only the 16-row wgmma steps that hold valid k rows (its tail
     // rows within the last step zeroed): a weight-gradient tile of 341 rows issues 22 steps, not 24
