@@ -236,6 +236,18 @@ USE_EXPERT_MAJOR = True
 FUSE_DH_SWIGLU = False
 
 
+def dout_inline(top_k: int) -> bool:
+    """Whether mokgen's dh and dW_down GEMMs load the pairs' dOut rows through the token index
+    (MOKGEN_BWD_DOUT ``inline``) rather than from a gathered copy (``gather``), for ``top_k``
+    pairs per token. ``auto`` (the default) takes the index where a token has several pairs: the
+    copy is then top_k times dOut's bytes, and the single-GPU layers' fwd+bwd step was 1.4-2.8%
+    faster without it; with one pair per row (an EP rank's received rows, the local stand-ins)
+    the copy is no larger than dOut and the TMA's reads of it were 0.4% faster on kimi-k2.5
+    (docs/perf-notes.md v0.22)."""
+    mode = env.bwd_dout()
+    return mode == "inline" or (mode == "auto" and top_k > 1)
+
+
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
                               need_weight_grads, saved_gu=None, ring_x=None):
     """The BF16 path of experts_backward: grouped GEMMs over the expert-major rows."""
@@ -273,7 +285,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # the dOut rows of the pairs, in order: gathered into a copy (2 T K H bytes written, then
     # read by dh and dW_down), or (MOKGEN_BWD_DOUT=inline, mokgen's GEMMs on the split weight
     # schedule) loaded by those two GEMMs through the token index from dOut itself (v0.22)
-    inline_dout = (ours and env.bwd_dout() == "inline" and env.bwd_weights() == "split"
+    inline_dout = (ours and dout_inline(K) and env.bwd_weights() == "split"
                    and not (saved_gu is not None and FUSE_DH_SWIGLU))
     dout = grad_out.to(torch.bfloat16).contiguous()
     go = None if inline_dout else dout.index_select(0, tok).contiguous()

@@ -37,7 +37,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_DX_PAIRS": "bf16 (default) or fp32: where a token has several pairs, mokgen's backward GEMMs write each pair's dx row rounded to bf16 (as the forward's combine slots and the rows that come back across GPUs) or in fp32, before the fixed-order fp32 sum over the token's slots",
     "MOKGEN_BWD_DH": "bf16 (default) or fp32: under the save policy, mokgen's dh GEMM (dOut through the down projection) writes its rows rounded to bf16, as torch._grouped_mm's would be, or in fp32, for SwiGLU's backward to read",
     "MOKGEN_BWD_RING": "auto (default), reuse or gather: a one-rank MoELayer's backward reads the x rows of its pairs in place from the forward's receive ring where the ring still holds all of them (auto), also sizes its ring to hold max_tokens x top_k rows so that it does (reuse), or always gathers them again (gather)",
-    "MOKGEN_BWD_DOUT": "gather (default) or inline: mokgen's backward GEMMs that read dOut by routed pair (dh = dOut Wd, dW_down = dOut^T hw) load its rows through the token index themselves (no copy; with the split weight schedule, single CTAs), or read a gathered copy of them in the pairs' order (the same bits)",
+    "MOKGEN_BWD_DOUT": "auto (default), inline or gather: mokgen's backward GEMMs that read dOut by routed pair (dh = dOut Wd, dW_down = dOut^T hw) load its rows through the token index themselves (inline: no copy; with the split weight schedule, single CTAs), or read a gathered copy of them in the pairs' order (gather); auto: inline where a token has several routed pairs (the single-GPU layer), gather for one pair per row (an EP rank's received rows). The same bits",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -214,10 +214,9 @@ def bwd_dh() -> str:
 
 
 def bwd_dout() -> str:
-    """MOKGEN_BWD_DOUT: ``gather`` (default) or ``inline`` (v0.22: 2.6% off the qwen3.5-35b-a3b
-    layer's fwd+bwd before its tile look-ahead, which is not yet GPU-tested), how mokgen's dh and dW_down GEMMs get the dOut rows of the routed pairs
-    (mokgen.backward; bwd_gemm's ``a_index``)."""
-    return _choice("MOKGEN_BWD_DOUT", ("gather", "inline"))
+    """MOKGEN_BWD_DOUT: ``auto`` (default), ``inline`` or ``gather``, how mokgen's dh and dW_down GEMMs
+    get the dOut rows of the routed pairs (mokgen.backward.dout_inline; bwd_gemm's ``a_index``)."""
+    return _choice("MOKGEN_BWD_DOUT", ("auto", "inline", "gather"))
 
 
 def tuned_dir() -> Path:

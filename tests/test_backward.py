@@ -497,11 +497,17 @@ def test_policy_switches(monkeypatch):
         with pytest.raises(ToolchainError, match=f"{name} must be bf16 or fp32"):
             read()
     monkeypatch.delenv("MOKGEN_BWD_DOUT", raising=False)
-    assert env.bwd_dout() == "gather"  # a gathered copy of the pairs' dOut rows (inline: opt-in until GPU-tested)
+    from mokgen.backward import dout_inline
+
+    # auto: dh and dW_down load dOut's rows through the token index where a token has several
+    # pairs, and read a gathered copy for one pair per row (v0.22's measurements)
+    assert env.bwd_dout() == "auto" and dout_inline(8) and dout_inline(2) and not dout_inline(1)
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "gather")
+    assert env.bwd_dout() == "gather" and not dout_inline(8)
     monkeypatch.setenv("MOKGEN_BWD_DOUT", "inline")
-    assert env.bwd_dout() == "inline"
+    assert dout_inline(1) and dout_inline(8)
     monkeypatch.setenv("MOKGEN_BWD_DOUT", "tma")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DOUT must be gather or inline"):
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_DOUT must be auto or inline or gather"):
         env.bwd_dout()
     monkeypatch.delenv("MOKGEN_BWD_WEIGHTS_JOINT", raising=False)
     assert env.bwd_weights_joint()  # one launch for the gate's and up's weight gradients (v0.21)
