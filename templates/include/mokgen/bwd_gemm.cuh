@@ -570,7 +570,9 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
 #pragma unroll 2  // as the forward's mainloop (no spills either way)
   for (int kb = 0; kb < n_k; ++kb) {
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
+#ifndef MOKGEN_GATHER_NO_FENCE  // a measuring variant only (.ci/gather_probe.py --flags): not a correct kernel
     if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     // a short last k-block runs only the 16-row wgmma steps that hold valid k rows (its tail
     // rows within the last step zeroed): a weight-gradient tile of 341 rows issues 22 steps, not 24
