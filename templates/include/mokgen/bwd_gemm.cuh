@@ -439,6 +439,21 @@ MOKGEN_DEVICE void gathered_k_rows(const TileSrc& t, const Gather& g, int kb, in
   }
 }
 
+// The gathering producer's stage for k-block kb of tile t, once it is free: thread 0 expects
+// B's bytes on its full barrier and loads B by TMA. Returns the stage's shared-memory address
+// (A's two boxes from there, for the caller's copies).
+template <bool kBMN, class P>
+MOKGEN_DEVICE uint32_t gathered_stage(const Smem& s, P& pipe, const TileSrc& t, int kb) {
+  pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
+  unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+  if ((threadIdx.x & 127) == 0) {
+    uint64_t* full = &s.full[pipe.stage];
+    mbar_arrive_expect_tx(full, kBBytes);
+    load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], kb * kBK, 0);
+  }
+  return smem_u32(st);
+}
+
 // first: MN-major A only, gathered_k_rows(t, g, 0, first) (K-major A loads its rows' sources
 // itself, once per tile).
 template <bool kAMN, bool kBMN, class P>
@@ -455,19 +470,11 @@ MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, co
       src[i] = m < t.a_rows ? g.src + g.index[t.a_row + m] * g.ld + 8 * c : nullptr;
     }
     for (int kb = 0; kb < t.n_k; ++kb) {
-      pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
-      unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
-      uint64_t* full = &s.full[pipe.stage];
-      const int k0 = kb * kBK;
-      if (tid == 0) {
-        mbar_arrive_expect_tx(full, kBBytes);
-        load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], k0, 0);
-      }
-      const uint32_t dst = smem_u32(st) + at;
+      const uint32_t dst = gathered_stage<kBMN>(s, pipe, t, kb) + at;
 #pragma unroll
       for (int i = 0; i < 8; ++i)  // row j + 16 i at byte 128 (j + 16 i) of the two boxes: 2048 i
-        cp_async16(dst + i * 2048, src[i] != nullptr ? src[i] + k0 : g.src, src[i] != nullptr);
-      cp_async_arrive(full);
+        cp_async16(dst + i * 2048, src[i] != nullptr ? src[i] + kb * kBK : g.src, src[i] != nullptr);
+      cp_async_arrive(&s.full[pipe.stage]);
       pipe.advance();
     }
   } else {
@@ -476,15 +483,7 @@ MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, co
     for (int i = 0; i < 4; ++i) cur[i] = first[i];
     for (int kb = 0; kb < t.n_k; ++kb) {
       if (kb + 1 < t.n_k) gathered_k_rows(t, g, kb + 1, nxt);
-      pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
-      unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
-      uint64_t* full = &s.full[pipe.stage];
-      const int k0 = kb * kBK;
-      if (tid == 0) {
-        mbar_arrive_expect_tx(full, kBBytes);
-        load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], k0, 0);
-      }
-      const uint32_t dst = smem_u32(st) + at;
+      const uint32_t dst = gathered_stage<kBMN>(s, pipe, t, kb) + at;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const bool valid = cur[i] >= 0;
@@ -492,7 +491,7 @@ MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, co
 #pragma unroll
         for (int h = 0; h < 2; ++h) cp_async16(dst + h * kBox + i * 2048, row + 64 * h, valid);
       }
-      cp_async_arrive(full);
+      cp_async_arrive(&s.full[pipe.stage]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
       pipe.advance();
