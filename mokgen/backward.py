@@ -248,6 +248,16 @@ def dout_inline(top_k: int) -> bool:
     return mode == "inline" or (mode == "auto" and top_k > 1)
 
 
+def fused_applies(saved: bool, top_k: int) -> bool:
+    """Whether mokgen's backward takes the fused launch (bwd_gemm.fused_backward) on its GEMMs:
+    MOKGEN_BWD_FUSED=1 (off by default), the save policy (``saved``: g and u from the forward),
+    and the settings whose separate launches it reproduces bit for bit: the split weight
+    schedule with the joint gate/up launch, dh in bf16, and bf16 dx pair rows where a token has
+    several (``top_k`` > 1)."""
+    return (env.bwd_fused() and saved and not FUSE_DH_SWIGLU and env.bwd_weights() == "split"
+            and env.bwd_weights_joint() and env.bwd_dh() == "bf16" and (top_k == 1 or env.bwd_dx_pairs() == "bf16"))
+
+
 def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, grad_out, clamp_limit,
                               need_weight_grads, saved_gu=None, ring_x=None):
     """The BF16 path of experts_backward: grouped GEMMs over the expert-major rows."""
@@ -285,7 +295,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # the dOut rows of the pairs, in order: gathered into a copy (2 T K H bytes written, then
     # read by dh and dW_down), or (MOKGEN_BWD_DOUT=inline, mokgen's GEMMs on the split weight
     # schedule) loaded by those two GEMMs through the token index from dOut itself (v0.22)
-    inline_dout = (ours and dout_inline(K) and env.bwd_weights() == "split"
+    fused = ours and need_weight_grads and fused_applies(saved_gu is not None, K)
+    inline_dout = (ours and not fused and dout_inline(K) and env.bwd_weights() == "split"
                    and not (saved_gu is not None and FUSE_DH_SWIGLU))
     dout = grad_out.to(torch.bfloat16).contiguous()
     go = None if inline_dout else dout.index_select(0, tok).contiguous()
@@ -293,6 +304,12 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
     # ours fuses the recompute with SwiGLU's backward, g and u never leave the registers)
+    if fused:  # one launch for the GEMM chain and SwiGLU's backward (MOKGEN_BWD_FUSED; the same bits)
+        dx_pairs, dw_rows, grads = bwd_gemm.fused_backward(go, rows, w_gate, w_up, w_down, saved_gu, order, wt, offs,
+                                                           clamp_limit)
+        dx = dx_pairs if K == 1 else bwd_gemm.sum_slots(dx_pairs, T, K)
+        del dx_pairs
+        return _finish(dx, _pair_weights(order, dw_rows, T, K), list(grads), x, topk_weights, (w_gate, w_up, w_down))
     if ours and saved_gu is not None and FUSE_DH_SWIGLU:  # dSwiGLU in dh's epilogue: no fp32 dh_u
         hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(go, w_down, saved_gu, order, wt, offs, clamp_limit)
     elif ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows

@@ -84,9 +84,11 @@ _SIGNATURES = {
     "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp, _vp],
+    "mokgen_bwd_fused": [_vp] * 19 + [_i] * 7 + [_f, _vp],
 }
 #: entry points that return a value, not an error code: (argument types, result type)
-_QUERIES = {"mokgen_bwd_expert_major_scratch": ([_i, _i], ctypes.c_longlong)}
+_QUERIES = {"mokgen_bwd_expert_major_scratch": ([_i, _i], ctypes.c_longlong),
+            "mokgen_bwd_fused_counters": ([_i, _i], ctypes.c_longlong)}
 #: the most experts expert_major orders (its kernels keep E + 1 counters in 48 KB of shared memory)
 EXPERT_MAJOR_MAX_EXPERTS = 12287
 
@@ -152,6 +154,13 @@ class _Lib:
 
     def expert_major(self, *args) -> None:
         self._call("mokgen_bwd_expert_major", *args)
+
+    def fused(self, *args) -> None:
+        self._call("mokgen_bwd_fused", *args)
+
+    def fused_counters(self, rows: int, experts: int) -> int:
+        """int32 elements of the fused backward's dependency counters."""
+        return int(self._lib.mokgen_bwd_fused_counters(rows, experts))
 
     def expert_major_scratch(self, n: int, experts: int) -> int:
         """int32 elements of expert_major's scratch for n pairs and ``experts`` experts."""
@@ -742,3 +751,78 @@ def usable(hidden: int, inter: int, device) -> bool:
     if not (supported(device) and hidden % BLOCK_N == 0 and inter % BLOCK_N == 0):
         return False
     return bool(_forced) or available()
+
+
+def fused_backward(go, x_rows, w_gate, w_up, w_down, gu, order, wt, offs, clamp_limit=None, *,
+                   chunk: int | None = None, lag: int | None = None):
+    """The save policy's experts backward in one persistent launch (v0.23; ``fused_kernel`` in
+    templates/bwd_gemm.cu, its order in templates/include/mokgen/bwd_fused.cuh): ``dh = go @
+    w_down[e]`` (bf16), SwiGLU's backward from the saved pre-activations (by the producer
+    warpgroup's idle warps, overlapping the GEMMs), ``dx = dg @ w_gate[e] + du @ w_up[e]`` per
+    pair and the three weight gradients, each tile waiting only for the tiles it reads.
+
+    ``go [rows, H]`` (dOut's rows in the rows' order) and ``x_rows [rows, H]`` bf16, ``w_gate`` /
+    ``w_up [E, I, H]``, ``w_down [E, H, I]`` bf16, ``gu [pairs, 2 I]`` bf16 (the forward's saved
+    g then u per pair), ``order [rows]`` int64 (the pair of each row, distinct, in ``[0,
+    pairs)``), ``wt [rows]`` fp32, ``offs [E]`` int32 (the expert-major rows' ends); H and I
+    multiples of 256. Returns ``(dx_pairs, d_wt, (dWg, dWu, dWd))``: ``dx_pairs [pairs, H]`` bf16
+    (row ``order[r]``; zeros for the pairs no expert computed, those past ``offs[-1]``), ``d_wt
+    [rows]`` fp32 (the routing weight's gradient per row, 0 past ``offs[-1]``) and the weight
+    gradients in bf16. The bits of ``rows_gemm`` (bf16 dh), ``swiglu_grads_saved``, ``rows_gemm``
+    (dx, bf16 pair rows), ``weight_grads`` (dWd) and ``weight_grads_joint`` (dWg, dWu) on the same
+    inputs. ``chunk`` rows per group and ``lag`` (the order; default MOKGEN_BWD_FUSED_CHUNK and
+    MOKGEN_BWD_FUSED_LAG) change the schedule, not the bits. Peak memory: dh [rows, I] bf16 lives
+    through the launch, beside hw, dg and du."""
+    import torch
+
+    chunk = env.bwd_fused_chunk() if chunk is None else int(chunk)
+    lag = env.bwd_fused_lag() if lag is None else int(lag)
+    if chunk < 1 or not 1 <= lag <= 8:
+        raise InputError(f"fused_backward: chunk must be >= 1 and lag 1 to 8, got {chunk} and {lag}")
+    for name, t, nd in (("go", go, 2), ("x_rows", x_rows, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3),
+                        ("w_down", w_down, 3), ("gu", gu, 2)):
+        _check_operand(name, t, nd)
+    rows, H = go.shape
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    dev = go.device
+    for name, t, shape in (("x_rows", x_rows, (rows, H)), ("w_gate", w_gate, (E, I, H)), ("w_up", w_up, (E, I, H)),
+                           ("w_down", w_down, (E, H, I))):
+        if tuple(t.shape) != shape or t.device != dev:
+            raise InputError(f"fused_backward: {name} must be {list(shape)} on {dev}, got {list(t.shape)} on {t.device}")
+    pairs = gu.shape[0]
+    if tuple(gu.shape) != (pairs, 2 * I) or gu.device != dev:
+        raise InputError(f"fused_backward: gu must be [pairs, 2 I] = [*, {2 * I}] on {dev}, got {list(gu.shape)}")
+    if H == 0 or I == 0 or H % BLOCK_N or I % BLOCK_N:
+        raise InputError(f"fused_backward needs H and I positive multiples of {BLOCK_N}, got H = {H}, I = {I}")
+    if rows > pairs:
+        raise InputError(f"fused_backward: {rows} rows, more than gu's {pairs} pairs")
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (rows,) \
+            or not order.is_contiguous() or order.device != dev:
+        raise InputError(f"fused_backward: order must be a contiguous int64 tensor of shape ({rows},) on {dev}, got "
+                         f"{getattr(order, 'dtype', type(order).__name__)} {tuple(getattr(order, 'shape', ()))}")
+    if not isinstance(wt, torch.Tensor) or wt.dtype != torch.float32 or tuple(wt.shape) != (rows,) \
+            or not wt.is_contiguous() or wt.device != dev:
+        raise InputError(f"fused_backward: wt must be a contiguous float32 tensor of shape ({rows},) on {dev}")
+    _check_clamp(clamp_limit)
+    _check_offs(offs, E, dev)
+    bf = torch.bfloat16
+    dx = torch.empty(pairs, H, dtype=bf, device=dev)
+    grads = (torch.empty(E, I, H, dtype=bf, device=dev), torch.empty(E, I, H, dtype=bf, device=dev),
+             torch.empty(E, H, I, dtype=bf, device=dev))
+    d_wt = torch.zeros(rows, dtype=torch.float32, device=dev)
+    if rows == 0 or E == 0:
+        dx.zero_()
+        for g in grads:
+            g.zero_()
+        return dx, d_wt, grads
+    hw, dg, du, dh = (torch.empty(rows, I, dtype=bf, device=dev) for _ in range(4))
+    lib = load_library()
+    counters = torch.empty(lib.fused_counters(rows, E), dtype=torch.int32, device=dev)
+    clamp = clamp_limit is not None
+    with _on(dev) as stream:
+        lib.fused(dx.data_ptr(), grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr(), hw.data_ptr(),
+                  dg.data_ptr(), du.data_ptr(), d_wt.data_ptr(), dh.data_ptr(), counters.data_ptr(), go.data_ptr(),
+                  x_rows.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), w_down.data_ptr(), gu.data_ptr(),
+                  order.data_ptr(), wt.data_ptr(), offs.data_ptr(), E, rows, H, I, chunk, lag, int(clamp),
+                  float(clamp_limit) if clamp else 0.0, stream)
+    return dx, d_wt, grads

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "mokgen/bwd_fused.cuh"
 #include "mokgen/bwd_gemm.cuh"
 
 namespace {
@@ -389,6 +390,70 @@ MOKGEN_DEVICE void load8(const bf16* p, float (&d)[8]) {
   }
 }
 
+// One row of it, by the 32 lanes of a warp (expert-major row `row` < offs[E - 1], pair
+// order[row]): swiglu_saved_kernel's rows and the fused backward's background warps (fused_kernel)
+// both go through this, so their bits are the same. Two 256-column steps' loads are issued
+// before either is computed (more bytes in flight for the fused kernel's three warps per SM);
+// the arithmetic and its order are the step-by-step loop's. kCg: dh_u read through L2 only (the
+// fused kernel's dh rows come from other SMs' stores in the same launch).
+template <class DhT, bool kCg = false>
+MOKGEN_DEVICE void swiglu_saved_row(bf16* __restrict__ h, bf16* __restrict__ dg, bf16* __restrict__ du,
+                                    float* __restrict__ dw, const bf16* __restrict__ gu,
+                                    const int64_t* __restrict__ order, const DhT* __restrict__ dh_u,
+                                    const float* __restrict__ wt, int row, int I, int lane, int clamp, float limit) {
+  const bf16* g = gu + order[row] * (2 * int64_t(I));
+  const bf16* u = g + I;
+  const int64_t at = int64_t(row) * I;
+  const float weight = wt[row];
+  float dot = 0.f;
+  for (int c0 = lane * 8; c0 < I; c0 += 512) {
+    uint4 gv[2], uv[2];
+    float d[2][8];
+    const bool two = c0 + 256 < I;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (k == 1 && !two) break;
+      const int c = c0 + 256 * k;
+      gv[k] = *reinterpret_cast<const uint4*>(g + c);
+      uv[k] = *reinterpret_cast<const uint4*>(u + c);
+      if constexpr (kCg && sizeof(DhT) == 2) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(dh_u + at + c));
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          d[k][2 * j] = bwd::bf16_lo(w[j]);
+          d[k][2 * j + 1] = bwd::bf16_hi(w[j]);
+        }
+      } else {
+        load8(dh_u + at + c, d[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (k == 1 && !two) break;
+      const int c = c0 + 256 * k;
+      const bf16* gs = reinterpret_cast<const bf16*>(&gv[k]);
+      const bf16* us = reinterpret_cast<const bf16*>(&uv[k]);
+      uint32_t wh[4], wdg[4], wdu[4];
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        const bwd::SwigluWords w =
+            bwd::swiglu_words(__bfloat162float(gs[j]), __bfloat162float(gs[j + 1]), __bfloat162float(us[j]),
+                              __bfloat162float(us[j + 1]), d[k][j], d[k][j + 1], weight, clamp != 0, limit, dot);
+        wh[j / 2] = w.h;
+        wdg[j / 2] = w.dg;
+        wdu[j / 2] = w.du;
+      }
+      *reinterpret_cast<uint4*>(h + at + c) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
+      *reinterpret_cast<uint4*>(dg + at + c) = make_uint4(wdg[0], wdg[1], wdg[2], wdg[3]);
+      *reinterpret_cast<uint4*>(du + at + c) = make_uint4(wdu[0], wdu[1], wdu[2], wdu[3]);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  if (lane == 0) dw[row] = dot;
+}
+
 template <class DhT>
 __global__ void __launch_bounds__(256)
     swiglu_saved_kernel(bf16* h, bf16* dg, bf16* du, float* dw, const bf16* gu, const int64_t* order, const DhT* dh_u,
@@ -406,33 +471,255 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) dw[row] = 0.f;
     return;
   }
-  const bf16* g = gu + order[row] * (2 * int64_t(I));
-  const bf16* u = g + I;
-  const float weight = wt[row];
-  float dot = 0.f;
-  for (int c = lane * 8; c < I; c += 256) {
-    const uint4 gv = *reinterpret_cast<const uint4*>(g + c), uv = *reinterpret_cast<const uint4*>(u + c);
-    float d[8];
-    load8(dh_u + at + c, d);
-    const bf16* gs = reinterpret_cast<const bf16*>(&gv);
-    const bf16* us = reinterpret_cast<const bf16*>(&uv);
-    uint32_t wh[4], wdg[4], wdu[4];
-#pragma unroll
-    for (int k = 0; k < 8; k += 2) {
-      const bwd::SwigluWords w =
-          bwd::swiglu_words(__bfloat162float(gs[k]), __bfloat162float(gs[k + 1]), __bfloat162float(us[k]),
-                            __bfloat162float(us[k + 1]), d[k], d[k + 1], weight, clamp != 0, limit, dot);
-      wh[k / 2] = w.h;
-      wdg[k / 2] = w.dg;
-      wdu[k / 2] = w.du;
-    }
-    *reinterpret_cast<uint4*>(h + at + c) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
-    *reinterpret_cast<uint4*>(dg + at + c) = make_uint4(wdg[0], wdg[1], wdg[2], wdg[3]);
-    *reinterpret_cast<uint4*>(du + at + c) = make_uint4(wdu[0], wdu[1], wdu[2], wdu[3]);
+  swiglu_saved_row<DhT>(h, dg, du, dw, gu, order, dh_u, wt, row, I, lane, clamp, limit);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused backward (v0.23; bwd_gemm.fused_backward, MOKGEN_BWD_FUSED): the experts' GEMM chain
+// of the save policy in one persistent launch, in bwd_fused.cuh's order (its header comment
+// gives the order, the dependencies and why they cannot deadlock):
+//   dh = go Wd[e]             (rows tile, bf16 rows to `dh`: the rows GEMM's bits)
+//   swiglu(block)             hw, dg, du, dw from dh and the saved g, u (swiglu_saved_row's bits),
+//                             by warps 1-3 of warpgroup 0, which the TMA producer (thread 0)
+//                             leaves idle: the elementwise pass overlaps the GEMMs
+//   dx = dg Wg[e] + du Wu[e]  (rows tile, bf16 pair rows scattered by `order`)
+//   dWd = go^T hw, [dWg; dWu] = [dg; du]^T x   (weight tiles, TMA-store epilogue)
+// Each tile is the separate kernels' tile (the same producer, consumer and epilogue code), so
+// every output has the bits of the launches it replaces. Dependencies are counters in global
+// memory (zeroed by the host before the launch): dh_done[b] counts the consumer warpgroups done
+// with block b's dh tiles, sw_done[b] is set once block b's swiglu rows are written. Writers
+// store, fence, and one thread releases; waiters acquire (and fence to the async proxy where
+// the TMA reads what generic stores wrote). A wait that outlasts kWaitCycles traps.
+struct FusedMaps {
+  CUtensorMap go;           // dOut rows in the rows' order [rows, H] (dh's A, K-major; dWd's A, MN-major)
+  CUtensorMap wd;           // w_down over [E H, I] (dh's B, MN-major)
+  CUtensorMap dgu[2];       // dg, du [rows, I] (dx's A pairs; the joint dW's A)
+  CUtensorMap wgu[2];       // w_gate, w_up over [E I, H] (dx's B pairs)
+  CUtensorMap hw;           // [rows, I] (dWd's B)
+  CUtensorMap x;            // the rows' x [rows, H] (the joint dW's B)
+  CUtensorMap out_wd;       // dWd over [E H, I]
+  CUtensorMap out_wgu[2];   // dWg, dWu over [E I, H]
+};
+
+struct FusedArgs {
+  const int32_t* offs;
+  int E, total, H, I;
+  bwd::FusedShape sh;
+  bf16* dh;                 // [rows, I] scratch
+  bf16 *hw, *dg, *du;       // [rows, I]
+  float* dw;                // [rows] (zeroed by the host: rows past offs[E - 1] stay 0)
+  const bf16* gu;           // the saved [pairs, 2 I]
+  const int64_t* order;     // the pair of each row
+  const float* wt;          // [rows]
+  bf16* dx;                 // [pairs, H], row order[r] for row r
+  int* dh_done;             // [fused_max_blocks]
+  int* sw_done;             // [fused_max_blocks]
+  int clamp;
+  float limit;
+  int lead;
+};
+
+// The tile queue from the producer thread to the consumers (after the store buffers): the
+// producer walks the order and hands each tile's description over, so the consumers keep no
+// walk state (with it, their 168 registers spilled: the two k-loops' 128 accumulators and the
+// walk's cursors do not fit together). full: the producer's arrival; empty: all 256 consumer
+// threads' (each once it has read the entry). kind -1 ends the walk.
+constexpr int kFusedQueue = 4;
+struct FusedQueue {
+  uint64_t full[kFusedQueue];
+  uint64_t empty[kFusedQueue];
+  int4 item[kFusedQueue][2];  // (kind, e, row0, rows), (blk, m, n, 0)
+};
+constexpr size_t kFusedSmemBytes = bwd::kWeightSmemBytes + sizeof(FusedQueue);
+static_assert(kFusedSmemBytes <= 232448, "the fused kernel's ring, store buffers and queue fit one SM's 227 KB");
+
+MOKGEN_DEVICE int ld_acquire_gpu_s32(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// A queue-barrier wait whose loop the warp leaves together (a vote on the try_wait): with
+// bwd::mbar_wait's per-thread exit before the tile's k-loop, ptxas took what followed for a
+// divergent path and serialized the weight tiles' wgmma (C7520). Traps after kWaitCycles.
+MOKGEN_DEVICE void mbar_wait_warp(uint64_t* bar, uint32_t parity) {
+  const long long start = clock64();
+  for (;;) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (__all_sync(0xffffffffu, done)) return;
+    if (clock64() - start > bwd::kWaitCycles) __trap();
   }
+}
+
+// Spin until *p >= target (acquire), trapping after kWaitCycles.
+MOKGEN_DEVICE void fused_wait(const int* p, int target) {
+  if (ld_acquire_gpu_s32(p) >= target) return;
+  const long long start = clock64();
+  while (ld_acquire_gpu_s32(p) < target) {
+    __nanosleep(64);
+    if (clock64() - start > bwd::kWaitCycles) __trap();
+  }
+}
+
+__global__ void __launch_bounds__(bwd::kThreads, 1)
+    fused_kernel(const __grid_constant__ FusedMaps maps, const FusedArgs a) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  FusedQueue* q = nullptr;
+  {
+    const bwd::Smem c = bwd::carve<bwd::kWeightStages>(smem);
+    q = reinterpret_cast<FusedQueue*>(c.after + bwd::kStagingBytes);
+    if (threadIdx.x == 0)
+      for (int i = 0; i < kFusedQueue; ++i) {
+        sm90::mbar_init(&q->full[i], 1);
+        sm90::mbar_init(&q->empty[i], 256);
+      }
+  }
+  // (start_pipeline's barrier-init fence and __syncthreads cover the queue's barriers too)
+  const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, 1, bwd::kStageBytes, 2, 1>(smem);
+  auto pipe = bwd::make_pipe<bwd::kWeightStages>(a.lead);
+  const int cta = int(blockIdx.x), ctas = int(gridDim.x);
+  const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas
+  if (wgi == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<72>();
+    const int warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid & 31;
+    if (warp == 0) {
+      if (lane == 0) {
+        int qs = 0;
+        uint32_t qph = 0;
+        const auto push = [&](int4 x, int4 y) {
+          bwd::mbar_wait(&q->empty[qs], qph ^ 1u);
+          q->item[qs][0] = x;
+          q->item[qs][1] = y;
+          bwd::mbar_arrive(&q->full[qs]);
+          if (++qs == kFusedQueue) {
+            qs = 0;
+            qph ^= 1u;
+          }
+        };
+        bwd::walk_fused(a.offs, a.E, a.total, a.sh, cta, ctas,
+                        [&](int kind, int e, int row0, int rows, int blk, int nb, int m, int n) {
+          push(make_int4(kind, e, row0, rows), make_int4(blk, m, n, 0));
+          bwd::TileSrc t;
+          if (kind <= bwd::kFusedDx) {
+            const bool dx = kind == bwd::kFusedDx;
+            if (dx) {
+              fused_wait(&a.sw_done[blk], 1);
+              sm90::fence_proxy_async_global();  // dg, du: generic writes -> TMA reads
+            }
+            const int K = dx ? a.I : a.H;
+            for (int p = 0; p < 2; ++p) {
+              t.a[p] = dx ? &maps.dgu[p] : &maps.go;
+              t.b[p] = dx ? &maps.wgu[p] : &maps.wd;
+            }
+            t.a_row = row0;
+            t.a_col = 0;
+            t.b_row = e * K;
+            t.b_col = n * bwd::kBN;
+            t.kb_per_pair = K / bwd::kBK;
+            t.n_k = (dx ? 2 : 1) * t.kb_per_pair;
+            t.a_rows = rows;
+            bwd::produce<false, true>(s, pipe, t);
+          } else {
+            for (int b = blk; b < blk + nb; ++b) fused_wait(&a.sw_done[b], 1);
+            if (nb > 0) sm90::fence_proxy_async_global();  // hw, dg, du: generic writes -> TMA reads
+            int p = 0, a_col = m * bwd::kBM;
+            const bool wd = kind == bwd::kFusedWd;
+            if (!wd && a_col >= a.I) {
+              p = 1;
+              a_col -= a.I;
+            }
+            t.a[0] = t.a[1] = wd ? &maps.go : &maps.dgu[p];
+            t.b[0] = t.b[1] = wd ? &maps.hw : &maps.x;
+            t.a_row = row0;
+            t.a_col = a_col;
+            t.b_row = row0;
+            t.b_col = n * bwd::kBN;
+            t.n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+            t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
+            t.a_rows = rows;
+            bwd::produce<true, true>(s, pipe, t);
+          }
+        });
+        push(make_int4(-1, 0, 0, 0), make_int4(0, 0, 0, 0));
+      }
+    } else {
+      // the background: this CTA's swiglu items, three warps, one row each at a time
+      const int w = warp - 1;
+      bwd::walk_fused_swiglu(a.offs, a.E, a.total, cta, ctas, [&](int blk, int row0, int rows) {
+        fused_wait(&a.dh_done[blk], 2 * a.sh.dh_n);
+        for (int r = w; r < rows; r += 3)
+          swiglu_saved_row<bf16, true>(a.hw, a.dg, a.du, a.dw, a.gu, a.order, a.dh, a.wt, row0 + r, a.I, lane,
+                                       a.clamp, a.limit);
+        sm90::fence_proxy_async_global();  // read by the TMA loads of dx and weight tiles
+        asm volatile("bar.sync 3, 96;" ::: "memory");  // warps 1-3 only (barrier 3 is used nowhere else)
+        if (w == 0 && lane == 0) {
+          __threadfence();
+          atomicExch(&a.sw_done[blk], 1);
+        }
+      });
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<216>();
+    if (pipe.staggered() && wgi == 2) bwd::mbar_wait(bwd::lead_barrier(s), 0);
+    pipe.stagger_todo = pipe.staggered() && wgi == 1 ? 1 : 0;
+    const int wg = wgi - 1, t = tid & 127;
+    int qs = 0;
+    uint32_t qph = 0;
+    for (;;) {
+      mbar_wait_warp(&q->full[qs], qph);
+      const int4 x = q->item[qs][0], y = q->item[qs][1];
+      bwd::mbar_arrive(&q->empty[qs]);
+      if (++qs == kFusedQueue) {
+        qs = 0;
+        qph ^= 1u;
+      }
+      // every field through a shuffle: warp-uniform for ptxas (the values steer the k-loops)
+      const auto uni = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+      const int kind = uni(x.x);
+      if (kind < 0) break;
+      const int e = uni(x.y), row0 = uni(x.z), rows = uni(x.w), blk = uni(y.x), m = uni(y.y), n = uni(y.z);
+      // zeroed per tile: without it, ptxas (with -lineinfo, as the library is built) took the
+      // accumulators for live across tiles and serialized the wgmma (C7515); 128 moves a tile
+      float acc[bwd::kAcc];
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
-  if (lane == 0) dw[row] = dot;
+      for (int i = 0; i < bwd::kAcc; ++i) acc[i] = 0.f;
+      if (kind <= bwd::kFusedDx) {
+        const bool dx = kind == bwd::kFusedDx;
+        const int n_k = (dx ? 2 * a.I : a.H) / bwd::kBK;
+        bwd::consume<false, true>(s, pipe, wg, n_k, bwd::kBK, acc);
+        if (dx) {
+          bwd::store_tile(acc, wg, rows, a.dx + n * bwd::kBN, a.H, a.order + row0);
+        } else {
+          bwd::store_tile(acc, wg, rows, a.dh + int64_t(row0) * a.I + n * bwd::kBN, a.I);
+          asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");  // the warpgroup's stores, then the count
+          if (t == 0) {
+            __threadfence();
+            atomicAdd(&a.dh_done[blk], 1);
+          }
+        }
+      } else {
+        const int n_k = (rows + bwd::kBK - 1) / bwd::kBK;
+        bwd::consume<true, true>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
+        if (kind == bwd::kFusedWd) {
+          bwd::store_tile_tma(acc, s, wg, &maps.out_wd, e * a.H + m * bwd::kBM, n * bwd::kBN);
+        } else {
+          const int m0 = m * bwd::kBM, p = m0 >= a.I;
+          bwd::store_tile_tma(acc, s, wg, &maps.out_wgu[p], e * a.I + (p ? m0 - a.I : m0), n * bwd::kBN);
+        }
+      }
+    }
+    bwd::stagger_lead_done(s, pipe);
+    bwd::store_tma_done();
+  }
 }
 
 // The rows GEMM's rows that no expert owns (r in [offs[E - 1], rows), clamped: pairs no expert
@@ -918,6 +1205,70 @@ int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, 
   // a pair's two row blocks in one problem: Mp / 128 even
   return launch_weights<true>(maps, cluster == 2 && (Mp / bwd::kBM) % 2 == 0, grid, offs, E, rows, 2 * Mp, N, Mp,
                               stream);
+}
+
+// The fused backward of the save policy (fused_kernel): one launch for dh, SwiGLU's backward,
+// dx and the three weight gradients, with the bits of mokgen_bwd_rows (dh in bf16; dx in bf16
+// pair rows), mokgen_bwd_swiglu_saved, mokgen_bwd_weights (dWd) and mokgen_bwd_weights2 (dWg,
+// dWu). go [rows, H] (dOut's rows in the rows' order), x [rows, H] (the rows' x), w_gate / w_up
+// [E, I, H], w_down [E, H, I], gu [pairs, 2 I], order [rows] int64, wt [rows] fp32, offs [E]
+// int32, all on the device; out dx [pairs, H] bf16 (row order[r]; rows past offs[E - 1]
+// zeroed here), dwg / dwu [E, I, H], dwd [E, H, I] bf16, hw / dg / du / dh [rows, I] bf16
+// (scratch the caller may read: hw, dg, du as swiglu_saved's), dw [rows] fp32 (zeroed by the
+// caller), counters: 2 fused_max_blocks(rows, E) int32 (zeroed here). chunk (rows per group,
+// >= 1) and lag (>= 1) set the order. H % 256 == 0, I % 256 == 0, rows >= 1 (checked by the caller).
+long long mokgen_bwd_fused_counters(int rows, int E) { return 2ll * bwd::fused_max_blocks(rows, E); }
+
+int mokgen_bwd_fused(void* dx, void* dwg, void* dwu, void* dwd, void* hw, void* dg, void* du, float* dw, void* dh,
+                     int* counters, const void* go, const void* x, const void* w_gate, const void* w_up,
+                     const void* w_down, const void* gu, const int64_t* order, const float* wt, const int32_t* offs,
+                     int E, int rows, int H, int I, int chunk, int lag, int clamp, float limit, cudaStream_t stream) {
+  FusedMaps maps;
+  const uint64_t R = uint64_t(rows), EH = uint64_t(E) * H, EI = uint64_t(E) * I;
+  if (sm90::encode_map_2d(&maps.go, go, R, uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.wd, w_down, EH, uint64_t(I), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.dgu[0], dg, R, uint64_t(I), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.dgu[1], du, R, uint64_t(I), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.wgu[0], w_gate, EI, uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.wgu[1], w_up, EI, uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.hw, hw, R, uint64_t(I), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.x, x, R, uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.out_wd, dwd, EH, uint64_t(I), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.out_wgu[0], dwg, EI, uint64_t(H), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.out_wgu[1], dwu, EI, uint64_t(H), 64) != CUDA_SUCCESS)
+    return kBadMap;
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const int blocks = bwd::fused_max_blocks(rows, E);
+  cudaError_t err = cudaMemsetAsync(counters, 0, sizeof(int) * 2 * size_t(blocks), stream);
+  if (err != cudaSuccess) return int(err);
+  FusedArgs args;
+  args.offs = offs;
+  args.E = E;
+  args.total = rows;
+  args.H = H;
+  args.I = I;
+  args.sh = bwd::FusedShape{I / bwd::kBN, H / bwd::kBN, H / bwd::kBM, I / bwd::kBN, 2 * I / bwd::kBM, H / bwd::kBN,
+                            chunk < 1 ? 1 : chunk, lag < 1 ? 1 : lag};
+  args.dh = static_cast<bf16*>(dh);
+  args.hw = static_cast<bf16*>(hw);
+  args.dg = static_cast<bf16*>(dg);
+  args.du = static_cast<bf16*>(du);
+  args.dw = dw;
+  args.gu = static_cast<const bf16*>(gu);
+  args.order = order;
+  args.wt = wt;
+  args.dx = static_cast<bf16*>(dx);
+  args.dh_done = counters;
+  args.sw_done = counters + blocks;
+  args.clamp = clamp;
+  args.limit = limit;
+  args.lead = g_lead;
+  zero_rows_kernel<<<grid, 256, 0, stream>>>(args.dx, offs, E, rows, H, order);
+  err = cudaFuncSetAttribute(fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFusedSmemBytes));
+  if (err != cudaSuccess) return int(err);
+  fused_kernel<<<grid, bwd::kThreads, kFusedSmemBytes, stream>>>(maps, args);
+  return int(cudaGetLastError());
 }
 
 // out [T, H] bf16: the sum over each token's K slots of in [T K, H], fp32 (in_bf16 = 0) or

@@ -18,7 +18,7 @@ from mokgen.errors import InputError  # noqa: E402
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
            "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
            "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved", "mokgen_bwd_weights2",
-           "mokgen_bwd_rows_gathered", "mokgen_bwd_weights_gathered")
+           "mokgen_bwd_rows_gathered", "mokgen_bwd_weights_gathered", "mokgen_bwd_fused", "mokgen_bwd_fused_counters")
 
 
 @pytest.mark.nvcc
@@ -35,8 +35,10 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # weights and weights in ping-pong (single CTAs, pairs), zero_rows<fp32>, zero_rows<bf16>,
     # zero_rows3, sum_slots<fp32 in>, sum_slots<bf16 in>, and the row order's expert_count,
     # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh; the joint weights (single
-    # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22)
-    assert len(kernels) == 27, kernels
+    # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22); the fused
+    # backward (v0.23)
+    assert len(kernels) == 28, kernels
+    assert sum("fused_kernel" in k for k in kernels) == 1, kernels
     assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 5, kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
     assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
@@ -64,6 +66,8 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     assert cdll.mokgen_bwd_max_lead() == bwd_gemm.MAX_LEAD
     # the row order's scratch: (E + 1) counters per chunk of 1024 pairs
     assert [wrapped.expert_major_scratch(n, 48) for n in (1, 1024, 1025, 16384)] == [49, 49, 98, 16 * 49]
+    # the fused backward's counters: two per block id, total / 128 + E + 1 block ids
+    assert [wrapped.fused_counters(n, 48) for n in (1, 128, 16384)] == [2 * 49, 2 * 50, 2 * 177]
     # a second call finds it in the cache
     mtime = lib.stat().st_mtime_ns
     assert bwd_gemm.build_library() == lib and lib.stat().st_mtime_ns == mtime
@@ -97,8 +101,9 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     gemms = {f.split("\n", 1)[0]: f for f in functions if "HGMMA" in f}
     # rows x 3 (single, pairs), swiglu, dh_swiglu, weights, ping-pong and the joint weights (x 2
     # each: single, pairs), the gathering rows (fp32, bf16 out) and weights: the count left at 12
-    # when the joint weights came (v0.20) went unseen until v0.22, as CPU CI has no cuobjdump
-    assert len(gemms) == 17, list(gemms)
+    # when the joint weights came (v0.20) went unseen until v0.22, as CPU CI has no cuobjdump;
+    # the fused backward (v0.23)
+    assert len(gemms) == 18, list(gemms)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 
