@@ -562,6 +562,9 @@ MOKGEN_DEVICE void mbar_wait_warp(uint64_t* bar, uint32_t parity) {
 
 // Spin until *p >= target (acquire), trapping after kWaitCycles.
 MOKGEN_DEVICE void fused_wait(const int* p, int target) {
+#ifdef MOKGEN_FUSED_NO_DEPS  // a measuring variant only (.ci/fused_probe.py): not a correct kernel
+  return;
+#endif
   if (ld_acquire_gpu_s32(p) >= target) return;
   const long long start = clock64();
   while (ld_acquire_gpu_s32(p) < target) {
@@ -656,7 +659,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       const int w = warp - 1;
       bwd::walk_fused_swiglu(a.offs, a.E, a.total, cta, ctas, [&](int blk, int row0, int rows) {
         fused_wait(&a.dh_done[blk], 2 * a.sh.dh_n);
+#ifndef MOKGEN_FUSED_NO_SWIGLU  // a measuring variant only (.ci/fused_probe.py): not a correct kernel
         for (int r = w; r < rows; r += 3)
+#else
+        for (int r = w; r < 0; r += 3)
+#endif
           swiglu_saved_row<bf16, true>(a.hw, a.dg, a.du, a.dw, a.gu, a.order, a.dh, a.wt, row0 + r, a.I, lane,
                                        a.clamp, a.limit);
         sm90::fence_proxy_async_global();  // read by the TMA loads of dx and weight tiles
