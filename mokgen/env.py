@@ -39,8 +39,8 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_RING": "auto (default), reuse or gather: a one-rank MoELayer's backward reads the x rows of its pairs in place from the forward's receive ring where the ring still holds all of them (auto), also sizes its ring to hold max_tokens x top_k rows so that it does (reuse), or always gathers them again (gather)",
     "MOKGEN_BWD_DOUT": "auto (default), inline or gather: mokgen's backward GEMMs that read dOut by routed pair (dh = dOut Wd, dW_down = dOut^T hw) load its rows through the token index themselves (inline: no copy; with the split weight schedule, single CTAs), or read a gathered copy of them in the pairs' order (gather); auto: inline where a token has several routed pairs (the single-GPU layer), gather for one pair per row (an EP rank's received rows). The same bits",
     "MOKGEN_BWD_FUSED": "1: the save policy's experts backward (dh, SwiGLU's backward, dx and the three weight gradients) as one persistent launch (bwd_gemm.fused_backward, v0.23) instead of five; 0 (default): the separate launches. The same bits. Reads a gathered copy of dOut's rows (MOKGEN_BWD_DOUT does not apply)",
-    "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 16384): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
-    "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 1)",
+    "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
+    "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -265,8 +265,8 @@ def bwd_fused() -> bool:
     return _choice("MOKGEN_BWD_FUSED", ("0", "1")) == "1"
 
 
-BWD_FUSED_CHUNK_DEFAULT = 16384
-BWD_FUSED_LAG_DEFAULT = 1
+BWD_FUSED_CHUNK_DEFAULT = 8192
+BWD_FUSED_LAG_DEFAULT = 3
 
 
 def _positive_int(name: str, default: int, top: int) -> int:
@@ -290,5 +290,5 @@ def bwd_fused_chunk() -> int:
 
 
 def bwd_fused_lag() -> int:
-    """MOKGEN_BWD_FUSED_LAG: groups from a group's dh tiles to its dx and weight tiles, 1 to 8 (default 1)."""
+    """MOKGEN_BWD_FUSED_LAG: groups from a group's dh tiles to its dx and weight tiles, 1 to 8 (default 3)."""
     return _positive_int("MOKGEN_BWD_FUSED_LAG", BWD_FUSED_LAG_DEFAULT, 8)
