@@ -28,10 +28,13 @@ Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V
             (default 16384)
   --a/--b   plan options, runtime arguments or MOKGEN_* settings, e.g. narrow_tiles=0 or
             cluster=1,dispatch_ctas=16 or MOKGEN_BWD_DX_PAIRS=fp32
+            or define=NAME[+NAME...]: that side's library built with -DNAME (a measuring macro
+            of the kernel sources; its own cache entry)
   --blocks  ABBA blocks per workload (default 100: 400 launches)
 Both variants use the plan's defaults (no tuned entry) where they set nothing."""
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -59,6 +62,9 @@ def parse_variant(text: str) -> tuple[dict, dict, dict]:
         if k.startswith("MOKGEN_"):
             envs[k] = v
             continue
+        if k == "define":  # build flags, not a plan option (kept apart from opts by defines())
+            opts["define"] = tuple(filter(None, v.split("+")))
+            continue
         if v.lower() in ("true", "false"):
             val = v.lower() == "true"
         else:
@@ -73,6 +79,19 @@ def parse_variant(text: str) -> tuple[dict, dict, dict]:
                 val = bool(val)
             opts[k] = val
     return opts, rt, envs
+
+
+@contextlib.contextmanager
+def defines(opts: dict):
+    """Builds and loads under this side's -D flags (build.BASE_FLAGS, part of the cache key),
+    with its plan options (opts without 'define') as the value."""
+    names = opts.get("define", ())
+    saved = build.BASE_FLAGS
+    build.BASE_FLAGS = [*saved, *(f"-D{n}" for n in names)]
+    try:
+        yield {k: v for k, v in opts.items() if k != "define"}
+    finally:
+        build.BASE_FLAGS = saved
 
 
 def apply_env(envs: dict, keys) -> None:
@@ -130,9 +149,13 @@ def main() -> None:
     work = [workload(w) for w in args.workloads]
     # every build first, in parallel (the cache makes MoELayer's own load instant; a tuned
     # entry's build is made by its layer)
-    jobs = [(spec, env.plan_options_with(v[0])) for _, spec, _, _, _ in work for v in {id(va): va, id(vb): vb}.values()]
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda j: build.build(j[0], publish_generated=False, options=j[1]), jobs))
+    sides = list({id(va): va, id(vb): vb}.values())
+    for v in sides:  # a side's -D flags are a global of build: one side's builds at a time
+        with defines(v[0]) as opts:
+            jobs = [env.plan_options_with(opts) for _ in work]
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda j: build.build(j[0][1], publish_generated=False, options=j[1]),
+                              zip(work, jobs)))
     results = []
     for label, spec, rows, real, ep in work:
         wg, wu, wd = bench._weights(spec)
@@ -151,7 +174,9 @@ def main() -> None:
                 layer, took = tuned_layer(spec, rows, real, ep)
                 print(f"{label}: B takes {took}", flush=True)
             else:
-                layer = MoELayer(spec, max_tokens=rows, tuned=False, build_options=env.plan_options_with(opts), **rt)
+                with defines(opts) as plan_opts:
+                    layer = MoELayer(spec, max_tokens=rows, tuned=False, build_options=env.plan_options_with(plan_opts),
+                                     **rt)
             with torch.no_grad():
                 layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
             layer.check_ids = False
