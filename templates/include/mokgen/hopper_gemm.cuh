@@ -305,29 +305,6 @@ struct HopperTile {
                                     SRow s_row = SRow{}) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
-    const int w = t >> 5, lane = t & 31;
-    // The epilogue's output rows (this thread's two: 16w + l/4 and +8 of its warpgroup's 64),
-    // resolved while the first k-block's wgmma runs. A slot row is found through the ring's meta
-    // (a global load, then the owner's base): resolved at the epilogue, as before v0.24, that
-    // load's latency sat at the epilogue's start with the tensor core idle. Not before the first
-    // full-stage wait: the meta of a chunk's rows is ordered before its TMA loads, so before that
-    // wait it may not have landed. A row past `rows` resolves row 0's place (a landed row of the
-    // tile, or the first row of a zero-row pair partner's block), which `valid` never stores to:
-    // no branch between the wgmma (a divergent path there serializes them, C7520).
-    // MOKGEN_EPI_LATE_ROWS (a measuring build, .ci/ab_variants.py define=...): at the epilogue.
-    bf16* out_row[2];
-    bf16* save_row[2];
-    bool save_on = false;
-    auto resolve_rows = [&]() {
-      if constexpr (kGated && SRow::kMay) save_on = s_row.enabled();
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-        const int rr = r < rows ? r : 0;
-        out_row[half] = c_row(rr) + n0;
-        if constexpr (kGated && SRow::kMay) save_row[half] = save_on ? s_row(rr) : nullptr;
-      }
-    };
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
     // retired and hand its stage back to the producer.
     int prev_stage = -1;
@@ -348,9 +325,6 @@ struct HopperTile {
                          kb > 0 || k16 > 0,
                          std::make_index_sequence<kAcc>{});
       cute::warpgroup_commit_batch();
-#ifndef MOKGEN_EPI_LATE_ROWS
-      if (kb == 0) resolve_rows();
-#endif
       cute::warpgroup_wait<1>();
       fence_operands(acc);
       if (prev_stage >= 0) release(s, prev_stage, t);
@@ -361,26 +335,24 @@ struct HopperTile {
     fence_operands(acc);  // the epilogue reads acc only after the last wgmma retired
     MOKGEN_FWD_TRACE_ONLY(fwd_trace::s_kloop_end[1 + wg] = fwd_trace::clock(); fwd_trace::s_waited[1 + wg] = tr_waited;)
     release(s, prev_stage, t);
-#ifdef MOKGEN_EPI_LATE_ROWS
-    resolve_rows();
-#endif
     if (abort_flag != nullptr && *abort_flag) rows = 0;
     // Accumulator layout (per warp w of the warpgroup, lane l): rows 16w + l/4 and +8;
     // n8 group i: columns 8i + 2(l%4) + {0,1} -> acc[4i + {0,1}] (row), acc[4i + {2,3}] (row + 8).
     // The 4 lanes of a quad share a row; per 4 groups, two butterfly exchanges (quad_transpose)
     // give each lane one whole group (8 columns, 16 bytes), so a warp stores 64 contiguous
     // bytes per row per instruction instead of 16 (full 32-byte sectors, 4x fewer stores).
+    const int w = t >> 5, lane = t & 31;
     const int q = lane & 3;
     constexpr int kGroups = kGated ? kAcc / 8 : kAcc / 4;  // output n8 groups per row
     static_assert(kGroups % 4 == 0, "groups come in blocks of 4");
     if constexpr (kGated && SRow::kMay) {
-      if (save_on) save_pre_activations(acc, wg, rows, n0, save_row);
+      if (s_row.enabled()) save_pre_activations(acc, wg, rows, n0, s_row);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-      const bool valid = r < rows;  // the same for the 4 lanes of a quad (rows is 0 after an abort)
-      bf16* out = out_row[half];
+      const bool valid = r < rows;  // the same for the 4 lanes of a quad
+      bf16* out = valid ? c_row(r) + n0 : nullptr;
 #pragma unroll
       for (int b = 0; b < kGroups / 4; ++b) {
         uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b+3
@@ -404,15 +376,14 @@ struct HopperTile {
   // The gated epilogue's save (the backward's "save" policy): g and u of this thread's rows in
   // bf16, g at columns [n0, n0 + kBN) and u at [kN + n0, kN + n0 + kBN) of row s_row(r), with the
   // same quad exchange as h (16-byte stores, 64 contiguous bytes per warp and row).
-  // s_rows[half]: row s_row(r) of this thread's two rows, resolved by consume before its k-loop.
-  MOKGEN_DEVICE static void save_pre_activations(const float (&acc)[kAcc], int wg, int rows, int n0,
-                                                 bf16* const (&s_rows)[2]) {
+  template <class SRow>
+  MOKGEN_DEVICE static void save_pre_activations(const float (&acc)[kAcc], int wg, int rows, int n0, const SRow& s_row) {
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
       const bool valid = r < rows;  // the same for the 4 lanes of a quad
-      bf16* out = s_rows[half];
+      bf16* out = valid ? s_row(r) : nullptr;
 #pragma unroll
       for (int b = 0; b < kAcc / 32; ++b) {
         uint32_t wg_[4], wu_[4];  // this lane's 2 columns of gate / up groups 4b .. 4b+3
