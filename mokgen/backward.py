@@ -226,14 +226,16 @@ def _pairs_expert_major(topk_ids: torch.Tensor, E: int, *, count: bool = True):
 #: pairs), so layers above 2^22 experts x pairs took PyTorch's sort.
 USE_EXPERT_MAJOR = True
 
-#: the "save" policy on mokgen's GEMMs: SwiGLU's backward from the saved g and u in the dh GEMM's
-#: epilogue (bwd_gemm.dh_swiglu_saved, v0.14) where True; False (the default): the dh GEMM
-#: writes fp32 dh_u and an elementwise pass reads it (bwd_gemm.swiglu_grads_saved). The same hw,
-#: dg and du bits; the routing weights' gradient sums each row per 256 columns first (within
-#: rounding). Measured slower fused: on kimi-k2.5's local rows the fused kernel took 971 us
-#: against 785 + 117 for the two (the epilogue's loads of g and u, gathered through the pair
-#: map, are exposed; docs/perf-notes.md v0.14).
-FUSE_DH_SWIGLU = False
+def fuse_dh_swiglu(saved: bool) -> bool:
+    """Whether the save policy (``saved``) on mokgen's GEMMs takes SwiGLU's backward from the saved
+    g and u in the dh GEMM's epilogue (bwd_gemm.dh_swiglu_saved): MOKGEN_BWD_DH_SWIGLU=1, off by
+    default. Otherwise the dh GEMM writes its rows (bf16 by default, MOKGEN_BWD_DH) and an
+    elementwise pass reads them (bwd_gemm.swiglu_grads_saved). The routing weights' gradient
+    sums each row per 256 columns first (within rounding). v0.14 measured the fusion slower
+    (971 us against 785 + 117 on kimi-k2.5's local rows: the epilogue's loads of g and u,
+    gathered through the pair map, went to DRAM with the tensor core idle); v0.24 prefetches
+    them into L2 during the k-loop (docs/perf-notes.md v0.24)."""
+    return saved and env.bwd_dh_swiglu()
 
 
 def dout_inline(top_k: int) -> bool:
@@ -254,7 +256,7 @@ def fused_applies(saved: bool, top_k: int) -> bool:
     and the settings whose separate launches it reproduces bit for bit: the split weight
     schedule with the joint gate/up launch, dh in bf16, and bf16 dx pair rows where a token has
     several (``top_k`` > 1)."""
-    return (env.bwd_fused() and saved and not FUSE_DH_SWIGLU and env.bwd_weights() == "split"
+    return (env.bwd_fused() and saved and not fuse_dh_swiglu(saved) and env.bwd_weights() == "split"
             and env.bwd_weights_joint() and env.bwd_dh() == "bf16" and (top_k == 1 or env.bwd_dx_pairs() == "bf16"))
 
 
@@ -296,8 +298,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # read by dh and dW_down), or (MOKGEN_BWD_DOUT=inline, mokgen's GEMMs on the split weight
     # schedule) loaded by those two GEMMs through the token index from dOut itself (v0.22)
     fused = ours and need_weight_grads and fused_applies(saved_gu is not None, K)
-    inline_dout = (ours and not fused and dout_inline(K) and env.bwd_weights() == "split"
-                   and not (saved_gu is not None and FUSE_DH_SWIGLU))
+    inline_dout = ours and not fused and dout_inline(K) and env.bwd_weights() == "split"
     dout = grad_out.to(torch.bfloat16).contiguous()
     go = None if inline_dout else dout.index_select(0, tok).contiguous()
     if ours:
@@ -310,8 +311,12 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         dx = dx_pairs if K == 1 else bwd_gemm.sum_slots(dx_pairs, T, K)
         del dx_pairs
         return _finish(dx, _pair_weights(order, dw_rows, T, K), list(grads), x, topk_weights, (w_gate, w_up, w_down))
-    if ours and saved_gu is not None and FUSE_DH_SWIGLU:  # dSwiGLU in dh's epilogue: no fp32 dh_u
-        hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(go, w_down, saved_gu, order, wt, offs, clamp_limit)
+    if ours and fuse_dh_swiglu(saved_gu is not None):  # dSwiGLU in dh's epilogue: no dh rows
+        if inline_dout:
+            hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(dout, w_down, saved_gu, order, wt, offs, clamp_limit,
+                                                           a_index=tok)
+        else:
+            hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(go, w_down, saved_gu, order, wt, offs, clamp_limit)
     elif ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
         # under the save policy dh in bf16 by default (MOKGEN_BWD_DH: the precision of
         # torch._grouped_mm's dh, half the bytes of fp32 rows written and read; measured in

@@ -81,7 +81,7 @@ _SIGNATURES = {
     "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
-    "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
+    "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp, _vp],
     "mokgen_bwd_sum_slots": [_vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_expert_major": [_vp, _i, _i, _i, _vp, _vp, _vp, _vp, _vp, _vp, _vp],
     "mokgen_bwd_fused": [_vp] * 19 + [_i] * 7 + [_f, _vp],
@@ -471,7 +471,7 @@ def sum_slots(dx_pairs, tokens: int, top_k: int):
 WEIGHT_SCHEDULES = ("split", "pingpong")
 
 
-def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None):
+def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None, a_index=None):
     """``(hw, dg, du, d_wt)`` as ``swiglu_grads_saved(gu, order, rows_gemm([(go, w_down)], offs),
     wt, offs, clamp_limit)`` in one kernel: the rows GEMM ``dh_u = go @ w_down[e]`` (fp32, never
     stored) with SwiGLU's backward from the saved pre-activations in its epilogue. ``go [rows,
@@ -479,15 +479,21 @@ def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None):
     [rows]`` int64 (values in ``[0, pairs)``), ``wt [rows]`` fp32, ``offs [E]`` int32; H % 64 ==
     0, I % 256 == 0. ``hw``, ``dg``, ``du`` have the two passes' bits (zeros from ``offs[-1]``
     on); ``d_wt`` sums each row's products per 256 columns, then the column tiles in order (the
-    same result on every run; within rounding of the two passes' one per-row order). Measured
-    slower than the two passes on kimi-k2.5's local rows (971 us against 785 + 117; the backward
-    takes it where ``backward.FUSE_DH_SWIGLU``, off by default; docs/perf-notes.md v0.14)."""
+    same result on every run; within rounding of the two passes' one per-row order).
+    ``a_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): ``go`` is ``[S, H]`` (dOut) and
+    row ``r``'s operand is row ``a_index[r]`` of it, loaded through the index by the kernel (no
+    gathered copy; the bits of ``go.index_select(0, a_index)``). Each tile prefetches its rows'
+    g and u into L2 during its k-loop (v0.24); without that, v0.14 measured this kernel slower
+    than the two passes (971 us against 785 + 117 on kimi-k2.5's local rows). The backward takes
+    it where MOKGEN_BWD_DH_SWIGLU=1 (off by default; docs/perf-notes.md v0.24)."""
     import torch
 
     _check_operand("go", go, 2)
     _check_operand("w_down", w_down, 3)
     _check_operand("gu", gu, 2)
     rows, H = go.shape
+    if a_index is not None:
+        rows = _check_index(a_index, None, go.device)
     E, I = w_down.shape[0], w_down.shape[2]
     if tuple(w_down.shape) != (E, H, I) or w_down.device != go.device:
         raise InputError(f"w_down must be [E, H, I] with H = {H} (go's columns) on {go.device}, got "
@@ -518,7 +524,8 @@ def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None):
             load_library().dh_swiglu_saved(h.data_ptr(), dg.data_ptr(), du.data_ptr(), dw_part.data_ptr(),
                                            go.data_ptr(), w_down.data_ptr(), gu.data_ptr(), order.data_ptr(),
                                            wt.data_ptr(), offs.data_ptr(), E, rows, H, I, int(clamp),
-                                           float(clamp_limit) if clamp else 0.0, stream)
+                                           float(clamp_limit) if clamp else 0.0,
+                                           None if a_index is None else a_index.data_ptr(), stream)
     elif rows:  # no expert: every row is past offs[-1]
         for t in (h, dg, du):
             t.zero_()

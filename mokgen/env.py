@@ -38,6 +38,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_DH": "bf16 (default) or fp32: under the save policy, mokgen's dh GEMM (dOut through the down projection) writes its rows rounded to bf16, as torch._grouped_mm's would be, or in fp32, for SwiGLU's backward to read",
     "MOKGEN_BWD_RING": "auto (default), reuse or gather: a one-rank MoELayer's backward reads the x rows of its pairs in place from the forward's receive ring where the ring still holds all of them (auto), also sizes its ring to hold max_tokens x top_k rows so that it does (reuse), or always gathers them again (gather)",
     "MOKGEN_BWD_DOUT": "auto (default), inline or gather: mokgen's backward GEMMs that read dOut by routed pair (dh = dOut Wd, dW_down = dOut^T hw) load its rows through the token index themselves (inline: no copy; with the split weight schedule, single CTAs), or read a gathered copy of them in the pairs' order (gather); auto: inline where a token has several routed pairs (the single-GPU layer), gather for one pair per row (an EP rank's received rows). The same bits",
+    "MOKGEN_BWD_DH_SWIGLU": "1: under the save policy, SwiGLU's backward in the dh GEMM's epilogue (bwd_gemm.dh_swiglu_saved: g and u prefetched into L2 during the tile's k-loop, v0.24; dOut's rows through the token index where MOKGEN_BWD_DOUT takes it) instead of dh rows then an elementwise pass; 0 (default): the two passes. hw, dg and du from the fp32 dh (the two passes round dh to bf16 first under MOKGEN_BWD_DH=bf16)",
     "MOKGEN_BWD_FUSED": "1: the save policy's experts backward (dh, SwiGLU's backward, dx and the three weight gradients) as one persistent launch (bwd_gemm.fused_backward, v0.23) instead of five; 0 (default): the separate launches. The same bits. Reads a gathered copy of dOut's rows (MOKGEN_BWD_DOUT does not apply)",
     "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
     "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
@@ -258,6 +259,11 @@ def plan_options() -> dict:
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
             "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode(),
             "dispatch_join": dispatch_join()}
+
+
+def bwd_dh_swiglu() -> bool:
+    """MOKGEN_BWD_DH_SWIGLU: the save policy's SwiGLU backward in the dh GEMM's epilogue (bwd_gemm.dh_swiglu_saved), off by default."""
+    return _choice("MOKGEN_BWD_DH_SWIGLU", ("0", "1")) == "1"
 
 
 def bwd_fused() -> bool:

@@ -324,14 +324,20 @@ struct SavedSwiglu {
   float* dw_part;
 };
 
+// kGather: go's rows come through ga's index (dOut's token rows, bwd::produce_gathered by
+// warpgroup 0's 128 threads, as rows_kernel's), not from a gathered copy; maps.a unused.
+// Each consumer thread loads its rows' pairs before the k-loop and prefetches their g and u
+// into L2 after the first k-block (bwd::SavedRows), so the epilogue's gathered loads hit L2.
+template <bool kGather>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     dh_swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I,
-                     SavedSwiglu o, int clamp, float limit, int lead) {
+                     SavedSwiglu o, int clamp, float limit, int lead, bwd::Gather ga) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const bwd::Smem s = bwd::start_pipeline<bwd::kStages>(smem);
+  const bwd::Smem s =
+      bwd::start_pipeline<bwd::kStages, 1, bwd::kStageBytes, 2, kGather ? bwd::kGatherFull : 1>(smem);
   const int n_tiles = I / bwd::kBN, n_k = H / bwd::kBK;
   auto pipe = bwd::make_pipe<bwd::kStages>(lead);
-  bwd::run_roles(
+  bwd::run_roles<1, kGather>(
       s, pipe,
       [&](auto&& fn) { bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x), int(gridDim.x), fn); },
       [&](int e, int row0, int rows, int n) {
@@ -344,13 +350,23 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         t.b_col = n * bwd::kBN;
         t.n_k = n_k;
         t.kb_per_pair = n_k;
-        bwd::produce<false, true>(s, pipe, t);
+        t.a_rows = rows;
+        if constexpr (kGather) {
+          const int64_t unused[4] = {0, 0, 0, 0};  // a K-major A loads its rows' sources itself
+          bwd::produce_gathered<false, true>(s, pipe, t, ga, unused);
+        } else {
+          bwd::produce<false, true>(s, pipe, t);
+        }
       },
       [&](int wg, int e, int row0, int rows, int n) {
         float acc[bwd::kAcc];
-        bwd::consume<false, true>(s, pipe, wg, n_k, bwd::kBK, acc);
+        bwd::SavedRows saved;
+        saved.load(wg, rows, o.order + row0);
+        const int c0 = n * bwd::kBN;
+        bwd::consume<false, true, 1, kGather>(s, pipe, wg, n_k, bwd::kBK, acc,
+                                              [&]() { saved.prefetch(o.gu, I, c0); });
         const int64_t at = int64_t(row0) * I;
-        bwd::store_swiglu_saved(acc, wg, rows, o.order + row0, o.gu, I, n * bwd::kBN, o.wt + row0, o.h + at, o.dg + at,
+        bwd::store_swiglu_saved(acc, wg, rows, o.order + row0, o.gu, I, c0, o.wt + row0, o.h + at, o.dg + at,
                                 o.du + at, o.dw_part + int64_t(row0) * n_tiles + n, n_tiles, clamp != 0, limit);
       });
 }
@@ -1128,21 +1144,33 @@ int mokgen_bwd_swiglu_saved(void* h, void* dg, void* du, float* dw, const void* 
 // offs [E] int32; out h (= swiglu(g, u) wt), dg, du [rows, I] bf16 (zeros from offs[E - 1] on)
 // and dw_part [rows, I / 256] fp32 (the caller zeroes it; each row's partial sums of dh_u h per
 // 256 columns). H % 64 == 0, I % 256 == 0, rows >= 1 (checked by the caller).
+// go_index (may be null): go is dOut [src_rows, H] and row r's is row go_index[r] (int64 [rows],
+// trusted to lie in [0, src_rows)), loaded through the index by the kernel (v0.24): the bits of
+// the gathered copy.
 int mokgen_bwd_dh_swiglu_saved(void* h, void* dg, void* du, float* dw_part, const void* go, const void* w_down,
                                const void* gu, const int64_t* order, const float* wt, const int32_t* offs, int E,
-                               int rows, int H, int I, int clamp, float limit, cudaStream_t stream) {
+                               int rows, int H, int I, int clamp, float limit, const int64_t* go_index,
+                               cudaStream_t stream) {
   Maps maps;
-  if (sm90::encode_map_2d(&maps.a[0], go, uint64_t(rows), uint64_t(H), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.b[0], w_down, uint64_t(E) * H, uint64_t(I), 64) != CUDA_SUCCESS)
-    return kBadMap;
+  if (sm90::encode_map_2d(&maps.b[0], w_down, uint64_t(E) * H, uint64_t(I), 64) != CUDA_SUCCESS) return kBadMap;
+  if (go_index == nullptr) {
+    if (sm90::encode_map_2d(&maps.a[0], go, uint64_t(rows), uint64_t(H), 64) != CUDA_SUCCESS) return kBadMap;
+  } else {
+    maps.a[0] = maps.b[0];  // unused (A comes through the index)
+  }
   maps.a[1] = maps.a[0];
   maps.b[1] = maps.b[0];
+  const bwd::Gather ga{static_cast<const bf16*>(go), go_index, int64_t(H)};
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   const SavedSwiglu o{static_cast<const bf16*>(gu), order, wt, static_cast<bf16*>(h), static_cast<bf16*>(dg),
                       static_cast<bf16*>(du), dw_part};
   zero_rows3_kernel<<<grid, 256, 0, stream>>>(o.h, o.dg, o.du, offs, E, rows, I);
-  return launch(dh_swiglu_kernel, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit, g_lead);
+  if (go_index != nullptr)
+    return launch(dh_swiglu_kernel<true>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit,
+                  g_lead, ga);
+  return launch(dh_swiglu_kernel<false>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit,
+                g_lead, ga);
 }
 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16

@@ -36,9 +36,11 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # zero_rows3, sum_slots<fp32 in>, sum_slots<bf16 in>, and the row order's expert_count,
     # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh; the joint weights (single
     # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22); the fused
-    # backward (v0.23)
-    assert len(kernels) == 28, kernels
+    # backward (v0.23); dh with the saved SwiGLU backward from dOut's rows through the index (v0.24)
+    assert len(kernels) == 29, kernels
     assert sum("fused_kernel" in k for k in kernels) == 1, kernels
+    assert sorted(re.search(r"dh_swiglu_kernelILb(\d)", k).group(1) for k in kernels if "dh_swiglu_kernel" in k) \
+        == ["0", "1"], kernels
     assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 5, kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
     assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
@@ -102,8 +104,8 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     # rows x 3 (single, pairs), swiglu, dh_swiglu, weights, ping-pong and the joint weights (x 2
     # each: single, pairs), the gathering rows (fp32, bf16 out) and weights: the count left at 12
     # when the joint weights came (v0.20) went unseen until v0.22, as CPU CI has no cuobjdump;
-    # the fused backward (v0.23)
-    assert len(gemms) == 18, list(gemms)
+    # the fused backward (v0.23); dh_swiglu through the index (v0.24)
+    assert len(gemms) == 19, list(gemms)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 

@@ -236,6 +236,34 @@ def test_joint_weight_grads_give_the_bits_of_two_launches(monkeypatch, policy):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("dout", ["gather", "inline"])
+def test_dh_swiglu_epilogue_through_the_layer(monkeypatch, dout):
+    """MOKGEN_BWD_DH_SWIGLU=1 (the save policy's SwiGLU backward in the dh GEMM's epilogue, with
+    g and u prefetched into L2; dOut's rows gathered or through the token index): every
+    gradient as close to the reference's autograd as the two passes' (which round dh to bf16
+    first), and the same bits on a repeat."""
+    from mokgen import bwd_gemm
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", dout)
+    layer, x, ids, w, g = _small_layer_problem(8)
+    runs = {}
+    for key, fuse in (("two", "0"), ("fused", "1"), ("again", "1")):
+        monkeypatch.setenv("MOKGEN_BWD_DH_SWIGLU", fuse)
+        for t in (x, w, *layer.parameters()):
+            t.grad = None
+        layer(x, ids, w).backward(g)
+        runs[key] = [t.grad.clone() for t in (x, w, layer.w_gate, layer.w_up, layer.w_down)]
+    assert all(torch.equal(a, b) for a, b in zip(runs["fused"], runs["again"]))
+    ref = _ref_grads(spec, x, ids, w, layer.w_gate, layer.w_up, layer.w_down, g)
+    for name, f, t, r in zip(("x", "w", "w_gate", "w_up", "w_down"), runs["fused"], runs["two"], ref):
+        assert _rel(f, r) <= 1.25 * _rel(t, r) + 1e-3, (name, _rel(f, r), _rel(t, r))
+        assert _rel(f, r) < 2e-2, name
+
+
 def _spy_ring(monkeypatch):
     """A list that gets, per backward of a one-rank layer, whether it read the ring in place."""
     from mokgen import ep

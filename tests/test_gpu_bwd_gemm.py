@@ -121,6 +121,14 @@ def test_dh_swiglu_saved_has_the_bits_of_the_two_passes(clamp):
     for _ in range(3):
         again = bwd_gemm.dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp)
         assert all(torch.equal(p, q) for p, q in zip(again, got))
+    # go's rows through an index into a larger source (dOut's token rows): the same bits as the copy
+    src = _randn(rows + 37, H, gen=gen)
+    tok = torch.randint(0, rows + 37, (rows,), generator=gen, device="cuda")
+    gathered = bwd_gemm.dh_swiglu_saved(src.index_select(0, tok).contiguous(), w_down, gu, order, wt, offs, clamp)
+    inline = bwd_gemm.dh_swiglu_saved(src, w_down, gu, order, wt, offs, clamp, a_index=tok)
+    assert all(torch.equal(p, q) for p, q in zip(inline, gathered))
+    with pytest.raises(InputError, match="a_index must be a contiguous int64"):
+        bwd_gemm.dh_swiglu_saved(src, w_down, gu, order, wt, offs, clamp, a_index=tok.int())
     with pytest.raises(InputError, match="I % 256 == 0"):
         bwd_gemm.dh_swiglu_saved(go, w_down[:, :, :640].contiguous(), gu[:, :1280].contiguous(), order, wt, offs)
     with pytest.raises(InputError, match=r"gu must be \[pairs, 2 I\]"):

@@ -556,8 +556,14 @@ MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int 
 // belong to the tile's K (64 unless the K is ragged). With no k-block, acc is zero.
 // kGathered: A came by cp.async (produce_gathered), generic-proxy writes that the wgmma (the
 // async proxy) may read only after a proxy fence, here after each full-barrier wait.
-template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, class P>
-MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc]) {
+// early(): called once, after the first k-block's wgmma are issued (the epilogue's prefetches,
+// dh_swiglu_kernel): work that overlaps the k-loop; it must not touch acc. NoEarly by default.
+struct NoEarly {
+  MOKGEN_DEVICE void operator()() const {}
+};
+template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, class P, class Early = NoEarly>
+MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc],
+                           Early early = Early{}) {
   const int t = threadIdx.x & 127;
   if (n_k == 0) {
 #pragma unroll
@@ -603,6 +609,7 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
       default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); break;
     }
     cute::warpgroup_commit_batch();
+    if (kb == 0) early();
     cute::warpgroup_wait<1>();
     fence_operands(acc);
     if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
@@ -978,6 +985,38 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
 // Measured slower than the two passes (docs/perf-notes.md v0.14: these loads, gathered through
 // the pair map, are exposed in the epilogue), so the backward takes it only where
 // mokgen.backward.FUSE_DH_SWIGLU is set.
+// Group 4 b + q's 8 columns of a saved g or u row (zeros for a row past the tile's).
+MOKGEN_DEVICE uint4 uv_load(const bf16* row, int b, int q, bool valid) {
+  return valid ? *reinterpret_cast<const uint4*>(row + 8 * (4 * b + q)) : make_uint4(0, 0, 0, 0);
+}
+
+// The epilogue's g and u rows brought into L2 while the tile's k-loop runs (dh_swiglu_kernel):
+// lane q of a quad prefetches 128-byte line q of its row's 256 columns of g and of u. Their loads
+// at the epilogue then hit L2 instead of going to DRAM (v0.14 measured them exposed there: gu is
+// [pairs, 2 I], read in the pair map's random order). SavedRows::load reads the pairs of this
+// thread's two rows before the k-loop (a row past the tile's takes row 0's: no branch inside the
+// k-loop, where a divergent path serializes the wgmma, C7520); prefetch() is consume's early().
+struct SavedRows {
+  int64_t pair[2];  // the pairs of this thread's two rows: loaded before the k-loop, used after its first k-block
+  MOKGEN_DEVICE void load(int wg, int rows, const int64_t* order) {
+    const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+      pair[half] = order[r < rows ? r : 0];
+    }
+  }
+  MOKGEN_DEVICE void prefetch(const bf16* gu, int I, int c0) const {
+    const int q = threadIdx.x & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const bf16* g = gu + pair[half] * (2 * int64_t(I)) + c0 + 64 * q;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(g));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(g + I));
+    }
+  }
+};
+
 MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows, const int64_t* order,
                                       const bf16* gu, int I, int c0, const float* wt, bf16* h, bf16* dg, bf16* du,
                                       float* dw_part, int n_parts, bool clamp, float limit) {
@@ -992,12 +1031,22 @@ MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows
     const int64_t off = int64_t(rr) * I + c0;
     const float weight = valid ? wt[rr] : 0.f;
     float dot = 0.f;
+    // the loads run kAhead groups of 4 ahead of their use (registers: 8 words per group in
+    // flight), rather than each behind the previous group's stores (the pointers may alias, so
+    // the compiler could not hoist them): one latency per half instead of one per group
+    constexpr int kAhead = 2, kB = kAcc / 16;
+    uint4 gbuf[kAhead], ubuf[kAhead];
 #pragma unroll
-    for (int b = 0; b < kAcc / 16; ++b) {
-      uint4 gv = make_uint4(0, 0, 0, 0), uv = gv;
-      if (valid) {
-        gv = *reinterpret_cast<const uint4*>(g + 8 * (4 * b + q));
-        uv = *reinterpret_cast<const uint4*>(u + 8 * (4 * b + q));
+    for (int b = 0; b < kAhead; ++b) {
+      gbuf[b] = uv_load(g, b, q, valid);
+      ubuf[b] = uv_load(u, b, q, valid);
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const uint4 gv = gbuf[b % kAhead], uv = ubuf[b % kAhead];
+      if (b + kAhead < kB) {
+        gbuf[b % kAhead] = uv_load(g, b + kAhead, q, valid);
+        ubuf[b % kAhead] = uv_load(u, b + kAhead, q, valid);
       }
       const uint32_t g_in[4] = {gv.x, gv.y, gv.z, gv.w}, u_in[4] = {uv.x, uv.y, uv.z, uv.w};
       const uint4 gq = Tile::quad_transpose(g_in, q), uq = Tile::quad_transpose(u_in, q);
