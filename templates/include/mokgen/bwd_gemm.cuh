@@ -987,6 +987,9 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
 // mokgen.backward.FUSE_DH_SWIGLU is set.
 // Group 4 b + q's 8 columns of a saved g or u row (zeros for a row past the tile's).
 MOKGEN_DEVICE uint4 uv_load(const bf16* row, int b, int q, bool valid) {
+#ifdef MOKGEN_DHSW_NO_LOADS  // a measuring variant (.ci/dh_swiglu_probe.py; wrong results): no g, u loads
+  return make_uint4(0x3f803f80u ^ uint32_t(b), 0x3f803f80u, 0x3f803f80u, 0x3f803f80u ^ uint32_t(q));
+#endif
   return valid ? *reinterpret_cast<const uint4*>(row + 8 * (4 * b + q)) : make_uint4(0, 0, 0, 0);
 }
 
@@ -1007,6 +1010,9 @@ struct SavedRows {
     }
   }
   MOKGEN_DEVICE void prefetch(const bf16* gu, int I, int c0) const {
+#ifdef MOKGEN_DHSW_NO_PREFETCH  // a measuring variant (.ci/dh_swiglu_probe.py): no prefetch
+    return;
+#endif
     const int q = threadIdx.x & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -1034,7 +1040,10 @@ MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows
     // the loads run kAhead groups of 4 ahead of their use (registers: 8 words per group in
     // flight), rather than each behind the previous group's stores (the pointers may alias, so
     // the compiler could not hoist them): one latency per half instead of one per group
-    constexpr int kAhead = 2, kB = kAcc / 16;
+#ifndef MOKGEN_DHSW_AHEAD  // measuring variants (.ci/dh_swiglu_probe.py): 1 (each load one group ahead)
+#define MOKGEN_DHSW_AHEAD 2
+#endif
+    constexpr int kAhead = MOKGEN_DHSW_AHEAD, kB = kAcc / 16;
     uint4 gbuf[kAhead], ubuf[kAhead];
 #pragma unroll
     for (int b = 0; b < kAhead; ++b) {
