@@ -1,7 +1,8 @@
 """Where the dh epilogue's SwiGLU backward loses (runs on an H200, not in CI): on the
 qwen3.5-35b-a3b layer's shapes at T = 16384 (uniform routing), timed interleaved by CUDA events
 (median of `--iters` rounds, each round one launch of every form in turn):
-  two passes   dh rows (bf16, dOut through the token index) then swiglu_grads_saved: the default
+  dh alone     the dh rows GEMM (bf16 out, dOut through the token index)
+  two passes   those dh rows then swiglu_grads_saved: the default
   fused index  bwd_gemm.dh_swiglu_saved with dOut through the index (MOKGEN_BWD_DH_SWIGLU=1's)
   fused copy   the same from a gathered copy of dOut (TMA)
 and, for the fused kernel, measuring builds of the library (bwd_gemm.build_variant, built in
@@ -58,6 +59,7 @@ def two_passes():
 
 
 forms = {
+    "dh alone": on(main_lib, lambda: bwd_gemm.rows_gemm([(dout, wd)], offs, out_dtype=torch.bfloat16, a_index=tok)),
     "two passes": on(main_lib, two_passes),
     "fused index": on(main_lib, lambda: bwd_gemm.dh_swiglu_saved(dout, wd, gu, order, wt, offs, a_index=tok)),
     "fused copy": on(main_lib, lambda: bwd_gemm.dh_swiglu_saved(copy, wd, gu, order, wt, offs)),
