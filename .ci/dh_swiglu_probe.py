@@ -6,7 +6,7 @@ qwen3.5-35b-a3b layer's shapes at T = 16384 (uniform routing), timed interleaved
   fused index  bwd_gemm.dh_swiglu_saved with dOut through the index (MOKGEN_BWD_DH_SWIGLU=1's)
   fused copy   the same from a gathered copy of dOut (TMA)
 and, for the fused kernel, measuring builds of the library (bwd_gemm.build_variant, built in
-parallel): -DMOKGEN_DHSW_NO_PREFETCH (no L2 prefetch of g and u), -DMOKGEN_DHSW_AHEAD=1 (the
+parallel): -DMOKGEN_DHSW_PREFETCH (an L2 prefetch of g and u during the k-loop; off since v0.24's run), -DMOKGEN_DHSW_AHEAD=1 (the
 epilogue's loads one group ahead, not two), -DMOKGEN_DHSW_NO_LOADS (no g, u loads: wrong
 results, the epilogue's cost without its gathered reads).
 Usage: python3 .ci/dh_swiglu_probe.py [--iters 20] [--no-variants]"""
@@ -25,7 +25,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--no-variants", action="store_true")
 args = ap.parse_args()
-VARIANTS = [] if args.no_variants else [["-DMOKGEN_DHSW_NO_PREFETCH"], ["-DMOKGEN_DHSW_AHEAD=1"],
+VARIANTS = [] if args.no_variants else [["-DMOKGEN_DHSW_PREFETCH"], ["-DMOKGEN_DHSW_AHEAD=1"],
                                          ["-DMOKGEN_DHSW_NO_LOADS"]]
 tmp = Path(tempfile.mkdtemp())
 with ThreadPoolExecutor(4) as pool:

@@ -233,8 +233,9 @@ def fuse_dh_swiglu(saved: bool) -> bool:
     elementwise pass reads them (bwd_gemm.swiglu_grads_saved). The routing weights' gradient
     sums each row per 256 columns first (within rounding). v0.14 measured the fusion slower
     (971 us against 785 + 117 on kimi-k2.5's local rows: the epilogue's loads of g and u,
-    gathered through the pair map, went to DRAM with the tensor core idle); v0.24 prefetches
-    them into L2 during the k-loop (docs/perf-notes.md v0.24)."""
+    gathered through the pair map, were thought exposed); v0.24 measured it slower still, and as
+    slow without any g / u loads: the epilogue's arithmetic on 8 warps per SM with the tensor
+    core idle is the cost (docs/perf-notes.md v0.24)."""
     return saved and env.bwd_dh_swiglu()
 
 

@@ -482,10 +482,11 @@ def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None, a_index=N
     same result on every run; within rounding of the two passes' one per-row order).
     ``a_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): ``go`` is ``[S, H]`` (dOut) and
     row ``r``'s operand is row ``a_index[r]`` of it, loaded through the index by the kernel (no
-    gathered copy; the bits of ``go.index_select(0, a_index)``). Each tile prefetches its rows'
-    g and u into L2 during its k-loop (v0.24); without that, v0.14 measured this kernel slower
-    than the two passes (971 us against 785 + 117 on kimi-k2.5's local rows). The backward takes
-    it where MOKGEN_BWD_DH_SWIGLU=1 (off by default; docs/perf-notes.md v0.24)."""
+    gathered copy; the bits of ``go.index_select(0, a_index)``). Measured slower than
+    the two passes (v0.14: 971 us against 785 + 117 on kimi-k2.5's local rows; v0.24: 1.11-1.20
+    ms against 0.74 on the qwen3.5-35b-a3b layer's shapes, the epilogue's arithmetic on 8 warps
+    per SM with the tensor core idle). The backward takes it where MOKGEN_BWD_DH_SWIGLU=1 (off by
+    default; docs/perf-notes.md v0.24)."""
     import torch
 
     _check_operand("go", go, 2)

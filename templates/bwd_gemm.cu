@@ -326,8 +326,9 @@ struct SavedSwiglu {
 
 // kGather: go's rows come through ga's index (dOut's token rows, bwd::produce_gathered by
 // warpgroup 0's 128 threads, as rows_kernel's), not from a gathered copy; maps.a unused.
-// Each consumer thread loads its rows' pairs before the k-loop and prefetches their g and u
-// into L2 after the first k-block (bwd::SavedRows), so the epilogue's gathered loads hit L2.
+// Each consumer thread loads its rows' pairs before the k-loop; in the measuring build
+// -DMOKGEN_DHSW_PREFETCH it also prefetches their g and u
+// into L2 after the first k-block (bwd::SavedRows): measured slower, docs/perf-notes.md v0.24.
 template <bool kGather>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     dh_swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I,

@@ -993,10 +993,11 @@ MOKGEN_DEVICE uint4 uv_load(const bf16* row, int b, int q, bool valid) {
   return valid ? *reinterpret_cast<const uint4*>(row + 8 * (4 * b + q)) : make_uint4(0, 0, 0, 0);
 }
 
-// The epilogue's g and u rows brought into L2 while the tile's k-loop runs (dh_swiglu_kernel):
-// lane q of a quad prefetches 128-byte line q of its row's 256 columns of g and of u. Their loads
-// at the epilogue then hit L2 instead of going to DRAM (v0.14 measured them exposed there: gu is
-// [pairs, 2 I], read in the pair map's random order). SavedRows::load reads the pairs of this
+// The epilogue's g and u rows brought into L2 while the tile's k-loop runs (dh_swiglu_kernel),
+// only in the measuring build -DMOKGEN_DHSW_PREFETCH: lane q of a quad prefetches 128-byte line q
+// of its row's 256 columns of g and of u. Measured (docs/perf-notes.md v0.24, .ci/dh_swiglu_probe.py):
+// 8% slower with it, and the kernel without any g / u loads is within 3% of the one with them, so
+// the epilogue's cost is its arithmetic on 8 warps per SM, not its gathered loads. SavedRows::load reads the pairs of this
 // thread's two rows before the k-loop (a row past the tile's takes row 0's: no branch inside the
 // k-loop, where a divergent path serializes the wgmma, C7520); prefetch() is consume's early().
 struct SavedRows {
@@ -1010,7 +1011,7 @@ struct SavedRows {
     }
   }
   MOKGEN_DEVICE void prefetch(const bf16* gu, int I, int c0) const {
-#ifdef MOKGEN_DHSW_NO_PREFETCH  // a measuring variant (.ci/dh_swiglu_probe.py): no prefetch
+#ifndef MOKGEN_DHSW_PREFETCH  // measured slower with it (docs/perf-notes.md v0.24): a measuring variant
     return;
 #endif
     const int q = threadIdx.x & 3;
