@@ -8,7 +8,8 @@ qwen3.5-35b-a3b layer's shapes at T = 16384 (uniform routing), timed interleaved
 and, for the fused kernel, measuring builds of the library (bwd_gemm.build_variant, built in
 parallel): -DMOKGEN_DHSW_PREFETCH (an L2 prefetch of g and u during the k-loop; off since v0.24's run), -DMOKGEN_DHSW_AHEAD=1 (the
 epilogue's loads one group ahead, not two), -DMOKGEN_DHSW_NO_LOADS (no g, u loads: wrong
-results, the epilogue's cost without its gathered reads).
+results, the epilogue's cost without its gathered reads), -DMOKGEN_SWIGLU_FAST_RCP (SwiGLU's
+backward with __fdividef for the sigmoid, no IEEE slow-path call: other bits).
 Usage: python3 .ci/dh_swiglu_probe.py [--iters 20] [--no-variants]"""
 
 import argparse
@@ -26,7 +27,7 @@ ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--no-variants", action="store_true")
 args = ap.parse_args()
 VARIANTS = [] if args.no_variants else [["-DMOKGEN_DHSW_PREFETCH"], ["-DMOKGEN_DHSW_AHEAD=1"],
-                                         ["-DMOKGEN_DHSW_NO_LOADS"]]
+                                         ["-DMOKGEN_DHSW_NO_LOADS"], ["-DMOKGEN_SWIGLU_FAST_RCP"]]
 tmp = Path(tempfile.mkdtemp())
 with ThreadPoolExecutor(4) as pool:
     libs = list(pool.map(lambda fv: bwd_gemm._Lib(bwd_gemm.build_variant(fv[1], tmp / f"v{fv[0]}")),

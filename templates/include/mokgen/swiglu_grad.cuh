@@ -33,7 +33,13 @@ MOKGEN_HOST_DEVICE SwigluGrad swiglu_grad(float g, float u, float dh, bool clamp
     mg = g <= limit ? 1.f : 0.f;
     mu = (u >= -limit && u <= limit) ? 1.f : 0.f;
   }
+#if defined(__CUDA_ARCH__) && defined(MOKGEN_SWIGLU_FAST_RCP)
+  // a measuring build (.ci/dh_swiglu_probe.py): the reciprocal without the IEEE division's
+  // slow-path call (other bits)
+  const float s = __fdividef(1.f, 1.f + fast_exp(-gc));
+#else
   const float s = 1.f / (1.f + fast_exp(-gc));
+#endif
   const float silu = gc * s;
   return {silu * uc, dh * uc * (s * (1.f + gc * (1.f - s))) * mg, dh * silu * mu};
 }
