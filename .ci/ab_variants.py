@@ -152,10 +152,10 @@ def main() -> None:
     sides = list({id(va): va, id(vb): vb}.values())
     for v in sides:  # a side's -D flags are a global of build: one side's builds at a time
         with defines(v[0]) as opts:
-            jobs = [env.plan_options_with(opts) for _ in work]
+            options = env.plan_options_with(opts)
             with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda j: build.build(j[0][1], publish_generated=False, options=j[1]),
-                              zip(work, jobs)))
+                list(pool.map(lambda spec: build.build(spec, publish_generated=False, options=options),
+                              [spec for _, spec, _, _, _ in work]))
     results = []
     for label, spec, rows, real, ep in work:
         wg, wu, wd = bench._weights(spec)

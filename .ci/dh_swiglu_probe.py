@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mokgen import bwd_gemm
+from mokgen import bench, bwd_gemm
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--iters", type=int, default=20)
@@ -76,11 +76,6 @@ torch.cuda.synchronize()
 times = {k: [] for k in forms}
 for _ in range(args.iters):
     for k, f in forms.items():
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        b.synchronize()
-        times[k].append(a.elapsed_time(b))
+        times[k].append(bench.time_launch(f))
 for k, v in times.items():
     print(f"{k:44s} {statistics.median(v):.3f} ms (median of {len(v)})")

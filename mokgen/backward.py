@@ -313,11 +313,9 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         del dx_pairs
         return _finish(dx, _pair_weights(order, dw_rows, T, K), list(grads), x, topk_weights, (w_gate, w_up, w_down))
     if ours and fuse_dh_swiglu(saved_gu is not None):  # dSwiGLU in dh's epilogue: no dh rows
-        if inline_dout:
-            hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(dout, w_down, saved_gu, order, wt, offs, clamp_limit,
-                                                           a_index=tok)
-        else:
-            hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(go, w_down, saved_gu, order, wt, offs, clamp_limit)
+        src, index = (dout, tok) if inline_dout else (go, None)
+        hw, dg, du, dw_rows = bwd_gemm.dh_swiglu_saved(src, w_down, saved_gu, order, wt, offs, clamp_limit,
+                                                       a_index=index)
     elif ours:  # h comes weighted (hw = h wt): dWd = dOut^T hw needs no weighted dOut rows
         # under the save policy dh in bf16 by default (MOKGEN_BWD_DH: the precision of
         # torch._grouped_mm's dh, half the bytes of fp32 rows written and read; measured in

@@ -326,9 +326,8 @@ struct SavedSwiglu {
 
 // kGather: go's rows come through ga's index (dOut's token rows, bwd::produce_gathered by
 // warpgroup 0's 128 threads, as rows_kernel's), not from a gathered copy; maps.a unused.
-// Each consumer thread loads its rows' pairs before the k-loop; in the measuring build
-// -DMOKGEN_DHSW_PREFETCH it also prefetches their g and u
-// into L2 after the first k-block (bwd::SavedRows): measured slower, docs/perf-notes.md v0.24.
+// In the measuring build -DMOKGEN_DHSW_PREFETCH each consumer thread also prefetches its rows'
+// g and u into L2 after the first k-block (bwd::SavedRows): measured slower, perf-notes v0.24.
 template <bool kGather>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     dh_swiglu_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int H, int I,
@@ -1167,11 +1166,8 @@ int mokgen_bwd_dh_swiglu_saved(void* h, void* dg, void* du, float* dw_part, cons
   const SavedSwiglu o{static_cast<const bf16*>(gu), order, wt, static_cast<bf16*>(h), static_cast<bf16*>(dg),
                       static_cast<bf16*>(du), dw_part};
   zero_rows3_kernel<<<grid, 256, 0, stream>>>(o.h, o.dg, o.du, offs, E, rows, I);
-  if (go_index != nullptr)
-    return launch(dh_swiglu_kernel<true>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit,
-                  g_lead, ga);
-  return launch(dh_swiglu_kernel<false>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, H, I, o, clamp, limit,
-                g_lead, ga);
+  return launch(go_index != nullptr ? dh_swiglu_kernel<true> : dh_swiglu_kernel<false>, grid, bwd::kSmemBytes, stream,
+                maps, offs, E, rows, H, I, o, clamp, limit, g_lead, ga);
 }
 
 // out [E, M, N] bf16: out[e] = a[rows of e]^T b[rows of e]; a [rows, M], b [rows, N] bf16

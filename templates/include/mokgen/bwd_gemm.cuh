@@ -972,6 +972,50 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
   }
 }
 
+// Group 4 b + q's 8 columns of a saved g or u row (zeros for a row past the tile's).
+MOKGEN_DEVICE uint4 uv_load(const bf16* row, int b, int q, bool valid) {
+#ifdef MOKGEN_DHSW_NO_LOADS  // a measuring variant (.ci/dh_swiglu_probe.py; wrong results): no g, u loads
+  return make_uint4(0x3f803f80u ^ uint32_t(b), 0x3f803f80u, 0x3f803f80u, 0x3f803f80u ^ uint32_t(q));
+#endif
+  return valid ? *reinterpret_cast<const uint4*>(row + 8 * (4 * b + q)) : make_uint4(0, 0, 0, 0);
+}
+
+// The epilogue's g and u rows brought into L2 while the tile's k-loop runs (dh_swiglu_kernel),
+// in the measuring build -DMOKGEN_DHSW_PREFETCH only (elsewhere load and prefetch do nothing):
+// load() reads the pairs of this thread's two rows before the k-loop (a row past the tile's
+// takes row 0's: no branch inside the k-loop, where a divergent path serializes the wgmma,
+// C7520); prefetch(), consume's early(), has lane q of a quad prefetch 128-byte line q of its
+// rows' 256 columns of g and of u. Measured 8% slower with it (docs/perf-notes.md v0.24).
+struct SavedRows {
+#ifdef MOKGEN_DHSW_PREFETCH
+  static constexpr bool kOn = true;
+#else
+  static constexpr bool kOn = false;
+#endif
+  int64_t pair[2];
+  MOKGEN_DEVICE void load(int wg, int rows, const int64_t* order) {
+    if constexpr (kOn) {
+      const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
+        pair[half] = order[r < rows ? r : 0];
+      }
+    }
+  }
+  MOKGEN_DEVICE void prefetch(const bf16* gu, int I, int c0) const {
+    if constexpr (kOn) {
+      const int q = threadIdx.x & 3;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const bf16* g = gu + pair[half] * (2 * int64_t(I)) + c0 + 64 * q;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(g));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(g + I));
+      }
+    }
+  }
+};
+
 // Epilogue of dh = dOut Wd with SwiGLU's backward from the saved pre-activations (v0.14: the
 // "save" policy's dSwiGLU fused into the dh GEMM, where swiglu_saved_kernel made a pass over an
 // fp32 dh_u): acc = dh_u of the tile's rows r < rows and 256 columns c0 .. of I. For each, g
@@ -982,48 +1026,8 @@ MOKGEN_DEVICE void store_swiglu_grad(const float (&acc)[kAcc], int wg, int rows,
 // du have its bits; the partial sums differ in order from its per-row sum. Per 4 groups, each
 // lane loads one group's 8 columns of g and of u (16 bytes, as the stores write them), and the
 // quad exchange (quad_transpose is its own inverse) hands each lane its 2 columns of all 4.
-// Measured slower than the two passes (docs/perf-notes.md v0.14: these loads, gathered through
-// the pair map, are exposed in the epilogue), so the backward takes it only where
-// mokgen.backward.FUSE_DH_SWIGLU is set.
-// Group 4 b + q's 8 columns of a saved g or u row (zeros for a row past the tile's).
-MOKGEN_DEVICE uint4 uv_load(const bf16* row, int b, int q, bool valid) {
-#ifdef MOKGEN_DHSW_NO_LOADS  // a measuring variant (.ci/dh_swiglu_probe.py; wrong results): no g, u loads
-  return make_uint4(0x3f803f80u ^ uint32_t(b), 0x3f803f80u, 0x3f803f80u, 0x3f803f80u ^ uint32_t(q));
-#endif
-  return valid ? *reinterpret_cast<const uint4*>(row + 8 * (4 * b + q)) : make_uint4(0, 0, 0, 0);
-}
-
-// The epilogue's g and u rows brought into L2 while the tile's k-loop runs (dh_swiglu_kernel),
-// only in the measuring build -DMOKGEN_DHSW_PREFETCH: lane q of a quad prefetches 128-byte line q
-// of its row's 256 columns of g and of u. Measured (docs/perf-notes.md v0.24, .ci/dh_swiglu_probe.py):
-// 8% slower with it, and the kernel without any g / u loads is within 3% of the one with them, so
-// the epilogue's cost is its arithmetic on 8 warps per SM, not its gathered loads. SavedRows::load reads the pairs of this
-// thread's two rows before the k-loop (a row past the tile's takes row 0's: no branch inside the
-// k-loop, where a divergent path serializes the wgmma, C7520); prefetch() is consume's early().
-struct SavedRows {
-  int64_t pair[2];  // the pairs of this thread's two rows: loaded before the k-loop, used after its first k-block
-  MOKGEN_DEVICE void load(int wg, int rows, const int64_t* order) {
-    const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-      pair[half] = order[r < rows ? r : 0];
-    }
-  }
-  MOKGEN_DEVICE void prefetch(const bf16* gu, int I, int c0) const {
-#ifndef MOKGEN_DHSW_PREFETCH  // measured slower with it (docs/perf-notes.md v0.24): a measuring variant
-    return;
-#endif
-    const int q = threadIdx.x & 3;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const bf16* g = gu + pair[half] * (2 * int64_t(I)) + c0 + 64 * q;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(g));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(g + I));
-    }
-  }
-};
-
+// Measured slower than the two passes (docs/perf-notes.md v0.14, v0.24: its arithmetic on the 8
+// consumer warps, not these loads), so the backward takes it only under MOKGEN_BWD_DH_SWIGLU=1.
 MOKGEN_DEVICE void store_swiglu_saved(const float (&acc)[kAcc], int wg, int rows, const int64_t* order,
                                       const bf16* gu, int I, int c0, const float* wt, bf16* h, bf16* dg, bf16* du,
                                       float* dw_part, int n_parts, bool clamp, float limit) {
