@@ -9,7 +9,8 @@ and, for the fused kernel, measuring builds of the library (bwd_gemm.build_varia
 parallel): -DMOKGEN_DHSW_PREFETCH (an L2 prefetch of g and u during the k-loop; off since v0.24's run), -DMOKGEN_DHSW_AHEAD=1 (the
 epilogue's loads one group ahead, not two), -DMOKGEN_DHSW_NO_LOADS (no g, u loads: wrong
 results, the epilogue's cost without its gathered reads), -DMOKGEN_SWIGLU_FAST_RCP (SwiGLU's
-backward with __fdividef for the sigmoid, no IEEE slow-path call: other bits).
+backward with __fdividef for the sigmoid, no IEEE slow-path call: other bits; timed fused and as
+the two passes).
 Usage: python3 .ci/dh_swiglu_probe.py [--iters 20] [--no-variants]"""
 
 import argparse
@@ -68,6 +69,8 @@ forms = {
 for flags, lib in zip(VARIANTS, libs):
     forms[f"fused index {' '.join(flags)}"] = on(lib, lambda: bwd_gemm.dh_swiglu_saved(dout, wd, gu, order, wt, offs,
                                                                                          a_index=tok))
+    if "-DMOKGEN_SWIGLU_FAST_RCP" in flags:
+        forms["two passes -DMOKGEN_SWIGLU_FAST_RCP"] = on(lib, two_passes)
 ref = forms["fused index"]()
 assert all(torch.equal(a, b) for a, b in zip(ref, forms["fused copy"]())), "index and copy differ"
 for f in forms.values():
@@ -79,3 +82,10 @@ for _ in range(args.iters):
         times[k].append(bench.time_launch(f))
 for k, v in times.items():
     print(f"{k:44s} {statistics.median(v):.3f} ms (median of {len(v)})")
+for k in [k for k in forms if "FAST_RCP" in k]:
+    base = forms["two passes" if k.startswith("two passes") else "fused index"]()
+    for i, (a, b) in enumerate(zip(forms[k](), base)):
+        a, b = a.float(), b.float()
+        print(f"{k}: output {i} max |diff| {(a - b).abs().max().item():.3e}, relative Frobenius "
+              f"{((a - b).norm() / b.norm().clamp_min(1e-30)).item():.3e}, bitwise equal fraction "
+              f"{(a == b).float().mean().item():.4f}")
