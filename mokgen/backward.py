@@ -251,6 +251,17 @@ def dout_inline(top_k: int) -> bool:
     return mode == "inline" or (mode == "auto" and top_k > 1)
 
 
+def x_inline(saved: bool, need_weight_grads: bool) -> bool:
+    """Whether the joint gate/up weight gradients load the pairs' x rows through the token index
+    (MOKGEN_BWD_X ``inline``; bwd_gemm.weight_grads_joint's ``b_index``) rather than from a
+    gathered copy, where the ring does not hold them: only the save policy (``saved``; the
+    recompute reads the rows in SwiGLU's backward too) with weight gradients, on the split
+    schedule's joint launch in single CTAs (MOKGEN_BWD_CLUSTER 1), since only that launch has a
+    gathered B."""
+    return (env.bwd_x() == "inline" and saved and need_weight_grads and env.bwd_weights() == "split"
+            and env.bwd_weights_joint() and env.bwd_cluster() == 1)
+
+
 def fused_applies(saved: bool, top_k: int) -> bool:
     """Whether mokgen's backward takes the fused launch (bwd_gemm.fused_backward) on its GEMMs:
     MOKGEN_BWD_FUSED=1 (off by default), the save policy (``saved``: g and u from the forward),
@@ -292,13 +303,17 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         tok = torch.div(order, K, rounding_mode="floor")
         wt = topk_weights.reshape(-1).index_select(0, order).to(f32)  # [rows], as expert_major's
         wts = wt.unsqueeze(1)
-    # the x rows of the pairs, in order: in place in the forward's receive ring (issue 5's ring
-    # walked in reverse: 2 T K H bytes neither written nor read again), or gathered again
-    rows = ring_x if in_ring else x.index_select(0, tok).contiguous()
     # the dOut rows of the pairs, in order: gathered into a copy (2 T K H bytes written, then
     # read by dh and dW_down), or (MOKGEN_BWD_DOUT=inline, mokgen's GEMMs on the split weight
     # schedule) loaded by those two GEMMs through the token index from dOut itself (v0.22)
     fused = ours and need_weight_grads and fused_applies(saved_gu is not None, K)
+    # the x rows of the pairs, in order: in place in the forward's receive ring (issue 5's ring
+    # walked in reverse: 2 T K H bytes neither written nor read again), or gathered again, or
+    # (MOKGEN_BWD_X=inline, the joint weight gradients their only reader) none: that launch
+    # loads them through the token index from x itself (v0.25)
+    inline_x = ours and not in_ring and not fused and x_inline(saved_gu is not None, need_weight_grads)
+    xb = x.to(torch.bfloat16).contiguous() if inline_x else None
+    rows = ring_x if in_ring else None if inline_x else x.index_select(0, tok).contiguous()
     inline_dout = ours and not fused and dout_inline(K) and env.bwd_weights() == "split"
     dout = grad_out.to(torch.bfloat16).contiguous()
     go = None if inline_dout else dout.index_select(0, tok).contiguous()
@@ -363,7 +378,9 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
             dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
                        else bwd_gemm.weight_grads(go, hw, offs))
-            if env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
+            if inline_x:  # x rows read once for both, through the token index
+                grads = [*bwd_gemm.weight_grads_joint(dg, du, xb, offs, b_index=tok), dw_down]
+            elif env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
                 grads = [*bwd_gemm.weight_grads_joint(dg, du, rows, offs), dw_down]
             else:
                 grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs), dw_down]

@@ -79,6 +79,7 @@ _SIGNATURES = {
     "mokgen_bwd_rows_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp],
     "mokgen_bwd_weights_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_weights2_gathered": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
     "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp, _vp],
@@ -139,6 +140,9 @@ class _Lib:
 
     def weights2(self, *args) -> None:
         self._call("mokgen_bwd_weights2", *args)
+
+    def weights2_gathered(self, *args) -> None:
+        self._call("mokgen_bwd_weights2_gathered", *args)
 
     def swiglu(self, *args) -> None:
         self._call("mokgen_bwd_swiglu", *args)
@@ -273,16 +277,17 @@ def _check_row_floats(dh_u, wt, rows: int, I: int, device, *, dh_bf16_ok: bool =
 ROWS_PAIR_MIN_N = 4096
 
 
-def _check_index(a_index, rows: int | None, device) -> int:
-    """A gathered operand's row index: a contiguous 1-d int64 tensor on ``device`` (``rows`` long
-    where given); returns its length. Its values are trusted (the backward's token index)."""
+def _check_index(a_index, rows: int | None, device, name: str = "a_index") -> int:
+    """A gathered operand's row index (``name`` in the error): a contiguous 1-d int64 tensor on
+    ``device`` (``rows`` long where given); returns its length. Its values are trusted (the
+    backward's token index)."""
     import torch
 
     if not isinstance(a_index, torch.Tensor) or a_index.dtype != torch.int64 or a_index.dim() != 1 \
             or not a_index.is_contiguous() or a_index.device != device \
             or (rows is not None and a_index.shape[0] != rows):
         want = f"({rows},)" if rows is not None else "(rows,)"
-        raise InputError(f"a_index must be a contiguous int64 tensor of shape {want} on {device}, got "
+        raise InputError(f"{name} must be a contiguous int64 tensor of shape {want} on {device}, got "
                          f"{getattr(a_index, 'dtype', type(a_index).__name__)} {tuple(getattr(a_index, 'shape', ()))}")
     return int(a_index.shape[0])
 
@@ -602,14 +607,18 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     return out
 
 
-def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None):
+def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None):
     """``(out0, out1)`` = ``(weight_grads(a0, b, offs), weight_grads(a1, b, offs))`` in one launch
     (the split schedule): the gate's and up's ``dW = dg^T x``, ``du^T x`` over their shared x rows.
     The two problems' tiles are stacked along M and an expert's tiles of both are walked together,
     so its B rows are read from memory once for both instead of once per launch; each tile is the
     single problem's, so the bits are weight_grads'. ``a0``, ``a1`` ``[rows, M]``, ``b [rows, N]``
     bf16; the outputs ``[E, M, N]`` bf16, two allocations (a custom op's outputs may not alias).
-    ``cluster`` as weight_grads (2 needs M / 128 even)."""
+    ``cluster`` as weight_grads (2 needs M / 128 even).
+    ``b_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): B's rows gathered by the kernel,
+    row ``r`` of B being row ``b_index[r]`` of ``b`` (``[S, N]``), with no gathered copy made (the
+    backward's x rows through the token index; MOKGEN_BWD_X=inline); single CTAs (``cluster`` is
+    not used). The bits of the call on ``b.index_select(0, b_index)``."""
     import torch
 
     cluster = _weight_cluster(cluster)
@@ -618,7 +627,11 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None):
     _check_operand("B", b, 2)
     rows, M = a0.shape
     N = b.shape[1]
-    if tuple(a1.shape) != (rows, M) or b.shape[0] != rows or a1.device != a0.device or b.device != a0.device:
+    b_rows = b.shape[0]
+    if b_index is not None:
+        _check_index(b_index, rows, a0.device, name="b_index")
+        b_rows = rows
+    if tuple(a1.shape) != (rows, M) or b_rows != rows or a1.device != a0.device or b.device != a0.device:
         raise InputError(f"A0 {tuple(a0.shape)}, A1 {tuple(a1.shape)} and B {tuple(b.shape)} must be [rows, M], "
                          f"[rows, M] and [rows, N] on one device")
     E = _weight_experts("weight_grads_joint", M, N, offs, a0.device)
@@ -626,8 +639,13 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None):
     out0, out1 = (alloc(E, M, N, dtype=torch.bfloat16, device=a0.device) for _ in range(2))
     if rows and E:
         with _on(a0.device) as stream:
-            load_library().weights2(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(), b.data_ptr(),
-                                    offs.data_ptr(), E, rows, M, N, cluster, stream)
+            if b_index is not None:
+                load_library().weights2_gathered(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(),
+                                                 b.data_ptr(), b_index.data_ptr(), offs.data_ptr(), E, rows, M, N,
+                                                 stream)
+            else:
+                load_library().weights2(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(), b.data_ptr(),
+                                        offs.data_ptr(), E, rows, M, N, cluster, stream)
     return out0, out1
 
 

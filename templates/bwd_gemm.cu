@@ -168,13 +168,15 @@ MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int
 // maps.a[p] [rows, Mp] and out_p = maps.c, maps.c1 over [E Mp, N] (StackedM). An expert's tiles
 // of both problems are walked together, so its B rows are read from memory once for both (the
 // gate's and up's dW share the x rows); each tile is the single problem's, so the same bits.
-// kGather (single CTAs, one problem): A's k row r is source row ga.index[r] of ga.src (M
-// columns), loaded by warpgroup 0's 128 threads (bwd::produce_gathered); maps.a unused.
+// kGather (single CTAs): one operand's k row r is source row ga.index[r] of ga.src, loaded by
+// warpgroup 0's 128 threads (bwd::produce_gathered): for one problem A's (M columns; dW_down =
+// dOut^T hw from dOut's token rows; maps.a unused), for the joint form B's (N columns; dWg, dWu
+// from x's token rows, MOKGEN_BWD_X=inline; maps.b unused).
 template <int kPair, bool kJoint = false, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
                   int Mp, bwd::Gather ga) {
-  static_assert(!kGather || (kPair == 1 && !kJoint), "gathered weight gradients: single CTAs, one problem");
+  static_assert(!kGather || kPair == 1, "gathered weight gradients: single CTAs");
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair, bwd::kStageBytes, 2,
                                           kGather ? bwd::kGatherFull : 1>(smem);
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   // the gathering producer issues each tile one step behind the walk (bwd::GatherAhead); the
   // walk then ends with one call at e = -1, which the producer takes to issue its last tile
   // and the consumers ignore
-  bwd::GatherAhead ahead;
+  bwd::GatherAhead<kJoint> ahead;
   const auto walk = weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank);
   bwd::run_roles<kPair, kGather>(
       s, pipe,
@@ -1237,6 +1239,27 @@ int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, 
   // a pair's two row blocks in one problem: Mp / 128 even
   return launch_weights<true>(maps, cluster == 2 && (Mp / bwd::kBM) % 2 == 0, grid, offs, E, rows, 2 * Mp, N, Mp,
                               stream);
+}
+
+// mokgen_bwd_weights2 (single CTAs) with B's k rows gathered: row r of B is row index[r] of src
+// ([src_rows, N] bf16; index int64 [rows], trusted to lie in [0, src_rows)), loaded through the
+// index by the kernel (weight_kernel<1, true, true>): dWg, dWu straight from x's token rows. The
+// bits of mokgen_bwd_weights2 on the gathered copy.
+int mokgen_bwd_weights2_gathered(void* out0, void* out1, const void* a0, const void* a1, const void* src,
+                                 const int64_t* index, const int32_t* offs, int E, int rows, int Mp, int N,
+                                 cudaStream_t stream) {
+  Maps maps;
+  if (sm90::encode_map_2d(&maps.a[0], a0, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.a[1], a1, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.c, out0, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&maps.c1, out1, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS)
+    return kBadMap;
+  maps.b[0] = maps.b[1] = maps.a[0];  // unused (B comes through the index)
+  const int grid = sm_count();
+  if (grid == 0) return int(cudaErrorNoDevice);
+  const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(N)};
+  return launch(weight_kernel<1, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, 2 * Mp, N,
+                g_lead, Mp, ga);
 }
 
 // The fused backward of the save policy (fused_kernel): one launch for dh, SwiGLU's backward,

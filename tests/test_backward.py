@@ -509,6 +509,23 @@ def test_policy_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_DOUT", "tma")
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_DOUT must be auto or inline or gather"):
         env.bwd_dout()
+    from mokgen.backward import x_inline
+
+    for name in ("MOKGEN_BWD_X", "MOKGEN_BWD_WEIGHTS", "MOKGEN_BWD_WEIGHTS_JOINT", "MOKGEN_BWD_CLUSTER"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.bwd_x() == "gather" and not x_inline(True, True)  # the copy until measured (v0.25)
+    monkeypatch.setenv("MOKGEN_BWD_X", "inline")
+    # only the save policy's joint launch, single CTAs, with weight gradients, has a gathered B
+    assert x_inline(True, True) and not x_inline(False, True) and not x_inline(True, False)
+    for name, value in (("MOKGEN_BWD_WEIGHTS", "pingpong"), ("MOKGEN_BWD_WEIGHTS_JOINT", "0"),
+                        ("MOKGEN_BWD_CLUSTER", "2")):
+        monkeypatch.setenv(name, value)
+        assert not x_inline(True, True), name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MOKGEN_BWD_X", "ring")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_X must be gather or inline"):
+        env.bwd_x()
+    monkeypatch.delenv("MOKGEN_BWD_X")
     monkeypatch.delenv("MOKGEN_BWD_WEIGHTS_JOINT", raising=False)
     assert env.bwd_weights_joint()  # one launch for the gate's and up's weight gradients (v0.21)
     monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", "0")

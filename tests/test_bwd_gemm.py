@@ -18,7 +18,8 @@ from mokgen.errors import InputError  # noqa: E402
 EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen_bwd_swiglu_saved", "mokgen_bwd_sum_slots",
            "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
            "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved", "mokgen_bwd_weights2",
-           "mokgen_bwd_rows_gathered", "mokgen_bwd_weights_gathered", "mokgen_bwd_fused", "mokgen_bwd_fused_counters")
+           "mokgen_bwd_rows_gathered", "mokgen_bwd_weights_gathered", "mokgen_bwd_fused", "mokgen_bwd_fused_counters",
+           "mokgen_bwd_weights2_gathered")
 
 
 @pytest.mark.nvcc
@@ -36,20 +37,22 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # zero_rows3, sum_slots<fp32 in>, sum_slots<bf16 in>, and the row order's expert_count,
     # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh; the joint weights (single
     # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22); the fused
-    # backward (v0.23); dh with the saved SwiGLU backward from dOut's rows through the index (v0.24)
-    assert len(kernels) == 29, kernels
+    # backward (v0.23); dh with the saved SwiGLU backward from dOut's rows through the index (v0.24);
+    # the joint weights with x's rows through the index (v0.25)
+    assert len(kernels) == 30, kernels
     assert sum("fused_kernel" in k for k in kernels) == 1, kernels
     assert sorted(re.search(r"dh_swiglu_kernelILb(\d)", k).group(1) for k in kernels if "dh_swiglu_kernel" in k) \
         == ["0", "1"], kernels
-    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 5, kernels
+    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 6, kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
     assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
     assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels
     assert sum(re.search(r"\d\drows_kernel", k) is not None for k in kernels) == 8, kernels  # not zero_rows
-    # the gathering kernels: rows<B MN-major, fp32 | bf16, single CTAs, gathered>, weights<single, one problem, gathered>
+    # the gathering kernels: rows<B MN-major, fp32 | bf16, single CTAs, gathered>, weights<single,
+    # one problem | joint, gathered>
     gathered = [k for k in kernels if k.endswith("Lb1EEEvNS_4MapsEPKiiiiiiPT0_PKliN6mokgen3bwd6GatherE")
-                or "weight_kernelILi1ELb0ELb1EE" in k]
-    assert len(gathered) == 3, kernels
+                or re.search(r"weight_kernelILi1ELb[01]ELb1EE", k)]
+    assert len(gathered) == 4, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -104,8 +107,9 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     # rows x 3 (single, pairs), swiglu, dh_swiglu, weights, ping-pong and the joint weights (x 2
     # each: single, pairs), the gathering rows (fp32, bf16 out) and weights: the count left at 12
     # when the joint weights came (v0.20) went unseen until v0.22, as CPU CI has no cuobjdump;
-    # the fused backward (v0.23); dh_swiglu through the index (v0.24)
-    assert len(gemms) == 19, list(gemms)
+    # the fused backward (v0.23); dh_swiglu through the index (v0.24); the joint weights through
+    # the index (v0.25)
+    assert len(gemms) == 20, list(gemms)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
 

@@ -264,6 +264,37 @@ def test_dh_swiglu_epilogue_through_the_layer(monkeypatch, dout):
         assert _rel(f, r) < 2e-2, name
 
 
+def test_x_rows_through_the_token_index_give_the_bits_of_the_copy(monkeypatch):
+    """MOKGEN_BWD_X=inline (the save policy's joint weight gradients load the pairs' x rows
+    through the token index, no gathered copy) where the backward does not read the ring
+    (MOKGEN_BWD_RING=gather): the launch takes the index (spied), and every gradient has the
+    bits of the gathered copy's."""
+    from mokgen import bwd_gemm
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
+    monkeypatch.setenv("MOKGEN_BWD_RING", "gather")
+    layer, x, ids, w, g = _small_layer_problem(9)
+    took, real = [], bwd_gemm.weight_grads_joint
+
+    def spy(*args, **kwargs):
+        took.append(kwargs.get("b_index") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_gemm, "weight_grads_joint", spy)
+    runs = {}
+    for mode in ("gather", "inline"):
+        monkeypatch.setenv("MOKGEN_BWD_X", mode)
+        for t in (x, w, *layer.parameters()):
+            t.grad = None
+        layer(x, ids, w).backward(g)
+        runs[mode] = [t.grad.clone() for t in (x, w, *layer.parameters())]
+    assert took == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(runs["gather"], runs["inline"]))
+
+
 def _spy_ring(monkeypatch):
     """A list that gets, per backward of a one-rank layer, whether it read the ring in place."""
     from mokgen import ep

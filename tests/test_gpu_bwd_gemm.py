@@ -347,6 +347,41 @@ def test_gathered_operands_have_the_bits_of_the_gathered_copy(K, M):
         bwd_gemm.weight_grads(src_m, hw, offs, a_index=index, schedule="pingpong")
 
 
+def test_joint_weight_grads_through_the_token_index_have_the_bits_of_the_copy():
+    """MOKGEN_BWD_X=inline's launch (weight_grads_joint's b_index: B's x rows loaded through an
+    index by warpgroup 0's cp.async, A's by TMA): the bits of the joint launch on
+    ``src.index_select(0, index)``, at every stagger lead; the index repeats source rows in no
+    order; empty experts, one-row experts, rows ending mid-step (the TMA's A tail zeroed by the
+    consumers), rows past offs[-1]."""
+    gen = torch.Generator(device="cuda").manual_seed(25)
+    counts = _ragged_counts(31, 25, (0, 11), 5) + COUNTS_STEPS
+    E, M, N = len(counts), 256, 512
+    rows = sum(counts) + SPARE_ROWS
+    S = rows // 3 + 1
+    index = torch.randint(0, S, (rows,), generator=gen, device="cuda")
+    src = _randn(S, N, gen=gen)
+    a0, a1 = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen)
+    offs = _offs(counts)
+    copy = src.index_select(0, index)
+    try:
+        for lead in (0, bwd_gemm.MAX_LEAD):
+            bwd_gemm.set_stagger(lead)
+            want = bwd_gemm.weight_grads_joint(a0, a1, copy, offs, cluster=1)
+            for _ in range(2):
+                got = bwd_gemm.weight_grads_joint(a0, a1, src, offs, b_index=index)
+                for g, w in zip(got, want):
+                    assert g.shape == (E, M, N) and torch.equal(g, w), lead
+    finally:
+        bwd_gemm.set_stagger(True)
+    s0 = sum(counts[:5])  # the one-row expert, against fp32 PyTorch
+    ref = a1[s0:s0 + 1].float().t() @ copy[s0:s0 + 1].float()
+    assert _rel(want[1][5], ref) < 1e-2 and torch.equal(want[0][0], torch.zeros_like(want[0][0]))
+    with pytest.raises(InputError, match="b_index must be a contiguous int64 tensor"):
+        bwd_gemm.weight_grads_joint(a0, a1, src, offs, b_index=index.to(torch.int32))
+    with pytest.raises(InputError, match=r"b_index must be a contiguous int64 tensor of shape \(%d,\)" % rows):
+        bwd_gemm.weight_grads_joint(a0, a1, src, offs, b_index=index[1:])
+
+
 def test_rows_gemm_writes_every_row_of_a_poisoned_output():
     """The output needs no fill: rows past offs[-1] come back as zeros (at their mapped rows where
     a map is given), from memory that held NaNs; rows no map entry names keep their values."""

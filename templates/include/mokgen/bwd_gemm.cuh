@@ -412,6 +412,9 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
 // (consume<..., true>). The index of the next k-block's k rows is loaded before the wait for
 // its stage, so its latency overlaps the wait. An A tile row of dOut gathered this way is the
 // row the gather kernel would have written: the same operands, so the same bits.
+// kGatherB (v0.25, MN-major only; MOKGEN_BWD_X=inline): B's k rows come through the index
+// instead (the joint gate/up weight gradients' x rows: k row r is source row index[a_row + k0 +
+// r], columns b_col + 64 j .. + 63, box j = 0..3) and A's two boxes by TMA.
 struct Gather {
   const bf16* src;       // the source rows, ld elements each (16-byte aligned)
   const int64_t* index;  // the source row of each A row (K-major) or k row (MN-major)
@@ -427,8 +430,8 @@ MOKGEN_DEVICE void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// MN-major A: the source rows of this thread's k rows kb 64 + t / 8 + 16 i (i = 0..3) of tile
-// t, -1 past the expert's rows. The first k-block's are loaded by the caller while the previous
+// MN-major A (or B, kGatherB: the same k rows): the source rows of this thread's k rows kb 64 +
+// t / 8 + 16 i (i = 0..3) of tile t, -1 past the expert's rows. The first k-block's are loaded by the caller while the previous
 // tile's k-loop is still being issued (GatherAhead), so a tile's start does not wait for them.
 MOKGEN_DEVICE void gathered_k_rows(const TileSrc& t, const Gather& g, int kb, int64_t (&r)[4]) {
   const int j = (threadIdx.x & 127) >> 3;
@@ -440,25 +443,35 @@ MOKGEN_DEVICE void gathered_k_rows(const TileSrc& t, const Gather& g, int kb, in
 }
 
 // The gathering producer's stage for k-block kb of tile t, once it is free: thread 0 expects
-// B's bytes on its full barrier and loads B by TMA. Returns the stage's shared-memory address
-// (A's two boxes from there, for the caller's copies).
-template <bool kBMN, class P>
+// the TMA operand's bytes on its full barrier and loads it (B; under kGatherB, A's two MN-major
+// boxes). Returns the stage's shared-memory address (the gathered operand's boxes from there,
+// for the caller's copies: A at 0, B at kABytes).
+template <bool kBMN, bool kGatherB = false, class P>
 MOKGEN_DEVICE uint32_t gathered_stage(const Smem& s, P& pipe, const TileSrc& t, int kb) {
+  static_assert(!kGatherB || kBMN, "a gathered B is MN-major (k rows)");
   pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
   unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
   if ((threadIdx.x & 127) == 0) {
     uint64_t* full = &s.full[pipe.stage];
-    mbar_arrive_expect_tx(full, kBBytes);
-    load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], kb * kBK, 0);
+    if constexpr (kGatherB) {
+      mbar_arrive_expect_tx(full, kABytes);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        cute::SM90_TMA_LOAD_2D::copy(t.a[0], full, 0, st + h * kBox, t.a_col + 64 * h, t.a_row + kb * kBK);
+    } else {
+      mbar_arrive_expect_tx(full, kBBytes);
+      load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], kb * kBK, 0);
+    }
   }
   return smem_u32(st);
 }
 
-// first: MN-major A only, gathered_k_rows(t, g, 0, first) (K-major A loads its rows' sources
+// first: MN-major operands only, gathered_k_rows(t, g, 0, first) (K-major A loads its rows' sources
 // itself, once per tile).
-template <bool kAMN, bool kBMN, class P>
+template <bool kAMN, bool kBMN, bool kGatherB = false, class P>
 MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, const Gather& g,
                                     const int64_t (&first)[4]) {
+  static_assert(!kGatherB || (kAMN && kBMN), "a gathered B: the weight gradients' MN-major operands");
   const int tid = threadIdx.x & 127, c = tid & 7, j = tid >> 3;
   // row j of each group of 16 rows: its swizzled chunk (r % 8 == j % 8 for r = j + 16 i)
   const uint32_t at = uint32_t(j * 128 + ((c ^ (j & 7)) << 4));
@@ -483,13 +496,20 @@ MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, co
     for (int i = 0; i < 4; ++i) cur[i] = first[i];
     for (int kb = 0; kb < t.n_k; ++kb) {
       if (kb + 1 < t.n_k) gathered_k_rows(t, g, kb + 1, nxt);
-      const uint32_t dst = gathered_stage<kBMN>(s, pipe, t, kb) + at;
+      const uint32_t dst = gathered_stage<kBMN, kGatherB>(s, pipe, t, kb) + at;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const bool valid = cur[i] >= 0;
-        const bf16* row = g.src + (valid ? cur[i] : 0) * g.ld + t.a_col + 8 * c;
+        // k row j + 16 i at byte 2048 i of each of the operand's boxes (A: 2 at 0; B: 4 at kABytes)
+        if constexpr (kGatherB) {
+          const bf16* row = g.src + (valid ? cur[i] : 0) * g.ld + t.b_col + 8 * c;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) cp_async16(dst + h * kBox + i * 2048, row + 64 * h, valid);
+          for (int b = 0; b < 4; ++b) cp_async16(dst + kABytes + b * kBox + i * 2048, row + 64 * b, valid);
+        } else {
+          const bf16* row = g.src + (valid ? cur[i] : 0) * g.ld + t.a_col + 8 * c;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) cp_async16(dst + h * kBox + i * 2048, row + 64 * h, valid);
+        }
       }
       cp_async_arrive(&s.full[pipe.stage]);
 #pragma unroll
@@ -503,6 +523,8 @@ MOKGEN_DEVICE void produce_gathered(const Smem& s, P& pipe, const TileSrc& t, co
 // rows are loaded (gathered_k_rows) before tile i's k-loop is issued, so their latency hides
 // behind it; finish() issues the last tile. Without it each tile's first k-block waited for
 // the index before its copies (a tile of the qwen3.5-35b-a3b layer's dW_down has 8 k-blocks).
+// kGatherB: the tiles' B rows are the gathered ones (produce_gathered's kGatherB).
+template <bool kGatherB = false>
 struct GatherAhead {
   TileSrc tile;
   int64_t first[4];
@@ -511,7 +533,7 @@ struct GatherAhead {
   MOKGEN_DEVICE void next(const Smem& s, P& pipe, const TileSrc& t, const Gather& g) {
     int64_t rows[4];
     if (t.n_k > 0) gathered_k_rows(t, g, 0, rows);
-    if (pending) produce_gathered<true, true>(s, pipe, tile, g, first);
+    if (pending) produce_gathered<true, true, kGatherB>(s, pipe, tile, g, first);
     tile = t;
 #pragma unroll
     for (int i = 0; i < 4; ++i) first[i] = rows[i];
@@ -519,7 +541,7 @@ struct GatherAhead {
   }
   template <class P>
   MOKGEN_DEVICE void finish(const Smem& s, P& pipe, const Gather& g) {
-    if (pending) produce_gathered<true, true>(s, pipe, tile, g, first);
+    if (pending) produce_gathered<true, true, kGatherB>(s, pipe, tile, g, first);
     pending = false;
   }
 };
