@@ -251,15 +251,20 @@ def dout_inline(top_k: int) -> bool:
     return mode == "inline" or (mode == "auto" and top_k > 1)
 
 
-def x_inline(saved: bool, need_weight_grads: bool) -> bool:
+def x_inline(saved: bool, need_weight_grads: bool, top_k: int) -> bool:
     """Whether the joint gate/up weight gradients load the pairs' x rows through the token index
     (MOKGEN_BWD_X ``inline``; bwd_gemm.weight_grads_joint's ``b_index``) rather than from a
-    gathered copy, where the ring does not hold them: only the save policy (``saved``; the
-    recompute reads the rows in SwiGLU's backward too) with weight gradients, on the split
-    schedule's joint launch in single CTAs (MOKGEN_BWD_CLUSTER 1), since only that launch has a
-    gathered B."""
-    return (env.bwd_x() == "inline" and saved and need_weight_grads and env.bwd_weights() == "split"
-            and env.bwd_weights_joint() and env.bwd_cluster() == 1)
+    gathered copy (``gather``), where the ring does not hold them, for ``top_k`` pairs per token.
+    Only the save policy (``saved``; the recompute reads the rows in SwiGLU's backward too) with
+    weight gradients, on the split schedule's joint launch in single CTAs (MOKGEN_BWD_CLUSTER 1):
+    only that launch has a gathered B. ``auto`` (the default) takes the index where a token has
+    several pairs (the fwd+bwd step 2.0% faster on the qwen3.5-35b-a3b layer, 0.7% on
+    qwen3-30b-a3b's, 0.5 GiB less peak memory) and the copy for one pair per row, where it is no
+    larger than x and the gathering launch's 10% loss outweighs it (0.7% slower on kimi-k2.5's
+    local rows; docs/perf-notes.md v0.25)."""
+    mode = env.bwd_x()
+    return ((mode == "inline" or (mode == "auto" and top_k > 1)) and saved and need_weight_grads
+            and env.bwd_weights() == "split" and env.bwd_weights_joint() and env.bwd_cluster() == 1)
 
 
 def fused_applies(saved: bool, top_k: int) -> bool:
@@ -311,7 +316,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # walked in reverse: 2 T K H bytes neither written nor read again), or gathered again, or
     # (MOKGEN_BWD_X=inline, the joint weight gradients their only reader) none: that launch
     # loads them through the token index from x itself (v0.25)
-    inline_x = ours and not in_ring and not fused and x_inline(saved_gu is not None, need_weight_grads)
+    inline_x = ours and not in_ring and not fused and x_inline(saved_gu is not None, need_weight_grads, K)
     xb = x.to(torch.bfloat16).contiguous() if inline_x else None
     rows = ring_x if in_ring else None if inline_x else x.index_select(0, tok).contiguous()
     inline_dout = ours and not fused and dout_inline(K) and env.bwd_weights() == "split"

@@ -513,17 +513,21 @@ def test_policy_switches(monkeypatch):
 
     for name in ("MOKGEN_BWD_X", "MOKGEN_BWD_WEIGHTS", "MOKGEN_BWD_WEIGHTS_JOINT", "MOKGEN_BWD_CLUSTER"):
         monkeypatch.delenv(name, raising=False)
-    assert env.bwd_x() == "gather" and not x_inline(True, True)  # the copy until measured (v0.25)
+    # auto: the joint weight gradients load x's rows through the token index where a token has
+    # several pairs, and read a gathered copy for one pair per row (v0.25's measurements)
+    assert env.bwd_x() == "auto" and x_inline(True, True, 8) and not x_inline(True, True, 1)
+    monkeypatch.setenv("MOKGEN_BWD_X", "gather")
+    assert not x_inline(True, True, 8)
     monkeypatch.setenv("MOKGEN_BWD_X", "inline")
     # only the save policy's joint launch, single CTAs, with weight gradients, has a gathered B
-    assert x_inline(True, True) and not x_inline(False, True) and not x_inline(True, False)
+    assert x_inline(True, True, 1) and not x_inline(False, True, 8) and not x_inline(True, False, 8)
     for name, value in (("MOKGEN_BWD_WEIGHTS", "pingpong"), ("MOKGEN_BWD_WEIGHTS_JOINT", "0"),
                         ("MOKGEN_BWD_CLUSTER", "2")):
         monkeypatch.setenv(name, value)
-        assert not x_inline(True, True), name
+        assert not x_inline(True, True, 8), name
         monkeypatch.delenv(name)
     monkeypatch.setenv("MOKGEN_BWD_X", "ring")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_X must be gather or inline"):
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_X must be auto or inline or gather"):
         env.bwd_x()
     monkeypatch.delenv("MOKGEN_BWD_X")
     monkeypatch.delenv("MOKGEN_BWD_WEIGHTS_JOINT", raising=False)
