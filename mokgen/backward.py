@@ -317,7 +317,6 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # (MOKGEN_BWD_X=inline, the joint weight gradients their only reader) none: that launch
     # loads them through the token index from x itself (v0.25)
     inline_x = ours and not in_ring and not fused and x_inline(saved_gu is not None, need_weight_grads, K)
-    xb = x.to(torch.bfloat16).contiguous() if inline_x else None
     rows = ring_x if in_ring else None if inline_x else x.index_select(0, tok).contiguous()
     inline_dout = ours and not fused and dout_inline(K) and env.bwd_weights() == "split"
     dout = grad_out.to(torch.bfloat16).contiguous()
@@ -383,10 +382,9 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
             dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
                        else bwd_gemm.weight_grads(go, hw, offs))
-            if inline_x:  # x rows read once for both, through the token index
-                grads = [*bwd_gemm.weight_grads_joint(dg, du, xb, offs, b_index=tok), dw_down]
-            elif env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
-                grads = [*bwd_gemm.weight_grads_joint(dg, du, rows, offs), dw_down]
+            if env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
+                src, index = (x.contiguous(), tok) if inline_x else (rows, None)
+                grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
             else:
                 grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs), dw_down]
         else:

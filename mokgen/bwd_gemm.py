@@ -627,11 +627,10 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     _check_operand("B", b, 2)
     rows, M = a0.shape
     N = b.shape[1]
-    b_rows = b.shape[0]
     if b_index is not None:
         _check_index(b_index, rows, a0.device, name="b_index")
-        b_rows = rows
-    if tuple(a1.shape) != (rows, M) or b_rows != rows or a1.device != a0.device or b.device != a0.device:
+    if tuple(a1.shape) != (rows, M) or (b_index is None and b.shape[0] != rows) or a1.device != a0.device \
+            or b.device != a0.device:
         raise InputError(f"A0 {tuple(a0.shape)}, A1 {tuple(a1.shape)} and B {tuple(b.shape)} must be [rows, M], "
                          f"[rows, M] and [rows, N] on one device")
     E = _weight_experts("weight_grads_joint", M, N, offs, a0.device)

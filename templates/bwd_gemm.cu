@@ -1016,6 +1016,14 @@ int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* of
                 bwd::Gather{});
 }
 
+// The joint weight gradients' maps but B's: the two problems' A [rows, Mp] and outputs [E Mp, N].
+bool joint_maps(Maps* maps, void* out0, void* out1, const void* a0, const void* a1, int E, int rows, int Mp, int N) {
+  return sm90::encode_map_2d(&maps->a[0], a0, uint64_t(rows), uint64_t(Mp), 64) == CUDA_SUCCESS &&
+         sm90::encode_map_2d(&maps->a[1], a1, uint64_t(rows), uint64_t(Mp), 64) == CUDA_SUCCESS &&
+         sm90::encode_map_2d(&maps->c, out0, uint64_t(E) * Mp, uint64_t(N), 64) == CUDA_SUCCESS &&
+         sm90::encode_map_2d(&maps->c1, out1, uint64_t(E) * Mp, uint64_t(N), 64) == CUDA_SUCCESS;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1227,11 +1235,8 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
 int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, const void* b, const int32_t* offs,
                         int E, int rows, int Mp, int N, int cluster, cudaStream_t stream) {
   Maps maps;
-  if (sm90::encode_map_2d(&maps.a[0], a0, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.a[1], a1, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.c, out0, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.c1, out1, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS)
+  if (!joint_maps(&maps, out0, out1, a0, a1, E, rows, Mp, N) ||
+      sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS)
     return kBadMap;
   maps.b[1] = maps.b[0];
   const int grid = sm_count();
@@ -1249,11 +1254,7 @@ int mokgen_bwd_weights2_gathered(void* out0, void* out1, const void* a0, const v
                                  const int64_t* index, const int32_t* offs, int E, int rows, int Mp, int N,
                                  cudaStream_t stream) {
   Maps maps;
-  if (sm90::encode_map_2d(&maps.a[0], a0, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.a[1], a1, uint64_t(rows), uint64_t(Mp), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.c, out0, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&maps.c1, out1, uint64_t(E) * Mp, uint64_t(N), 64) != CUDA_SUCCESS)
-    return kBadMap;
+  if (!joint_maps(&maps, out0, out1, a0, a1, E, rows, Mp, N)) return kBadMap;
   maps.b[0] = maps.b[1] = maps.a[0];  // unused (B comes through the index)
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);

@@ -355,6 +355,12 @@ MOKGEN_DEVICE void load_b(const TileSrc& t, unsigned char* sb, uint64_t* full, c
   }
 }
 
+// A's two MN-major boxes of one k-block (at k0) into sa, by TMA on the stage's full barrier.
+MOKGEN_DEVICE void load_a_mn(const TileSrc& t, unsigned char* sa, uint64_t* full, const CUtensorMap* map_a, int k0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, sa + h * kBox, t.a_col + 64 * h, t.a_row + k0);
+}
+
 // Producer (one thread): every k-block of one tile. kGated (K-major B only): B's two 128-row
 // boxes are rows b_row.. of b[0] (gate) and of b[1] (up), as the forward's gated tile; one pair.
 // kPair = 2, B shared (the weight gradients' pairs; MN-major B only): this CTA loads B boxes
@@ -376,17 +382,19 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
     const int k0 = (p1 ? kb - t.kb_per_pair : kb) * kBK;
     const CUtensorMap* map_a = p1 ? t.a[1] : t.a[0];
     const CUtensorMap* map_b = p1 ? t.b[1] : t.b[0];
+    if constexpr (kAMN) {
+      load_a_mn(t, st, full, map_a, k0);
+    } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (kAMN) {
-        cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, t.a_col + 64 * h, t.a_row + k0);
-      } else if constexpr (kPair == 2 && kShareA) {
-        if (h == crank)
-          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_a, full, uint16_t(0b11),
-                                                 uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), st + h * kBox, k0,
-                                                 t.a_row + 64 * h);
-      } else {
-        cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, k0, t.a_row + 64 * h);
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kPair == 2 && kShareA) {
+          if (h == crank)
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_a, full, uint16_t(0b11),
+                                                   uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), st + h * kBox,
+                                                   k0, t.a_row + 64 * h);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * kBox, k0, t.a_row + 64 * h);
+        }
       }
     }
     load_b<kBMN, kGated, kShareB>(t, st + kABytes, full, map_b, k0, crank);
@@ -431,8 +439,9 @@ MOKGEN_DEVICE void cp_async_arrive(uint64_t* bar) {
 }
 
 // MN-major A (or B, kGatherB: the same k rows): the source rows of this thread's k rows kb 64 +
-// t / 8 + 16 i (i = 0..3) of tile t, -1 past the expert's rows. The first k-block's are loaded by the caller while the previous
-// tile's k-loop is still being issued (GatherAhead), so a tile's start does not wait for them.
+// t / 8 + 16 i (i = 0..3) of tile t, -1 past the expert's rows. The first k-block's are loaded
+// by the caller while the previous tile's k-loop is still being issued (GatherAhead), so a
+// tile's start does not wait for them.
 MOKGEN_DEVICE void gathered_k_rows(const TileSrc& t, const Gather& g, int kb, int64_t (&r)[4]) {
   const int j = (threadIdx.x & 127) >> 3;
 #pragma unroll
@@ -455,9 +464,7 @@ MOKGEN_DEVICE uint32_t gathered_stage(const Smem& s, P& pipe, const TileSrc& t, 
     uint64_t* full = &s.full[pipe.stage];
     if constexpr (kGatherB) {
       mbar_arrive_expect_tx(full, kABytes);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        cute::SM90_TMA_LOAD_2D::copy(t.a[0], full, 0, st + h * kBox, t.a_col + 64 * h, t.a_row + kb * kBK);
+      load_a_mn(t, st, full, t.a[0], kb * kBK);
     } else {
       mbar_arrive_expect_tx(full, kBBytes);
       load_b<kBMN, false, false>(t, st + kABytes, full, t.b[0], kb * kBK, 0);
