@@ -111,12 +111,20 @@ def find_prebuilt(spec: MoESpec, options: dict | None = None) -> tuple[Path, str
     return None
 
 
+def memo_key(spec: MoESpec, options: dict) -> str:
+    """The per-process memo's key of a load: the spec, the plan options and the nvcc flags of
+    the build (build.BASE_FLAGS, part of the cache key too). Without the flags, a measuring build
+    (`.ci/ab_variants.py define=NAME`, which sets them) got the module loaded first for the same
+    spec and options, so both sides of such an A/B ran one build (docs/perf-notes.md v0.26)."""
+    return json.dumps([spec.canonical_dict(), options, list(build_mod.BASE_FLAGS)], sort_keys=True)
+
+
 def load(spec: MoESpec, options: dict | None = None) -> ModuleType:
     """The binding module of ``spec``'s build (building it first when needed and allowed).
     ``options``: make_plan keyword arguments (default: the environment's, env.plan_options();
     tuned layers pass theirs, mokgen.tune)."""
     options = _options(options)
-    spec_id = json.dumps([spec.canonical_dict(), options], sort_keys=True)
+    spec_id = memo_key(spec, options)
     if spec_id in _by_spec:
         return _by_spec[spec_id]
     prebuilt = find_prebuilt(spec, options)

@@ -464,3 +464,18 @@ def test_forward_trace_build_is_its_own_entry_and_keeps_the_pipeline(monkeypatch
     _assert_no_spills(traced)
     assert hasattr(ctypes.CDLL(str(traced.library)), "mokgen_fwd_set_trace")
     assert not hasattr(ctypes.CDLL(str(default.library)), "mokgen_fwd_set_trace")
+
+
+def test_load_memo_tells_builds_with_other_nvcc_flags_apart(monkeypatch):
+    """A load under other nvcc flags (a measuring build's -DNAME) is another module: the memo's
+    key holds build.BASE_FLAGS, so an A/B of two builds of one spec and plan runs two builds."""
+    from mokgen import load as load_mod
+
+    spec = load_spec("qwen3.5-35b-a3b")
+    plain = load_mod.memo_key(spec, {})
+    assert load_mod.memo_key(spec, {}) == plain
+    monkeypatch.setattr(build_mod, "BASE_FLAGS", [*build_mod.BASE_FLAGS, "-DMOKGEN_SOME_MEASURE"])
+    flagged = load_mod.memo_key(spec, {})
+    assert flagged != plain
+    monkeypatch.setattr(build_mod, "BASE_FLAGS", build_mod.BASE_FLAGS[:-1])
+    assert load_mod.memo_key(spec, {}) == plain

@@ -377,6 +377,11 @@ MOKGEN_DEVICE void produce(const Smem& s, P& pipe, const TileSrc& t, int crank =
     pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     uint64_t* full = &s.full[pipe.stage];
+#ifdef MOKGEN_BWD_NO_LOAD  // a measuring variant only (.ci/bench_bwd_gemm.py BWD_BENCH_FLAGS): no TMA loads, wrong bits
+    mbar_arrive(full);
+    pipe.advance();
+    continue;
+#endif
     mbar_arrive_expect_tx(full, kStageBytes);
     const bool p1 = kb >= t.kb_per_pair;  // the second operand pair (a select: an indexed array would live in local memory)
     const int k0 = (p1 ? kb - t.kb_per_pair : kb) * kBK;
@@ -669,7 +674,8 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
 // tile's FLOPs for two thirds of its bytes; CTA pairs share B (each CTA loads one box into
 // both), 24 KB per CTA. The same k order per output element, so the bits of the split tile.
 // Measured (docs/perf-notes.md v0.14): no faster than the split tile. One warpgroup's k-loop
-// alone runs at about half the tensor core's rate on these MN-major operands (a 128 x 128 tile
+// alone ran at about half the tensor core's rate here (not the MN-major operands: v0.26's probe
+// runs one warpgroup at the peak on every major; the loads and the work between tiles; a 128 x 128 tile
 // in 6.3-6.5k cycles against 2.8k), so strict turns (early 0) lengthen the period by 15%, and
 // with the k-loops overlapping (early 1-3) the period equals the split tile's.
 constexpr int kPPBN = 128;                 // a ping-pong tile's columns
