@@ -9,24 +9,15 @@
 #include <cstdio>
 #include <utility>
 
-#include <cute/arch/mma_sm90_desc.hpp>
-#include <cute/arch/mma_sm90_gmma.hpp>
-
-#include "mokgen/common.cuh"
+// the kernels' own descriptors: K-major rows of 128 bytes (hopper_gemm.cuh) and MN-major 64 x 64
+// boxes (bwd_gemm.cuh), both in the 128-byte swizzle
+#include "mokgen/bwd_gemm.cuh"
 
 using namespace cute::SM90::GMMA;
-using mokgen::smem_u32;
-
-constexpr int kBox = 64 * 64 * 2;  // one 64 x 64 bf16 box, 128-byte swizzle
+using mokgen::bwd::kBox;  // one 64 x 64 bf16 box
 
 __device__ uint64_t desc(const void* p, bool mn) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = uint16_t(smem_u32(p) >> 4);
-  d.bitfield.leading_byte_offset_ = mn ? (kBox >> 4) : 1;
-  d.bitfield.stride_byte_offset_ = 1024 >> 4;
-  d.bitfield.base_offset_ = 0;
-  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return d.desc_;
+  return mn ? mokgen::bwd::smem_desc_mn(p) : mokgen::sm90::smem_desc_k<128>(p);
 }
 
 template <int kN, bool kAMN, bool kBMN>
