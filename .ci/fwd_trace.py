@@ -49,6 +49,8 @@ from mokgen.spec import load_spec
 PLAIN = os.environ.get("FWD_TRACE_PLAIN") == "1"
 if not PLAIN:
     build.BASE_FLAGS = [*build.BASE_FLAGS, "-DMOKGEN_FWD_TRACE"]  # the trace build: its own cache entry
+# FWD_TRACE_FLAGS: more nvcc flags for both builds (a measuring macro, e.g. -DMOKGEN_PLAN_SCAN)
+build.BASE_FLAGS = [*build.BASE_FLAGS, *os.environ.get("FWD_TRACE_FLAGS", "").split()]
 
 from mokgen.ep import MoELayer  # noqa: E402
 
@@ -140,6 +142,13 @@ print(f"  compute roles end    min {us(ph[comp, 2].min()):8.1f}  median {us(ph[c
       f"max {us(ph[comp, 2].max()):8.1f}")
 print(f"  combine start        median {us(ph[used, 3].median()):8.1f}  max {us(ph[used, 3].max()):8.1f}")
 print(f"  combine end          median {us(ph[used, 4].median()):8.1f}  max {us(ph[used, 4].max()):8.1f}")
+pr = raw[:, TILES, 2]  # the prologue's stamps (role 2 of the phase record), where the build records them
+if int(pr[used, 3].max()) > 0:
+    print("prologue (us after the first CTA's start; median / max over CTAs; CTA 0's plan scan ends at 'plan'):")
+    for i, label in ((4, "routing counted"), (0, "barrier 1 passed"), (5, "routing assigned"), (1, "barrier 2 passed"),
+                     (2, "plan (before barrier 3)"), (3, "barrier 3 passed")):
+        print(f"  {label:24s} median {us(pr[used, i].median()):8.1f}  max {us(pr[used, i].max()):8.1f}  "
+              f"CTA 0 {us(pr[0, i]):8.1f}")
 
 d = raw[disp, :TILES, 0]
 if d.shape[0]:
