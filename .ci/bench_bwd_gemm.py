@@ -4,7 +4,8 @@ kernel's median time of 20 (CUDA events) and TFLOP/s, so changes to one kernel c
 alone. LIB...: other builds of the library (libbwdgemm.so files, e.g. of an earlier tree or a
 variant of templates/bwd_gemm.cu): their weight gradients timed in the same run after this tree's.
 BWD_BENCH_FLAGS="-DNAME ...": instead of the stagger sweep, this tree's library and a variant
-build of it with those nvcc flags, every kernel, three passes in alternation. Usage:
+build of it with those nvcc flags, every kernel, three passes in alternation; BWD_BENCH_LIB=PATH
+likewise against another build of the library with this tree's entry points. Usage:
 python3 .ci/bench_bwd_gemm.py [SPEC [LIB...]] (default kimi-k2.5)."""
 
 import ctypes
@@ -82,13 +83,19 @@ def table(title, only=None):
 
 
 variant_flags = os.environ.get("BWD_BENCH_FLAGS", "").split()
-if variant_flags:
-    # this tree's library against a variant build of it (the same sources, more nvcc flags),
-    # at the default lead, three times in alternation
-    variant = bwd_gemm.build_variant(variant_flags, tempfile.mkdtemp(prefix="bwd-variant-"))
-    if build.serialized_wgmma(variant.parent):
-        print("WARNING: the variant's wgmma are serialized")
-    libs = {"this tree": bwd_gemm.load_library(), " ".join(variant_flags): bwd_gemm._Lib(variant)}
+other_lib = os.environ.get("BWD_BENCH_LIB", "")
+if variant_flags or other_lib:
+    # this tree's library against a variant build of it (the same sources, more nvcc flags) or
+    # another build with this tree's entry points (BWD_BENCH_LIB), at the default lead, three
+    # times in alternation
+    libs = {"this tree": bwd_gemm.load_library()}
+    if variant_flags:
+        variant = bwd_gemm.build_variant(variant_flags, tempfile.mkdtemp(prefix="bwd-variant-"))
+        if build.serialized_wgmma(variant.parent):
+            print("WARNING: the variant's wgmma are serialized")
+        libs[" ".join(variant_flags)] = bwd_gemm._Lib(variant)
+    if other_lib:
+        libs[other_lib] = bwd_gemm._Lib(Path(other_lib))
     default_load = bwd_gemm.load_library
     for rep in (1, 2, 3):
         for label, lib in libs.items():

@@ -86,7 +86,8 @@ def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
 
 @pytest.mark.nvcc
 def test_default_build_sass_roles():
-    """The default build of the largest spec, in its SASS: wgmma (HGMMA); no local memory; the
+    """The default build of the largest spec, in its SASS: wgmma (HGMMA), one batch kept in flight
+    and no empty commit group; no local memory; the
     role-less warps of the producer warpgroup parked on named barrier 1 (128 threads) before
     their setmaxnreg, which comes after it; and the dispatch copy's run of 12 loads in flight
     (pull_unroll) before its stores."""
@@ -94,6 +95,8 @@ def test_default_build_sass_roles():
     sass = sass_of(result.library)
     assert "HGMMA.64x256x16" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the default kernel (a stack frame)"
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "every wgmma waited for (serialized pipeline)"
+    assert "HGMMA.64x8x16.F16 RZ" not in sass, "an empty wgmma commit group (tests/test_bwd_gemm.py)"
     lines = sass.splitlines()
     park = [i for i, l in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80" in l]
     assert len(park) == 1, "one named barrier 1 of 128 threads"

@@ -636,13 +636,16 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     const unsigned char* sb = st + kABytes;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    switch (steps) {  // the same for the whole warpgroup; each case one straight run of wgmma
-      case 1: mma_steps<kAMN, kBMN, 1>(sa, sb, acc, kb > 0); break;
-      case 2: mma_steps<kAMN, kBMN, 2>(sa, sb, acc, kb > 0); break;
-      case 3: mma_steps<kAMN, kBMN, 3>(sa, sb, acc, kb > 0); break;
-      default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); break;
+    // The same for the whole warpgroup; each case one straight run of wgmma and its commit. A
+    // commit after the switch (v0.13-v0.26) made ptxas close a group at the end of every case and
+    // commit a second, empty one at the join (a dummy HGMMA.64x8x16 with gsb0), so wait<1> waited
+    // for the k-block just issued: no k-block's wgmma overlapped the next one's issue (v0.27).
+    switch (steps) {
+      case 1: mma_steps<kAMN, kBMN, 1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+      case 2: mma_steps<kAMN, kBMN, 2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+      case 3: mma_steps<kAMN, kBMN, 3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+      default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
     }
-    cute::warpgroup_commit_batch();
     if (kb == 0) early();
     cute::warpgroup_wait<1>();
     fence_operands(acc);
@@ -782,13 +785,12 @@ MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_val
     const unsigned char* sb = st + 2 * kBox;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    switch (steps) {
-      case 1: mma_steps_pp<1>(sa, sb, acc, kb > 0); break;
-      case 2: mma_steps_pp<2>(sa, sb, acc, kb > 0); break;
-      case 3: mma_steps_pp<3>(sa, sb, acc, kb > 0); break;
-      default: mma_steps_pp<kBK / 16>(sa, sb, acc, kb > 0); break;
+    switch (steps) {  // each case its own commit, as consume's
+      case 1: mma_steps_pp<1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+      case 2: mma_steps_pp<2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+      case 3: mma_steps_pp<3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+      default: mma_steps_pp<kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
     }
-    cute::warpgroup_commit_batch();
     if (kb == hand && t == 0) mbar_arrive(&s.turn[wg ^ 1]);
     cute::warpgroup_wait<1>();
     fence_operands(acc);
