@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mokgen import bench, build, bwd_gemm
+from mokgen import bench, bwd_gemm
 
 TILES = int(sys.argv[2]) if len(sys.argv) > 2 else 48
 spec, gen, counts, offs, rows = bench.local_expert_rows(sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5")
@@ -44,7 +44,7 @@ x, go, dg, hw = randn(rows, H), randn(rows, H), randn(rows, I), randn(rows, I)
 
 extra = os.environ.get("BWD_TRACE_FLAGS", "").split()
 traced = bwd_gemm.build_variant(["-DMOKGEN_BWD_TRACE", *extra], tempfile.mkdtemp(prefix="bwd-trace-"))
-if build.serialized_wgmma(traced.parent):
+if bwd_gemm.trace_serialized(traced.parent):  # of the kernels timed here
     print("WARNING: the trace build's wgmma are serialized; its times are not the library's")
 lib = bwd_gemm._Lib(traced)
 raw = lib._lib  # the trace build's one extra entry point

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -50,6 +51,18 @@ ARCH = "sm_90a"
 SOURCE = "bwd_gemm.cu"
 LIBRARY = "libbwdgemm.so"
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+#: kernels of the trace build (-DMOKGEN_BWD_TRACE) that .ci/bwd_trace.py does not time: the
+#: gathered weight gradients (weight_kernel<1, joint, true>, mangled names), whose wgmma ptxas
+#: serializes in that build only (C7515, v0.27; the library's own build keeps them pipelined)
+TRACE_UNTIMED = re.compile(r"weight_kernelILi1ELb[01]ELb1E")
+
+
+def trace_serialized(entry) -> list[str]:
+    """The kernels of a trace build in ``entry`` whose wgmma ptxas serialized, less
+    ``TRACE_UNTIMED``: empty when every kernel the trace times keeps its pipeline."""
+    from mokgen.build import serialized_wgmma
+
+    return [n for n in serialized_wgmma(Path(entry)) if not TRACE_UNTIMED.search(n)]
 
 
 def library_path() -> Path:

@@ -605,49 +605,70 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     stagger_lead_done(s, pipe);
     return;
   }
+  // Full k-blocks in the loop: one straight run of wgmma per k-block, one batch left in flight.
+  // A short last k-block (ragged K) runs after it, alone: only the 16-row steps that hold valid k
+  // rows (its tail rows within the last step zeroed; a tile of 341 rows issues 22 steps, not 24),
+  // picked by a switch with nothing in flight across it. v0.13-v0.26 switched inside the loop
+  // and committed after the switch: ptxas closed a group in every case and committed a second,
+  // empty one at the join (HGMMA.64x8x16 on RZ), so wait<1> waited for the k-block just issued
+  // and no k-block overlapped the next one's issue; committing in each case instead left
+  // wgmma in flight across the join, which the trace build serialized (C7515, v0.27).
+  const bool short_last = k_valid_last < kBK;
+  const int n_full = short_last ? n_k - 1 : n_k;
   int prev_stage = -1;
 #pragma unroll 2  // as the forward's mainloop (no spills either way)
-  for (int kb = 0; kb < n_k; ++kb) {
+  for (int kb = 0; kb < n_full; ++kb) {
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
 #ifndef MOKGEN_GATHER_NO_FENCE  // a measuring variant only (.ci/gather_probe.py --flags): not a correct kernel
     if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
+    const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+    fence_operands(acc);
+    cute::warpgroup_arrive();
+    mma_steps<kAMN, kBMN, kBK / 16>(st + wg * kBox, st + kABytes, acc, kb > 0);
+    cute::warpgroup_commit_batch();
+    if (kb == 0) early();
+    cute::warpgroup_wait<1>();
+    fence_operands(acc);
+    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
+    prev_stage = pipe.stage;
+    pipe.advance();
+    if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
+  }
+  if (short_last) {
+    const int kb = n_k - 1;
+    cute::warpgroup_wait<0>();  // nothing in flight from here to the switch's drain
+    fence_operands(acc);
+    pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
+#ifndef MOKGEN_GATHER_NO_FENCE
+    if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
     unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
-    // a short last k-block runs only the 16-row wgmma steps that hold valid k rows (its tail
-    // rows within the last step zeroed): a weight-gradient tile of 341 rows issues 22 steps, not 24
-    int steps = kBK / 16;
-    if (kb == n_k - 1 && k_valid_last < kBK) {
-      steps = (k_valid_last + 15) / 16;
-      if (k_valid_last % 16) {
-        if (pipe.staggered()) {
-          zero_tail<true>(st, wg, k_valid_last, 16 * steps, t);
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          // this warpgroup's threads only (barrier 4 or 5: one instruction, not a branch on wg,
-          // which ptxas took for a divergent path and serialized the wgmma for, C7520)
-          asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
-        } else {
-          zero_tail<false>(st, wg, k_valid_last, 16 * steps, t);
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
-        }
+    const int steps = (k_valid_last + 15) / 16;
+    if (k_valid_last % 16) {
+      if (pipe.staggered()) {
+        zero_tail<true>(st, wg, k_valid_last, 16 * steps, t);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        // this warpgroup's threads only (barrier 4 or 5: one instruction, not a branch on wg,
+        // which ptxas took for a divergent path and serialized the wgmma for, C7520)
+        asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
+      } else {
+        zero_tail<false>(st, wg, k_valid_last, 16 * steps, t);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync 2, 256;" ::: "memory");  // both consumer warpgroups
       }
     }
     const unsigned char* sa = st + wg * kBox;
     const unsigned char* sb = st + kABytes;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    // The same for the whole warpgroup; each case one straight run of wgmma and its commit. A
-    // commit after the switch (v0.13-v0.26) made ptxas close a group at the end of every case and
-    // commit a second, empty one at the join (a dummy HGMMA.64x8x16 with gsb0), so wait<1> waited
-    // for the k-block just issued: no k-block's wgmma overlapped the next one's issue (v0.27).
-    switch (steps) {
-      case 1: mma_steps<kAMN, kBMN, 1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
-      case 2: mma_steps<kAMN, kBMN, 2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
-      case 3: mma_steps<kAMN, kBMN, 3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
-      default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+    switch (steps) {  // the same for the whole warpgroup; each case issues, commits and drains
+      case 1: mma_steps<kAMN, kBMN, 1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+      case 2: mma_steps<kAMN, kBMN, 2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+      case 3: mma_steps<kAMN, kBMN, 3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+      default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
     }
     if (kb == 0) early();
-    cute::warpgroup_wait<1>();
     fence_operands(acc);
     if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
     prev_stage = pipe.stage;
@@ -678,9 +699,11 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
 // both), 24 KB per CTA. The same k order per output element, so the bits of the split tile.
 // Measured (docs/perf-notes.md v0.14): no faster than the split tile. One warpgroup's k-loop
 // alone ran at about half the tensor core's rate here (not the MN-major operands: v0.26's probe
-// runs one warpgroup at the peak on every major; the loads and the work between tiles; a 128 x 128 tile
-// in 6.3-6.5k cycles against 2.8k), so strict turns (early 0) lengthen the period by 15%, and
-// with the k-loops overlapping (early 1-3) the period equals the split tile's.
+// runs one warpgroup at the peak on every major; a 128 x 128 tile in 6.3-6.5k cycles against
+// 2.8k), so strict turns (early 0) lengthened the period by 15%, and with the k-loops
+// overlapping (early 1-3) the period equalled the split tile's. Part of that was the empty
+// commit group of consume's note (v0.27: every k-block waited for; without it the weight
+// gradients ran 6-11% faster and a strict-turn k-loop took 4.8k cycles instead of 6.5k).
 constexpr int kPPBN = 128;                 // a ping-pong tile's columns
 constexpr int kPPStageBytes = 4 * kBox;    // A 128 x 64 + B 128 x 64
 constexpr int kPPStages = 6;               // 192 KB, then the store buffers
@@ -766,33 +789,49 @@ MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_val
     if (t == 0) mbar_arrive(&s.turn[wg ^ 1]);
     return;
   }
+  // full k-blocks in the loop, a short last one alone after it (as consume's)
+  const bool short_last = k_valid_last < kBK;
+  const int n_full = short_last ? n_k - 1 : n_k;
   int prev_stage = -1;
 #pragma unroll 2
-  for (int kb = 0; kb < n_k; ++kb) {
+  for (int kb = 0; kb < n_full; ++kb) {
+    pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
+    const unsigned char* st = s.stages + size_t(pipe.stage) * kPPStageBytes;
+    fence_operands(acc);
+    cute::warpgroup_arrive();
+    mma_steps_pp<kBK / 16>(st, st + 2 * kBox, acc, kb > 0);
+    cute::warpgroup_commit_batch();
+    if (kb == hand && t == 0) mbar_arrive(&s.turn[wg ^ 1]);
+    cute::warpgroup_wait<1>();
+    fence_operands(acc);
+    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
+    prev_stage = pipe.stage;
+    pipe.advance();
+  }
+  if (short_last) {
+    const int kb = n_k - 1;
+    cute::warpgroup_wait<0>();  // nothing in flight from here to the switch's drain
+    fence_operands(acc);
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
     unsigned char* st = s.stages + size_t(pipe.stage) * kPPStageBytes;
-    int steps = kBK / 16;
-    if (kb == n_k - 1 && k_valid_last < kBK) {
-      steps = (k_valid_last + 15) / 16;
-      if (k_valid_last % 16) {
+    const int steps = (k_valid_last + 15) / 16;
+    if (k_valid_last % 16) {
 #pragma unroll
-        for (int b = 0; b < 4; ++b) zero_box_rows(st + b * kBox, k_valid_last, 16 * steps, t);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
-      }
+      for (int b = 0; b < 4; ++b) zero_box_rows(st + b * kBox, k_valid_last, 16 * steps, t);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
     }
     const unsigned char* sa = st;
     const unsigned char* sb = st + 2 * kBox;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    switch (steps) {  // each case its own commit, as consume's
-      case 1: mma_steps_pp<1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
-      case 2: mma_steps_pp<2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
-      case 3: mma_steps_pp<3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
-      default: mma_steps_pp<kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); break;
+    switch (steps) {  // each case issues, commits and drains
+      case 1: mma_steps_pp<1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+      case 2: mma_steps_pp<2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+      case 3: mma_steps_pp<3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+      default: mma_steps_pp<kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
     }
     if (kb == hand && t == 0) mbar_arrive(&s.turn[wg ^ 1]);
-    cute::warpgroup_wait<1>();
     fence_operands(acc);
     if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
     prev_stage = pipe.stage;
