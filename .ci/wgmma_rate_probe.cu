@@ -5,7 +5,9 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -I templates/include -I $CUTLASS/include .ci/wgmma_rate_probe.cu -o /tmp/wgmma_rate
 // Output per variant: SM cycles per m64nNk16 step per warpgroup, and the SM's dense rate as bf16
-// flops per cycle (4096 is the H100/H200 peak per SM).
+// flops per cycle (4096 is the H100/H200 peak per SM). "tile T" variants (v0.27) drain the
+// pipeline (wait<0>) every T batches, as a weight-gradient tile of T k-blocks does at its end:
+// the cost of a short tile's fill and drain, with no loads, barriers or epilogue.
 #include <cstdio>
 #include <utility>
 
@@ -30,7 +32,7 @@ __device__ void step(uint64_t da, uint64_t db, float* acc, std::index_sequence<I
 }
 
 // kHalves: wgmma per k16 step per warpgroup (2 for the ping-pong's two m64n128 halves).
-template <int kN, bool kAMN, bool kBMN, int kHalves, int kDepth>
+template <int kN, bool kAMN, bool kBMN, int kHalves, int kDepth, int kTile = 0>
 __global__ void __launch_bounds__(384, 1) probe(int wgs, int iters, long long* cycles) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int kAcc = kN / 2;
@@ -55,7 +57,10 @@ __global__ void __launch_bounds__(384, 1) probe(int wgs, int iters, long long* c
                              desc(sb + (kBMN ? k16 * 2048 : k16 * 32), kBMN), acc + h * kAcc,
                              std::make_index_sequence<kAcc>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<kDepth>();
+    if (kTile > 0 && it % kTile == kTile - 1)
+      cute::warpgroup_wait<0>();  // the end of a tile: its accumulators complete
+    else
+      cute::warpgroup_wait<kDepth>();
 #pragma unroll
     for (int i = 0; i < kHalves * kAcc; ++i) cute::warpgroup_fence_operand(acc[i]);
   }
@@ -68,9 +73,9 @@ __global__ void __launch_bounds__(384, 1) probe(int wgs, int iters, long long* c
   if (s == 12345.f) cycles[0] = 0;  // keep acc live
 }
 
-template <int kN, bool kAMN, bool kBMN, int kHalves, int kDepth>
+template <int kN, bool kAMN, bool kBMN, int kHalves, int kDepth, int kTile = 0>
 void run(const char* name, int wgs, long long* d_cycles, int sms) {
-  auto k = probe<kN, kAMN, kBMN, kHalves, kDepth>;
+  auto k = probe<kN, kAMN, kBMN, kHalves, kDepth, kTile>;
   const int smem = 4 * kBox + 4 * kBox + 1024;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int iters = 4000;
@@ -90,8 +95,8 @@ void run(const char* name, int wgs, long long* d_cycles, int sms) {
   const double steps = double(iters) * 4 * kHalves;  // wgmma per warpgroup
   const double per = cyc / steps;
   const double flops = 2.0 * 64 * kN * 16 * wgs / per;  // per SM cycle
-  printf("%-34s wgs %d depth %d: %7.1f cycles per m64n%dk16 per warpgroup, %6.0f flops/cycle/SM (%.0f%% of 4096)\n",
-         name, wgs, kDepth, per, kN, flops, 100.0 * flops / 4096);
+  printf("%-34s wgs %d depth %d tile %d: %7.1f cycles per m64n%dk16 per warpgroup, %6.0f flops/cycle/SM (%.0f%% of 4096)\n",
+         name, wgs, kDepth, kTile, per, kN, flops, 100.0 * flops / 4096);
 }
 
 int main() {
@@ -112,6 +117,11 @@ int main() {
   run<128, true, true, 2, 0>("n128 x2 halves, MN/MN", 1, d, sms);
   run<256, true, true, 1, 2>("n256 MN/MN", 1, d, sms);
   run<128, true, true, 2, 2>("n128 x2 halves, MN/MN", 1, d, sms);
+  // short tiles: kimi-k2.5's local weight tiles hold 5-6 k-blocks (297-378 rows per expert)
+  run<128, true, true, 2, 1, 6>("n128 x2 halves, MN/MN", 1, d, sms);
+  run<128, true, true, 2, 1, 3>("n128 x2 halves, MN/MN", 1, d, sms);
+  run<256, true, true, 1, 1, 6>("n256 MN/MN", 1, d, sms);
+  run<256, true, true, 1, 1, 6>("n256 MN/MN", 2, d, sms);
   cudaFree(d);
   return 0;
 }
