@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 
 import pytest
@@ -40,6 +41,11 @@ def host_check(tmp_path):
         return exe
 
     return compile_check
+
+
+#: ptxas's empty wgmma commit group in SASS: a commit with no wgmma of its own, a dummy HGMMA
+#: writing RZ (after it, wait<1> waits for the batch just issued; docs/perf-notes.md v0.27)
+EMPTY_WGMMA_GROUP = re.compile(r"HGMMA\.64x8x16\.F16 RZ, gdesc\[URZ\], RZ")
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import sass  # noqa: E402
+from conftest import EMPTY_WGMMA_GROUP, sass  # noqa: E402
 from mokgen import bwd_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
@@ -100,10 +100,6 @@ def test_variant_builds_land_outside_the_cache_with_their_log(private_dirs, tmp_
     assert "no-such-nvcc-flag" in (tmp_path / "bad" / "build.log").read_text()
 
 
-#: ptxas's empty wgmma group: a commit with no wgmma of its own, a dummy HGMMA writing RZ
-EMPTY_GROUP = re.compile(r"HGMMA\.64x8x16\.F16 RZ, gdesc\[URZ\], RZ")
-
-
 @pytest.mark.nvcc
 def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     """In the SASS of every GEMM kernel the consumers wait for all but the last wgmma batch
@@ -121,7 +117,7 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
         # an empty commit group (a commit that ptxas could not fold into the last wgmma, v0.13-v0.26's
         # commit after the short-k-block switch): wait<1> then waits for the batch just issued
-        assert not EMPTY_GROUP.search(body), f"{name}: an empty wgmma commit group (HGMMA.64x8x16 on RZ)"
+        assert not EMPTY_WGMMA_GROUP.search(body), f"{name}: an empty wgmma commit group (HGMMA.64x8x16 on RZ)"
 
 
 def _bf16(*shape):

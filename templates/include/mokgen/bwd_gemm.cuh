@@ -584,6 +584,19 @@ MOKGEN_DEVICE void zero_tail(unsigned char* st, int wg, int valid, int end, int 
   for (int b = 0; b < kBoxes; ++b) zero_box_rows(boxes[b], valid, end, t);
 }
 
+// A short last k-block's wgmma (consume, consume_pp): `steps` (1 .. kBK / 16) 16-row steps as one
+// batch, issued by mma(std::integral_constant<int, S>{}), committed and drained inside each case,
+// so no wgmma is in flight across the switch (see consume).
+template <class Mma>
+MOKGEN_DEVICE void issue_drained(int steps, Mma mma) {
+  switch (steps) {  // the same for the whole warpgroup
+    case 1: mma(std::integral_constant<int, 1>{}); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+    case 2: mma(std::integral_constant<int, 2>{}); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+    case 3: mma(std::integral_constant<int, 3>{}); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+    default: mma(std::integral_constant<int, kBK / 16>{}); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
+  }
+}
+
 // Consumer warpgroup wg (0/1): every k-block of one tile into acc (fp32, m64n256 layout: warp w,
 // lane l hold rows 16 w + l / 4 (+ 8) and columns 8 i + 2 (l % 4) + {0, 1} of group i, in
 // acc[4 i + {0, 1}] (+ {2, 3} for the row + 8)). k_valid: the rows of the last k-block that
@@ -616,6 +629,15 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
   const bool short_last = k_valid_last < kBK;
   const int n_full = short_last ? n_k - 1 : n_k;
   int prev_stage = -1;
+  // after k-block kb's wgmma have left at most the current batch in flight: hand the stage
+  // before it back, step the ring, and the stagger's hand-over once the lead is consumed
+  auto retire = [&](int kb) {
+    fence_operands(acc);
+    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
+    prev_stage = pipe.stage;
+    pipe.advance();
+    if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
+  };
 #pragma unroll 2  // as the forward's mainloop (no spills either way)
   for (int kb = 0; kb < n_full; ++kb) {
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
@@ -629,11 +651,7 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     cute::warpgroup_commit_batch();
     if (kb == 0) early();
     cute::warpgroup_wait<1>();
-    fence_operands(acc);
-    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
-    prev_stage = pipe.stage;
-    pipe.advance();
-    if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
+    retire(kb);
   }
   if (short_last) {
     const int kb = n_k - 1;
@@ -662,18 +680,9 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     const unsigned char* sb = st + kABytes;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    switch (steps) {  // the same for the whole warpgroup; each case issues, commits and drains
-      case 1: mma_steps<kAMN, kBMN, 1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-      case 2: mma_steps<kAMN, kBMN, 2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-      case 3: mma_steps<kAMN, kBMN, 3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-      default: mma_steps<kAMN, kBMN, kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-    }
+    issue_drained(steps, [&](auto n) { mma_steps<kAMN, kBMN, decltype(n)::value>(sa, sb, acc, kb > 0); });
     if (kb == 0) early();
-    fence_operands(acc);
-    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
-    prev_stage = pipe.stage;
-    pipe.advance();
-    if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
+    retire(kb);
   }
   cute::warpgroup_wait<0>();
   fence_operands(acc);
@@ -793,6 +802,12 @@ MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_val
   const bool short_last = k_valid_last < kBK;
   const int n_full = short_last ? n_k - 1 : n_k;
   int prev_stage = -1;
+  auto retire = [&]() {  // as consume's (no stagger here: the turns order the warpgroups)
+    fence_operands(acc);
+    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
+    prev_stage = pipe.stage;
+    pipe.advance();
+  };
 #pragma unroll 2
   for (int kb = 0; kb < n_full; ++kb) {
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
@@ -803,10 +818,7 @@ MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_val
     cute::warpgroup_commit_batch();
     if (kb == hand && t == 0) mbar_arrive(&s.turn[wg ^ 1]);
     cute::warpgroup_wait<1>();
-    fence_operands(acc);
-    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
-    prev_stage = pipe.stage;
-    pipe.advance();
+    retire();
   }
   if (short_last) {
     const int kb = n_k - 1;
@@ -825,17 +837,9 @@ MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_val
     const unsigned char* sb = st + 2 * kBox;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    switch (steps) {  // each case issues, commits and drains
-      case 1: mma_steps_pp<1>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-      case 2: mma_steps_pp<2>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-      case 3: mma_steps_pp<3>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-      default: mma_steps_pp<kBK / 16>(sa, sb, acc, kb > 0); cute::warpgroup_commit_batch(); cute::warpgroup_wait<0>(); break;
-    }
+    issue_drained(steps, [&](auto n) { mma_steps_pp<decltype(n)::value>(sa, sb, acc, kb > 0); });
     if (kb == hand && t == 0) mbar_arrive(&s.turn[wg ^ 1]);
-    fence_operands(acc);
-    if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
-    prev_stage = pipe.stage;
-    pipe.advance();
+    retire();
   }
   cute::warpgroup_wait<0>();
   fence_operands(acc);
