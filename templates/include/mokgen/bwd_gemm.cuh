@@ -748,6 +748,11 @@ MOKGEN_DEVICE void produce_pp(const Smem& s, P& pipe, const TileSrc& t, int cran
     pipe_wait(&s.empty[pipe.stage], pipe.phase ^ 1u, pipe);
     unsigned char* st = s.stages + size_t(pipe.stage) * kPPStageBytes;
     uint64_t* full = &s.full[pipe.stage];
+#ifdef MOKGEN_BWD_NO_LOAD  // as produce's (v0.26's "ping-pong, no loads" row still loaded: this was missing)
+    mbar_arrive(full);
+    pipe.advance();
+    continue;
+#endif
     mbar_arrive_expect_tx(full, kPPStageBytes);
     const int k0 = kb * kBK;
 #pragma unroll

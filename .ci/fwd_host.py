@@ -1,0 +1,108 @@
+"""How much of `mokgen bench`'s forward time is the host's, on the bench's own inputs (H200, not CI).
+
+The bench times each call between two CUDA events on an idle GPU (bench.time_launch), so the
+host's work before the megakernel's launch is in its figure. Per workload this prints:
+  bench     the bench's figure: median of 20 synchronized calls (ms)
+  gpu       the same call enqueued behind a GPU sleep, so the host is ahead: the GPU's own time
+            (median of 9), and the kernels' own durations (torch.profiler, CUDA activity)
+  launch    host time from the call's start to the megakernel's launch call (the library's
+            mokgen_ep_forward, timed by a wrapper) and to the call's return (median of 20)
+  cprofile  the host call's Python functions by own time (50 calls behind a sleep)
+Usage: python3 .ci/fwd_host.py SPEC local|layer [TOKENS] (layer: default 16384 tokens)."""
+
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mokgen import bench
+from mokgen.ep import MoELayer
+from mokgen.spec import load_spec
+
+name, workload = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "local"
+real = load_spec(name)
+if workload == "local":
+    ep = bench.LOCAL_EP.get(real.name, 8)
+    spec, tokens = bench.local_spec(real, ep)
+    kwargs = bench.local_layer_kwargs(real, ep) or {}
+else:
+    spec, tokens, kwargs = real, int(sys.argv[3]) if len(sys.argv) > 3 else 16384, {}
+wg, wu, wd = bench._weights(spec)
+gen = torch.Generator(device="cuda").manual_seed(1)
+inputs = []
+for _ in range(3):
+    x = torch.randn(tokens, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    inputs.append((x, *bench._routing(spec, tokens, gen)))
+layer = MoELayer(spec, max_tokens=tokens, device="cuda", **kwargs)
+with torch.no_grad():
+    layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+layer.check_ids = False
+mod = layer._kernel
+marks = {}
+
+
+class _TimedLib:
+    """The generated module's LIB with its launch entry timed (host clock at the call)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, attr):
+        return getattr(self._lib, attr)
+
+    def mokgen_ep_forward(self, *args):
+        marks["launch"] = time.perf_counter()
+        return self._lib.mokgen_ep_forward(*args)
+
+
+mod.LIB = _TimedLib(mod.LIB)
+med = statistics.median
+print(f"== {spec.name} {workload}: {tokens} rows, build {layer.build_options}, MoELayer kwargs {kwargs}")
+with torch.no_grad():
+    fn = lambda i: layer(*inputs[i % 3])  # noqa: E731
+    bench_ms = bench.time_cuda(fn, n_inputs=3, iters=20)
+    to_launch, to_return = [], []
+    for i in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(i)
+        t1 = time.perf_counter()
+        to_launch.append(1e3 * (marks["launch"] - t0))
+        to_return.append(1e3 * (t1 - t0))
+    torch.cuda.synchronize()
+    gpu_ms = []
+    for i in range(9):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e7))
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        gpu_ms.append(a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            fn(i)
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            kernels[e.key] = (e.device_time_total / max(1, e.count) / 1e3, e.count)
+    print(f"bench    {med(bench_ms):.3f} ms (min {min(bench_ms):.3f}, max {max(bench_ms):.3f})")
+    print(f"gpu      {med(gpu_ms):.3f} ms with the host ahead (min {min(gpu_ms):.3f})")
+    for k, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        print(f"  kernel {ms:8.3f} ms x {n:2d}  {k[:100]}")
+    print(f"launch   host: {med(to_launch):.3f} ms from the call to the launch (min {min(to_launch):.3f}), "
+          f"{med(to_return):.3f} ms to the return")
+    print(f"exposed  bench - gpu = {med(bench_ms) - med(gpu_ms):.3f} ms")
+    prof_c = cProfile.Profile()
+    torch.cuda._sleep(int(4e8))
+    prof_c.enable()
+    for i in range(50):
+        fn(i)
+    prof_c.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof_c).sort_stats("tottime").print_stats(30)
