@@ -16,7 +16,10 @@ tiles every other one, so its period spans two (the same outputs), and its k-loo
 after its turn. The trace build's kernel time is printed too: the stamps cost a little.
 The epilogue (bwd_gemm.cuh, store_tile_tma) is cut at its stamps ("rounds": cycles from the
 k-loop's end to the end of its first box, then of each next box).
-BWD_TRACE_FLAGS: more nvcc flags for the trace build (a variant's macros). With BWD_TRACE_OUT=DIR the raw stamps
+BWD_TRACE_FLAGS: more nvcc flags for the trace build (a variant's macros; the measuring ones:
+-DMOKGEN_BWD_NO_LOAD, -DMOKGEN_BWD_NO_EPILOGUE, -DMOKGEN_BWD_FULL_K, all with wrong results);
+BWD_TRACE_DIR: build it there, or use the library already built there; BWD_TRACE_RUNS=1,pp0:
+those runs only (split lead 1, ping-pong lead 0); BWD_TRACE_GEMMS=dWg: that GEMM only. With BWD_TRACE_OUT=DIR the raw stamps
 are saved there (trace-<gemm>-<schedule>-lead<l>.pt: int64 [CTAs, tiles, role, 8]). Usage:
 python3 .ci/bwd_trace.py [SPEC [TILES]] (kimi-k2.5, 48)."""
 
@@ -43,7 +46,9 @@ def randn(*shape):
 x, go, dg, hw = randn(rows, H), randn(rows, H), randn(rows, I), randn(rows, I)
 
 extra = os.environ.get("BWD_TRACE_FLAGS", "").split()
-traced = bwd_gemm.build_variant(["-DMOKGEN_BWD_TRACE", *extra], tempfile.mkdtemp(prefix="bwd-trace-"))
+build_dir = os.environ.get("BWD_TRACE_DIR") or tempfile.mkdtemp(prefix="bwd-trace-")
+built = sorted(Path(build_dir).glob("*.so"))
+traced = built[0] if built else bwd_gemm.build_variant(["-DMOKGEN_BWD_TRACE", *extra], build_dir)
 if bwd_gemm.trace_serialized(traced.parent):  # of the kernels timed here
     print("WARNING: the trace build's wgmma are serialized; its times are not the library's")
 lib = bwd_gemm._Lib(traced)
@@ -62,6 +67,10 @@ print(f"{'GEMM':18s} {'lead':>4s} {'ms':>7s} {'period':>7s} {'k-loop':>7s} {'ful
 # the split tiles at every stagger lead, then the ping-pong at every lead (for it: how many
 # k-blocks before its last one a warpgroup hands the turn over)
 runs = [(sch, lead) for sch in ("split", "pingpong") for lead in range(bwd_gemm.MAX_LEAD + 1)]
+only = os.environ.get("BWD_TRACE_RUNS", "").split(",")  # e.g. "1,pp0": those runs only
+runs = [(sch, lead) for sch, lead in runs if only == [""] or ("pp" if sch == "pingpong" else "") + str(lead) in only]
+gemms = os.environ.get("BWD_TRACE_GEMMS", "").split(",")  # e.g. "dWg": those GEMMs only
+cases = {k: v for k, v in cases.items() if gemms == [""] or k.split()[0] in gemms}
 for name, (a, b) in cases.items():
     for sch, lead in runs:
         lib.set_stagger(lead)

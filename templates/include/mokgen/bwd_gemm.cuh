@@ -611,6 +611,9 @@ struct NoEarly {
 template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, class P, class Early = NoEarly>
 MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc],
                            Early early = Early{}) {
+#ifdef MOKGEN_BWD_FULL_K  // a measuring variant only (.ci/bwd_trace.py): every k-block full, wrong bits
+  k_valid_last = kBK;
+#endif
   const int t = threadIdx.x & 127;
   if (n_k == 0) {
 #pragma unroll
@@ -796,6 +799,9 @@ MOKGEN_DEVICE void wait_turn(const Smem& s, int wg, uint32_t& turn_phase) {
 template <int kPair = 1, class P>
 MOKGEN_DEVICE void consume_pp(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc],
                               int hand) {
+#ifdef MOKGEN_BWD_FULL_K  // as consume's
+  k_valid_last = kBK;
+#endif
   const int t = threadIdx.x & 127;
   if (n_k == 0) {
 #pragma unroll
