@@ -6,7 +6,8 @@ host's work before the megakernel's launch is in its figure. Per workload this p
   gpu       the same call enqueued behind a GPU sleep, so the host is ahead: the GPU's own time
             (median of 9), and the kernels' own durations (torch.profiler, CUDA activity)
   launch    host time from the call's start to the megakernel's launch call (the library's
-            mokgen_ep_forward, timed by a wrapper) and to the call's return (median of 20)
+            mokgen_ep_forward, timed by a wrapper), inside that call, and to the call's return
+            (median of 20)
   cprofile  the host call's Python functions by own time (50 calls behind a sleep)
 Usage: python3 .ci/fwd_host.py SPEC local|layer [TOKENS] (layer: default 16384 tokens)."""
 
@@ -56,7 +57,9 @@ class _TimedLib:
 
     def mokgen_ep_forward(self, *args):
         marks["launch"] = time.perf_counter()
-        return self._lib.mokgen_ep_forward(*args)
+        code = self._lib.mokgen_ep_forward(*args)
+        marks["launched"] = time.perf_counter()
+        return code
 
 
 mod.LIB = _TimedLib(mod.LIB)
@@ -65,13 +68,14 @@ print(f"== {spec.name} {workload}: {tokens} rows, build {layer.build_options}, M
 with torch.no_grad():
     fn = lambda i: layer(*inputs[i % 3])  # noqa: E731
     bench_ms = bench.time_cuda(fn, n_inputs=3, iters=20)
-    to_launch, to_return = [], []
+    to_launch, to_return, in_c = [], [], []
     for i in range(20):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(i)
         t1 = time.perf_counter()
         to_launch.append(1e3 * (marks["launch"] - t0))
+        in_c.append(1e3 * (marks["launched"] - marks["launch"]))
         to_return.append(1e3 * (t1 - t0))
     torch.cuda.synchronize()
     gpu_ms = []
@@ -96,6 +100,7 @@ with torch.no_grad():
     for k, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
         print(f"  kernel {ms:8.3f} ms x {n:2d}  {k[:100]}")
     print(f"launch   host: {med(to_launch):.3f} ms from the call to the launch (min {min(to_launch):.3f}), "
+          f"{med(in_c):.3f} ms in the launch call (maps, attributes, cudaLaunch*; min {min(in_c):.3f}), "
           f"{med(to_return):.3f} ms to the return")
     print(f"exposed  bench - gpu = {med(bench_ms) - med(gpu_ms):.3f} ms")
     prof_c = cProfile.Profile()

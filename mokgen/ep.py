@@ -296,12 +296,27 @@ def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: i
     return max(ring_chunks, need)
 
 
-def _op(kernel):
+def _op(kernel, grad: bool = True):
     """The megakernel's entry: the registered op (EP_OP) while torch.compile traces, else its
     eager form (EP_EAGER: the same implementation and backward without the custom op's dispatch,
-    about half a millisecond less CPU before each launch; builds made before it have EP_OP only)."""
-    eager = getattr(kernel, "EP_EAGER", None)
-    return kernel.EP_OP if eager is None or torch.compiler.is_compiling() else eager
+    about half a millisecond less CPU before each launch; builds made before it have EP_OP only).
+    ``grad`` False (eager, no autograd graph to record: grad mode off or no input requiring
+    grad): the binding's implementation itself (``_ep_forward``, what both wrap), without the
+    autograd.Function around it, whose apply cost about 45 us of host time before each launch
+    (docs/perf-notes.md v0.28), time an idle GPU waits for."""
+    if torch.compiler.is_compiling():
+        return kernel.EP_OP
+    if not grad:
+        raw = getattr(kernel, "_ep_forward", None)
+        if raw is not None:
+            return raw
+    return getattr(kernel, "EP_EAGER", None) or kernel.EP_OP
+
+
+def _records_grad(tensors) -> bool:
+    """Whether autograd records a graph through an op of ``tensors`` (grad mode on and one of
+    them requiring grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _tail_args(kernel, policy: str, all_in_launch: bool, shared_args: tuple, tensors) -> tuple:
@@ -311,7 +326,7 @@ def _tail_args(kernel, policy: str, all_in_launch: bool, shared_args: tuple, ten
     recording a graph through the op."""
     if policy != "save" or not all_in_launch or not getattr(kernel, "CAN_SAVE", False):
         return shared_args
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    if not _records_grad(tensors):
         return shared_args
     return (*shared_args, *([None] * (4 - len(shared_args))), True)
 
@@ -434,8 +449,9 @@ def virtual_ep_forward(
         bufs = _virtual_buffers(kernel, geometry, device)
         ctas, dispatch = _ctas(kernel, W)
         e_loc = spec.num_experts // W
-        tail = _tail_args(kernel, policy, True, (), (*xs, *topk_weights, w_gate, w_up, w_down))
-        outs = _op(kernel)(
+        grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down)
+        tail = _tail_args(kernel, policy, True, (), grad_inputs)
+        outs = _op(kernel, _records_grad(grad_inputs))(
             list(xs),
             [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids],
             [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
@@ -468,8 +484,9 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
             if err is not None:
                 _raise(bufs, err, DEFAULT_TIMEOUT_MS)
         ctas, dispatch = _ctas(kernel, 1)
-        tail = _tail_args(kernel, env.bwd_policy(), True, (), (x, topk_weights, w_gate, w_up, w_down))
-        out = _op(kernel)(
+        grad_inputs = (x, topk_weights, w_gate, w_up, w_down)
+        tail = _tail_args(kernel, env.bwd_policy(), True, (), grad_inputs)
+        out = _op(kernel, _records_grad(grad_inputs))(
             [x],
             [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
@@ -721,8 +738,8 @@ class MoELayer(torch.nn.Module):
             if not torch.cuda.is_current_stream_capturing():
                 self.check_errors(block=False)
         g = bufs.geometry
-        tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args,
-                          (x, topk_weights, self.w_gate, self.w_up, self.w_down, *(t for t in shared_args if t is not None)))
+        grad_inputs = (x, topk_weights, self.w_gate, self.w_up, self.w_down, *shared_args)
+        tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args, grad_inputs)
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         # what this launch leaves in the ring, for the backward (ring_rows_of): known in eager
         # mode only; a compiled call forgets the last key, a captured one stops the tracking
@@ -732,7 +749,7 @@ class MoELayer(torch.nn.Module):
             bufs.ring_key, bufs.ring_untracked = None, True
         else:
             bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
-        out = _op(self._kernel)(
+        out = _op(self._kernel, _records_grad(grad_inputs))(
             [x],
             [ids32],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],

@@ -218,6 +218,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         MOKGEN_TRACE_MARK();
 #ifdef MOKGEN_BWD_NO_EPILOGUE  // a measuring variant only (.ci/bwd_trace.py): no stores, wrong results
         if (true) {
+          bwd::sink(acc);
         } else
 #endif
         if constexpr (kJoint) {
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 #ifndef MOKGEN_BWD_NO_EPILOGUE  // as weight_kernel's
         bwd::store_tile_tma<true>(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kPPBN, MOKGEN_TRACE_ROUNDS);
 #else
-        bwd::fence_operands(acc);
+        bwd::sink(acc);
 #endif
         MOKGEN_TRACE_END(1 + wg);
       });

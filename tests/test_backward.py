@@ -630,3 +630,27 @@ def test_eager_form_has_the_registered_ops_gradients(monkeypatch, fuse, tail):
     assert all(g is not None for g in grads_eager)
     for a, b in zip(grads_op, grads_eager):
         assert torch.equal(a, b)
+
+
+def test_entry_without_a_graph_is_the_binding_itself(monkeypatch):
+    """mokgen.ep._op: the registered op while torch.compile traces; outside it the eager form
+    where autograd records a graph, and the binding's implementation (_ep_forward, what both
+    wrap) where it does not (no autograd.Function's apply before the launch); a build without
+    the eager form falls back to the op. _records_grad: grad mode on and a tensor requiring grad."""
+    from types import SimpleNamespace
+
+    from mokgen import ep as ep_mod
+
+    k = SimpleNamespace(EP_OP="op", EP_EAGER="eager", _ep_forward="raw")
+    assert ep_mod._op(k, grad=True) == "eager"
+    assert ep_mod._op(k, grad=False) == "raw"
+    assert ep_mod._op(SimpleNamespace(EP_OP="op"), grad=True) == "op"
+    assert ep_mod._op(SimpleNamespace(EP_OP="op", EP_EAGER="eager"), grad=False) == "eager"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert ep_mod._op(k, grad=False) == "op"
+    monkeypatch.undo()
+    a, b = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    assert ep_mod._records_grad((a, None, b))
+    assert not ep_mod._records_grad((a, None))
+    with torch.no_grad():
+        assert not ep_mod._records_grad((a, b))
