@@ -8,6 +8,8 @@ host's work before the megakernel's launch is in its figure. Per workload this p
   launch    host time from the call's start to the megakernel's launch call (the library's
             mokgen_ep_forward, timed by a wrapper), inside that call, and to the call's return
             (median of 20)
+  entry     the bench's time with the no-graph entry (mokgen.ep._op's binding itself) against the
+            eager autograd.Function, interleaved (30 ABBA blocks; B / A and its 95% interval)
   cprofile  the host call's Python functions by own time (50 calls behind a sleep)
 Usage: python3 .ci/fwd_host.py SPEC local|layer [TOKENS] (layer: default 16384 tokens)."""
 
@@ -103,6 +105,22 @@ with torch.no_grad():
           f"{med(in_c):.3f} ms in the launch call (maps, attributes, cudaLaunch*; min {min(in_c):.3f}), "
           f"{med(to_return):.3f} ms to the return")
     print(f"exposed  bench - gpu = {med(bench_ms) - med(gpu_ms):.3f} ms")
+    # the entry with no graph to record (the binding itself) against the eager autograd.Function
+    # around it, interleaved (ABBA blocks of bench-style launches): B / A
+    from mokgen import ep as ep_mod
+
+    real_op = ep_mod._op
+    sides = (lambda k, grad=True: real_op(k, True), real_op)
+
+    def launch(side, i):
+        ep_mod._op = sides[side]
+        try:
+            return bench.time_launch(lambda: fn(i))
+        finally:
+            ep_mod._op = real_op
+
+    ratio, lo, hi = bench.block_ratio(bench.abba_blocks(launch, 30))
+    print(f"entry    no-graph entry / eager Function: {ratio:.4f} [{lo:.4f}, {hi:.4f}] over 30 ABBA blocks")
     prof_c = cProfile.Profile()
     torch.cuda._sleep(int(4e8))
     prof_c.enable()

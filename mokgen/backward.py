@@ -251,12 +251,24 @@ def dout_inline(top_k: int) -> bool:
     return mode == "inline" or (mode == "auto" and top_k > 1)
 
 
-def x_inline(saved: bool, need_weight_grads: bool, top_k: int) -> bool:
+def weight_schedule(rows: int, experts: int, top_k: int) -> str:
+    """The weight gradients' schedule of an experts backward over ``rows`` pairs and ``experts``
+    experts (bwd_gemm.weight_schedule): under MOKGEN_BWD_WEIGHTS ``auto``, the split wherever a
+    launch reads an operand through the token index (dout_inline, an ``inline`` or ``auto`` x
+    for several pairs per token, x_inline) or the fused backward is asked for: those exist for
+    the split schedule only."""
+    gathered = dout_inline(top_k) or env.bwd_x() == "inline" or (env.bwd_x() == "auto" and top_k > 1) or env.bwd_fused()
+    from mokgen import bwd_gemm
+
+    return bwd_gemm.weight_schedule(rows, experts, gathered=gathered)
+
+
+def x_inline(saved: bool, need_weight_grads: bool, top_k: int, schedule: str | None = None) -> bool:
     """Whether the joint gate/up weight gradients load the pairs' x rows through the token index
     (MOKGEN_BWD_X ``inline``; bwd_gemm.weight_grads_joint's ``b_index``) rather than from a
     gathered copy (``gather``), where the ring does not hold them, for ``top_k`` pairs per token.
     Only the save policy (``saved``; the recompute reads the rows in SwiGLU's backward too) with
-    weight gradients, on the split schedule's joint launch in single CTAs (MOKGEN_BWD_CLUSTER 1):
+    weight gradients, on the split ``schedule``'s joint launch in single CTAs (MOKGEN_BWD_CLUSTER 1):
     only that launch has a gathered B. ``auto`` (the default) takes the index where a token has
     several pairs (the fwd+bwd step 2.0% faster on the qwen3.5-35b-a3b layer, 0.7% on
     qwen3-30b-a3b's, 0.5 GiB less peak memory) and the copy for one pair per row, where it is no
@@ -264,16 +276,23 @@ def x_inline(saved: bool, need_weight_grads: bool, top_k: int) -> bool:
     local rows; docs/perf-notes.md v0.25)."""
     mode = env.bwd_x()
     return ((mode == "inline" or (mode == "auto" and top_k > 1)) and saved and need_weight_grads
-            and env.bwd_weights() == "split" and env.bwd_weights_joint() and env.bwd_cluster() == 1)
+            and _split(schedule) and env.bwd_weights_joint() and env.bwd_cluster() == 1)
 
 
-def fused_applies(saved: bool, top_k: int) -> bool:
+def _split(schedule: str | None) -> bool:
+    """Whether the weight gradients take the split schedule: ``schedule`` as weight_schedule gave
+    it, or (None) MOKGEN_BWD_WEIGHTS, whose ``auto`` is the split wherever a gathered or fused
+    launch is asked for (weight_schedule), which is where the callers ask."""
+    return (schedule or env.bwd_weights()) in ("split", "auto")
+
+
+def fused_applies(saved: bool, top_k: int, schedule: str | None = None) -> bool:
     """Whether mokgen's backward takes the fused launch (bwd_gemm.fused_backward) on its GEMMs:
     MOKGEN_BWD_FUSED=1 (off by default), the save policy (``saved``: g and u from the forward),
     and the settings whose separate launches it reproduces bit for bit: the split weight
     schedule with the joint gate/up launch, dh in bf16, and bf16 dx pair rows where a token has
-    several (``top_k`` > 1)."""
-    return (env.bwd_fused() and saved and not fuse_dh_swiglu(saved) and env.bwd_weights() == "split"
+    several (``top_k`` > 1); ``schedule``: the weight gradients' (weight_schedule)."""
+    return (env.bwd_fused() and saved and not fuse_dh_swiglu(saved) and _split(schedule)
             and env.bwd_weights_joint() and env.bwd_dh() == "bf16" and (top_k == 1 or env.bwd_dx_pairs() == "bf16"))
 
 
@@ -311,14 +330,15 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     # the dOut rows of the pairs, in order: gathered into a copy (2 T K H bytes written, then
     # read by dh and dW_down), or (MOKGEN_BWD_DOUT=inline, mokgen's GEMMs on the split weight
     # schedule) loaded by those two GEMMs through the token index from dOut itself (v0.22)
-    fused = ours and need_weight_grads and fused_applies(saved_gu is not None, K)
+    schedule = weight_schedule(T * K, E, K)  # the weight gradients' (ours)
+    fused = ours and need_weight_grads and fused_applies(saved_gu is not None, K, schedule)
     # the x rows of the pairs, in order: in place in the forward's receive ring (issue 5's ring
     # walked in reverse: 2 T K H bytes neither written nor read again), or gathered again, or
     # (MOKGEN_BWD_X=inline, the joint weight gradients their only reader) none: that launch
     # loads them through the token index from x itself (v0.25)
-    inline_x = ours and not in_ring and not fused and x_inline(saved_gu is not None, need_weight_grads, K)
+    inline_x = ours and not in_ring and not fused and x_inline(saved_gu is not None, need_weight_grads, K, schedule)
     rows = ring_x if in_ring else None if inline_x else x.index_select(0, tok).contiguous()
-    inline_dout = ours and not fused and dout_inline(K) and env.bwd_weights() == "split"
+    inline_dout = ours and not fused and dout_inline(K) and schedule == "split"
     dout = grad_out.to(torch.bfloat16).contiguous()
     go = None if inline_dout else dout.index_select(0, tok).contiguous()
     if ours:
@@ -381,12 +401,13 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     if need_weight_grads:
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
             dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
-                       else bwd_gemm.weight_grads(go, hw, offs))
-            if env.bwd_weights_joint() and env.bwd_weights() == "split":  # x rows read once for both
+                       else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
+            if env.bwd_weights_joint() and schedule == "split":  # x rows read once for both
                 src, index = (x.contiguous(), tok) if inline_x else (rows, None)
                 grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
             else:
-                grads = [bwd_gemm.weight_grads(dg, rows, offs), bwd_gemm.weight_grads(du, rows, offs), dw_down]
+                grads = [bwd_gemm.weight_grads(dg, rows, offs, schedule=schedule),
+                         bwd_gemm.weight_grads(du, rows, offs, schedule=schedule), dw_down]
         else:
             dy = (go * wts).to(torch.bfloat16)  # bf16 * f32 promotes exactly to f32
             hb = h.to(torch.bfloat16)

@@ -487,6 +487,23 @@ def sum_slots(dx_pairs, tokens: int, top_k: int):
 
 #: the weight gradients' schedules (weight_grads' ``schedule``, MOKGEN_BWD_WEIGHTS)
 WEIGHT_SCHEDULES = ("split", "pingpong")
+#: the mean rows per expert up to which MOKGEN_BWD_WEIGHTS=auto takes the ping-pong (6 k-blocks).
+#: Measured in the fwd+bwd step (docs/perf-notes.md v0.28, interleaved, ping-pong / split): 0.980
+#: on kimi-k2.5's local rows (341 per expert), 0.979 on qwen3.5-397b-a17b's (320), 1.003 on
+#: deepseek-v4-pro's (256), 0.993 on glm-5.2's (512), 1.025 on deepseek-v3's (4096): a short K
+#: leaves the split tile's epilogue a large share of its period, which the ping-pong overlaps.
+PINGPONG_MAX_ROWS = 384
+
+
+def weight_schedule(rows: int, experts: int, *, gathered: bool = False) -> str:
+    """The weight gradients' schedule for ``rows`` rows over ``experts`` experts: MOKGEN_BWD_WEIGHTS
+    where it names one, else (``auto``) the ping-pong where the mean rows per expert are at most
+    PINGPONG_MAX_ROWS and no operand comes through a token index (``gathered``: only the split
+    schedule gathers), the split otherwise."""
+    mode = env.bwd_weights()
+    if mode != "auto":
+        return mode
+    return "pingpong" if not gathered and rows <= PINGPONG_MAX_ROWS * max(1, experts) else "split"
 
 
 def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None, a_index=None):
@@ -581,8 +598,8 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     two consumer warpgroups; "pingpong": tiles of 128 x 128, each one warpgroup's, the two taking
     turns at the k-loop (the stagger lead: how many k-blocks before its last one a warpgroup
     hands the turn over) so one's epilogue overlaps the other's wgmma. Default:
-    MOKGEN_BWD_WEIGHTS (env.BWD_WEIGHTS_DEFAULT, "split": the ping-pong measured no faster,
-    docs/perf-notes.md v0.14). The same bits every way.
+    ``weight_schedule`` (MOKGEN_BWD_WEIGHTS; ``auto``: the ping-pong for short experts, mean rows
+    at most PINGPONG_MAX_ROWS, the split otherwise and with ``a_index``). The same bits every way.
     ``a_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): A's rows gathered by the
     kernel, row ``r`` of A being row ``a_index[r]`` of ``a`` (``[S, M]``), with no gathered copy
     made (the backward's dW_down = dOut^T hw from dOut's token rows; MOKGEN_BWD_DOUT); the split
@@ -591,13 +608,15 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     import torch
 
     cluster = _weight_cluster(cluster)
-    schedule = env.bwd_weights() if schedule is None else schedule
-    if schedule not in WEIGHT_SCHEDULES:
+    if schedule is not None and schedule not in WEIGHT_SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(WEIGHT_SCHEDULES)}, got {schedule!r}")
 
     _check_operand("A", a, 2)
     _check_operand("B", b, 2)
     rows, M = a.shape
+    if schedule is None:
+        schedule = weight_schedule(b.shape[0], offs.shape[0] if isinstance(offs, torch.Tensor) else 0,
+                                   gathered=a_index is not None)
     if a_index is not None:
         if schedule != "split":
             raise InputError(f"weight_grads: a_index needs the split schedule, got {schedule!r}")

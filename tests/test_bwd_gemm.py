@@ -218,12 +218,12 @@ def test_weight_schedule_switch(monkeypatch):
     from mokgen.errors import ToolchainError
 
     monkeypatch.delenv("MOKGEN_BWD_WEIGHTS", raising=False)
-    assert env.bwd_weights() == env.BWD_WEIGHTS_DEFAULT in bwd_gemm.WEIGHT_SCHEDULES
+    assert env.bwd_weights() == env.BWD_WEIGHTS_DEFAULT == "auto"
     for value in bwd_gemm.WEIGHT_SCHEDULES:
         monkeypatch.setenv("MOKGEN_BWD_WEIGHTS", value)
         assert env.bwd_weights() == value
     monkeypatch.setenv("MOKGEN_BWD_WEIGHTS", "coop")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_WEIGHTS must be split or pingpong, got 'coop'"):
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_WEIGHTS must be auto or split or pingpong, got 'coop'"):
         env.bwd_weights()
     # a bad schedule is refused before anything is checked or loaded
     with pytest.raises(InputError, match="schedule must be one of split, pingpong, got 'fast'"):
@@ -321,3 +321,36 @@ def test_a_missing_library_falls_back_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(bwd_gemm, "load_library", lambda: None)
     monkeypatch.setenv("MOKGEN_CACHE_DIR", str(tmp_path / "other"))
     assert bwd_gemm.available()
+
+
+def test_auto_weight_schedule_by_the_experts_rows(monkeypatch):
+    """MOKGEN_BWD_WEIGHTS=auto: the ping-pong up to PINGPONG_MAX_ROWS mean rows per expert and
+    no gathered operand, the split otherwise; a named schedule is taken as it is. The backward's
+    choice (mokgen.backward.weight_schedule) keeps the split wherever a launch reads an operand
+    through the token index or the fused launch is asked for, since only the split has those."""
+    from mokgen import backward, env
+
+    for name in ("MOKGEN_BWD_WEIGHTS", "MOKGEN_BWD_DOUT", "MOKGEN_BWD_X", "MOKGEN_BWD_FUSED"):
+        monkeypatch.delenv(name, raising=False)
+    cap = bwd_gemm.PINGPONG_MAX_ROWS
+    assert bwd_gemm.weight_schedule(48 * cap, 48) == "pingpong"
+    assert bwd_gemm.weight_schedule(48 * cap + 1, 48) == "split"
+    assert bwd_gemm.weight_schedule(16384, 48, gathered=True) == "split"
+    assert bwd_gemm.weight_schedule(16384, 4) == "split"  # deepseek-v3's 4096 rows per expert
+    assert bwd_gemm.weight_schedule(5, 0) == "pingpong"  # no experts: nothing to multiply either way
+    # an EP rank's rows (one pair per row): the copy of dOut and x, so the rows decide
+    assert backward.weight_schedule(16384, 48, 1) == "pingpong"
+    assert backward.weight_schedule(16384, 32, 1) == "split"
+    # several pairs per token: dOut (and x) through the token index, which only the split reads
+    assert backward.weight_schedule(1024, 256, 8) == "split"
+    for name, value in (("MOKGEN_BWD_DOUT", "inline"), ("MOKGEN_BWD_X", "inline"), ("MOKGEN_BWD_FUSED", "1")):
+        monkeypatch.setenv(name, value)
+        assert backward.weight_schedule(16384, 48, 1) == "split", name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MOKGEN_BWD_DOUT", "gather")
+    monkeypatch.setenv("MOKGEN_BWD_X", "gather")
+    assert backward.weight_schedule(1024, 256, 8) == "pingpong"
+    for value in bwd_gemm.WEIGHT_SCHEDULES:
+        monkeypatch.setenv("MOKGEN_BWD_WEIGHTS", value)
+        assert bwd_gemm.weight_schedule(16384, 4) == backward.weight_schedule(1024, 256, 8) == value
+    assert env.bwd_weights() == "pingpong"
