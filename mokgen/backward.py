@@ -247,7 +247,12 @@ def dout_inline(top_k: int) -> bool:
     faster without it; with one pair per row (an EP rank's received rows, the local stand-ins)
     the copy is no larger than dOut and the TMA's reads of it were 0.4% faster on kimi-k2.5
     (docs/perf-notes.md v0.22)."""
-    mode = env.bwd_dout()
+    return _through_index(env.bwd_dout(), top_k)
+
+
+def _through_index(mode: str, top_k: int) -> bool:
+    """Whether an operand switch (MOKGEN_BWD_DOUT, MOKGEN_BWD_X) asks for its rows through the
+    token index: ``inline``, or ``auto`` where a token has several pairs."""
     return mode == "inline" or (mode == "auto" and top_k > 1)
 
 
@@ -257,7 +262,7 @@ def weight_schedule(rows: int, experts: int, top_k: int) -> str:
     launch reads an operand through the token index (dout_inline, an ``inline`` or ``auto`` x
     for several pairs per token, x_inline) or the fused backward is asked for: those exist for
     the split schedule only."""
-    gathered = dout_inline(top_k) or env.bwd_x() == "inline" or (env.bwd_x() == "auto" and top_k > 1) or env.bwd_fused()
+    gathered = dout_inline(top_k) or _through_index(env.bwd_x(), top_k) or env.bwd_fused()
     from mokgen import bwd_gemm
 
     return bwd_gemm.weight_schedule(rows, experts, gathered=gathered)
@@ -274,9 +279,8 @@ def x_inline(saved: bool, need_weight_grads: bool, top_k: int, schedule: str | N
     qwen3-30b-a3b's, 0.5 GiB less peak memory) and the copy for one pair per row, where it is no
     larger than x and the gathering launch's 10% loss outweighs it (0.7% slower on kimi-k2.5's
     local rows; docs/perf-notes.md v0.25)."""
-    mode = env.bwd_x()
-    return ((mode == "inline" or (mode == "auto" and top_k > 1)) and saved and need_weight_grads
-            and _split(schedule) and env.bwd_weights_joint() and env.bwd_cluster() == 1)
+    return (_through_index(env.bwd_x(), top_k) and saved and need_weight_grads and _split(schedule)
+            and env.bwd_weights_joint() and env.bwd_cluster() == 1)
 
 
 def _split(schedule: str | None) -> bool:

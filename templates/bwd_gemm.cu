@@ -217,10 +217,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
         MOKGEN_TRACE_MARK();
 #ifdef MOKGEN_BWD_NO_EPILOGUE  // a measuring variant only (.ci/bwd_trace.py): no stores, wrong results
-        if (true) {
-          bwd::sink(acc);
-        } else
-#endif
+        bwd::sink(acc);
+#else
         if constexpr (kJoint) {
           const StackedM sm(m * bwd::kBM, Mp);
           bwd::store_tile_tma(acc, s, wg, sm.p ? &maps.c1 : &maps.c, e * Mp + sm.col, n * bwd::kBN,
@@ -228,6 +226,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         } else {
           bwd::store_tile_tma(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
         }
+#endif
         MOKGEN_TRACE_END(1 + wg);
       });
   bwd::store_tma_done();  // the consumers' last stores complete before the CTA exits
@@ -267,10 +266,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         float acc[bwd::kAcc];
         bwd::consume_pp<kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc, bwd::hand_over(n_k, early));
         MOKGEN_TRACE_MARK();
-#ifndef MOKGEN_BWD_NO_EPILOGUE  // as weight_kernel's
-        bwd::store_tile_tma<true>(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kPPBN, MOKGEN_TRACE_ROUNDS);
-#else
+#ifdef MOKGEN_BWD_NO_EPILOGUE  // as weight_kernel's
         bwd::sink(acc);
+#else
+        bwd::store_tile_tma<true>(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kPPBN, MOKGEN_TRACE_ROUNDS);
 #endif
         MOKGEN_TRACE_END(1 + wg);
       });
