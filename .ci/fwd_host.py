@@ -7,7 +7,9 @@ host's work before the megakernel's launch is in its figure. Per workload this p
             (median of 9), and the kernels' own durations (torch.profiler, CUDA activity)
   launch    host time from the call's start to the megakernel's launch call (the library's
             mokgen_ep_forward, timed by a wrapper), inside that call, and to the call's return
-            (median of 20)
+            (median of 40)
+  stages    the same calls by stage: to the module's forward, to the error poll, the poll, to the
+            binding's implementation, to the launch call, the launch call
   entry     the bench's time with the no-graph entry (mokgen.ep._op's binding itself) against the
             eager autograd.Function, interleaved (30 ABBA blocks; B / A and its 95% interval)
   cprofile  the host call's Python functions by own time (50 calls behind a sleep)
@@ -65,17 +67,40 @@ class _TimedLib:
 
 
 mod.LIB = _TimedLib(mod.LIB)
+# stamps along the host path (host clock at each point, per call): the module's forward entered,
+# the error poll entered and left, the binding's implementation entered, the launch call
+stamps = {}
+
+
+def _stamped(fn, at, after=None):
+    def wrapper(*args, **kwargs):
+        stamps[at] = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if after is not None:
+            stamps[after] = time.perf_counter()
+        return out
+    return wrapper
+
+
+layer.forward = _stamped(layer.forward, "forward")
+layer.check_errors = _stamped(layer.check_errors, "poll", "polled")
+mod._ep_forward = _stamped(mod._ep_forward, "binding")
+STAGES = (("t0", "forward"), ("forward", "poll"), ("poll", "polled"), ("polled", "binding"), ("binding", "launch"),
+          ("launch", "launched"))
 med = statistics.median
 print(f"== {spec.name} {workload}: {tokens} rows, build {layer.build_options}, MoELayer kwargs {kwargs}")
 with torch.no_grad():
     fn = lambda i: layer(*inputs[i % 3])  # noqa: E731
     bench_ms = bench.time_cuda(fn, n_inputs=3, iters=20)
-    to_launch, to_return, in_c = [], [], []
-    for i in range(20):
+    to_launch, to_return, in_c, stage_ms = [], [], [], {}
+    for i in range(40):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(i)
         t1 = time.perf_counter()
+        stamps["t0"], stamps["launch"], stamps["launched"] = t0, marks["launch"], marks["launched"]
+        for a_, b_ in STAGES:
+            stage_ms.setdefault(f"{a_}->{b_}", []).append(1e3 * (stamps[b_] - stamps[a_]))
         to_launch.append(1e3 * (marks["launch"] - t0))
         in_c.append(1e3 * (marks["launched"] - marks["launch"]))
         to_return.append(1e3 * (t1 - t0))
@@ -105,6 +130,8 @@ with torch.no_grad():
           f"{med(in_c):.3f} ms in the launch call (maps, attributes, cudaLaunch*; min {min(in_c):.3f}), "
           f"{med(to_return):.3f} ms to the return")
     print(f"exposed  bench - gpu = {med(bench_ms) - med(gpu_ms):.3f} ms")
+    print("stages   host path before the launch, median (min) ms: "
+          + ", ".join(f"{k} {med(v):.4f} ({min(v):.4f})" for k, v in stage_ms.items()))
     # the entry with no graph to record (the binding itself) against the eager autograd.Function
     # around it, interleaved (ABBA blocks of bench-style launches): B / A
     from mokgen import ep as ep_mod
@@ -121,6 +148,43 @@ with torch.no_grad():
 
     ratio, lo, hi = bench.block_ratio(bench.abba_blocks(launch, 30))
     print(f"entry    no-graph entry / eager Function: {ratio:.4f} [{lo:.4f}, {hi:.4f}] over 30 ABBA blocks")
+    # the host path of v0.28 (a pinned buffer and two events made per launch's error watch; the
+    # launch through torch.cuda.device and current_stream) against the tree's, interleaved
+    from mokgen import abi
+
+    bufs = layer._ep
+
+    def watch_v028():
+        compute = torch.cuda.current_stream(bufs.device)
+        if bufs._side is None:
+            bufs._side = torch.cuda.Stream(bufs.device)
+        launched = torch.cuda.Event()
+        launched.record(compute)
+        with torch.cuda.stream(bufs._side):
+            bufs._side.wait_event(launched)
+            pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(bufs.ctl[abi.ERROR_OFFSET:abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(bufs._side)
+        bufs._pending = (pinned, event)
+
+    def launch_v028(entry, device, *args):
+        with torch.cuda.device(device):
+            return entry(*args, torch.cuda.current_stream(device).cuda_stream)
+
+    tree_launch = getattr(mod, "_launch", None)
+    if tree_launch is not None:
+        def host_side(side, i):
+            bufs.watch = watch_v028 if side == 0 else type(bufs).watch.__get__(bufs)
+            mod._launch = launch_v028 if side == 0 else tree_launch
+            try:
+                return bench.time_launch(lambda: fn(i))
+            finally:
+                bufs.watch, mod._launch = type(bufs).watch.__get__(bufs), tree_launch
+
+        ratio, lo, hi = bench.block_ratio(bench.abba_blocks(host_side, 30))
+        print(f"host     tree's host path / v0.28's (Python side; the library's launch call is the tree's in both): "
+              f"{ratio:.4f} [{lo:.4f}, {hi:.4f}] over 30 ABBA blocks")
     prof_c = cProfile.Profile()
     torch.cuda._sleep(int(4e8))
     prof_c.enable()

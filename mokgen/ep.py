@@ -128,19 +128,23 @@ class EpBuffers:
         The copy runs on a side stream that waits for the launch (an event), not on the caller's
         stream: a copy-engine operation between the forward and the next kernel on the compute
         stream held that kernel back (0.34 ms of a kimi-k2.5 fwd+bwd step, docs/perf-notes.md
-        v0.11). The record is read by ``poll`` once the side stream's event has completed."""
-        compute = torch.cuda.current_stream(self.device)
+        v0.11). The record is read by ``poll`` once the side stream's event has completed. The
+        pinned buffer and both events are made once and reused: only the last launch's record
+        is ever read (``_pending`` names it), and the side stream orders each copy after the
+        one before, so a reused buffer is never written while the host reads it (the host reads
+        only a completed copy, and the next copy is enqueued by the next watch, after that read
+        or in place of it). A pinned allocation per launch cost tens of microseconds of host
+        time (docs/perf-notes.md v0.29)."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        launched = torch.cuda.Event()
-        launched.record(compute)
+            self._pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
+            self._launched, self._copied = torch.cuda.Event(), torch.cuda.Event()
+        self._launched.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            self._side.wait_event(launched)
-            pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
-            pinned.copy_(self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._side)
-        self._pending = (pinned, event)
+            self._side.wait_event(self._launched)
+            self._pinned.copy_(self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
+            self._copied.record(self._side)
+        self._pending = (self._pinned, self._copied)
 
     def poll(self, *, block: bool) -> dict | None:
         """The error of the last watched launch, if its copy has arrived (or always, if block)."""
@@ -732,10 +736,11 @@ class MoELayer(torch.nn.Module):
         if T > self.max_tokens:
             raise InputError(f"x: {T} tokens exceed this layer's max_tokens ({self.max_tokens})")
         compiling = torch.compiler.is_compiling()
+        capturing = not compiling and torch.cuda.is_current_stream_capturing()
         if not compiling:
             if self.check_ids:
                 _check_ids_range([topk_ids], s.num_experts)
-            if not torch.cuda.is_current_stream_capturing():
+            if not capturing:
                 self.check_errors(block=False)
         g = bufs.geometry
         grad_inputs = (x, topk_weights, self.w_gate, self.w_up, self.w_down, *shared_args)
@@ -745,7 +750,7 @@ class MoELayer(torch.nn.Module):
         # mode only; a compiled call forgets the last key, a captured one stops the tracking
         if compiling:
             bufs.ring_key = None
-        elif torch.cuda.is_current_stream_capturing():
+        elif capturing:
             bufs.ring_key, bufs.ring_untracked = None, True
         else:
             bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
@@ -757,7 +762,7 @@ class MoELayer(torch.nn.Module):
             *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
             self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
         )[0]
-        if not compiling and not torch.cuda.is_current_stream_capturing():
+        if not compiling and not capturing:
             bufs.watch()
         return out
 

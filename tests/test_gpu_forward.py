@@ -134,6 +134,28 @@ def test_bitwise_deterministic_over_10_runs():
         assert torch.equal(_run(spec, x, ids, w, wg, wu, wd), first)
 
 
+def test_each_call_uses_the_weights_it_is_given():
+    """The launcher reuses the last launch's TMA descriptors when the weights' and buffers'
+    addresses and the ring's shape are the same (EpLauncher's launch cache): two weight sets
+    alternating, then one changed in place, and each call must compute with its own."""
+    spec = load_spec(SMALL)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    a, b = _weights(spec, gen), _weights(spec, gen)
+    T = 300
+    x = torch.randn(T, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, w = _routing(spec, T, gen)
+    outs = []
+    for wts in (a, b, a, b):
+        outs.append(_run(spec, x, ids, w, *wts))
+        _check(spec, outs[-1], x, ids, w, *wts)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert not torch.equal(outs[0], outs[1])
+    a[2].neg_()  # w_down in place: the same address, new values
+    flipped = _run(spec, x, ids, w, *a)
+    _check(spec, flipped, x, ids, w, *a)
+    assert torch.equal(flipped, -outs[0])
+
+
 def test_int32_and_int64_ids_and_bf16_weights_agree():
     spec = load_spec(SMALL)
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -98,4 +98,25 @@ MOKGEN_DEVICE float swiglu(float gate, float up, float limit) {
   return __fdividef(gate, 1.0f + __expf(-gate)) * up;
 }
 
+// Exclusive prefix sum over the kThreads threads of a block: thread tid's `local` value, given
+// the sum of the values of threads 0 .. tid - 1 (Hillis-Steele over `scratch`, kThreads int32 of
+// shared memory, which the caller may reuse after its next __syncthreads). Every thread of the block calls
+// it. total, where given, gets the sum over all threads. (The routing's send offsets and the
+// receive plan's row bases, ep_routing.cuh and ep_forward.cuh.)
+template <int kThreads>
+MOKGEN_DEVICE int32_t block_exclusive_scan(int32_t local, int32_t* scratch, int32_t* total = nullptr) {
+  const int tid = threadIdx.x;
+  scratch[tid] = local;
+  __syncthreads();
+  for (int d = 1; d < kThreads; d <<= 1) {
+    const int32_t v = tid >= d ? scratch[tid - d] : 0;
+    __syncthreads();
+    scratch[tid] += v;
+    __syncthreads();
+  }
+  const int32_t inclusive = scratch[tid];
+  if (total != nullptr) *total = scratch[kThreads - 1];
+  return inclusive - local;
+}
+
 }  // namespace mokgen

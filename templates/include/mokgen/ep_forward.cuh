@@ -386,15 +386,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             c[q] = idx < n ? r_base[idx] : 0;
             local += c[q];
           }
-          s_run[tid] = local;
-          __syncthreads();
-          for (int d = 1; d < kEpThreads; d <<= 1) {
-            const int32_t v = tid >= d ? s_run[tid - d] : 0;
-            __syncthreads();
-            s_run[tid] += v;
-            __syncthreads();
-          }
-          int32_t run = s_run[tid] - local;
+          int32_t run = block_exclusive_scan<kEpThreads>(local, s_run);
 #pragma unroll
           for (int q = 0; q < kPer; ++q) {
             const int idx = tid * kPer + q;
@@ -1115,20 +1107,78 @@ struct EpLauncher {
     return mode;
   }
 
+  // What encode_maps reads from EpParams: the launch's TMA descriptors are a function of these
+  // alone (the weights, the private and symmetric regions and the ring's shape; not x, the
+  // routing or the outputs, which change from call to call).
+  struct MapKey {
+    char* sym[kMaxWorld];
+    char* local[kMaxLaunchRanks];
+    const bf16* w[3][kMaxLaunchRanks];
+    const bf16* shared_w[3];
+    int world, rank_base, launch_ranks, max_tokens, chunk_rows, ring_chunks;
+  };
+
+  static void map_key(const EpParams& p, MapKey& k) {
+    memset(&k, 0, sizeof(k));
+    for (int r = 0; r < p.world && r < kMaxWorld; ++r) k.sym[r] = p.sym[r];
+    for (int r = 0; r < p.launch_ranks && r < kMaxLaunchRanks; ++r) {
+      k.local[r] = p.local[r];
+      k.w[0][r] = p.w_gate[r];
+      k.w[1][r] = p.w_up[r];
+      k.w[2][r] = p.w_down[r];
+    }
+    for (int i = 0; i < 3; ++i) k.shared_w[i] = p.shared_w[i];
+    k.world = p.world;
+    k.rank_base = p.rank_base;
+    k.launch_ranks = p.launch_ranks;
+    k.max_tokens = p.max_tokens;
+    k.chunk_rows = p.chunk_rows;
+    k.ring_chunks = p.ring_chunks;
+  }
+
+  // The last launch's descriptors on this host thread, and the device whose function attribute
+  // it set: a call with the same MapKey (a layer called again) reuses them, which saves the
+  // encodes and the attribute call, host time before each launch that an idle GPU waits for
+  // (docs/perf-notes.md v0.29). Thread-local, so threads driving different GPUs never share one.
+  struct LaunchCache {
+    bool valid = false;
+    int device = -1;
+    MapKey key;
+    EpMaps maps;
+  };
+
+  static LaunchCache& launch_cache() {
+    static thread_local LaunchCache cache;
+    return cache;
+  }
+
   static cudaError_t launch(const EpParams& p, cudaStream_t stream) {
     auto kernel = ep_forward_kernel<Cfg>;
     const int smem = int(EpForward<Cfg>::kSmemBytes);
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    LaunchCache& cache = launch_cache();
+    int device = -1;
+    cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
+    if (device != cache.device) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+      cache.device = device;
+    }
     if (Cfg::kCluster == 2 && (p.ctas_per_rank % 2 || p.dispatch_ctas % 2)) return cudaErrorInvalidValue;
     // saved pre-activations: the Hopper core's epilogue writes them, into every source's buffer
     if (p.save_gu[0] != nullptr && (!Cfg::kWgmma || p.launch_ranks != p.world || p.rank_base != 0))
       return cudaErrorInvalidValue;
-    EpMaps maps;
-    memset(&maps, 0, sizeof(maps));
-    if ((err = encode_maps(p, maps)) != cudaSuccess) return err;
+    MapKey key;
+    map_key(p, key);
+    if (!cache.valid || memcmp(&key, &cache.key, sizeof(key)) != 0) {
+      cache.valid = false;
+      memset(&cache.maps, 0, sizeof(cache.maps));
+      if ((err = encode_maps(p, cache.maps)) != cudaSuccess) return err;
+      cache.key = key;
+      cache.valid = true;
+    }
     EpLayouts<Cfg> lay{SymLayout<Cfg>(p.max_tokens), LocalLayout<Cfg>(p.world, p.chunk_rows, p.ring_chunks)};
-    void* args[] = {const_cast<EpParams*>(&p), &maps, &lay};
+    void* args[] = {const_cast<EpParams*>(&p), &cache.maps, &lay};
     const unsigned grid = unsigned(p.launch_ranks * p.ctas_per_rank);
     if constexpr (Cfg::kCluster == 1) {
       last_mode() = 1;

@@ -83,15 +83,8 @@ MOKGEN_DEVICE void routing_assign(const int32_t* __restrict__ ids, int num_token
       }
     local += total[q];
   }
-  s_scan[tid] = local;
-  __syncthreads();
-  for (int d = 1; d < kThreads; d <<= 1) {
-    const int32_t v = tid >= d ? s_scan[tid - d] : 0;
-    __syncthreads();
-    s_scan[tid] += v;
-    __syncthreads();
-  }
-  int32_t running = s_scan[tid] - local;  // exclusive prefix of this thread's first expert
+  int32_t all = 0;
+  int32_t running = block_exclusive_scan<kThreads>(local, s_scan, &all);  // this thread's first expert's offset
 #pragma unroll
   for (int q = 0; q < kPer; ++q) {
     const int e = tid * kPer + q;
@@ -108,7 +101,7 @@ MOKGEN_DEVICE void routing_assign(const int32_t* __restrict__ ids, int num_token
     }
     running += total[q];
   }
-  if (part == 0 && tid == kThreads - 1) send_offset[kExperts] = s_scan[tid];
+  if (part == 0 && tid == kThreads - 1) send_offset[kExperts] = all;
   __syncthreads();
   // In-order assignment: each warp owns row `warp` of hist as its cursors. The next round's id is
   // loaded before this round's cursor updates, so the rounds (a __syncwarp each, which no load
