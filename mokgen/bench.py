@@ -258,14 +258,18 @@ def local_spec(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> tuple[MoES
 def local_layer_kwargs(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> dict | None:
     """MoELayer arguments for the stand-in layer of ``spec``'s local work at EP ``ep``: the real
     spec's tuned entry at this EP degree, if any (as a MoELayer of the real spec at EP ep would
-    take it), else None (the plan's defaults)."""
-    from mokgen.ep import _tuned_choice
+    take it), else None (the plan's defaults). The entry's ring is grown as a layer grows a
+    tuned ring for its backward (mokgen.ep.AUTO_RING_GROWTH): passed on, it would count as the
+    caller's own size."""
+    from mokgen.ep import _bwd_ring, _ring_for_backward, _tuned_choice
 
     entry, options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(
         spec, None, ep, tokens_per_gpu, torch.device("cuda", torch.cuda.current_device()), True, None, (None, None, None),
         stand_in=True)
     if entry is None:
         return None
+    if chunk_rows is not None and ring_chunks is not None:  # the stand-in's rows: tokens_per_gpu x top_k
+        ring_chunks = _ring_for_backward(spec, 1, tokens_per_gpu, chunk_rows, ring_chunks, _bwd_ring(None))
     return {"build_options": options, "chunk_rows": chunk_rows, "ring_chunks": ring_chunks,
             "dispatch_ctas": dispatch_ctas}
 

@@ -287,13 +287,24 @@ def _bwd_ring(value: str | None) -> str:
     return _arg_or_env("bwd_ring", value, BWD_RINGS, env.bwd_ring)
 
 
+#: under bwd_ring "auto", a one-rank layer whose ring_chunks were not given grows its ring to hold
+#: every pair's row where that takes at most this many times the chunks it has: measured level in
+#: the forward and 2-3% faster in the fwd+bwd step (docs/perf-notes.md v0.29), for at most as much
+#: ring memory again (2 (H + I) + 16 bytes per row)
+AUTO_RING_GROWTH = 2
+
+
 def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: int, ring_chunks: int,
-                       bwd_ring: str) -> int:
+                       bwd_ring: str, explicit: bool = False) -> int:
     """ring_chunks of a new MoELayer: under bwd_ring "reuse" (one rank), enough chunks to hold
-    max_tokens x top_k rows, so that the backward can read every pair's x row in place."""
-    if bwd_ring != "reuse" or world != 1:
+    max_tokens x top_k rows, so that the backward can read every pair's x row in place; under
+    "auto", the same where it takes at most AUTO_RING_GROWTH times ``ring_chunks`` and these
+    were not given by the caller (``explicit``: the tuned entry's or the plan's are grown)."""
+    if bwd_ring == "gather" or world != 1:
         return ring_chunks
     need = -(-max_tokens * spec.top_k // chunk_rows)
+    if bwd_ring == "auto":
+        return need if not explicit and ring_chunks < need <= AUTO_RING_GROWTH * ring_chunks else ring_chunks
     if need > 1024:
         raise InputError(f"bwd_ring='reuse': {max_tokens} x {spec.top_k} rows need {need} ring chunks of {chunk_rows} "
                          "rows, more than 1024; pass a larger chunk_rows or bwd_ring='auto'")
@@ -600,7 +611,8 @@ class MoELayer(torch.nn.Module):
     where a one-rank layer's backward takes its pairs' x rows: in place from the forward's
     receive ring, where the ring still holds every received row and no other launch of this
     layer ran in between (auto; eager mode: never under torch.compile or after a CUDA graph
-    capture of the layer); the same, with the ring sized to hold max_tokens x top_k rows so that
+    capture of the layer; a ring whose size was not passed is grown to hold max_tokens x top_k
+    rows where that takes at most AUTO_RING_GROWTH times its chunks); the same, with the ring sized to hold max_tokens x top_k rows so that
     it always does (reuse: 2 (H + I) + 16 bytes per row of memory for the life of the layer); or
     gathered again from x (gather). The bits are the same.
     """
@@ -628,6 +640,7 @@ class MoELayer(torch.nn.Module):
         if not 1 <= self.max_tokens <= s.target.max_tokens_per_rank:
             raise InputError(f"max_tokens must be in 1..{s.target.max_tokens_per_rank}, got {self.max_tokens}")
         _ring(s, chunk_rows, ring_chunks)  # explicit values are checked before anything else happens
+        ring_given = ring_chunks is not None
         device = torch.device("cuda") if device is None else torch.device(device)
         if device.type != "cuda":
             raise InputError(f"MoELayer: device must be a CUDA device, got {device}")
@@ -641,7 +654,7 @@ class MoELayer(torch.nn.Module):
         self.build_options = dict(build_options)
         self.chunk_rows, self.ring_chunks = _ring(s, chunk_rows, ring_chunks)
         self.ring_chunks = _ring_for_backward(s, self.world, self.max_tokens, self.chunk_rows, self.ring_chunks,
-                                              self.bwd_ring)
+                                              self.bwd_ring, explicit=ring_given)
         self.timeout_ms = float(timeout_ms)
         #: validate the expert-id range before each launch (one device sync; off for graphs)
         self.check_ids = True

@@ -439,7 +439,13 @@ def test_ring_reuse_bookkeeping(monkeypatch):
     assert ep._ring_for_backward(spec, 1, 16384, 8192, 4, "reuse") == 16
     assert ep._ring_for_backward(spec, 1, 1000, 1024, 2, "reuse") == 8
     assert ep._ring_for_backward(spec, 1, 100, 8192, 4, "reuse") == 4  # already holds them
-    assert ep._ring_for_backward(spec, 1, 16384, 8192, 4, "auto") == 4
+    assert ep._ring_for_backward(spec, 1, 16384, 8192, 4, "auto") == 4  # 16 chunks: more than twice 4
+    assert ep._ring_for_backward(spec, 1, 16384, 8192, 8, "auto") == 16  # twice 8: grown
+    assert ep._ring_for_backward(spec, 1, 16384, 8192, 8, "auto", explicit=True) == 8  # the caller's size
+    assert ep._ring_for_backward(spec, 1, 2560, 4096, 4, "auto") == 5
+    assert ep._ring_for_backward(spec, 1, 100, 8192, 4, "auto") == 4  # already holds them
+    assert ep._ring_for_backward(spec, 1, 16384, 8192, 8, "gather") == 8
+    assert ep._ring_for_backward(spec, 2, 16384, 8192, 8, "auto") == 8  # across GPUs: not in this ring
     assert ep._ring_for_backward(spec, 2, 16384, 8192, 4, "reuse") == 4  # across GPUs: not in this ring
     with pytest.raises(InputError, match="16448 x 8 rows need 1028 ring chunks of 128 rows, more than 1024"):
         ep._ring_for_backward(spec, 1, 16448, 128, 4, "reuse")
