@@ -133,8 +133,8 @@ class EpBuffers:
         is ever read (``_pending`` names it), and the side stream orders each copy after the
         one before, so a reused buffer is never written while the host reads it (the host reads
         only a completed copy, and the next copy is enqueued by the next watch, after that read
-        or in place of it). A pinned allocation per launch cost tens of microseconds of host
-        time (docs/perf-notes.md v0.29)."""
+        or in place of it). v0.28 made a pinned tensor and two events per launch (host time
+        after each launch; docs/perf-notes.md v0.29)."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
             self._pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
