@@ -612,8 +612,8 @@ class MoELayer(torch.nn.Module):
     receive ring, where the ring still holds every received row and no other launch of this
     layer ran in between (auto; eager mode: never under torch.compile or after a CUDA graph
     capture of the layer; a ring whose size was not passed is grown to hold max_tokens x top_k
-    rows where that takes at most AUTO_RING_GROWTH times its chunks); the same, with the ring sized to hold max_tokens x top_k rows so that
-    it always does (reuse: 2 (H + I) + 16 bytes per row of memory for the life of the layer); or
+    rows where that takes at most AUTO_RING_GROWTH times its chunks); the same, with the ring
+    sized to hold max_tokens x top_k rows so that it always does (reuse: 2 (H + I) + 16 bytes per row of memory for the life of the layer); or
     gathered again from x (gather). The bits are the same.
     """
 
