@@ -88,11 +88,11 @@ _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 #: the library's entry points and their argument types (each returns 0 or a CUDA error code)
 _SIGNATURES = {
     "mokgen_bwd_rows": [_vp, _vp, _vp, _vp, _vp, _i, _vp, _i, _i, _i, _i, _i, _vp, _i, _i, _vp],
-    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp, _vp],
     "mokgen_bwd_rows_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp],
-    "mokgen_bwd_weights_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
-    "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp],
-    "mokgen_bwd_weights2_gathered": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp],
+    "mokgen_bwd_weights_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _vp],
+    "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp, _vp],
+    "mokgen_bwd_weights2_gathered": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
     "mokgen_bwd_dh_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp, _vp],
@@ -492,18 +492,63 @@ WEIGHT_SCHEDULES = ("split", "pingpong")
 #: on kimi-k2.5's local rows (341 per expert), 0.979 on qwen3.5-397b-a17b's (320), 1.003 on
 #: deepseek-v4-pro's (256), 0.993 on glm-5.2's (512), 1.025 on deepseek-v3's (4096): a short K
 #: leaves the split tile's epilogue a large share of its period, which the ping-pong overlaps.
+#: Since v0.30 only where the consumers zero the short last k-block (MOKGEN_BWD_TAIL=zero): with
+#: the bounded maps (tail tma, the default's for the split) the split tiles' three weight
+#: gradients are faster than the ping-pong's at every measured size (docs/perf-notes.md v0.30).
 PINGPONG_MAX_ROWS = 384
 
 
 def weight_schedule(rows: int, experts: int, *, gathered: bool = False) -> str:
     """The weight gradients' schedule for ``rows`` rows over ``experts`` experts: MOKGEN_BWD_WEIGHTS
-    where it names one, else (``auto``) the ping-pong where the mean rows per expert are at most
-    PINGPONG_MAX_ROWS and no operand comes through a token index (``gathered``: only the split
-    schedule gathers), the split otherwise."""
+    where it names one, else (``auto``) the split, but under MOKGEN_BWD_TAIL=zero the ping-pong
+    where the mean rows per expert are at most PINGPONG_MAX_ROWS and no operand comes through a
+    token index (``gathered``: only the split schedule gathers)."""
     mode = env.bwd_weights()
     if mode != "auto":
         return mode
+    if env.bwd_tail() != "zero":
+        return "split"
     return "pingpong" if not gathered and rows <= PINGPONG_MAX_ROWS * max(1, experts) else "split"
+
+
+#: how a weight-gradient tile's short last k-block (the expert's rows end inside it) gets the rows
+#: past the expert out of its sums: "tma", per-expert copies of the operands' tensor maps whose row
+#: count ends at the expert's last row, so the TMA loads zeros there and the k-block runs as a
+#: full one (v0.30); "zero", the consumers zero those rows in shared memory and run the k-block
+#: alone after the loop, drained before and after; "auto", the measured faster per schedule
+#: (TAIL_AUTO). The same bits every way (MOKGEN_BWD_TAIL).
+WEIGHT_TAILS = ("auto", "tma", "zero")
+#: the tail "auto" takes per schedule (docs/perf-notes.md v0.30: the bounded maps took 3-6% off
+#: the split tiles' weight GEMMs and added 2-8% to the ping-pong's)
+TAIL_AUTO = {"split": "tma", "pingpong": "zero"}
+#: bytes of bounded tensor maps per expert (bwd_gemm.cuh kBoundedMaps, 128 bytes each)
+_BOUNDED_MAP_BYTES = 3 * 128
+
+
+def _weight_tail(tail: str | None) -> str:
+    """``tail`` checked against WEIGHT_TAILS (None: MOKGEN_BWD_TAIL), not yet resolved."""
+    tail = env.bwd_tail() if tail is None else tail
+    if tail not in WEIGHT_TAILS:
+        raise InputError(f"tail must be one of {', '.join(WEIGHT_TAILS)}, got {tail!r}")
+    return tail
+
+
+def weight_tail(tail: str | None, schedule: str) -> str:
+    """The tail ("tma" or "zero") that a weight-gradient launch of ``schedule`` runs with for
+    ``tail`` (None: MOKGEN_BWD_TAIL; "auto": TAIL_AUTO)."""
+    tail = _weight_tail(tail)
+    return TAIL_AUTO[schedule] if tail == "auto" else tail
+
+
+def _bounded_ws(tail: str, experts: int, device):
+    """The device memory that the weight entries write the experts' bounded maps into (tail
+    "tma"), else None. From the caching allocator on the launch's stream: freed after the call,
+    its reuse ordered after the launch."""
+    if tail != "tma":
+        return None
+    import torch
+
+    return torch.empty(experts * _BOUNDED_MAP_BYTES, dtype=torch.uint8, device=device)
 
 
 def dh_swiglu_saved(go, w_down, gu, order, wt, offs, clamp_limit=None, a_index=None):
@@ -589,7 +634,8 @@ def _weight_experts(fn: str, M: int, N: int, offs, device) -> int:
     return E
 
 
-def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None, a_index=None):
+def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None, a_index=None,
+                 tail: str | None = None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
     row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
     without rows. ``cluster`` 2: CTA pairs that compute row blocks m, m + 1 of one tile column
@@ -598,16 +644,18 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     two consumer warpgroups; "pingpong": tiles of 128 x 128, each one warpgroup's, the two taking
     turns at the k-loop (the stagger lead: how many k-blocks before its last one a warpgroup
     hands the turn over) so one's epilogue overlaps the other's wgmma. Default:
-    ``weight_schedule`` (MOKGEN_BWD_WEIGHTS; ``auto``: the ping-pong for short experts, mean rows
-    at most PINGPONG_MAX_ROWS, the split otherwise and with ``a_index``). The same bits every way.
+    ``weight_schedule`` (MOKGEN_BWD_WEIGHTS; ``auto``: the split, or under MOKGEN_BWD_TAIL=zero
+    the ping-pong for short experts, mean rows at most PINGPONG_MAX_ROWS). The same bits every way.
     ``a_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): A's rows gathered by the
     kernel, row ``r`` of A being row ``a_index[r]`` of ``a`` (``[S, M]``), with no gathered copy
     made (the backward's dW_down = dOut^T hw from dOut's token rows; MOKGEN_BWD_DOUT); the split
     schedule, single CTAs (``cluster`` is not used). The bits of the call on
-    ``a.index_select(0, a_index)``."""
+    ``a.index_select(0, a_index)``. ``tail``: one of WEIGHT_TAILS (default MOKGEN_BWD_TAIL), how
+    a short last k-block leaves out the next expert's rows (weight_tail); the same bits every way."""
     import torch
 
     cluster = _weight_cluster(cluster)
+    _weight_tail(tail)
     if schedule is not None and schedule not in WEIGHT_SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(WEIGHT_SCHEDULES)}, got {schedule!r}")
 
@@ -628,18 +676,20 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     if rows == 0 or E == 0:
         return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
+    ws = _bounded_ws(weight_tail(tail, schedule), E, a.device)
+    ws_ptr = None if ws is None else ws.data_ptr()
     if a_index is not None:
         with _on(a.device) as stream:
             load_library().weights_gathered(out.data_ptr(), a.data_ptr(), a_index.data_ptr(), b.data_ptr(),
-                                            offs.data_ptr(), E, rows, M, N, stream)
+                                            offs.data_ptr(), E, rows, M, N, ws_ptr, stream)
         return out
     with _on(a.device) as stream:
         load_library().weights(out.data_ptr(), a.data_ptr(), b.data_ptr(), offs.data_ptr(), E, rows, M, N, cluster,
-                               int(schedule == "pingpong"), stream)
+                               int(schedule == "pingpong"), ws_ptr, stream)
     return out
 
 
-def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None):
+def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None, tail: str | None = None):
     """``(out0, out1)`` = ``(weight_grads(a0, b, offs), weight_grads(a1, b, offs))`` in one launch
     (the split schedule): the gate's and up's ``dW = dg^T x``, ``du^T x`` over their shared x rows.
     The two problems' tiles are stacked along M and an expert's tiles of both are walked together,
@@ -650,10 +700,11 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     ``b_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): B's rows gathered by the kernel,
     row ``r`` of B being row ``b_index[r]`` of ``b`` (``[S, N]``), with no gathered copy made (the
     backward's x rows through the token index; MOKGEN_BWD_X=inline); single CTAs (``cluster`` is
-    not used). The bits of the call on ``b.index_select(0, b_index)``."""
+    not used). The bits of the call on ``b.index_select(0, b_index)``. ``tail`` as weight_grads."""
     import torch
 
     cluster = _weight_cluster(cluster)
+    tail = weight_tail(tail, "split")
     _check_operand("A0", a0, 2)
     _check_operand("A1", a1, 2)
     _check_operand("B", b, 2)
@@ -669,14 +720,16 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     alloc = torch.zeros if rows == 0 or E == 0 else torch.empty
     out0, out1 = (alloc(E, M, N, dtype=torch.bfloat16, device=a0.device) for _ in range(2))
     if rows and E:
+        ws = _bounded_ws(tail, E, a0.device)
+        ws_ptr = None if ws is None else ws.data_ptr()
         with _on(a0.device) as stream:
             if b_index is not None:
                 load_library().weights2_gathered(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(),
                                                  b.data_ptr(), b_index.data_ptr(), offs.data_ptr(), E, rows, M, N,
-                                                 stream)
+                                                 ws_ptr, stream)
             else:
                 load_library().weights2(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(), b.data_ptr(),
-                                        offs.data_ptr(), E, rows, M, N, cluster, stream)
+                                        offs.data_ptr(), E, rows, M, N, cluster, ws_ptr, stream)
     return out0, out1
 
 

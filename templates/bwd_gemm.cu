@@ -139,8 +139,10 @@ struct StackedM {
 // Where a weight-gradient tile's k-blocks come from (both kernels): A columns m * 128 .., B
 // columns col0 .., both from k row row0 (the expert's first), one operand pair. kJoint: M tile m
 // of the two stacked problems (StackedM, Mp rows each), A from that problem's map.
+// bm: the expert's row-bounded maps (bwd::use_bounded), null for the template maps.
 template <bool kJoint = false>
-MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int m, int col0, int Mp = 0) {
+MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int m, int col0, int Mp = 0,
+                                       const CUtensorMap* bm = nullptr) {
   int p = 0, a_col = m * bwd::kBM;
   if constexpr (kJoint) {
     const StackedM sm(a_col, Mp);
@@ -157,7 +159,21 @@ MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int
   t.n_k = weight_k_blocks(rows);
   t.kb_per_pair = t.n_k > 0 ? t.n_k : 1;
   t.a_rows = rows;
+  if (bm != nullptr) bwd::use_bounded(t, bm, p);
   return t;
+}
+
+// The k rows that a weight-gradient tile's last k-block holds for the consumers: the expert's
+// own (the short k-block path: the consumers zero the rest of its last 16-row step) without
+// bounded maps. With them the TMA zero-filled the rest, so nothing needs zeroing: the split
+// tiles run it as a full k-block (kSteps false: kBK, in the loop, no drain), the ping-pong's
+// (kSteps true) up to its last 16-row step holding expert rows (a multiple of 16: the short
+// path's issue without its zeroing; measured against the full k-block, docs/perf-notes.md v0.30).
+template <bool kSteps = false>
+MOKGEN_DEVICE int weight_k_last(int rows, int n_k, const CUtensorMap* bounded) {
+  const int own = rows - (n_k - 1) * bwd::kBK;
+  if (bounded == nullptr) return own;
+  return kSteps ? (own + 15) / 16 * 16 : bwd::kBK;
 }
 
 // Weight gradients: out[e] (bf16 [M, N], maps.c over [E M, N]) = A[rows of e]^T B[rows of e];
@@ -175,7 +191,7 @@ MOKGEN_DEVICE bwd::TileSrc weight_tile(const Maps& maps, int row0, int rows, int
 template <int kPair, bool kJoint = false, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
-                  int Mp, bwd::Gather ga) {
+                  int Mp, bwd::Gather ga, const CUtensorMap* bounded) {
   static_assert(!kGather || kPair == 1, "gathered weight gradients: single CTAs");
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair, bwd::kStageBytes, 2,
@@ -188,6 +204,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   // walk then ends with one call at e = -1, which the producer takes to issue its last tile
   // and the consumers ignore
   bwd::GatherAhead<kJoint> ahead;
+  bwd::BoundedMaps bmaps{bounded, E};
   const auto walk = weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank);
   bwd::run_roles<kPair, kGather>(
       s, pipe,
@@ -200,11 +217,13 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
           if (e < 0)
             ahead.finish(s, pipe, ga);
           else
-            ahead.next(s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp), ga);
+            ahead.next(s, pipe,
+                       weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp, bounded ? bmaps.of(e) : nullptr), ga);
         } else {
           MOKGEN_TRACE_BEGIN();
-          bwd::produce<true, true, false, kPair>(s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp),
-                                                 crank);
+          bwd::produce<true, true, false, kPair>(
+              s, pipe, weight_tile<kJoint>(maps, row0, rows, m, n * bwd::kBN, Mp, bounded ? bmaps.of(e) : nullptr),
+              crank);
           MOKGEN_TRACE_END(0);
         }
       },
@@ -214,7 +233,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
         const int n_k = weight_k_blocks(rows);
-        bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc);
+        bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, weight_k_last(rows, n_k, bounded), acc);
         MOKGEN_TRACE_MARK();
 #ifdef MOKGEN_BWD_NO_EPILOGUE  // a measuring variant only (.ci/bwd_trace.py): no stores, wrong results
         bwd::sink(acc);
@@ -238,7 +257,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 template <int kPair>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_pp_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N,
-                     int early) {
+                     int early, const CUtensorMap* bounded) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline<bwd::kPPStages, kPair, bwd::kPPStageBytes, 1>(smem);
   const int m_tiles = M / bwd::kBM, n_tiles = N / bwd::kPPBN;
@@ -246,13 +265,15 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   auto pipe = bwd::make_pipe<bwd::kPPStages>(0);
   int tile = 0;              // this CTA's tiles so far (a consumer's: whose tile is next)
   uint32_t turn_phase = 0;   // a consumer's turns taken, mod 2
+  bwd::BoundedMaps bmaps{bounded, E};
   MOKGEN_TRACE_STATE();
   bwd::run_roles<kPair>(
       s, pipe,
       weight_walk<kPair>(offs, E, total, m_tiles, n_tiles, crank),
       [&](int e, int row0, int rows, int m, int n) {
         MOKGEN_TRACE_BEGIN();
-        bwd::produce_pp<kPair>(s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kPPBN), crank);
+        bwd::produce_pp<kPair>(
+            s, pipe, weight_tile(maps, row0, rows, m, n * bwd::kPPBN, 0, bounded ? bmaps.of(e) : nullptr), crank);
         MOKGEN_TRACE_END(0);
       },
       [&](int wg, int e, int row0, int rows, int m, int n) {
@@ -264,7 +285,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         bwd::wait_turn(s, wg, turn_phase);
         MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
-        bwd::consume_pp<kPair>(s, pipe, wg, n_k, rows - (n_k - 1) * bwd::kBK, acc, bwd::hand_over(n_k, early));
+        bwd::consume_pp<kPair>(s, pipe, wg, n_k, weight_k_last<true>(rows, n_k, bounded), acc, bwd::hand_over(n_k, early));
         MOKGEN_TRACE_MARK();
 #ifdef MOKGEN_BWD_NO_EPILOGUE  // as weight_kernel's
         bwd::sink(acc);
@@ -379,6 +400,29 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         bwd::store_swiglu_saved(acc, wg, rows, o.order + row0, o.gu, I, c0, o.wt + row0, o.h + at, o.dg + at,
                                 o.du + at, o.dw_part + int64_t(row0) * n_tiles + n, n_tiles, clamp != 0, limit);
       });
+}
+
+// The weight gradients' row-bounded maps (bwd_gemm.cuh, kBoundedMaps): ws[kBoundedMaps e + j] =
+// maps.a[0], maps.a[1], maps.b[0] (j = 0, 1, 2) with their row count set to offs[e], the end
+// row of expert e (clamped to [1, rows]: an expert with no rows has no k-block to load). One
+// thread per copy: the template's 128 bytes, tensormap.replace of global dim 1 (the rows; dim 0
+// is the columns), then the release that the weight kernel's producer acquires
+// (bwd::tensormap_acquire). Launched on the GEMM's stream just before it.
+__global__ void __launch_bounds__(128)
+    bound_maps_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int rows, CUtensorMap* ws) {
+  const int i = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= bwd::kBoundedMaps * E) return;
+  const int e = i / bwd::kBoundedMaps, j = i % bwd::kBoundedMaps;
+  const CUtensorMap* src = j == 0 ? &maps.a[0] : j == 1 ? &maps.a[1] : &maps.b[0];
+  const uint4* from = reinterpret_cast<const uint4*>(src);
+  uint4* to = reinterpret_cast<uint4*>(ws + i);
+#pragma unroll
+  for (int w = 0; w < int(sizeof(CUtensorMap) / sizeof(uint4)); ++w) to[w] = from[w];
+  const int bound = min(max(offs[e], 1), rows);
+  asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" ::"l"(__cvta_generic_to_global(ws + i)),
+               "r"(bound)
+               : "memory");
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
 }
 
 // Rows from offs[E - 1] on (pairs no expert computed) of three bf16 [rows, N] outputs: zeros.
@@ -1013,15 +1057,31 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
 // weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
 template <bool kJoint>
 int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* offs, int E, int rows, int M, int N,
-                   int Mp, cudaStream_t stream) {
+                   int Mp, const CUtensorMap* bounded, cudaStream_t stream) {
   if (pairs_fit) {
     const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
     if (pairs > 0)
       return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
-                          g_lead, Mp, bwd::Gather{});
+                          g_lead, Mp, bwd::Gather{}, bounded);
   }
   return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp,
-                bwd::Gather{});
+                bwd::Gather{}, bounded);
+}
+
+// The weight entries' bounded maps: none where bounded_ws is null (the consumers zero the short
+// k-block), else bound_maps_kernel writes kBoundedMaps E of them into bounded_ws (device memory,
+// 128-byte aligned: sizeof(CUtensorMap) E kBoundedMaps bytes) on the stream, and *out points there.
+int bound_maps(const Maps& maps, const int32_t* offs, int E, int rows, void* bounded_ws, cudaStream_t stream,
+               const CUtensorMap** out) {
+  *out = nullptr;
+  if (bounded_ws == nullptr) return 0;
+  if (reinterpret_cast<uintptr_t>(bounded_ws) % 128) return int(cudaErrorMisalignedAddress);
+  CUtensorMap* ws = static_cast<CUtensorMap*>(bounded_ws);
+  const int n = bwd::kBoundedMaps * E;
+  bound_maps_kernel<<<(n + 127) / 128, 128, 0, stream>>>(maps, offs, E, rows, ws);
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) *out = ws;
+  return int(err);
 }
 
 // The joint weight gradients' maps but B's: the two problems' A [rows, Mp] and outputs [E Mp, N].
@@ -1195,7 +1255,7 @@ int mokgen_bwd_dh_swiglu_saved(void* h, void* dg, void* du, float* dw_part, cons
 // one consumer warpgroup's each); 0: weight_kernel (128 x 256, split between the two). The same
 // bits every way.
 int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* offs, int E, int rows, int M, int N,
-                       int cluster, int pingpong, cudaStream_t stream) {
+                       int cluster, int pingpong, void* bounded_ws, cudaStream_t stream) {
   Maps maps;
   if (sm90::encode_map_2d(&maps.a[0], a, uint64_t(rows), uint64_t(M), 64) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
@@ -1205,16 +1265,19 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
   maps.b[1] = maps.b[0];
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
+  const CUtensorMap* bounded = nullptr;
+  if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   const bool pairs_fit = cluster == 2 && (M / bwd::kBM) % 2 == 0;
   if (pingpong) {
     if (pairs_fit) {
       const int pairs = resident_pairs(weight_pp_kernel<2>, bwd::kPPSmemBytes);
       if (pairs > 0)
-        return launch_pairs(weight_pp_kernel<2>, pairs, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
+        return launch_pairs(weight_pp_kernel<2>, pairs, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead,
+                            bounded);
     }
-    return launch(weight_pp_kernel<1>, grid, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead);
+    return launch(weight_pp_kernel<1>, grid, bwd::kPPSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, bounded);
   }
-  return launch_weights<false>(maps, pairs_fit, grid, offs, E, rows, M, N, M, stream);
+  return launch_weights<false>(maps, pairs_fit, grid, offs, E, rows, M, N, M, bounded, stream);
 }
 
 // mokgen_bwd_weights (split schedule, single CTAs) with A's k rows gathered: row r of A is row
@@ -1222,7 +1285,7 @@ int mokgen_bwd_weights(void* out, const void* a, const void* b, const int32_t* o
 // loaded through the index by the kernel (weight_kernel<1, false, true>): dWd = dOut^T hw
 // straight from dOut's token rows. The bits of mokgen_bwd_weights on the gathered copy.
 int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index, const void* b, const int32_t* offs,
-                                int E, int rows, int M, int N, cudaStream_t stream) {
+                                int E, int rows, int M, int N, void* bounded_ws, cudaStream_t stream) {
   Maps maps;
   if (sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&maps.c, out, uint64_t(E) * M, uint64_t(N), 64) != CUDA_SUCCESS)
@@ -1232,8 +1295,10 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(M)};
+  const CUtensorMap* bounded = nullptr;
+  if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   return launch(weight_kernel<1, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead,
-                M, ga);
+                M, ga, bounded);
 }
 
 // The joint form of two weight-gradient problems over one B (weight_kernel<..., true>, StackedM):
@@ -1241,7 +1306,7 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
 // the split schedule only. Mp % 128 == 0 (cluster 2: Mp / 128 even), N % 256 == 0 (checked by
 // the caller).
 int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, const void* b, const int32_t* offs,
-                        int E, int rows, int Mp, int N, int cluster, cudaStream_t stream) {
+                        int E, int rows, int Mp, int N, int cluster, void* bounded_ws, cudaStream_t stream) {
   Maps maps;
   if (!joint_maps(&maps, out0, out1, a0, a1, E, rows, Mp, N) ||
       sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS)
@@ -1249,9 +1314,11 @@ int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, 
   maps.b[1] = maps.b[0];
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
+  const CUtensorMap* bounded = nullptr;
+  if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   // a pair's two row blocks in one problem: Mp / 128 even
   return launch_weights<true>(maps, cluster == 2 && (Mp / bwd::kBM) % 2 == 0, grid, offs, E, rows, 2 * Mp, N, Mp,
-                              stream);
+                              bounded, stream);
 }
 
 // mokgen_bwd_weights2 (single CTAs) with B's k rows gathered: row r of B is row index[r] of src
@@ -1260,15 +1327,17 @@ int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, 
 // bits of mokgen_bwd_weights2 on the gathered copy.
 int mokgen_bwd_weights2_gathered(void* out0, void* out1, const void* a0, const void* a1, const void* src,
                                  const int64_t* index, const int32_t* offs, int E, int rows, int Mp, int N,
-                                 cudaStream_t stream) {
+                                 void* bounded_ws, cudaStream_t stream) {
   Maps maps;
   if (!joint_maps(&maps, out0, out1, a0, a1, E, rows, Mp, N)) return kBadMap;
   maps.b[0] = maps.b[1] = maps.a[0];  // unused (B comes through the index)
   const int grid = sm_count();
   if (grid == 0) return int(cudaErrorNoDevice);
   const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(N)};
+  const CUtensorMap* bounded = nullptr;
+  if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   return launch(weight_kernel<1, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, 2 * Mp, N,
-                g_lead, Mp, ga);
+                g_lead, Mp, ga, bounded);
 }
 
 // The fused backward of the save policy (fused_kernel): one launch for dh, SwiGLU's backward,

@@ -38,8 +38,10 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # expert_scan, expert_scatter; swiglu_saved for fp32 and bf16 dh; the joint weights (single
     # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22); the fused
     # backward (v0.23); dh with the saved SwiGLU backward from dOut's rows through the index (v0.24);
-    # the joint weights with x's rows through the index (v0.25)
-    assert len(kernels) == 30, kernels
+    # the joint weights with x's rows through the index (v0.25); the weight gradients' bounded
+    # tensor maps (v0.30)
+    assert len(kernels) == 31, kernels
+    assert sum("bound_maps_kernel" in k for k in kernels) == 1, kernels
     assert sum("fused_kernel" in k for k in kernels) == 1, kernels
     assert sorted(re.search(r"dh_swiglu_kernelILb(\d)", k).group(1) for k in kernels if "dh_swiglu_kernel" in k) \
         == ["0", "1"], kernels
@@ -230,6 +232,40 @@ def test_weight_schedule_switch(monkeypatch):
         bwd_gemm.weight_grads(None, None, None, cluster=1, schedule="fast")
 
 
+def test_weight_tail_switch(monkeypatch):
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.delenv("MOKGEN_BWD_TAIL", raising=False)
+    assert env.bwd_tail() == env.BWD_TAIL_DEFAULT in bwd_gemm.WEIGHT_TAILS
+    for value in bwd_gemm.WEIGHT_TAILS:
+        monkeypatch.setenv("MOKGEN_BWD_TAIL", value)
+        assert env.bwd_tail() == value
+    monkeypatch.setenv("MOKGEN_BWD_TAIL", "pad")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_TAIL must be auto or tma or zero, got 'pad'"):
+        env.bwd_tail()
+    monkeypatch.delenv("MOKGEN_BWD_TAIL")
+    # a bad tail is refused before anything is checked or loaded, by both weight entries
+    with pytest.raises(InputError, match="tail must be one of auto, tma, zero, got 'pad'"):
+        bwd_gemm.weight_grads(None, None, None, cluster=1, tail="pad")
+    with pytest.raises(InputError, match="tail must be one of auto, tma, zero, got 'pad'"):
+        bwd_gemm.weight_grads_joint(None, None, None, None, cluster=1, tail="pad")
+    # auto resolves per schedule (the bounded maps for the split tiles, the zeroing for the
+    # ping-pong); an explicit tail is kept for both, and the switch is read where tail is None
+    assert bwd_gemm.weight_tail("auto", "split") == "tma"
+    assert bwd_gemm.weight_tail("auto", "pingpong") == "zero"
+    for value in ("tma", "zero"):
+        assert all(bwd_gemm.weight_tail(value, s) == value for s in bwd_gemm.WEIGHT_SCHEDULES)
+        monkeypatch.setenv("MOKGEN_BWD_TAIL", value)
+        assert bwd_gemm.weight_tail(None, "pingpong") == value
+    monkeypatch.delenv("MOKGEN_BWD_TAIL")
+    assert set(bwd_gemm.TAIL_AUTO) == set(bwd_gemm.WEIGHT_SCHEDULES)
+    # "zero" asks the library for no bounded maps; "tma" for 3 maps of 128 bytes per expert
+    assert bwd_gemm._bounded_ws("zero", 7, "cpu") is None
+    ws = bwd_gemm._bounded_ws("tma", 7, "cpu")
+    assert ws.dtype == torch.uint8 and ws.numel() == 7 * 3 * 128
+
+
 def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):
     # finding the build hashes the sources: once per process and cache directory, not per GEMM
     # call (six calls per backward step showed as GPU idle time between the launches)
@@ -324,14 +360,21 @@ def test_a_missing_library_falls_back_with_one_warning(monkeypatch, tmp_path):
 
 
 def test_auto_weight_schedule_by_the_experts_rows(monkeypatch):
-    """MOKGEN_BWD_WEIGHTS=auto: the ping-pong up to PINGPONG_MAX_ROWS mean rows per expert and
-    no gathered operand, the split otherwise; a named schedule is taken as it is. The backward's
+    """MOKGEN_BWD_WEIGHTS=auto: the split under the default tail (the bounded maps); under
+    MOKGEN_BWD_TAIL=zero the ping-pong up to PINGPONG_MAX_ROWS mean rows per expert and no
+    gathered operand, the split otherwise; a named schedule is taken as it is. The backward's
     choice (mokgen.backward.weight_schedule) keeps the split wherever a launch reads an operand
     through the token index or the fused launch is asked for, since only the split has those."""
     from mokgen import backward, env
 
-    for name in ("MOKGEN_BWD_WEIGHTS", "MOKGEN_BWD_DOUT", "MOKGEN_BWD_X", "MOKGEN_BWD_FUSED"):
+    for name in ("MOKGEN_BWD_WEIGHTS", "MOKGEN_BWD_DOUT", "MOKGEN_BWD_X", "MOKGEN_BWD_FUSED", "MOKGEN_BWD_TAIL"):
         monkeypatch.delenv(name, raising=False)
+    for tail in ("auto", "tma"):  # the default tail and the explicit bounded maps
+        monkeypatch.setenv("MOKGEN_BWD_TAIL", tail)
+        for rows, experts in ((48 * 384, 48), (16384, 48), (5, 0), (16384, 4)):
+            assert bwd_gemm.weight_schedule(rows, experts) == "split", (tail, rows)
+        assert backward.weight_schedule(16384, 48, 1) == "split"
+    monkeypatch.setenv("MOKGEN_BWD_TAIL", "zero")
     cap = bwd_gemm.PINGPONG_MAX_ROWS
     assert bwd_gemm.weight_schedule(48 * cap, 48) == "pingpong"
     assert bwd_gemm.weight_schedule(48 * cap + 1, 48) == "split"

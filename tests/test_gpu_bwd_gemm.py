@@ -158,20 +158,22 @@ def test_rows_gemm_scatters_rows_through_a_map():
 COUNTS_STEPS = [32, 48, 100, 16, 0, 81]
 
 
+@pytest.mark.parametrize("tail", bwd_gemm.WEIGHT_TAILS)
 @pytest.mark.parametrize("schedule", bwd_gemm.WEIGHT_SCHEDULES)
 @pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts", [COUNTS, COUNTS_STEPS], ids=["ragged", "steps"])
-def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts, cluster, schedule):
+def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts, cluster, schedule, tail):
     """Every expert's rows in order; a short last k-block must not pick up the next expert's rows
-    (they are in the same TMA box: the kernel zeroes them up to its last 16-row wgmma step, and
-    skips the steps past it), and an expert without rows gets zeros; single CTAs and CTA pairs,
-    both schedules."""
+    (they are in the same TMA box: tail "zero", the kernel zeroes them up to its last 16-row
+    wgmma step and skips the steps past it; "tma", the expert's bounded maps make the TMA load
+    zeros there), and an expert without rows gets zeros; single CTAs and CTA pairs, both
+    schedules."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     E, M, N = len(counts), 256, 512
     rows = sum(counts) + SPARE_ROWS
     a, b = _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
     offs = _offs(counts)
-    got = bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule=schedule)
+    got = bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule=schedule, tail=tail)
     assert got.dtype == torch.bfloat16 and got.shape == (E, M, N)
     start = 0
     for e, c in enumerate(counts):
@@ -182,7 +184,81 @@ def test_weight_grads_match_fp32_per_expert_with_ragged_and_empty_experts(counts
             assert _rel(got[e], want) < 1e-2, f"expert {e} ({c} rows): relative error {_rel(got[e], want):.3e}"
         start += c
     for _ in range(3):
-        assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule=schedule), got)
+        assert torch.equal(bwd_gemm.weight_grads(a, b, offs, cluster=cluster, schedule=schedule, tail=tail), got)
+
+
+def _weight_launches(a, a1, b, offs, src_a, a_index, src_b, b_index):
+    """Every weight-gradient launch form, as (name, fn(tail) -> tuple of outputs)."""
+    out = []
+    for schedule in bwd_gemm.WEIGHT_SCHEDULES:
+        for cluster in (1, 2):
+            out.append((f"{schedule}, cluster {cluster}",
+                        lambda tail, s=schedule, c=cluster: (bwd_gemm.weight_grads(a, b, offs, cluster=c, schedule=s,
+                                                                                   tail=tail),)))
+    for cluster in (1, 2):
+        out.append((f"joint, cluster {cluster}",
+                    lambda tail, c=cluster: bwd_gemm.weight_grads_joint(a, a1, b, offs, cluster=c, tail=tail)))
+    out.append(("A through an index", lambda tail: (bwd_gemm.weight_grads(src_a, b, offs, a_index=a_index,
+                                                                          tail=tail),)))
+    out.append(("joint, B through an index",
+                lambda tail: bwd_gemm.weight_grads_joint(a, a1, src_b, offs, b_index=b_index, tail=tail)))
+    return out
+
+
+def _indexed(t, gen):
+    """(src, index): t's rows as rows index[r] of a larger, shuffled src."""
+    rows = t.shape[0]
+    index = torch.randperm(rows + 29, generator=gen, device="cuda")[:rows]
+    src = torch.zeros(rows + 29, t.shape[1], dtype=t.dtype, device="cuda")
+    src[index] = t
+    return src, index
+
+
+def test_tma_tail_has_the_bits_of_the_zeroed_tail():
+    """The two ways of leaving the next expert's rows out of a short last k-block (MOKGEN_BWD_TAIL)
+    add the same products in the same order, so every weight-gradient launch form gives the same
+    bits either way: both schedules, single CTAs and pairs, the joint form, and the gathered
+    operands (where the gathered operand zero-fills its own rows and the other comes by TMA)."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    counts = COUNTS + COUNTS_STEPS + _ragged_counts(24, 23, (4, 11), 6)
+    M, N = 512, 512
+    rows = sum(counts) + SPARE_ROWS
+    a, a1, b = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    (src_a, a_index), (src_b, b_index) = _indexed(a, gen), _indexed(b, gen)
+    for name, fn in _weight_launches(a, a1, b, offs, src_a, a_index, src_b, b_index):
+        zero = fn("zero")
+        for _ in range(2):
+            assert all(torch.equal(p, q) for p, q in zip(fn("tma"), zero)), name
+
+
+@pytest.mark.parametrize("tail", bwd_gemm.WEIGHT_TAILS)
+def test_the_next_experts_inf_rows_stay_out_of_an_expert(tail):
+    """Every odd expert's rows (and the rows past the last expert) hold inf and NaN in both
+    operands: the even experts' gradients keep the bits of clean operands, in every launch form.
+    A short last k-block that multiplied one operand's next-expert rows by the other's zeros
+    would make them NaN (0 x inf), and one that read them at all would change the bits."""
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    counts = [81, 100, 32, 17, 0, 130, 64, 36, 257, 1]
+    M, N = 256, 512
+    rows = sum(counts) + SPARE_ROWS
+    a, a1, b = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    starts = [0] + torch.tensor(counts).cumsum(0).tolist()
+    poisoned = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    for e in range(1, len(counts), 2):
+        poisoned[starts[e]:starts[e + 1]] = True
+    poisoned[starts[-1]:] = True
+    bad = [t.clone() for t in (a, a1, b)]
+    for t in bad:
+        t[poisoned] = float("inf")
+        t[poisoned, ::3] = float("nan")
+    clean = _weight_launches(a, a1, b, offs, *_indexed(a, gen), *_indexed(b, gen))
+    dirty = _weight_launches(*bad, offs, *_indexed(bad[0], gen), *_indexed(bad[2], gen))
+    for (name, fn_clean), (_, fn_dirty) in zip(clean, dirty):
+        for want, got in zip(fn_clean(tail), fn_dirty(tail)):
+            for e in range(0, len(counts), 2):
+                assert torch.equal(got[e], want[e]), f"{name}: expert {e} ({counts[e]} rows)"
 
 
 @pytest.mark.parametrize("M, N, experts", [(2048, 768, 40), (384, 512, 7), (128, 256, 300)],

@@ -327,6 +327,67 @@ struct TileSrc {
   int a_rows = 0;    // A's valid rows from a_row (the tile's rows; the expert's k rows): produce_gathered only
 };
 
+// The weight gradients' row-bounded maps (v0.30; MOKGEN_BWD_TAIL=tma). A weight-gradient tile's K
+// is its expert's rows, so its last k-block's TMA box also covers the next expert's first rows.
+// The consumers used to zero those rows in shared memory and issue the short k-block alone,
+// drained before and after (consume's short_last path: about 950 cycles a ping-pong tile,
+// docs/perf-notes.md v0.28). With a copy of each operand's map per expert whose row count
+// (global dim 1) is the expert's end row offs[e], the TMA writes zeros for those rows itself
+// (out-of-bounds fill), so the short k-block is an ordinary one: 4 wgmma steps in the k-loop,
+// no drain, no zeroing. Its rows past the expert add exact zeros (the next expert's values,
+// even inf or NaN, never reach this expert's sums), so the bits are the zeroing path's.
+// The copies: kBoundedMaps per expert, written by bound_maps (bwd_gemm.cu) before the GEMM
+// launch: A pair 0, A pair 1 (the joint form's second problem), B.
+constexpr int kBoundedMaps = 3;
+
+// The generic-proxy writes of a tensor map (bound_maps) made visible to the TMA's reads of it:
+// the writer's release, then this acquire by each thread that issues loads through the map.
+MOKGEN_DEVICE void tensormap_acquire(const CUtensorMap* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+}
+
+// Tile t's loads through expert e's bounded maps (bm = the expert's kBoundedMaps), A from pair p.
+MOKGEN_DEVICE void use_bounded(TileSrc& t, const CUtensorMap* bm, int p) {
+  t.a[0] = t.a[1] = bm + p;
+  t.b[0] = t.b[1] = bm + 2;
+}
+
+// The TMA unit's fetch of a tensor map, issued ahead of its first load through it.
+MOKGEN_DEVICE void tensormap_prefetch(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+// The producer's acquires of the bounded maps (each map once per CTA, before its first load
+// through it) and the TMA unit's fetch of the next expert's maps ahead of its first loads
+// (prefetch.tensormap). Its walk takes an expert's tiles together, in expert order. Where E <=
+// kAcquireAllMaps, every map is acquired on the first call, before any load is in flight;
+// else each expert's on the move to it, with the next one's (measured, docs/perf-notes.md v0.30).
+#ifndef MOKGEN_BWD_ACQUIRE_ALL
+#define MOKGEN_BWD_ACQUIRE_ALL 64
+#endif
+constexpr int kAcquireAllMaps = MOKGEN_BWD_ACQUIRE_ALL;
+struct BoundedMaps {
+  const CUtensorMap* maps;  // null: the template maps, and the consumers zero the short k-block
+  int E;
+  int fenced = -1;  // the expert of the last call
+  int upto = 0;     // the experts below it have their maps acquired
+  MOKGEN_DEVICE const CUtensorMap* of(int e) {
+    const CUtensorMap* bm = maps + size_t(e) * kBoundedMaps;
+    if (e != fenced) {
+      fenced = e;
+      int want = e + 2 < E ? e + 2 : E;
+      if (upto == 0 && E <= kAcquireAllMaps) want = E;
+      for (int i = (upto > e ? upto : e) * kBoundedMaps; i < want * kBoundedMaps; ++i) tensormap_acquire(maps + i);
+      if (want > upto) upto = want;
+      if (e + 1 < E) {
+#pragma unroll
+        for (int j = 0; j < kBoundedMaps; ++j) tensormap_prefetch(bm + kBoundedMaps + j);
+      }
+    }
+    return bm;
+  }
+};
+
 // B's boxes of one k-block (at k0) into sb, by TMA on the stage's full barrier (produce: the
 // layouts it lists; kShareB: this CTA's half multicast into both CTAs of the pair).
 template <bool kBMN, bool kGated, bool kShareB>

@@ -1,0 +1,85 @@
+"""The weight gradients' two ways of leaving the next expert's rows out of a short last k-block
+(bwd_gemm.WEIGHT_TAILS: "zero", the consumers zero them and drain around the short k-block;
+"tma", per-expert bounded tensor maps, the TMA loads zeros), in one process on the rows of
+`mokgen bench SPEC --workload local --backward` (runs on an H200, not in CI).
+
+For each weight GEMM the backward launches (the joint dW_gate/dW_up over x, dW_down over hw; each
+schedule): first that both tails give the same bits, then ABBA blocks of A = zero, B = tma
+(bench.abba_blocks), each launch timed by CUDA events. Prints the median ms of each and the median
+B / A with its 95% bootstrap interval (bench.block_ratio). Last, the three weight gradients
+as each schedule launches them: the ping-pong's three launches (tail zero) against the split
+tiles' joint launch and dW_down (tail tma).
+
+Usage: python3 .ci/bwd_tail_ab.py [SPEC ...] [--blocks N] (default kimi-k2.5, 30 blocks)"""
+
+import argparse
+import statistics
+
+import torch
+
+from mokgen import bench, bwd_gemm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("specs", nargs="*", default=["kimi-k2.5"])
+    ap.add_argument("--blocks", type=int, default=30)
+    args = ap.parse_args()
+    for name in args.specs:
+        spec, gen, counts, offs, rows = bench.local_expert_rows(name)
+        E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+        x, go, dg, du, hw = randn(rows, H), randn(rows, H), randn(rows, I), randn(rows, I), randn(rows, I)
+        print(f"{name}: {E} local experts, {rows} rows (mean {rows / E:.0f}, min {int(counts.min())}, "
+              f"max {int(counts.max())}; last k-block rows mean {float(((counts - 1) % 64 + 1).float().mean()):.1f})")
+        cases = [
+            ("joint dW_gate, dW_up = [dg; du]^T x, split", 4 * rows * H * I,
+             lambda tail: bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=tail)),
+            ("dW_down = dOut^T hw, split", 2 * rows * H * I,
+             lambda tail: bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail=tail)),
+            ("dW_down, pingpong", 2 * rows * H * I,
+             lambda tail: bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="pingpong", tail=tail)),
+            ("dW_gate = dg^T x, pingpong", 2 * rows * H * I,
+             lambda tail: bwd_gemm.weight_grads(dg, x, offs, cluster=1, schedule="pingpong", tail=tail)),
+            ("dW_gate, split, cluster 2", 2 * rows * H * I,
+             lambda tail: bwd_gemm.weight_grads(dg, x, offs, cluster=2, schedule="split", tail=tail)),
+        ]
+        # the backward's three weight gradients as each schedule launches them: A = the ping-pong
+        # (three launches, tail zero), B = the split tiles (the joint launch and dW_down, tail tma)
+        def weights(side):
+            if side == 0:
+                return tuple(bwd_gemm.weight_grads(p, q, offs, cluster=1, schedule="pingpong", tail="zero")
+                             for p, q in ((dg, x), (du, x), (go, hw)))
+            return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail="tma"),
+                    bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail="tma"))
+
+        for title, flops, fn in cases:
+            zero, tma = fn("zero"), fn("tma")
+            same = all(torch.equal(p, q) for p, q in zip(zero if isinstance(zero, tuple) else (zero,),
+                                                         tma if isinstance(tma, tuple) else (tma,)))
+            del zero, tma
+            tails = ("zero", "tma")
+            pairs = bench.abba_blocks(lambda side, i: bench.time_launch(lambda: fn(tails[side])), args.blocks)
+            a = statistics.median(p[0] / 2 for p in pairs)
+            b = statistics.median(p[1] / 2 for p in pairs)
+            r, lo, hi = bench.block_ratio(pairs)
+            faster = sum(p[1] < p[0] for p in pairs)
+            print(f"  {title}: same bits {same}; zero {a:.3f} ms ({flops / a / 1e9:.0f} TFLOP/s), "
+                  f"tma {b:.3f} ms ({flops / b / 1e9:.0f}); tma / zero {r:.4f} [{lo:.4f}, {hi:.4f}], "
+                  f"tma faster in {faster}/{len(pairs)}", flush=True)
+
+        same = all(torch.equal(p, q) for p, q in zip(weights(0), weights(1)))
+        pairs = bench.abba_blocks(lambda side, i: bench.time_launch(lambda: weights(side)), args.blocks)
+        a = statistics.median(p[0] / 2 for p in pairs)
+        b = statistics.median(p[1] / 2 for p in pairs)
+        r, lo, hi = bench.block_ratio(pairs)
+        print(f"  all three dW: same bits {same}; pingpong zero {a:.3f} ms ({6 * rows * H * I / a / 1e9:.0f} "
+              f"TFLOP/s), split tma {b:.3f} ms ({6 * rows * H * I / b / 1e9:.0f}); split tma / pingpong zero "
+              f"{r:.4f} [{lo:.4f}, {hi:.4f}], split faster in {sum(p[1] < p[0] for p in pairs)}/{len(pairs)}",
+              flush=True)
+
+if __name__ == "__main__":
+    main()
