@@ -124,23 +124,9 @@ class _Lib:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, result
         self._lib = lib
-        self._store = "buffers"  # the library's own default (g_held 0)
-        if hasattr(lib, "mokgen_bwd_set_store"):
-            lib.mokgen_bwd_set_store.argtypes, lib.mokgen_bwd_set_store.restype = [_i], None
         if hasattr(lib, "mokgen_bwd_set_stagger"):  # an older build (a benchmark's) may lack it
             lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
             self.set_stagger(env.bwd_stagger())
-
-    def set_store(self, store: str) -> None:
-        """The split weight kernels' epilogue in this library's launches (WEIGHT_STORES); a
-        library call only when it changes."""
-        if store != self._store:
-            if not hasattr(self._lib, "mokgen_bwd_set_store"):  # an older build (a benchmark's)
-                if store == "held":
-                    raise InputError("this build of the backward library has no held epilogue")
-                return
-            self._lib.mokgen_bwd_set_store(int(store == "held"))
-            self._store = store
 
     def set_stagger(self, lead: int) -> None:
         """The consumer warpgroups' stagger lead (k-blocks; 0: lockstep) in this library's GEMM launches."""
@@ -554,23 +540,6 @@ def weight_tail(tail: str | None, schedule: str) -> str:
     return TAIL_AUTO[schedule] if tail == "auto" else tail
 
 
-#: how the split weight-gradient tiles stage their 128 x 256 bf16 output for the TMA stores:
-#: "buffers", two 8 KB buffers per consumer warpgroup used in turn, so each box waits for the
-#: store before last to have read its buffer (v0.13); "held", the whole tile at once, consumer
-#: warpgroup 0's half in the 32 KB of buffers and warpgroup 1's in the tile's last ring stage,
-#: which goes back to the producer once its stores have read it (v0.31). The same bits either way
-#: (MOKGEN_BWD_STORE). The ping-pong schedule always uses the buffers.
-WEIGHT_STORES = ("buffers", "held")
-
-
-def weight_store(store: str | None = None) -> str:
-    """``store`` checked against WEIGHT_STORES (None: MOKGEN_BWD_STORE)."""
-    store = env.bwd_store() if store is None else store
-    if store not in WEIGHT_STORES:
-        raise InputError(f"store must be one of {', '.join(WEIGHT_STORES)}, got {store!r}")
-    return store
-
-
 def _bounded_ws(tail: str, experts: int, device):
     """The device memory that the weight entries write the experts' bounded maps into (tail
     "tma"), else None. From the caching allocator on the launch's stream: freed after the call,
@@ -666,7 +635,7 @@ def _weight_experts(fn: str, M: int, N: int, offs, device) -> int:
 
 
 def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None, a_index=None,
-                 tail: str | None = None, store: str | None = None):
+                 tail: str | None = None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in
     row order): ``A [rows, M]``, ``B [rows, N]`` bf16, ``offs [E]`` int32; zeros for an expert
     without rows. ``cluster`` 2: CTA pairs that compute row blocks m, m + 1 of one tile column
@@ -682,14 +651,11 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     made (the backward's dW_down = dOut^T hw from dOut's token rows; MOKGEN_BWD_DOUT); the split
     schedule, single CTAs (``cluster`` is not used). The bits of the call on
     ``a.index_select(0, a_index)``. ``tail``: one of WEIGHT_TAILS (default MOKGEN_BWD_TAIL), how
-    a short last k-block leaves out the next expert's rows (weight_tail); ``store``: one of
-    WEIGHT_STORES (default MOKGEN_BWD_STORE), how the split tiles stage their output for the TMA
-    stores; the same bits every way."""
+    a short last k-block leaves out the next expert's rows (weight_tail); the same bits every way."""
     import torch
 
     cluster = _weight_cluster(cluster)
     _weight_tail(tail)
-    store = weight_store(store)
     if schedule is not None and schedule not in WEIGHT_SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(WEIGHT_SCHEDULES)}, got {schedule!r}")
 
@@ -712,7 +678,6 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
     ws = _bounded_ws(weight_tail(tail, schedule), E, a.device)
     ws_ptr = None if ws is None else ws.data_ptr()
-    load_library().set_store(store)
     if a_index is not None:
         with _on(a.device) as stream:
             load_library().weights_gathered(out.data_ptr(), a.data_ptr(), a_index.data_ptr(), b.data_ptr(),
@@ -724,8 +689,7 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     return out
 
 
-def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None, tail: str | None = None,
-                       store: str | None = None):
+def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None, tail: str | None = None):
     """``(out0, out1)`` = ``(weight_grads(a0, b, offs), weight_grads(a1, b, offs))`` in one launch
     (the split schedule): the gate's and up's ``dW = dg^T x``, ``du^T x`` over their shared x rows.
     The two problems' tiles are stacked along M and an expert's tiles of both are walked together,
@@ -736,13 +700,11 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     ``b_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): B's rows gathered by the kernel,
     row ``r`` of B being row ``b_index[r]`` of ``b`` (``[S, N]``), with no gathered copy made (the
     backward's x rows through the token index; MOKGEN_BWD_X=inline); single CTAs (``cluster`` is
-    not used). The bits of the call on ``b.index_select(0, b_index)``. ``tail`` and ``store`` as
-    weight_grads."""
+    not used). The bits of the call on ``b.index_select(0, b_index)``. ``tail`` as weight_grads."""
     import torch
 
     cluster = _weight_cluster(cluster)
     tail = weight_tail(tail, "split")
-    store = weight_store(store)
     _check_operand("A0", a0, 2)
     _check_operand("A1", a1, 2)
     _check_operand("B", b, 2)
@@ -760,7 +722,6 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     if rows and E:
         ws = _bounded_ws(tail, E, a0.device)
         ws_ptr = None if ws is None else ws.data_ptr()
-        load_library().set_store(store)
         with _on(a0.device) as stream:
             if b_index is not None:
                 load_library().weights2_gathered(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(),

@@ -32,7 +32,6 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_CLUSTER": "1 (default) or 2: the backward's weight-gradient GEMMs run as single CTAs, or as CTA pairs that load the shared operand once by TMA multicast (the same bits)",
     "MOKGEN_BWD_ROWS_CLUSTER": "auto (default: CTA pairs where N >= 4096, so dx on the hidden sizes from 4096), 1 or 2: the backward's rows GEMMs (dh and dx) run as single CTAs, or as CTA pairs computing two column tiles of one row block that load the A rows once by TMA multicast (the same bits)",
     "MOKGEN_BWD_WEIGHTS": "auto (default), split or pingpong: the backward's weight-gradient GEMMs in 128 x 256 tiles split between the two consumer warpgroups, or in 128 x 128 tiles, each one warpgroup's, the two taking turns; auto: the split, except under MOKGEN_BWD_TAIL=zero the ping-pong where the experts' mean rows are at most 384 and no operand is read through the token index (the same bits)",
-    "MOKGEN_BWD_STORE": "buffers (default) or held: the backward's split weight-gradient tiles store their 128 x 256 outputs through two 8 KB buffers per consumer warpgroup, each box waiting for the store before last to drain (buffers), or stage the whole tile at once, one warpgroup's half in the tile's last ring stage, handed back to the producer once the stores have read it (held). The same bits",
     "MOKGEN_BWD_TAIL": "auto (default), tma or zero: how the backward's weight-gradient GEMMs keep the next expert's rows out of a tile's short last k-block: per-expert copies of the operands' tensor maps that end at the expert's last row, so the TMA loads zeros past it and the k-block runs as a full one (tma), or the consumers zero those rows in shared memory and run the k-block alone, drained (zero); auto: tma for the split tiles, zero for the ping-pong (measured, bwd_gemm.TAIL_AUTO). The same bits",
     "MOKGEN_BWD_WEIGHTS_JOINT": "1 (default) or 0: the gate's and up's weight gradients (both over the x rows) in one launch whose tiles walk an expert's x rows together so they are read from memory once, or in two launches (split schedule only; the same bits)",
     "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. For the ping-pong weight gradients: how many k-blocks before its last one a warpgroup hands the turn over. The same bits at every value",
@@ -164,18 +163,6 @@ def bwd_tail() -> str:
     bwd_gemm.TAIL_AUTO); default BWD_TAIL_DEFAULT."""
     return _choice("MOKGEN_BWD_TAIL", (BWD_TAIL_DEFAULT, *(v for v in ("auto", "tma", "zero")
                                                           if v != BWD_TAIL_DEFAULT)))
-
-
-#: how the split weight-gradient tiles stage their output for the TMA stores (MOKGEN_BWD_STORE;
-#: bwd_gemm.WEIGHT_STORES)
-BWD_STORE_DEFAULT = "buffers"
-
-
-def bwd_store() -> str:
-    """MOKGEN_BWD_STORE: "buffers" (two 8 KB store buffers per consumer warpgroup) or "held" (the
-    whole tile staged, half in its last ring stage); default BWD_STORE_DEFAULT."""
-    return _choice("MOKGEN_BWD_STORE", (BWD_STORE_DEFAULT, *(v for v in ("buffers", "held")
-                                                            if v != BWD_STORE_DEFAULT)))
 
 
 #: the backward GEMMs' default stagger lead in k-blocks (MOKGEN_BWD_STAGGER; measured, docs/perf-notes.md v0.13)

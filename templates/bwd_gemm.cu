@@ -188,7 +188,7 @@ MOKGEN_DEVICE int weight_k_last(int rows, int n_k, const CUtensorMap* bounded) {
 // warpgroup 0's 128 threads (bwd::produce_gathered): for one problem A's (M columns; dW_down =
 // dOut^T hw from dOut's token rows; maps.a unused), for the joint form B's (N columns; dWg, dWu
 // from x's token rows, MOKGEN_BWD_X=inline; maps.b unused).
-template <int kPair, bool kJoint = false, bool kGather = false, bool kHeld = false>
+template <int kPair, bool kJoint = false, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
                   int Mp, bwd::Gather ga, const CUtensorMap* bounded) {
@@ -233,26 +233,18 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
         const int n_k = weight_k_blocks(rows);
-        bwd::consume<true, true, kPair, kGather, kHeld>(s, pipe, wg, n_k, weight_k_last(rows, n_k, bounded), acc);
+        bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, weight_k_last(rows, n_k, bounded), acc);
         MOKGEN_TRACE_MARK();
 #ifdef MOKGEN_BWD_NO_EPILOGUE  // a measuring variant only (.ci/bwd_trace.py): no stores, wrong results
         bwd::sink(acc);
-        if constexpr (kHeld) {  // no epilogue: the last stage goes back at once
-          if (pipe.last >= 0) bwd::release<kPair>(s, pipe.last, threadIdx.x & 127);
-          pipe.last = -1;
-        }
 #else
-        const CUtensorMap* out = &maps.c;
-        int out_row = e * M + m * bwd::kBM;
         if constexpr (kJoint) {
           const StackedM sm(m * bwd::kBM, Mp);
-          out = sm.p ? &maps.c1 : &maps.c;
-          out_row = e * Mp + sm.col;
+          bwd::store_tile_tma(acc, s, wg, sm.p ? &maps.c1 : &maps.c, e * Mp + sm.col, n * bwd::kBN,
+                              MOKGEN_TRACE_ROUNDS);
+        } else {
+          bwd::store_tile_tma(acc, s, wg, &maps.c, e * M + m * bwd::kBM, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
         }
-        if constexpr (kHeld)
-          bwd::store_tile_held<kPair>(acc, s, pipe, wg, out, out_row, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
-        else
-          bwd::store_tile_tma(acc, s, wg, out, out_row, n * bwd::kBN, MOKGEN_TRACE_ROUNDS);
 #endif
         MOKGEN_TRACE_END(1 + wg);
       });
@@ -1063,29 +1055,17 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
 }
 
 // weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
-template <bool kJoint, bool kHeld>
-int launch_weights_as(const Maps& maps, bool pairs_fit, int grid, const int32_t* offs, int E, int rows, int M, int N,
-                      int Mp, const CUtensorMap* bounded, cudaStream_t stream) {
-  if (pairs_fit) {
-    const int pairs = resident_pairs(weight_kernel<2, kJoint, false, kHeld>, bwd::kWeightSmemBytes);
-    if (pairs > 0)
-      return launch_pairs(weight_kernel<2, kJoint, false, kHeld>, pairs, bwd::kWeightSmemBytes, stream, maps, offs,
-                          E, rows, M, N, g_lead, Mp, bwd::Gather{}, bounded);
-  }
-  return launch(weight_kernel<1, kJoint, false, kHeld>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M,
-                N, g_lead, Mp, bwd::Gather{}, bounded);
-}
-
-// The weight kernels' epilogue (split schedule): the held stage (1, bwd::store_tile_held) or two
-// store buffers per warpgroup (0, bwd::store_tile_tma); set by mokgen_bwd_set_store
-// (mokgen.bwd_gemm, MOKGEN_BWD_STORE). The same bits either way.
-int g_held = 0;
-
 template <bool kJoint>
 int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* offs, int E, int rows, int M, int N,
                    int Mp, const CUtensorMap* bounded, cudaStream_t stream) {
-  return g_held ? launch_weights_as<kJoint, true>(maps, pairs_fit, grid, offs, E, rows, M, N, Mp, bounded, stream)
-                : launch_weights_as<kJoint, false>(maps, pairs_fit, grid, offs, E, rows, M, N, Mp, bounded, stream);
+  if (pairs_fit) {
+    const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
+    if (pairs > 0)
+      return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
+                          g_lead, Mp, bwd::Gather{}, bounded);
+  }
+  return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp,
+                bwd::Gather{}, bounded);
 }
 
 // The weight entries' bounded maps: none where bounded_ws is null (the consumers zero the short
@@ -1126,8 +1106,6 @@ int mokgen_bwd_set_trace(void* buf, int tiles) {
   return int(err);
 }
 #endif
-
-void mokgen_bwd_set_store(int held) { g_held = held ? 1 : 0; }
 
 void mokgen_bwd_set_stagger(int lead) { g_lead = lead < 0 ? 0 : lead > bwd::kMaxLead ? bwd::kMaxLead : lead; }
 
@@ -1319,10 +1297,8 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
   const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(M)};
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
-  return g_held ? launch(weight_kernel<1, false, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows,
-                         M, N, g_lead, M, ga, bounded)
-                : launch(weight_kernel<1, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
-                         g_lead, M, ga, bounded);
+  return launch(weight_kernel<1, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead,
+                M, ga, bounded);
 }
 
 // The joint form of two weight-gradient problems over one B (weight_kernel<..., true>, StackedM):
@@ -1360,10 +1336,8 @@ int mokgen_bwd_weights2_gathered(void* out0, void* out1, const void* a0, const v
   const bwd::Gather ga{static_cast<const bf16*>(src), index, int64_t(N)};
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
-  return g_held ? launch(weight_kernel<1, true, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows,
-                         2 * Mp, N, g_lead, Mp, ga, bounded)
-                : launch(weight_kernel<1, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, 2 * Mp,
-                         N, g_lead, Mp, ga, bounded);
+  return launch(weight_kernel<1, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, 2 * Mp, N,
+                g_lead, Mp, ga, bounded);
 }
 
 // The fused backward of the save policy (fused_kernel): one launch for dh, SwiGLU's backward,

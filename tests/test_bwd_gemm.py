@@ -19,7 +19,7 @@ EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen
            "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
            "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved", "mokgen_bwd_weights2",
            "mokgen_bwd_rows_gathered", "mokgen_bwd_weights_gathered", "mokgen_bwd_fused", "mokgen_bwd_fused_counters",
-           "mokgen_bwd_weights2_gathered", "mokgen_bwd_set_store")
+           "mokgen_bwd_weights2_gathered")
 
 
 @pytest.mark.nvcc
@@ -39,16 +39,13 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22); the fused
     # backward (v0.23); dh with the saved SwiGLU backward from dOut's rows through the index (v0.24);
     # the joint weights with x's rows through the index (v0.25); the weight gradients' bounded
-    # tensor maps (v0.30); the six split weight kernels again with the held epilogue (v0.31)
-    assert len(kernels) == 37, kernels
+    # tensor maps (v0.30)
+    assert len(kernels) == 31, kernels
     assert sum("bound_maps_kernel" in k for k in kernels) == 1, kernels
     assert sum("fused_kernel" in k for k in kernels) == 1, kernels
     assert sorted(re.search(r"dh_swiglu_kernelILb(\d)", k).group(1) for k in kernels if "dh_swiglu_kernel" in k) \
         == ["0", "1"], kernels
-    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 12, kernels
-    # weight_kernel<kPair, kJoint, kGather, kHeld>: each form with and without the held epilogue
-    assert sorted(re.search(r"weight_kernelILi\dELb\dELb\dELb(\d)EE", k).group(1) for k in kernels
-                  if re.search(r"\d\dweight_kernel", k)) == ["0"] * 6 + ["1"] * 6, kernels
+    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 6, kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
     assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
     assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels
@@ -56,8 +53,8 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # the gathering kernels: rows<B MN-major, fp32 | bf16, single CTAs, gathered>, weights<single,
     # one problem | joint, gathered>
     gathered = [k for k in kernels if k.endswith("Lb1EEEvNS_4MapsEPKiiiiiiPT0_PKliN6mokgen3bwd6GatherE")
-                or re.search(r"weight_kernelILi1ELb[01]ELb1EL", k)]
-    assert len(gathered) == 6, kernels
+                or re.search(r"weight_kernelILi1ELb[01]ELb1EE", k)]
+    assert len(gathered) == 4, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills
     # no kernel has its wgmma serialized (ptxas C7510: a function call such as printf in the kernel)
@@ -116,8 +113,8 @@ def test_library_sass_keeps_one_wgmma_batch_in_flight(private_dirs):
     # each: single, pairs), the gathering rows (fp32, bf16 out) and weights: the count left at 12
     # when the joint weights came (v0.20) went unseen until v0.22, as CPU CI has no cuobjdump;
     # the fused backward (v0.23); dh_swiglu through the index (v0.24); the joint weights through
-    # the index (v0.25); the six split weight kernels with the held epilogue (v0.31)
-    assert len(gemms) == 26, list(gemms)
+    # the index (v0.25)
+    assert len(gemms) == 20, list(gemms)
     for name, body in gemms.items():
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body, f"{name}: every wgmma waited for (serialized pipeline)"
         # an empty commit group (a commit that ptxas could not fold into the last wgmma, v0.13-v0.26's
@@ -233,51 +230,6 @@ def test_weight_schedule_switch(monkeypatch):
     # a bad schedule is refused before anything is checked or loaded
     with pytest.raises(InputError, match="schedule must be one of split, pingpong, got 'fast'"):
         bwd_gemm.weight_grads(None, None, None, cluster=1, schedule="fast")
-
-
-def test_weight_store_switch(monkeypatch):
-    from mokgen import env
-    from mokgen.errors import ToolchainError
-
-    monkeypatch.delenv("MOKGEN_BWD_STORE", raising=False)
-    assert env.bwd_store() == env.BWD_STORE_DEFAULT in bwd_gemm.WEIGHT_STORES
-    assert bwd_gemm.weight_store() == env.BWD_STORE_DEFAULT
-    for value in bwd_gemm.WEIGHT_STORES:
-        monkeypatch.setenv("MOKGEN_BWD_STORE", value)
-        assert env.bwd_store() == value and bwd_gemm.weight_store() == value
-        assert all(bwd_gemm.weight_store(v) == v for v in bwd_gemm.WEIGHT_STORES)  # an explicit one wins
-    monkeypatch.setenv("MOKGEN_BWD_STORE", "ring")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_STORE must be buffers or held, got 'ring'"):
-        env.bwd_store()
-    monkeypatch.delenv("MOKGEN_BWD_STORE")
-    # a bad store is refused before anything is checked or loaded, by both weight entries
-    with pytest.raises(InputError, match="store must be one of buffers, held, got 'ring'"):
-        bwd_gemm.weight_grads(None, None, None, cluster=1, store="ring")
-    with pytest.raises(InputError, match="store must be one of buffers, held, got 'ring'"):
-        bwd_gemm.weight_grads_joint(None, None, None, None, cluster=1, store="ring")
-
-
-class _FakeStoreLib:
-    """A library build's store setter, counting its calls."""
-
-    def __init__(self, has_setter=True):
-        self.calls = []
-        if has_setter:
-            self.mokgen_bwd_set_store = self.calls.append
-
-
-def test_the_store_setting_reaches_the_library_only_when_it_changes():
-    lib = bwd_gemm._Lib.__new__(bwd_gemm._Lib)
-    lib._lib, lib._store = _FakeStoreLib(), "buffers"
-    for store in ("buffers", "held", "held", "buffers", "held"):
-        lib.set_store(store)
-    assert lib._lib.calls == [1, 0, 1] and lib._store == "held"
-    # an older build without the held epilogue: buffers is what it does; held is refused
-    old = bwd_gemm._Lib.__new__(bwd_gemm._Lib)
-    old._lib, old._store = _FakeStoreLib(has_setter=False), "buffers"
-    old.set_store("buffers")
-    with pytest.raises(InputError, match="no held epilogue"):
-        old.set_store("held")
 
 
 def test_weight_tail_switch(monkeypatch):

@@ -232,49 +232,6 @@ def test_tma_tail_has_the_bits_of_the_zeroed_tail():
             assert all(torch.equal(p, q) for p, q in zip(fn("tma"), zero)), name
 
 
-def _split_launches(a, a1, b, offs, src_a, a_index, src_b, b_index):
-    """Every launch form of the split weight tiles, as (name, fn(tail, store) -> tuple of outputs)."""
-    out = [(f"split, cluster {c}", lambda tail, store, c=c: (bwd_gemm.weight_grads(
-        a, b, offs, cluster=c, schedule="split", tail=tail, store=store),)) for c in (1, 2)]
-    out += [(f"joint, cluster {c}", lambda tail, store, c=c: bwd_gemm.weight_grads_joint(
-        a, a1, b, offs, cluster=c, tail=tail, store=store)) for c in (1, 2)]
-    out.append(("A through an index", lambda tail, store: (bwd_gemm.weight_grads(
-        src_a, b, offs, a_index=a_index, tail=tail, store=store),)))
-    out.append(("joint, B through an index", lambda tail, store: bwd_gemm.weight_grads_joint(
-        a, a1, src_b, offs, b_index=b_index, tail=tail, store=store)))
-    return out
-
-
-@pytest.mark.parametrize("tail", ["tma", "zero"])
-def test_held_store_has_the_bits_of_the_store_buffers(tail):
-    """The held epilogue (MOKGEN_BWD_STORE=held: the whole tile staged, consumer warpgroup 1's
-    half in the tile's last ring stage, handed back once its stores have read it) stores the same
-    values as the two store buffers, so every split launch form gives the same bits either way,
-    over many tiles per CTA (the stage handed back inside the next tile's k-loop, after one or two
-    k-blocks, or at the end of a one-k-block tile), with empty experts (tiles without k-blocks, the
-    buffers' path behind the same barrier) between full ones, and again on a second call (the
-    setting switched back and forth inside one process)."""
-    gen = torch.Generator(device="cuda").manual_seed(31)
-    counts = [0, 1, 64, 65, 0, 0, 200, 17, 130, 0, 257, 33] + _ragged_counts(36, 31, (3, 4, 20), 9)
-    M, N = 1024, 1024  # 32 tiles per expert (16 per problem of the joint form): about 12 per CTA
-    rows = sum(counts) + SPARE_ROWS
-    a, a1, b = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
-    offs = _offs(counts)
-    (src_a, a_index), (src_b, b_index) = _indexed(a, gen), _indexed(b, gen)
-    starts = [0] + torch.tensor(counts).cumsum(0).tolist()
-    for name, fn in _split_launches(a, a1, b, offs, src_a, a_index, src_b, b_index):
-        buffers = fn(tail, "buffers")
-        for _ in range(2):
-            held = fn(tail, "held")
-            assert all(torch.equal(p, q) for p, q in zip(held, buffers)), name
-            assert all(torch.equal(p, q) for p, q in zip(fn(tail, "buffers"), buffers)), name
-        # and the values are the products (not only the same wrong ones both ways)
-        for e in (2, 6, 10):
-            want = a[starts[e]:starts[e + 1]].float().t() @ b[starts[e]:starts[e + 1]].float()
-            assert _rel(held[0][e], want) < 1e-2, f"{name}: expert {e}"
-        assert torch.equal(held[0][0], torch.zeros_like(held[0][0])), name
-
-
 @pytest.mark.parametrize("tail", bwd_gemm.WEIGHT_TAILS)
 def test_the_next_experts_inf_rows_stay_out_of_an_expert(tail):
     """Every odd expert's rows (and the rows past the last expert) hold inf and NaN in both

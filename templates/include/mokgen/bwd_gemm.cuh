@@ -85,12 +85,10 @@ using Tile = sm90::HopperTile<kBN, kBK, false, false, kStages, kBN>;
 static_assert(Tile::kStageStride == kStageBytes && Tile::kThreads == kThreads, "the forward tile's stage ring");
 
 // Dynamic shared memory of a ring of kS stages of stage_bytes, as the forward's: the full and
-// empty barriers, the stagger's lead barrier, the ping-pong's turn barriers and the held
-// epilogue's read barrier, then the stages
+// empty barriers, the stagger's lead barrier and the ping-pong's turn barriers, then the stages
 // at the next 1024-byte boundary (+1024 of alignment slack).
-// The barriers before the stages: full and empty per stage, the stagger's lead, the ping-pong's
-// two turns, the held epilogue's read and its acknowledgement.
-MOKGEN_HOST_DEVICE constexpr int ring_barriers(int kS) { return 2 * kS + 5; }
+// The barriers before the stages: full and empty per stage, the stagger's lead, the ping-pong's two turns.
+MOKGEN_HOST_DEVICE constexpr int ring_barriers(int kS) { return 2 * kS + 3; }
 constexpr size_t ring_bytes(int kS, int stage_bytes = kStageBytes) {
   return size_t(kS) * stage_bytes + ring_barriers(kS) * 8 + 1024;
 }
@@ -146,8 +144,6 @@ struct Smem {
   uint64_t* empty;
   uint64_t* lead;
   uint64_t* turn;  // [2]: the ping-pong weight kernel's k-loop turns (consumer warpgroup 0, 1)
-  uint64_t* read;  // [2]: the held epilogue's hand-over (store_tile_held): consumer warpgroup 0 has read
-                   // the tile's last stage; warpgroup 1 has seen it (starts complete)
   unsigned char* stages;
   unsigned char* after;
 };
@@ -160,7 +156,6 @@ MOKGEN_DEVICE Smem carve(unsigned char* raw) {
   s.empty = s.full + kS;
   s.lead = s.empty + kS;
   s.turn = s.lead + 1;
-  s.read = s.turn + 2;
   s.stages = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + ring_barriers(kS) * 8 + 1023) &
                                               ~uintptr_t(1023));
   s.after = s.stages + size_t(kS) * kStageB;
@@ -190,9 +185,6 @@ template <int kS>
 struct Pipe : sm90::PipeState<kS> {
   int lead = 0;
   int stagger_todo = 0;
-  int held = -1;  // the held epilogue: a stage still to hand back once this thread's stores read it
-  int last = -1;  // the held epilogue: the stage of the tile's last k-block, not handed back (-1: none)
-  uint32_t read_phase = 0;  // the held epilogue: the parity of this tile's phases of Smem::read
   MOKGEN_DEVICE bool staggered() const { return lead > 0; }
   // n stages on at once (the ping-pong: the other warpgroup's tile, not waited for)
   MOKGEN_DEVICE void advance_by(int n) {
@@ -265,11 +257,8 @@ MOKGEN_DEVICE Smem start_pipeline(unsigned char* raw) {
     sm90::mbar_init(lead_barrier(s), 1);
     sm90::mbar_init(&s.turn[0], 1);
     sm90::mbar_init(&s.turn[1], 1);
-    sm90::mbar_init(&s.read[0], 1);
-    sm90::mbar_init(&s.read[1], 1);
     sm90::fence_barrier_init();
     mbar_arrive(&s.turn[0]);
-    mbar_arrive(&s.read[1]);
   }
   if constexpr (kPair == 2)
     cute::cluster_sync();  // the peer's barriers exist before any multicast or remote arrive
@@ -294,39 +283,6 @@ MOKGEN_DEVICE void release(const Smem& s, int st, int t) {
   if (t == 0) mbar_arrive(&s.empty[st]);
   if constexpr (kPair == 2)
     if (t == 1) sm90::mbar_arrive_cluster(&s.empty[st], cute::block_rank_in_cluster() ^ 1u);
-}
-
-// This thread's TMA stores but the last kPending have read their shared memory (kDone false),
-// or all are complete (kDone: written to global memory, before the kernel exits). Own asm:
-// CuTe's wrappers call a sync-log hook, and a function call anywhere in a kernel serializes
-// its wgmma (C7510).
-template <int kPending, bool kDone = false>
-MOKGEN_DEVICE void store_wait() {
-  if constexpr (kDone)
-    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
-  else
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-
-// The held store stage (weight_kernel's held epilogue, store_tile_held; MOKGEN_BWD_STORE=held):
-// consumer warpgroup 1 writes its 64 x 256 output rows into the tile's last stage, which it does
-// not hand back at the end of the k-loop (pipe.held); it hands it back once its TMA stores have
-// read it, after the next tile's k-block kHeldRelease has been issued (the producer meanwhile
-// fills the ring's other stages). Thread 0 issued the stores, so it waits, then arrives on this
-// CTA's empty barrier and, in a pair, on the peer's itself (release's thread 1 would need a
-// warp sync after the wait: inside the k-loop, ptxas then serialized the wgmma, C7520).
-#ifndef MOKGEN_BWD_HELD_RELEASE
-#define MOKGEN_BWD_HELD_RELEASE 1
-#endif
-constexpr int kHeldRelease = MOKGEN_BWD_HELD_RELEASE;
-template <int kPair, class P>
-MOKGEN_DEVICE void release_held(const Smem& s, P& pipe, int t) {
-  if (t == 0 && pipe.held >= 0) {
-    store_wait<0>();
-    mbar_arrive(&s.empty[pipe.held]);
-    if constexpr (kPair == 2) sm90::mbar_arrive_cluster(&s.empty[pipe.held], cute::block_rank_in_cluster() ^ 1u);
-  }
-  pipe.held = -1;
 }
 
 // Every kernel's roles over one persistent walk (pipe: this thread's, from make_pipe): walk(fn)
@@ -725,8 +681,7 @@ MOKGEN_DEVICE void issue_drained(int steps, Mma mma) {
 struct NoEarly {
   MOKGEN_DEVICE void operator()() const {}
 };
-template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, bool kHold = false, class P,
-          class Early = NoEarly>
+template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, class P, class Early = NoEarly>
 MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc],
                            Early early = Early{}) {
 #ifdef MOKGEN_BWD_FULL_K  // a measuring variant only (.ci/bwd_trace.py): every k-block full, wrong bits
@@ -736,11 +691,6 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
   if (n_k == 0) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-    // kHold: no last stage; one still held from an earlier tile stays held until
-    // store_tile_held's path for a tile without k-blocks hands it back. Handing it back here
-    // (release_held: a bulk-store wait beside the accumulators' zeroing) made ptxas serialize
-    // the kernel's wgmma (C7515, v0.31's patch)
-    if constexpr (kHold) pipe.last = -1;
     stagger_lead_done(s, pipe);
     return;
   }
@@ -760,8 +710,6 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
   auto retire = [&](int kb) {
     fence_operands(acc);
     if (prev_stage >= 0) release<kPair>(s, prev_stage, t);
-    if constexpr (kHold)
-      if (kb == kHeldRelease) release_held<kPair>(s, pipe, t);
     prev_stage = pipe.stage;
     pipe.advance();
     if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
@@ -814,12 +762,7 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
   }
   cute::warpgroup_wait<0>();
   fence_operands(acc);
-  if constexpr (kHold) {  // the last stage is the epilogue's (store_tile_held hands it back)
-    release_held<kPair>(s, pipe, t);
-    pipe.last = prev_stage;
-  } else {
-    release<kPair>(s, prev_stage, t);
-  }
+  release<kPair>(s, prev_stage, t);
   stagger_lead_done(s, pipe);  // a first tile shorter than the lead
 }
 
@@ -1039,8 +982,6 @@ constexpr int kStoreBoxes = kBN / 64;   // boxes of a warpgroup's 64 x 256 rows
 constexpr int kStoreBuffers = 2;        // per consumer warpgroup
 constexpr size_t kStagingBytes = 2 * size_t(kStoreBuffers) * kStoreBox;
 constexpr size_t kWeightSmemBytes = ring_bytes(kWeightStages) + kStagingBytes;
-static_assert(kStoreBoxes * kStoreBox <= kStagingBytes && kStoreBoxes * kStoreBox <= kStageBytes,
-              "the held epilogue: a warpgroup's four boxes fit the store buffers and one stage");
 static_assert(kWeightSmemBytes <= 232448, "the stage ring and the store buffers fit one SM's 227 KB");
 constexpr size_t kPPSmemBytes = ring_bytes(kPPStages, kPPStageBytes) + kStagingBytes;  // the ping-pong's
 static_assert(kPPSmemBytes <= 232448, "the ping-pong's ring and store buffers fit one SM's 227 KB");
@@ -1056,18 +997,16 @@ MOKGEN_DEVICE void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t
                : "memory");
 }
 
-// One 64 x 64 box of a consumer warpgroup's accumulators into buf, as bf16 in the 128-byte
-// swizzle the TMA store reads: accumulator groups group0 .. group0 + 7 (8 columns each), by
-// stmatrix. r, second: this lane's row and matrix half for stmatrix (store_tile_tma).
-MOKGEN_DEVICE void stage_box(const float (&acc)[kAcc], unsigned char* buf, int group0, int r, int second) {
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {  // groups group0 + 2 p and + 1: 16 columns each pair
-    const int g0 = group0 + 2 * p, g1 = g0 + 1;
-    const int chunk = 2 * p + second;  // 16-byte chunk of the box row (8 columns, one group)
-    const uint32_t addr = smem_u32(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
-    stmatrix_x4(addr, pack_bf16x2(acc[4 * g0], acc[4 * g0 + 1]), pack_bf16x2(acc[4 * g0 + 2], acc[4 * g0 + 3]),
-                pack_bf16x2(acc[4 * g1], acc[4 * g1 + 1]), pack_bf16x2(acc[4 * g1 + 2], acc[4 * g1 + 3]));
-  }
+// This thread's TMA stores but the last kPending have read their shared memory (kDone false),
+// or all are complete (kDone: written to global memory, before the kernel exits). Own asm:
+// CuTe's wrappers call a sync-log hook, and a function call anywhere in a kernel serializes
+// its wgmma (C7510).
+template <int kPending, bool kDone = false>
+MOKGEN_DEVICE void store_wait() {
+  if constexpr (kDone)
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 
 // Consumer warpgroup wg's rows of a weight-gradient tile: out rows row0 + 64 wg .. + 63 and
@@ -1091,7 +1030,15 @@ MOKGEN_DEVICE void store_tile_tma(const float (&acc)[kAcc], const Smem& s, int w
     if (t == 0) store_wait<kStoreBuffers - 1>();  // the store that read this buffer last is done reading it
     asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
     // the box's first 8-column accumulator group: m64n128 half j / 2 holds groups 16 (j / 2) ..
-    stage_box(acc, buf, kPP ? 16 * (j >> 1) + 8 * (j & 1) : 8 * j, r, second);
+    const int group0 = kPP ? 16 * (j >> 1) + 8 * (j & 1) : 8 * j;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {  // groups group0 + 2 p and + 1: 16 columns each pair
+      const int g0 = group0 + 2 * p, g1 = g0 + 1;
+      const int chunk = 2 * p + second;  // 16-byte chunk of the box row (8 columns, one group)
+      const uint32_t addr = smem_u32(buf + r * 128 + ((chunk ^ (r & 7)) << 4));
+      stmatrix_x4(addr, pack_bf16x2(acc[4 * g0], acc[4 * g0 + 1]), pack_bf16x2(acc[4 * g0 + 2], acc[4 * g0 + 3]),
+                  pack_bf16x2(acc[4 * g1], acc[4 * g1 + 1]), pack_bf16x2(acc[4 * g1 + 2], acc[4 * g1 + 3]));
+    }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, before the TMA reads them
     asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
     if (t == 0) {
@@ -1103,72 +1050,6 @@ MOKGEN_DEVICE void store_tile_tma(const float (&acc)[kAcc], const Smem& s, int w
     }
     if (stamps != nullptr) stamps[j] = clock64();
   }
-}
-
-// The weight gradients' held epilogue (MOKGEN_BWD_STORE=held; consume<..., kHold>): the whole
-// 128 x 256 tile staged at once, so no box waits for an earlier box's store to drain. Warpgroup 0
-// writes its four 64 x 64 boxes into the 32 KB after the stage ring (store_tile_tma's four
-// buffers), warpgroup 1 into the first 32 KB of the tile's last stage (pipe.last), which consume
-// kept back from the producer; each warpgroup's thread 0 issues its four stores and goes on to
-// the next tile. Warpgroup 0 hands the stage back here, warpgroup 1 once its stores have read it
-// (release_held, in the next tile's k-loop).
-// The two warpgroups never wait for each other as a whole, so the stagger keeps one's epilogue
-// beside the other's wgmma: warpgroup 1 writes into the last stage only once warpgroup 0 has
-// retired its wgmma on it (consume's wait<0>, then an arrive on Smem::read; under the stagger
-// warpgroup 0 is ahead, so the wait is mostly already over), and warpgroup 0 arrives for the
-// next tile only once all of warpgroup 1 has seen that (read[1]: a phase of read[0] is never
-// completed twice before warpgroup 1 has waited on it). v0.31's patch put both behind one
-// barrier of 256 threads instead, which ran them in lockstep from every epilogue on (measured:
-// the split weight GEMMs 0.6-1.3% faster than the buffers, pairs 0.3-1.5% slower).
-// Each thread 0 waits for its own earlier stores to have read its staging area before its
-// warpgroup writes it. A tile without k-blocks (an expert without rows; the same tile for both
-// warpgroups) has no last stage: both take store_tile_tma's path between two barriers of both
-// (barrier 2), the second once its stores have read the buffers, which overlap warpgroup 0's
-// staging area. The same values stored, so the same bits.
-template <int kPair, class P>
-MOKGEN_DEVICE void store_tile_held(const float (&acc)[kAcc], const Smem& s, P& pipe, int wg, const CUtensorMap* out,
-                                   int row0, int col0, long long* stamps = nullptr) {
-  const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31;
-  const int last = __shfl_sync(0xffffffffu, pipe.last, 0);  // warp-uniform for ptxas (see run_roles)
-  if (t == 0) store_wait<0>();
-  if (last < 0) {
-    asm volatile("bar.sync 2, 256;" ::: "memory");  // no earlier store of either warpgroup still reads
-    // a stage still held from an earlier tile (consume hands none back for a tile without
-    // k-blocks): thread 0's wait above saw its stores read it
-    release_held<kPair>(s, pipe, t);
-    store_tile_tma(acc, s, wg, out, row0, col0, stamps);
-    if (t == 0) store_wait<0>();
-    asm volatile("bar.sync 2, 256;" ::: "memory");  // these stores have read the buffers
-    return;
-  }
-  if (wg == 0) {  // wg: warp-uniform (run_roles)
-    mbar_wait(&s.read[1], pipe.read_phase);  // warpgroup 1 is through the last tile's hand-over
-    if (t == 0) mbar_arrive(&s.read[0]);     // release (CTA scope): this warpgroup's wgmma reads of the stage retired
-  } else {
-    mbar_wait(&s.read[0], pipe.read_phase);
-  }
-  pipe.read_phase ^= 1u;
-  asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");  // thread 0's store wait, for the warpgroup
-  if (wg == 1 && t == 0) mbar_arrive(&s.read[1]);  // all of warpgroup 1 is past its wait
-  unsigned char* base = wg == 0 ? s.after : s.stages + size_t(last) * kStageBytes;
-  const int mat = lane >> 3, r = 16 * w + (lane & 7) + 8 * (mat & 1), second = mat >> 1;
-#pragma unroll
-  for (int j = 0; j < kStoreBoxes; ++j) {
-    stage_box(acc, base + j * kStoreBox, 8 * j, r, second);
-    if (stamps != nullptr) stamps[j] = clock64();
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, before the TMA reads them
-  asm volatile("bar.sync %0, 128;" ::"r"(4 + wg) : "memory");
-  if (t == 0) {
-#pragma unroll
-    for (int j = 0; j < kStoreBoxes; ++j)
-      cute::SM90_TMA_STORE_2D::copy(out, base + j * kStoreBox, col0 + 64 * j, row0 + 64 * wg);
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-  }
-  const int give = wg == 0 ? pipe.last : -1;  // selects, not a branch on wg (see run_roles)
-  pipe.held = wg == 0 ? -1 : pipe.last;
-  pipe.last = -1;
-  if (give >= 0) release<kPair>(s, give, t);
 }
 
 // The end of a consumer warpgroup's stores: its thread 0 waits for them to complete.
