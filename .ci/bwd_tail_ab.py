@@ -10,7 +10,10 @@ B / A with its 95% bootstrap interval (bench.block_ratio). Last, the three weigh
 as each schedule launches them: the ping-pong's three launches (tail zero) against the split
 tiles' joint launch and dW_down (tail tma).
 
-Usage: python3 .ci/bwd_tail_ab.py [SPEC ...] [--blocks N] (default kimi-k2.5, 30 blocks)"""
+With --tails A B (default: zero tma) any two of bwd_gemm.WEIGHT_TAILS are compared instead, and
+the last line is the split tiles' three weight gradients under A against B (v0.32: tma steps).
+
+Usage: python3 .ci/bwd_tail_ab.py [SPEC ...] [--blocks N] [--tails A B] (default kimi-k2.5, 30 blocks)"""
 
 import argparse
 import statistics
@@ -24,7 +27,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("specs", nargs="*", default=["kimi-k2.5"])
     ap.add_argument("--blocks", type=int, default=30)
+    ap.add_argument("--tails", nargs=2, default=["zero", "tma"], choices=bwd_gemm.WEIGHT_TAILS)
     args = ap.parse_args()
+    ta, tb = args.tails
+    default = (ta, tb) == ("zero", "tma")
     for name in args.specs:
         spec, gen, counts, offs, rows = bench.local_expert_rows(name)
         E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
@@ -50,6 +56,10 @@ def main() -> None:
         # the backward's three weight gradients as each schedule launches them: A = the ping-pong
         # (three launches, tail zero), B = the split tiles (the joint launch and dW_down, tail tma)
         def weights(side):
+            if not default:  # the split tiles' three weight gradients under tail A or B
+                t = (ta, tb)[side]
+                return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=t),
+                        bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail=t))
             if side == 0:
                 return tuple(bwd_gemm.weight_grads(p, q, offs, cluster=1, schedule="pingpong", tail="zero")
                              for p, q in ((dg, x), (du, x), (go, hw)))
@@ -57,28 +67,29 @@ def main() -> None:
                     bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail="tma"))
 
         for title, flops, fn in cases:
-            zero, tma = fn("zero"), fn("tma")
+            zero, tma = fn(ta), fn(tb)
             same = all(torch.equal(p, q) for p, q in zip(zero if isinstance(zero, tuple) else (zero,),
                                                          tma if isinstance(tma, tuple) else (tma,)))
             del zero, tma
-            tails = ("zero", "tma")
+            tails = (ta, tb)
             pairs = bench.abba_blocks(lambda side, i: bench.time_launch(lambda: fn(tails[side])), args.blocks)
             a = statistics.median(p[0] / 2 for p in pairs)
             b = statistics.median(p[1] / 2 for p in pairs)
             r, lo, hi = bench.block_ratio(pairs)
             faster = sum(p[1] < p[0] for p in pairs)
-            print(f"  {title}: same bits {same}; zero {a:.3f} ms ({flops / a / 1e9:.0f} TFLOP/s), "
-                  f"tma {b:.3f} ms ({flops / b / 1e9:.0f}); tma / zero {r:.4f} [{lo:.4f}, {hi:.4f}], "
-                  f"tma faster in {faster}/{len(pairs)}", flush=True)
+            print(f"  {title}: same bits {same}; {ta} {a:.3f} ms ({flops / a / 1e9:.0f} TFLOP/s), "
+                  f"{tb} {b:.3f} ms ({flops / b / 1e9:.0f}); {tb} / {ta} {r:.4f} [{lo:.4f}, {hi:.4f}], "
+                  f"{tb} faster in {faster}/{len(pairs)}", flush=True)
 
         same = all(torch.equal(p, q) for p, q in zip(weights(0), weights(1)))
         pairs = bench.abba_blocks(lambda side, i: bench.time_launch(lambda: weights(side)), args.blocks)
         a = statistics.median(p[0] / 2 for p in pairs)
         b = statistics.median(p[1] / 2 for p in pairs)
         r, lo, hi = bench.block_ratio(pairs)
-        print(f"  all three dW: same bits {same}; pingpong zero {a:.3f} ms ({6 * rows * H * I / a / 1e9:.0f} "
-              f"TFLOP/s), split tma {b:.3f} ms ({6 * rows * H * I / b / 1e9:.0f}); split tma / pingpong zero "
-              f"{r:.4f} [{lo:.4f}, {hi:.4f}], split faster in {sum(p[1] < p[0] for p in pairs)}/{len(pairs)}",
+        sa, sb = ("pingpong zero", "split tma") if default else (f"split {ta}", f"split {tb}")
+        print(f"  all three dW: same bits {same}; {sa} {a:.3f} ms ({6 * rows * H * I / a / 1e9:.0f} "
+              f"TFLOP/s), {sb} {b:.3f} ms ({6 * rows * H * I / b / 1e9:.0f}); {sb} / {sa} "
+              f"{r:.4f} [{lo:.4f}, {hi:.4f}], B faster in {sum(p[1] < p[0] for p in pairs)}/{len(pairs)}",
               flush=True)
 
 if __name__ == "__main__":

@@ -124,9 +124,24 @@ class _Lib:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, result
         self._lib = lib
+        self._tail_steps = False  # the library's own default (g_steps 0)
+        if hasattr(lib, "mokgen_bwd_set_tail_steps"):
+            lib.mokgen_bwd_set_tail_steps.argtypes, lib.mokgen_bwd_set_tail_steps.restype = [_i], None
         if hasattr(lib, "mokgen_bwd_set_stagger"):  # an older build (a benchmark's) may lack it
             lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
             self.set_stagger(env.bwd_stagger())
+
+    def set_tail_steps(self, on: bool) -> None:
+        """Whether the split weight tiles of this library's launches leave out a bounded last
+        k-block's empty 16-row steps (tail "steps"); a library call only when it changes."""
+        on = bool(on)
+        if on != self._tail_steps:
+            if not hasattr(self._lib, "mokgen_bwd_set_tail_steps"):  # an older build (a benchmark's)
+                if on:
+                    raise InputError("this build of the backward library has no tail \"steps\"")
+                return
+            self._lib.mokgen_bwd_set_tail_steps(int(on))
+            self._tail_steps = on
 
     def set_stagger(self, lead: int) -> None:
         """The consumer warpgroups' stagger lead (k-blocks; 0: lockstep) in this library's GEMM launches."""
@@ -514,10 +529,12 @@ def weight_schedule(rows: int, experts: int, *, gathered: bool = False) -> str:
 #: how a weight-gradient tile's short last k-block (the expert's rows end inside it) gets the rows
 #: past the expert out of its sums: "tma", per-expert copies of the operands' tensor maps whose row
 #: count ends at the expert's last row, so the TMA loads zeros there and the k-block runs as a
-#: full one (v0.30); "zero", the consumers zero those rows in shared memory and run the k-block
-#: alone after the loop, drained before and after; "auto", the measured faster per schedule
+#: full one (v0.30); "steps", the same maps, and the split tiles' k-block runs only its 16-row
+#: steps that hold expert rows, peeled after the loop with no drain (v0.32; the ping-pong runs it
+#: as "tma"); "zero", the consumers zero those rows in shared memory and run the k-block alone
+#: after the loop, drained before and after; "auto", the measured faster per schedule
 #: (TAIL_AUTO). The same bits every way (MOKGEN_BWD_TAIL).
-WEIGHT_TAILS = ("auto", "tma", "zero")
+WEIGHT_TAILS = ("auto", "tma", "zero", "steps")
 #: the tail "auto" takes per schedule (docs/perf-notes.md v0.30: the bounded maps took 3-6% off
 #: the split tiles' weight GEMMs and added 2-8% to the ping-pong's)
 TAIL_AUTO = {"split": "tma", "pingpong": "zero"}
@@ -534,7 +551,7 @@ def _weight_tail(tail: str | None) -> str:
 
 
 def weight_tail(tail: str | None, schedule: str) -> str:
-    """The tail ("tma" or "zero") that a weight-gradient launch of ``schedule`` runs with for
+    """The tail ("tma", "steps" or "zero") that a weight-gradient launch of ``schedule`` runs with for
     ``tail`` (None: MOKGEN_BWD_TAIL; "auto": TAIL_AUTO)."""
     tail = _weight_tail(tail)
     return TAIL_AUTO[schedule] if tail == "auto" else tail
@@ -542,9 +559,9 @@ def weight_tail(tail: str | None, schedule: str) -> str:
 
 def _bounded_ws(tail: str, experts: int, device):
     """The device memory that the weight entries write the experts' bounded maps into (tail
-    "tma"), else None. From the caching allocator on the launch's stream: freed after the call,
-    its reuse ordered after the launch."""
-    if tail != "tma":
+    "tma" or "steps"), else None. From the caching allocator on the launch's stream: freed after
+    the call, its reuse ordered after the launch."""
+    if tail not in ("tma", "steps"):
         return None
     import torch
 
@@ -676,8 +693,10 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     if rows == 0 or E == 0:
         return torch.zeros(E, M, N, dtype=torch.bfloat16, device=a.device)
     out = torch.empty(E, M, N, dtype=torch.bfloat16, device=a.device)
-    ws = _bounded_ws(weight_tail(tail, schedule), E, a.device)
+    tail = weight_tail(tail, schedule)
+    ws = _bounded_ws(tail, E, a.device)
     ws_ptr = None if ws is None else ws.data_ptr()
+    load_library().set_tail_steps(tail == "steps")
     if a_index is not None:
         with _on(a.device) as stream:
             load_library().weights_gathered(out.data_ptr(), a.data_ptr(), a_index.data_ptr(), b.data_ptr(),
@@ -722,6 +741,7 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     if rows and E:
         ws = _bounded_ws(tail, E, a0.device)
         ws_ptr = None if ws is None else ws.data_ptr()
+        load_library().set_tail_steps(tail == "steps")
         with _on(a0.device) as stream:
             if b_index is not None:
                 load_library().weights2_gathered(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(),

@@ -32,7 +32,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_CLUSTER": "1 (default) or 2: the backward's weight-gradient GEMMs run as single CTAs, or as CTA pairs that load the shared operand once by TMA multicast (the same bits)",
     "MOKGEN_BWD_ROWS_CLUSTER": "auto (default: CTA pairs where N >= 4096, so dx on the hidden sizes from 4096), 1 or 2: the backward's rows GEMMs (dh and dx) run as single CTAs, or as CTA pairs computing two column tiles of one row block that load the A rows once by TMA multicast (the same bits)",
     "MOKGEN_BWD_WEIGHTS": "auto (default), split or pingpong: the backward's weight-gradient GEMMs in 128 x 256 tiles split between the two consumer warpgroups, or in 128 x 128 tiles, each one warpgroup's, the two taking turns; auto: the split, except under MOKGEN_BWD_TAIL=zero the ping-pong where the experts' mean rows are at most 384 and no operand is read through the token index (the same bits)",
-    "MOKGEN_BWD_TAIL": "auto (default), tma or zero: how the backward's weight-gradient GEMMs keep the next expert's rows out of a tile's short last k-block: per-expert copies of the operands' tensor maps that end at the expert's last row, so the TMA loads zeros past it and the k-block runs as a full one (tma), or the consumers zero those rows in shared memory and run the k-block alone, drained (zero); auto: tma for the split tiles, zero for the ping-pong (measured, bwd_gemm.TAIL_AUTO). The same bits",
+    "MOKGEN_BWD_TAIL": "auto (default), tma, steps or zero: how the backward's weight-gradient GEMMs keep the next expert's rows out of a tile's short last k-block: per-expert copies of the operands' tensor maps that end at the expert's last row, so the TMA loads zeros past it and the k-block runs as a full one (tma), the same maps with the split tiles' k-block running only its 16-row steps that hold expert rows, peeled with no drain (steps), or the consumers zero those rows in shared memory and run the k-block alone, drained (zero); auto: tma for the split tiles, zero for the ping-pong (measured, bwd_gemm.TAIL_AUTO). The same bits",
     "MOKGEN_BWD_WEIGHTS_JOINT": "1 (default) or 0: the gate's and up's weight gradients (both over the x rows) in one launch whose tiles walk an expert's x rows together so they are read from memory once, or in two launches (split schedule only; the same bits)",
     "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. For the ping-pong weight gradients: how many k-blocks before its last one a warpgroup hands the turn over. The same bits at every value",
     "MOKGEN_BWD_DX_PAIRS": "bf16 (default) or fp32: where a token has several pairs, mokgen's backward GEMMs write each pair's dx row rounded to bf16 (as the forward's combine slots and the rows that come back across GPUs) or in fp32, before the fixed-order fp32 sum over the token's slots",
@@ -159,9 +159,10 @@ BWD_TAIL_DEFAULT = "auto"
 
 def bwd_tail() -> str:
     """MOKGEN_BWD_TAIL: "tma" (the TMA loads zeros past the expert's rows through per-expert
-    bounded tensor maps), "zero" (the consumers zero them) or "auto" (per schedule,
+    bounded tensor maps), "steps" (those maps, and the split tiles' last k-block issues only its
+    steps that hold expert rows), "zero" (the consumers zero them) or "auto" (per schedule,
     bwd_gemm.TAIL_AUTO); default BWD_TAIL_DEFAULT."""
-    return _choice("MOKGEN_BWD_TAIL", (BWD_TAIL_DEFAULT, *(v for v in ("auto", "tma", "zero")
+    return _choice("MOKGEN_BWD_TAIL", (BWD_TAIL_DEFAULT, *(v for v in ("auto", "tma", "steps", "zero")
                                                           if v != BWD_TAIL_DEFAULT)))
 
 

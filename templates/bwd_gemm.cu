@@ -188,10 +188,13 @@ MOKGEN_DEVICE int weight_k_last(int rows, int n_k, const CUtensorMap* bounded) {
 // warpgroup 0's 128 threads (bwd::produce_gathered): for one problem A's (M columns; dW_down =
 // dOut^T hw from dOut's token rows; maps.a unused), for the joint form B's (N columns; dWg, dWu
 // from x's token rows, MOKGEN_BWD_X=inline; maps.b unused).
+// steps (MOKGEN_BWD_TAIL=steps, g_steps): with bounded maps, a tile's last k-block issues only its
+// 16-row steps that hold the expert's rows (bwd::consume's kLastSteps), picked per tile by a
+// switch between tiles; 0: all four, as tail tma.
 template <int kPair, bool kJoint = false, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
-                  int Mp, bwd::Gather ga, const CUtensorMap* bounded) {
+                  int Mp, bwd::Gather ga, const CUtensorMap* bounded, int steps) {
   static_assert(!kGather || kPair == 1, "gathered weight gradients: single CTAs");
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair, bwd::kStageBytes, 2,
@@ -233,7 +236,15 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         MOKGEN_TRACE_BEGIN();
         float acc[bwd::kAcc];
         const int n_k = weight_k_blocks(rows);
-        bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, weight_k_last(rows, n_k, bounded), acc);
+        const int k_last = weight_k_last(rows, n_k, bounded);
+        // a bounded last k-block's steps that hold expert rows (4: all; warp-uniform, from the walk)
+        const int last_steps = steps && bounded != nullptr && n_k > 0 ? (rows - (n_k - 1) * bwd::kBK + 15) / 16 : 4;
+        switch (last_steps) {  // between tiles: no wgmma in flight across it
+          case 1: bwd::consume<true, true, kPair, kGather, 1>(s, pipe, wg, n_k, k_last, acc); break;
+          case 2: bwd::consume<true, true, kPair, kGather, 2>(s, pipe, wg, n_k, k_last, acc); break;
+          case 3: bwd::consume<true, true, kPair, kGather, 3>(s, pipe, wg, n_k, k_last, acc); break;
+          default: bwd::consume<true, true, kPair, kGather>(s, pipe, wg, n_k, k_last, acc); break;
+        }
         MOKGEN_TRACE_MARK();
 #ifdef MOKGEN_BWD_NO_EPILOGUE  // a measuring variant only (.ci/bwd_trace.py): no stores, wrong results
         bwd::sink(acc);
@@ -1039,6 +1050,11 @@ constexpr int kBadMap = 1000;  // a tensor map could not be encoded (mokgen_bwd_
 // (mokgen.bwd_gemm.set_stagger; MOKGEN_BWD_STAGGER). The same bits at every lead.
 int g_lead = bwd::kMaxLead;
 
+// The weight kernels' bounded last k-block (weight_kernel's `steps`): 1, only its 16-row steps
+// that hold the expert's rows (MOKGEN_BWD_TAIL=steps), or 0, all four (tma); set by
+// mokgen_bwd_set_tail_steps (mokgen.bwd_gemm.weight_tail). The same bits either way.
+int g_steps = 0;
+
 // A rows GEMM's launch: CTA pairs sharing A (rows_kernel<..., 2>) where `pairs_fit` and pairs
 // can be resident, else single CTAs.
 template <bool kBMN, class OutT>
@@ -1062,10 +1078,10 @@ int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* of
     const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
     if (pairs > 0)
       return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
-                          g_lead, Mp, bwd::Gather{}, bounded);
+                          g_lead, Mp, bwd::Gather{}, bounded, g_steps);
   }
   return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp,
-                bwd::Gather{}, bounded);
+                bwd::Gather{}, bounded, g_steps);
 }
 
 // The weight entries' bounded maps: none where bounded_ws is null (the consumers zero the short
@@ -1106,6 +1122,8 @@ int mokgen_bwd_set_trace(void* buf, int tiles) {
   return int(err);
 }
 #endif
+
+void mokgen_bwd_set_tail_steps(int on) { g_steps = on ? 1 : 0; }
 
 void mokgen_bwd_set_stagger(int lead) { g_lead = lead < 0 ? 0 : lead > bwd::kMaxLead ? bwd::kMaxLead : lead; }
 
@@ -1298,7 +1316,7 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   return launch(weight_kernel<1, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead,
-                M, ga, bounded);
+                M, ga, bounded, g_steps);
 }
 
 // The joint form of two weight-gradient problems over one B (weight_kernel<..., true>, StackedM):
@@ -1337,7 +1355,7 @@ int mokgen_bwd_weights2_gathered(void* out0, void* out1, const void* a0, const v
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   return launch(weight_kernel<1, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, 2 * Mp, N,
-                g_lead, Mp, ga, bounded);
+                g_lead, Mp, ga, bounded, g_steps);
 }
 
 // The fused backward of the save policy (fused_kernel): one launch for dh, SwiGLU's backward,

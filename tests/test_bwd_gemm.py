@@ -242,24 +242,47 @@ def test_weight_tail_switch(monkeypatch):
         monkeypatch.setenv("MOKGEN_BWD_TAIL", value)
         assert env.bwd_tail() == value
     monkeypatch.setenv("MOKGEN_BWD_TAIL", "pad")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_TAIL must be auto or tma or zero, got 'pad'"):
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_TAIL must be auto or tma or steps or zero, got 'pad'"):
         env.bwd_tail()
     monkeypatch.delenv("MOKGEN_BWD_TAIL")
     # a bad tail is refused before anything is checked or loaded, by both weight entries
-    with pytest.raises(InputError, match="tail must be one of auto, tma, zero, got 'pad'"):
+    with pytest.raises(InputError, match="tail must be one of auto, tma, zero, steps, got 'pad'"):
         bwd_gemm.weight_grads(None, None, None, cluster=1, tail="pad")
-    with pytest.raises(InputError, match="tail must be one of auto, tma, zero, got 'pad'"):
+    with pytest.raises(InputError, match="tail must be one of auto, tma, zero, steps, got 'pad'"):
         bwd_gemm.weight_grads_joint(None, None, None, None, cluster=1, tail="pad")
     # auto resolves per schedule (the bounded maps for the split tiles, the zeroing for the
     # ping-pong); an explicit tail is kept for both, and the switch is read where tail is None
     assert bwd_gemm.weight_tail("auto", "split") == "tma"
     assert bwd_gemm.weight_tail("auto", "pingpong") == "zero"
-    for value in ("tma", "zero"):
+    for value in ("tma", "zero", "steps"):
         assert all(bwd_gemm.weight_tail(value, s) == value for s in bwd_gemm.WEIGHT_SCHEDULES)
         monkeypatch.setenv("MOKGEN_BWD_TAIL", value)
         assert bwd_gemm.weight_tail(None, "pingpong") == value
     monkeypatch.delenv("MOKGEN_BWD_TAIL")
     assert set(bwd_gemm.TAIL_AUTO) == set(bwd_gemm.WEIGHT_SCHEDULES)
+
+
+class _FakeStepsLib:
+    """A library build's tail-steps setter, counting its calls."""
+
+    def __init__(self, has_setter=True):
+        self.calls = []
+        if has_setter:
+            self.mokgen_bwd_set_tail_steps = self.calls.append
+
+
+def test_the_tail_steps_setting_reaches_the_library_only_when_it_changes():
+    lib = bwd_gemm._Lib.__new__(bwd_gemm._Lib)
+    lib._lib, lib._tail_steps = _FakeStepsLib(), False
+    for on in (False, True, True, False, True):
+        lib.set_tail_steps(on)
+    assert lib._lib.calls == [1, 0, 1] and lib._tail_steps is True
+    # an older build without it: all four steps is what it does; "steps" is refused
+    old = bwd_gemm._Lib.__new__(bwd_gemm._Lib)
+    old._lib, old._tail_steps = _FakeStepsLib(has_setter=False), False
+    old.set_tail_steps(False)
+    with pytest.raises(InputError, match='no tail "steps"'):
+        old.set_tail_steps(True)
     # "zero" asks the library for no bounded maps; "tma" for 3 maps of 128 bytes per expert
     assert bwd_gemm._bounded_ws("zero", 7, "cpu") is None
     ws = bwd_gemm._bounded_ws("tma", 7, "cpu")

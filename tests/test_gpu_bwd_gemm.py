@@ -215,10 +215,12 @@ def _indexed(t, gen):
 
 
 def test_tma_tail_has_the_bits_of_the_zeroed_tail():
-    """The two ways of leaving the next expert's rows out of a short last k-block (MOKGEN_BWD_TAIL)
-    add the same products in the same order, so every weight-gradient launch form gives the same
-    bits either way: both schedules, single CTAs and pairs, the joint form, and the gathered
-    operands (where the gathered operand zero-fills its own rows and the other comes by TMA)."""
+    """The three ways of leaving the next expert's rows out of a short last k-block
+    (MOKGEN_BWD_TAIL) add the same products in the same order ("tma" adds the zero-filled steps'
+    exact zeros too), so every weight-gradient launch form gives the same bits every way: both
+    schedules, single CTAs and pairs, the joint form, and the gathered operands (where the
+    gathered operand zero-fills its own rows and the other comes by TMA). The tails alternate
+    inside the process, so the library's "steps" setting is switched back and forth."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     counts = COUNTS + COUNTS_STEPS + _ragged_counts(24, 23, (4, 11), 6)
     M, N = 512, 512
@@ -230,6 +232,7 @@ def test_tma_tail_has_the_bits_of_the_zeroed_tail():
         zero = fn("zero")
         for _ in range(2):
             assert all(torch.equal(p, q) for p, q in zip(fn("tma"), zero)), name
+            assert all(torch.equal(p, q) for p, q in zip(fn("steps"), zero)), f"{name} (steps)"
 
 
 @pytest.mark.parametrize("tail", bwd_gemm.WEIGHT_TAILS)

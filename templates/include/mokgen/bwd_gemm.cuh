@@ -681,9 +681,18 @@ MOKGEN_DEVICE void issue_drained(int steps, Mma mma) {
 struct NoEarly {
   MOKGEN_DEVICE void operator()() const {}
 };
-template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, class P, class Early = NoEarly>
+// kLastSteps (1 .. kBK / 16; 0: none, the default): the last k-block is a full one whose k rows
+// past the tile's K were zero-filled by the TMA (the weight gradients' bounded maps), and only its
+// first kLastSteps 16-row steps hold any of the K: it runs peeled after the loop with those steps
+// alone, in one straight run like the loop's (a compile-time count: no switch, no drain; the
+// caller picks the instantiation per tile, between tiles, with nothing in flight). The steps left
+// out would add exact zeros, and the zero tail's short path leaves out the same ones, so the bits
+// are both other tails' (MOKGEN_BWD_TAIL=steps, v0.32).
+template <bool kAMN, bool kBMN, int kPair = 1, bool kGathered = false, int kLastSteps = 0, class P,
+          class Early = NoEarly>
 MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_last, float (&acc)[kAcc],
                            Early early = Early{}) {
+  static_assert(kLastSteps >= 0 && kLastSteps <= kBK / 16, "the last k-block's 16-row steps");
 #ifdef MOKGEN_BWD_FULL_K  // a measuring variant only (.ci/bwd_trace.py): every k-block full, wrong bits
   k_valid_last = kBK;
 #endif
@@ -702,8 +711,8 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
   // empty one at the join (HGMMA.64x8x16 on RZ), so wait<1> waited for the k-block just issued
   // and no k-block overlapped the next one's issue; committing in each case instead left
   // wgmma in flight across the join, which the trace build serialized (C7515, v0.27).
-  const bool short_last = k_valid_last < kBK;
-  const int n_full = short_last ? n_k - 1 : n_k;
+  const bool short_last = kLastSteps == 0 && k_valid_last < kBK;
+  const int n_full = short_last || kLastSteps > 0 ? n_k - 1 : n_k;
   int prev_stage = -1;
   // after k-block kb's wgmma have left at most the current batch in flight: hand the stage
   // before it back, step the ring, and the stagger's hand-over once the lead is consumed
@@ -724,6 +733,21 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     fence_operands(acc);
     cute::warpgroup_arrive();
     mma_steps<kAMN, kBMN, kBK / 16>(st + wg * kBox, st + kABytes, acc, kb > 0);
+    cute::warpgroup_commit_batch();
+    if (kb == 0) early();
+    cute::warpgroup_wait<1>();
+    retire(kb);
+  }
+  if constexpr (kLastSteps > 0) {  // the last k-block, its first kLastSteps steps, as the loop runs one
+    const int kb = n_k - 1;
+    pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
+#ifndef MOKGEN_GATHER_NO_FENCE
+    if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
+    fence_operands(acc);
+    cute::warpgroup_arrive();
+    mma_steps<kAMN, kBMN, kLastSteps>(st + wg * kBox, st + kABytes, acc, kb > 0);
     cute::warpgroup_commit_batch();
     if (kb == 0) early();
     cute::warpgroup_wait<1>();
