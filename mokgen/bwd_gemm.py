@@ -536,8 +536,9 @@ def weight_schedule(rows: int, experts: int, *, gathered: bool = False) -> str:
 #: (TAIL_AUTO). The same bits every way (MOKGEN_BWD_TAIL).
 WEIGHT_TAILS = ("auto", "tma", "zero", "steps")
 #: the tail "auto" takes per schedule (docs/perf-notes.md v0.30: the bounded maps took 3-6% off
-#: the split tiles' weight GEMMs and added 2-8% to the ping-pong's)
-TAIL_AUTO = {"split": "tma", "pingpong": "zero"}
+#: the split tiles' weight GEMMs and added 2-8% to the ping-pong's; v0.32: "steps" took another
+#: 3-6% off the split tiles' three weight gradients against "tma")
+TAIL_AUTO = {"split": "steps", "pingpong": "zero"}
 #: bytes of bounded tensor maps per expert (bwd_gemm.cuh kBoundedMaps, 128 bytes each)
 _BOUNDED_MAP_BYTES = 3 * 128
 

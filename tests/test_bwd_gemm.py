@@ -252,7 +252,7 @@ def test_weight_tail_switch(monkeypatch):
         bwd_gemm.weight_grads_joint(None, None, None, None, cluster=1, tail="pad")
     # auto resolves per schedule (the bounded maps for the split tiles, the zeroing for the
     # ping-pong); an explicit tail is kept for both, and the switch is read where tail is None
-    assert bwd_gemm.weight_tail("auto", "split") == "tma"
+    assert bwd_gemm.weight_tail("auto", "split") == "steps"
     assert bwd_gemm.weight_tail("auto", "pingpong") == "zero"
     for value in ("tma", "zero", "steps"):
         assert all(bwd_gemm.weight_tail(value, s) == value for s in bwd_gemm.WEIGHT_SCHEDULES)
