@@ -723,8 +723,9 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     pipe.advance();
     if (kb == pipe.lead - 1) stagger_lead_done(s, pipe);
   };
-#pragma unroll 2  // as the forward's mainloop (no spills either way)
-  for (int kb = 0; kb < n_full; ++kb) {
+  // k-block kb as one batch of its first `steps` 16-row steps (a std::integral_constant), one
+  // batch left in flight after it: every k-block of the loop, and kLastSteps' peeled last one
+  auto run_block = [&](int kb, auto steps) {
     pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
 #ifndef MOKGEN_GATHER_NO_FENCE  // a measuring variant only (.ci/gather_probe.py --flags): not a correct kernel
     if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -732,27 +733,16 @@ MOKGEN_DEVICE void consume(const Smem& s, P& pipe, int wg, int n_k, int k_valid_
     const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
     fence_operands(acc);
     cute::warpgroup_arrive();
-    mma_steps<kAMN, kBMN, kBK / 16>(st + wg * kBox, st + kABytes, acc, kb > 0);
+    mma_steps<kAMN, kBMN, decltype(steps)::value>(st + wg * kBox, st + kABytes, acc, kb > 0);
     cute::warpgroup_commit_batch();
     if (kb == 0) early();
     cute::warpgroup_wait<1>();
     retire(kb);
-  }
-  if constexpr (kLastSteps > 0) {  // the last k-block, its first kLastSteps steps, as the loop runs one
-    const int kb = n_k - 1;
-    pipe_wait(&s.full[pipe.stage], pipe.phase, pipe);
-#ifndef MOKGEN_GATHER_NO_FENCE
-    if constexpr (kGathered) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-    const unsigned char* st = s.stages + size_t(pipe.stage) * kStageBytes;
-    fence_operands(acc);
-    cute::warpgroup_arrive();
-    mma_steps<kAMN, kBMN, kLastSteps>(st + wg * kBox, st + kABytes, acc, kb > 0);
-    cute::warpgroup_commit_batch();
-    if (kb == 0) early();
-    cute::warpgroup_wait<1>();
-    retire(kb);
-  }
+  };
+#pragma unroll 2  // as the forward's mainloop (no spills either way)
+  for (int kb = 0; kb < n_full; ++kb) run_block(kb, std::integral_constant<int, kBK / 16>{});
+  // the last k-block, its first kLastSteps steps, as the loop runs one
+  if constexpr (kLastSteps > 0) run_block(n_k - 1, std::integral_constant<int, kLastSteps>{});
   if (short_last) {
     const int kb = n_k - 1;
     cute::warpgroup_wait<0>();  // nothing in flight from here to the switch's drain
