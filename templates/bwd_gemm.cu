@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 #ifdef MOKGEN_BWD_FULL_K  // the measuring variant's every k-block full (bwd::consume): all four steps too
         const int last_steps = 4;
 #else
-        const int last_steps = steps && bounded != nullptr && n_k > 0 ? (rows - (n_k - 1) * bwd::kBK + 15) / 16 : 4;
+        const int last_steps = steps && bounded != nullptr && n_k > 0 ? weight_k_last<true>(rows, n_k, bounded) / 16 : 4;
 #endif
         switch (last_steps) {  // between tiles: no wgmma in flight across it
           case 1: bwd::consume<true, true, kPair, kGather, 1>(s, pipe, wg, n_k, k_last, acc); break;
