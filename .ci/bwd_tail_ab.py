@@ -13,7 +13,12 @@ tiles' joint launch and dW_down (tail tma).
 With --tails A B (default: zero tma) any two of bwd_gemm.WEIGHT_TAILS are compared instead, and
 the last line is the split tiles' three weight gradients under A against B (v0.32: tma steps).
 
-Usage: python3 .ci/bwd_tail_ab.py [SPEC ...] [--blocks N] [--tails A B] (default kimi-k2.5, 30 blocks)"""
+With --three SCHEDULE:TAIL SCHEDULE:TAIL (v0.33: pingpong:steps split:steps) the last line
+compares the three weight gradients as those two (schedule, tail) launch them instead: the split
+as its joint launch and dW_down, the ping-pong as its three launches.
+
+Usage: python3 .ci/bwd_tail_ab.py [SPEC ...] [--blocks N] [--tails A B] [--three S:T S:T]
+(default kimi-k2.5, 30 blocks)"""
 
 import argparse
 import statistics
@@ -28,8 +33,16 @@ def main() -> None:
     ap.add_argument("specs", nargs="*", default=["kimi-k2.5"])
     ap.add_argument("--blocks", type=int, default=30)
     ap.add_argument("--tails", nargs=2, default=["zero", "tma"], choices=bwd_gemm.WEIGHT_TAILS)
+    ap.add_argument("--three", nargs=2, metavar="SCHEDULE:TAIL")
     args = ap.parse_args()
     ta, tb = args.tails
+    three = None
+    if args.three:
+        three = [tuple(x.split(":")) for x in args.three]
+        for st in three:
+            if len(st) != 2 or st[0] not in bwd_gemm.WEIGHT_SCHEDULES or st[1] not in bwd_gemm.WEIGHT_TAILS:
+                ap.error(f"--three takes SCHEDULE:TAIL with a schedule of {bwd_gemm.WEIGHT_SCHEDULES} "
+                         f"and a tail of {bwd_gemm.WEIGHT_TAILS}, got {':'.join(st)!r}")
     default = (ta, tb) == ("zero", "tma")
     for name in args.specs:
         spec, gen, counts, offs, rows = bench.local_expert_rows(name)
@@ -56,6 +69,13 @@ def main() -> None:
         # the backward's three weight gradients as each schedule launches them: A = the ping-pong
         # (three launches, tail zero), B = the split tiles (the joint launch and dW_down, tail tma)
         def weights(side):
+            if three is not None:  # the three weight gradients as (schedule, tail) launches them
+                sch, t = three[side]
+                if sch == "pingpong":
+                    return tuple(bwd_gemm.weight_grads(p, q, offs, cluster=1, schedule="pingpong", tail=t)
+                                 for p, q in ((dg, x), (du, x), (go, hw)))
+                return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=t),
+                        bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail=t))
             if not default:  # the split tiles' three weight gradients under tail A or B
                 t = (ta, tb)[side]
                 return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=t),
@@ -87,6 +107,8 @@ def main() -> None:
         b = statistics.median(p[1] / 2 for p in pairs)
         r, lo, hi = bench.block_ratio(pairs)
         sa, sb = ("pingpong zero", "split tma") if default else (f"split {ta}", f"split {tb}")
+        if three is not None:
+            sa, sb = (f"{sch} {t}" for sch, t in three)
         print(f"  all three dW: same bits {same}; {sa} {a:.3f} ms ({6 * rows * H * I / a / 1e9:.0f} "
               f"TFLOP/s), {sb} {b:.3f} ms ({6 * rows * H * I / b / 1e9:.0f}); {sb} / {sa} "
               f"{r:.4f} [{lo:.4f}, {hi:.4f}], B faster in {sum(p[1] < p[0] for p in pairs)}/{len(pairs)}",

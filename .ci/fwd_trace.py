@@ -16,8 +16,9 @@ prints:
             dependency wait (chunk landed; a down tile: its row block's up tiles) and its waits
             for empty stages; in SM cycles, beside the tensor core's time for the tile at the
             dense rate (1024 cycles per 128 x 256 x 64 k-block, both warpgroups')
-            and per kind, the tiles of at most 64 rows (an expert segment's partial last block)
-            against the others: their k-loops and full-stage waits
+            and per kind, the tiles of at most 64 rows (an expert segment's partial last block),
+            of 65-128 rows and of a tall block (more than 128 rows, plan tall_tail): their k-loops
+            and full-stage waits
   budget    the compute CTAs' time summed over CTAs, split into: before the first tile, k-loops,
             epilogues, between tiles (handshake, walk, producer dependency waits), after the last
             tile (to the compute roles' end), and the combine
@@ -187,7 +188,8 @@ for ci in torch.nonzero(comp).flatten().tolist():
             kl, epi = float(r[i, 2] - r[i, 1]), float(r[i, 3] - r[i, 2])
             s["kloop"].append(kl)
             s["fullw"].append(float(r[i, 4]))
-            part = by_rows.setdefault((kind, int(r[i, 7]) <= 64), ([], []))
+            rows_i = int(r[i, 7])  # the row bucket: <= 64, 65-128, a tall block's (> 128)
+            part = by_rows.setdefault((kind, 0 if rows_i <= 64 else 1 if rows_i <= 128 else 2), ([], []))
             part[0].append(kl)
             part[1].append(float(r[i, 4]))
             s["epi"].append(epi)
@@ -220,8 +222,8 @@ for kind, s in stats.items():
     print(f"  {kind:5s} {n:6d} {dense:7d} {med(s['kloop']):7.0f} {med(s['fullw']):7.0f} {med(s['epi']):7.0f} "
           f"{med(s['sig']):7.0f} {med(s['gap']):7.0f} {med(s['dep']):7.0f} {sum(s['dep']):9.0f} {med(s['empty']):8.0f}")
 print("  by rows (k-loop / full wt medians): " + "; ".join(
-    f"{kind} {'<= 64' if small else '> 64'} rows: {len(v[0]) // 2} tiles, {med(v[0]):.0f} / {med(v[1]):.0f}"
-    for (kind, small), v in sorted(by_rows.items(), key=lambda kv: (kv[0][0] != "up", not kv[0][1]))))
+    f"{kind} {('<= 64', '65-128', 'tall, > 128')[b]} rows: {len(v[0]) // 2} tiles, {med(v[0]):.0f} / {med(v[1]):.0f}"
+    for (kind, b), v in sorted(by_rows.items(), key=lambda kv: (kv[0][0] != "up", kv[0][1]))))
 total = sum(budget.values())
 comb = float((ph[comp, 4] - ph[comp, 3]).sum()) * ghz
 print("budget   compute CTAs' cycles (per CTA, the two warpgroups averaged), share of the compute roles' span:")
