@@ -10,7 +10,8 @@ Workloads (more come with the Hopper GEMM core):
                the mokgen megakernel (MoELayer, W = 1), the PyTorch
                ``torch._grouped_mm`` pipeline and a per-expert PyTorch loop.
 * ``virtual``  the megakernel with W = 8 virtual ranks on one GPU (T tokens per rank), against the
-               PyTorch pipeline computing the same global tokens without any transfer.
+               PyTorch pipeline and the per-expert loop computing the same global tokens without
+               any transfer.
 * ``local``    one rank's expert work after dispatch at EP 8 (EP 64 for deepseek-v3), 2048 tokens
                per GPU before routing: the rank's E/EP experts and ~2048 k rows, as a single-rank
                problem (see ``local_spec``).
@@ -530,7 +531,10 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     return rows
 
 
-def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2) -> list[Row]:
+def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2,
+                  loop: bool = False) -> list[Row]:
+    """The megakernel with ``world`` virtual ranks on one GPU against the PyTorch pipeline on the
+    same global tokens without any transfer, and (``loop``) the per-expert PyTorch loop."""
     from mokgen.ep import virtual_ep_forward
 
     wg, wu, wd = _weights(spec)
@@ -547,6 +551,8 @@ def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters:
             spec, *inputs[i][3:], wg, wu, wd, check_ids=False),
         "torch._grouped_mm (no transfer)": lambda i: torch_grouped_mm_pipeline(*inputs[i][:3], wg, wu, wd, clamp),
     }
+    if loop:
+        impls["torch per-expert loop (no transfer)"] = lambda i: torch_loop(*inputs[i][:3], wg, wu, wd, clamp)
     rows = []
     flops = routed_flops(spec, tokens_per_rank * world)
     with torch.no_grad():

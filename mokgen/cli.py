@@ -402,7 +402,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                     rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}",
                                                    layer_kwargs=b.local_layer_kwargs(spec, ep, tokens or 2048))
                 elif wl == "local":
-                    rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters)
+                    rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters, loop=not no_loop)
                 elif wl == "block":
                     rows += b.bench_block(spec, tokens or 4096, iters=iters, backward=backward)
                 elif wl == "ep":
@@ -411,7 +411,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                     if figures:
                         links[f"{spec.name} {ep_rows[0].workload}"] = figures
                 elif spec.num_experts % 8 == 0:
-                    rows += b.bench_virtual(spec, tokens or 2048, iters=iters)
+                    rows += b.bench_virtual(spec, tokens or 2048, iters=iters, loop=not no_loop)
             if main_rank and len(rows) > first:  # progress in logs too (the table comes at the end)
                 err_console.print(f"{wl} {spec.name}: " + ", ".join(f"{r.impl} {r.ms:.3f} ms" for r in rows[first:])
                                   + f" ({time.perf_counter() - start:.0f} s)", highlight=False)
