@@ -1,0 +1,81 @@
+"""MXFP8 GEMM on the H200's FP8 tensor cores (issue 6, its first kernel; not used by the layer yet).
+
+``templates/mx_gemm.cu``: ``C = A B^T`` with A ``[M, K]`` and B ``[N, K]`` in MXFP8 as
+:func:`mokgen.mx.quantize` makes them along K (E4M3 codes, one E8M0 scale per 32 consecutive k)
+and C in float32. Each 32-wide k step is its own FP8 wgmma (QGMMA in SASS), promoted into the
+float32 sum with the row's and the column's power-of-two scales, so the result is the exact MX
+product up to the tensor core's rounding within 32 products and one float32 add per step (the
+GPU test bounds it against the float64 oracle). A scale of 255 (NaN) makes its block's products
+NaN. M, N and K must be multiples of 128. One library for every shape, compiled once into the
+build cache (nvcc and the nvidia-cutlass headers), loaded with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from mokgen.build import find_source_library
+from mokgen.errors import InputError, KernelError
+
+ARCH = "sm_90a"
+SOURCE = "mx_gemm.cu"
+LIBRARY = "libmxgemm.so"
+#: M, N and K must be multiples of this
+BLOCK = 128
+
+_by_env: dict = {}
+
+
+def load_library() -> ctypes.CDLL:
+    """The library, built first if needed; found once per process and build cache directory."""
+    key = tuple(os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))
+    lib = _by_env.get(key)
+    if lib is None:
+        path: Path = find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)
+        lib = ctypes.CDLL(str(path))
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.mokgen_mx_gemm.argtypes, lib.mokgen_mx_gemm.restype = [vp, vp, vp, vp, vp, i, i, i, vp], i
+        _by_env[key] = lib
+    return lib
+
+
+def _check(name: str, codes, scales, k: int | None = None) -> tuple[int, int]:
+    import torch
+
+    if not isinstance(codes, torch.Tensor) or codes.dtype not in (torch.float8_e4m3fn, torch.uint8) \
+            or codes.dim() != 2 or not codes.is_contiguous():
+        raise InputError(f"{name} codes must be a contiguous 2-d float8_e4m3fn (or uint8) tensor")
+    if codes.device.type != "cuda":
+        raise InputError(f"{name} codes must be on a CUDA device, got {codes.device}")
+    rows, cols = codes.shape
+    if rows % BLOCK or cols % BLOCK or rows == 0 or cols == 0:
+        raise InputError(f"{name} codes must be [rows, K] with rows and K positive multiples of {BLOCK}, "
+                         f"got {tuple(codes.shape)}")
+    if k is not None and cols != k:
+        raise InputError(f"{name} codes have K = {cols}, the other operand {k}")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, cols // 32) \
+            or not scales.is_contiguous() or scales.device != codes.device:
+        raise InputError(f"{name} scales must be a contiguous uint8 tensor of shape {(rows, cols // 32)} on "
+                         f"{codes.device} (E8M0, one per 32 k)")
+    return rows, cols
+
+
+def mx_gemm(a_codes, a_scales, b_codes, b_scales):
+    """``A B^T`` in float32 for MXFP8 operands quantized along K (``mokgen.mx.quantize(x, dim=-1)``):
+    A ``[M, K]``, B ``[N, K]``, their scales ``[M, K / 32]`` and ``[N, K / 32]``."""
+    import torch
+
+    M, K = _check("A", a_codes, a_scales)
+    N, _ = _check("B", b_codes, b_scales, K)
+    if b_codes.device != a_codes.device:
+        raise InputError(f"A and B must be on one device, got {a_codes.device} and {b_codes.device}")
+    out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    with torch.cuda.device(a_codes.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        code = load_library().mokgen_mx_gemm(out.data_ptr(), a_codes.data_ptr(), a_scales.data_ptr(),
+                                             b_codes.data_ptr(), b_scales.data_ptr(), M, N, K, stream)
+    if code:
+        raise KernelError(f"mokgen_mx_gemm failed: CUDA error {code}")
+    return out

@@ -1,0 +1,58 @@
+"""The MXFP8 GEMM (mokgen/mx_gemm.py) on the H200, against the float64 product of the operands'
+exact MX values (mokgen.mx.dequantize, bit for bit the oracle's)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mokgen import mx, mx_gemm  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+
+#: relative Frobenius error allowed against the exact product: the tensor core rounds inside
+#: each 32-product step (FP8 wgmma accumulates with fewer bits than float32), then one float32 add
+REL_TOL = 1e-3
+
+
+def _blocks(rows, cols, gen, spread):
+    """bf16 rows whose 32-wide blocks have magnitudes 2^[-spread, spread] apart (the scales matter)."""
+    x = torch.randn(rows, cols, generator=gen, device="cuda")
+    mag = torch.exp2(torch.randint(-spread, spread + 1, (rows, cols // 32), generator=gen, device="cuda").float())
+    return (x * mag.repeat_interleave(32, dim=1)).to(torch.bfloat16)
+
+
+def _exact(a, sa, b, sb):
+    return mx.dequantize(a, sa, dim=-1).double() @ mx.dequantize(b, sb, dim=-1).double().t()
+
+
+@pytest.mark.parametrize("M, N, K, spread", [(128, 128, 128, 0), (256, 384, 512, 6), (384, 256, 2048, 20)])
+def test_mx_gemm_matches_the_exact_mx_product(M, N, K, spread):
+    gen = torch.Generator(device="cuda").manual_seed(M + N + K)
+    a, sa = mx.quantize(_blocks(M, K, gen, spread), dim=-1)
+    b, sb = mx.quantize(_blocks(N, K, gen, spread), dim=-1)
+    got = mx_gemm.mx_gemm(a, sa, b, sb)
+    want = _exact(a, sa, b, sb)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    assert torch.isfinite(got).all()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < REL_TOL, f"relative error {err:.3e}"
+    # every element, against its own magnitude scale: a wrong scale (2x off) or a misplaced block fails
+    scale = (mx.dequantize(a, sa, dim=-1).double().abs() @ mx.dequantize(b, sb, dim=-1).double().abs().t())
+    assert ((got.double() - want).abs() <= 4e-3 * scale + 1e-30).all()
+    assert torch.equal(mx_gemm.mx_gemm(a, sa, b, sb), got)  # the same bits again
+
+
+def test_a_nan_scale_makes_its_rows_products_nan():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a, sa = mx.quantize(_blocks(128, 256, gen, 2), dim=-1)
+    b, sb = mx.quantize(_blocks(128, 256, gen, 2), dim=-1)
+    sa[5, 3] = 255  # E8M0 NaN: row 5's block 3
+    sb[7, 0] = 255  # column 7's block 0
+    got = mx_gemm.mx_gemm(a, sa, b, sb)
+    assert torch.isnan(got[5]).all() and torch.isnan(got[:, 7]).all()
+    ok = torch.ones_like(got, dtype=torch.bool)
+    ok[5] = False
+    ok[:, 7] = False
+    assert torch.isfinite(got[ok]).all()

@@ -1,0 +1,61 @@
+"""The MXFP8 GEMM library (mokgen/mx_gemm.py, templates/mx_gemm.cu): build and input checks, no
+GPU needed. Its GPU test is in test_gpu_mx_gemm.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import sass  # noqa: E402
+from mokgen import mx_gemm  # noqa: E402
+from mokgen.errors import InputError  # noqa: E402
+
+
+@pytest.mark.nvcc
+def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
+    """One kernel, no spills, no wgmma serialized, and its FP8 wgmma in the SASS (QGMMA; the
+    32-wide k steps on E4M3 operands)."""
+    from mokgen.build import build_source, serialized_wgmma
+
+    lib = build_source(mx_gemm.SOURCE, mx_gemm.LIBRARY, cutlass=True, arch=mx_gemm.ARCH)
+    log = (lib.parent / "build.log").read_text()
+    kernels = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert len(kernels) == 1 and "mx_gemm_kernel" in kernels[0], kernels
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills == [("0", "0")], spills
+    assert serialized_wgmma(lib.parent) == []
+    code = sass(lib)
+    assert re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", code), "no FP8 wgmma in the SASS"
+    assert "HGMMA" not in code
+
+
+def _operands(M=128, N=128, K=128, device="cpu"):
+    a = torch.zeros(M, K, dtype=torch.float8_e4m3fn, device=device)
+    b = torch.zeros(N, K, dtype=torch.float8_e4m3fn, device=device)
+    return a, torch.zeros(M, K // 32, dtype=torch.uint8, device=device), b, torch.zeros(N, K // 32, dtype=torch.uint8,
+                                                                                        device=device)
+
+
+def test_bad_operands_are_refused_with_one_line():
+    a, sa, b, sb = _operands()
+    with pytest.raises(InputError, match="A codes must be on a CUDA device"):
+        mx_gemm.mx_gemm(a, sa, b, sb)
+    with pytest.raises(InputError, match="A codes must be a contiguous 2-d float8_e4m3fn"):
+        mx_gemm.mx_gemm(a.float(), sa, b, sb)
+    with pytest.raises(InputError, match="A codes must be a contiguous 2-d"):
+        mx_gemm.mx_gemm(a.t(), sa, b, sb)
+
+
+def test_shapes_and_scales_are_checked(monkeypatch):
+    """Shape checks run before any device work; CPU tensors posing as CUDA ones reach them."""
+    a, sa, b, sb = _operands(K=256)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(InputError, match=r"rows and K positive multiples of 128, got \(100, 256\)"):
+        mx_gemm.mx_gemm(a[:100], sa[:100], b, sb)
+    with pytest.raises(InputError, match=r"A scales must be a contiguous uint8 tensor of shape \(128, 8\)"):
+        mx_gemm.mx_gemm(a, sa[:, :4].contiguous(), b, sb)
+    with pytest.raises(InputError, match="B codes have K = 128, the other operand 256"):
+        mx_gemm.mx_gemm(a, sa, b[:, :128].contiguous(), sb[:, :4].contiguous())
