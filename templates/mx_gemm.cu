@@ -9,8 +9,8 @@
 // Tile: 128 x 128 (consumer warpgroup c owns rows 64 c .. 64 c + 63; a producer warp issues the
 // TMA), k-blocks of 128 codes (four
 // k32 steps) in a ring of kStages stages of 32 KB loaded by TMA (two 64-row boxes per operand,
-// 128-byte rows, SWIZZLE_128B); the scales are read from global memory (L1) by the consumers,
-// each k32 step's as it promotes. One tile per CTA. This first form
+// 128-byte rows, SWIZZLE_128B); the consumers read the scales from global memory, one 32-bit
+// word per row and column and k-block (its four k32 scales). One tile per CTA. This first form
 // waits for each k32 wgmma before promoting it; the two consumer warpgroups interleave on the
 // tensor core. Correctness first: the layout of the scales and the promotion are what the later
 // kernels reuse.
@@ -96,11 +96,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kAcc], tmp[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  const uint32_t* sa_w = reinterpret_cast<const uint32_t*>(sa);  // a row's four k32 scales of a k-block
+  const uint32_t* sb_w = reinterpret_cast<const uint32_t*>(sb);
+  const int words = ks / 4;  // 32-bit scale words per row (K % 128 == 0)
   for (int kb = 0; kb < n_k; ++kb) {
     const int s = kb % kStages;
+    // the k-block's scales, one word per row and column (before the stage's wait: their loads
+    // overlap it)
+    const uint32_t wa0 = __ldg(sa_w + size_t(r0) * words + kb), wa1 = __ldg(sa_w + size_t(r0 + 8) * words + kb);
+    uint32_t wb[32];
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wb[2 * i + j] = __ldg(sb_w + size_t(n0 + 8 * i + 2 * q + j) * words + kb);
     sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
     const unsigned char* st = stages + size_t(s) * kStageBytes;
-#pragma unroll 1  // unrolled, the four steps' scale loads were all hoisted and spilled
+#pragma unroll
     for (int k32 = 0; k32 < kBK / 32; ++k32) {
       sm90::fence_operands(tmp);
       cute::warpgroup_arrive();
@@ -109,15 +120,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
       sm90::fence_operands(tmp);
-      // the step's scales, read here (L1) rather than held for the k-block: held, the 32 columns'
-      // words beside acc and tmp spilled
-      const int kk = kb * (kBK / 32) + k32;
-      const float fa0 = scale(__ldg(sa + size_t(r0) * ks + kk)), fa1 = scale(__ldg(sa + size_t(r0 + 8) * ks + kk));
+      const float fa0 = scale((wa0 >> (8 * k32)) & 0xffu), fa1 = scale((wa1 >> (8 * k32)) & 0xffu);
 #pragma unroll
       for (int i = 0; i < 16; ++i)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float fb = scale(__ldg(sb + size_t(n0 + 8 * i + 2 * q + j) * ks + kk));
+          const float fb = scale((wb[2 * i + j] >> (8 * k32)) & 0xffu);
           acc[4 * i + j] = fmaf(tmp[4 * i + j] * fa0, fb, acc[4 * i + j]);
           acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j] * fa1, fb, acc[4 * i + 2 + j]);
         }
