@@ -62,9 +62,17 @@ def _check(name: str, codes, scales, k: int | None = None) -> tuple[int, int]:
     return rows, cols
 
 
+def block_scales(scales):
+    """``mx.quantize``'s scales ``[rows, K / 32]`` in the kernel's layout ``[K / 128, rows, 4]``: a
+    k-block's four scales of consecutive rows side by side (one bulk copy per tile and k-block)."""
+    rows, ks = scales.shape
+    return scales.view(rows, ks // 4, 4).transpose(0, 1).contiguous()
+
+
 def mx_gemm(a_codes, a_scales, b_codes, b_scales):
     """``A B^T`` in float32 for MXFP8 operands quantized along K (``mokgen.mx.quantize(x, dim=-1)``):
-    A ``[M, K]``, B ``[N, K]``, their scales ``[M, K / 32]`` and ``[N, K / 32]``."""
+    A ``[M, K]``, B ``[N, K]``, their scales ``[M, K / 32]`` and ``[N, K / 32]`` (re-laid out by
+    :func:`block_scales` for the kernel, a pass over 1/32 of the codes' bytes)."""
     import torch
 
     M, K = _check("A", a_codes, a_scales)
@@ -72,10 +80,11 @@ def mx_gemm(a_codes, a_scales, b_codes, b_scales):
     if b_codes.device != a_codes.device:
         raise InputError(f"A and B must be on one device, got {a_codes.device} and {b_codes.device}")
     out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    sa, sb = block_scales(a_scales), block_scales(b_scales)
     with torch.cuda.device(a_codes.device):
         stream = torch.cuda.current_stream().cuda_stream
-        code = load_library().mokgen_mx_gemm(out.data_ptr(), a_codes.data_ptr(), a_scales.data_ptr(),
-                                             b_codes.data_ptr(), b_scales.data_ptr(), M, N, K, stream)
+        code = load_library().mokgen_mx_gemm(out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
+                                             b_codes.data_ptr(), sb.data_ptr(), M, N, K, stream)
     if code:
         raise KernelError(f"mokgen_mx_gemm failed: CUDA error {code}")
     return out

@@ -6,16 +6,16 @@
 // factors are powers of two, so the only roundings are the tensor core's within the 32 products
 // and the one add per promotion.
 //
-// Tile: 128 x 128 (consumer warpgroup c owns rows 64 c .. 64 c + 63; a producer warp issues the
-// TMA), k-blocks of 128 codes (four
-// k32 steps) in a ring of kStages stages of 32 KB loaded by TMA (two 64-row boxes per operand,
-// 128-byte rows, SWIZZLE_128B); the consumers read the scales from global memory, one 32-bit
-// word per row and column and k-block (its four k32 scales). One tile per CTA. This first form
-// waits for each k32 wgmma before promoting it; the two consumer warpgroups interleave on the
-// tensor core. Correctness first: the layout of the scales and the promotion are what the later
-// kernels reuse.
+// Tile: 128 x 128 (consumer warpgroup c owns rows 64 c .. 64 c + 63), k-blocks of 128 codes (four
+// k32 steps) in a ring of kStages stages loaded by a producer thread: the codes by TMA (two 64-row
+// boxes per operand, 128-byte rows, SWIZZLE_128B), the k-block's scales of the tile's rows and
+// columns by two bulk copies of 512 bytes (the scales in the blocked layout [K / 128, rows, 4]).
+// One tile per CTA. Each consumer waits for its k32 wgmma before promoting it; the two consumer
+// warpgroups overlap each other's promotion and MMA. (v0.33's first form had no producer: 256
+// threads, thread 0 refilling a stage once both warpgroups had released it, and the scales read
+// from global memory. That kept the warpgroups in lockstep: 85-90 TFLOP/s.)
 //
-// Built by mokgen.mx_gemm.build_library (build.build_source, CUTLASS/CuTe headers as a library).
+// Built by mokgen.mx_gemm.load_library (build.build_source, CUTLASS/CuTe headers as a library).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -24,9 +24,12 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include <cutlass/arch/reg_reconfig.h>
+
 #include <cstdint>
 #include <utility>
 
+#include "mokgen/bulk_copy.cuh"
 #include "mokgen/hopper_gemm.cuh"
 
 namespace mokgen {
@@ -34,10 +37,13 @@ namespace mxg {
 
 constexpr int kBM = 128, kBN = 128, kBK = 128;  // kBK in codes (bytes) = four k32 steps
 constexpr int kStages = 4;
-constexpr int kBoxBytes = 64 * kBK;                // one 64-row box
-constexpr int kStageBytes = 4 * kBoxBytes;         // A: two boxes, B: two boxes (32 KB)
+constexpr int kBoxBytes = 64 * kBK;                // one 64-row box of codes
+constexpr int kCodeBytes = 4 * kBoxBytes;          // A: two boxes, B: two boxes (32 KB)
+constexpr int kScaleBytes = (kBM + kBN) * 4;       // the k-block's four k32 scales per row and column
+constexpr int kStageStride = kCodeBytes + 1024;    // codes, then the scales (1024-aligned stages)
 constexpr int kAcc = kBN / 2;                      // float32 accumulators per consumer thread
-constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
+static_assert(kScaleBytes <= 1024, "the scales fit after the codes");
 
 using Wgmma = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 
@@ -52,11 +58,11 @@ __device__ __forceinline__ float scale(uint32_t e) {
   return e == 0xffu ? __uint_as_float(0x7fc00000u) : e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
 }
 
-// Threads: the two consumer warpgroups alone (256), thread 0 issuing the TMA loads between its
-// k-blocks. A producer warpgroup (384 threads) or warp (288: three warps on one of the SM's four
-// register files) leaves 168 registers per thread, and acc, tmp and the scales of a step spilled
-// there (setmaxnreg did not raise ptxas's budget); with 256, ptxas has 255.
-constexpr int kThreads = 256;
+// Threads: a producer warpgroup (thread 0 issues the loads; setmaxnreg 40) and two consumer
+// warpgroups (setmaxnreg 232). The scales come in the kernel's blocked layout, [K / 128, rows, 4]
+// (mokgen.mx_gemm.block_scales): a k-block's scales of the tile's 128 rows are 512 contiguous
+// bytes, which one bulk copy per operand puts into the stage beside the codes.
+constexpr int kThreads = 384;
 
 __global__ void __launch_bounds__(kThreads, 1)
     mx_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -68,7 +74,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* stages =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 2 * kStages * 8 + 1023) & ~uintptr_t(1023));
   const int tid = threadIdx.x, t = tid & 127;
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, n_k = K / kBK, ks = K / 32;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (ptxas: no divergent WG.AR)
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, n_k = K / kBK;
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -77,40 +84,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  // k-block kb into stage kb % kStages (thread 0)
-  auto load = [&](int kb) {
-    const int s = kb % kStages;
-    unsigned char* st = stages + size_t(s) * kStageBytes;
-    sm90::mbar_arrive_expect_tx(&full[s], kStageBytes);
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (t == 0) {
+      for (int kb = 0; kb < n_k; ++kb) {
+        const int s = kb % kStages;
+        sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
+        unsigned char* st = stages + size_t(s) * kStageStride;
+        sm90::mbar_arrive_expect_tx(&full[s], kCodeBytes + kScaleBytes);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + h * kBoxBytes, kb * kBK, m0 + 64 * h);
-      cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st + (2 + h) * kBoxBytes, kb * kBK, n0 + 64 * h);
+        for (int h = 0; h < 2; ++h) {
+          cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + h * kBoxBytes, kb * kBK, m0 + 64 * h);
+          cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st + (2 + h) * kBoxBytes, kb * kBK, n0 + 64 * h);
+        }
+        bulk::load(st + kCodeBytes, sa + (size_t(kb) * M + m0) * 4, kBM * 4, &full[s]);
+        bulk::load(st + kCodeBytes + kBM * 4, sb + (size_t(kb) * N + n0) * 4, kBN * 4, &full[s]);
+      }
     }
-  };
-  if (tid == 0)
-    for (int kb = 0; kb < kStages && kb < n_k; ++kb) load(kb);
-  const int c_wg = tid / 128, w = t >> 5, lane = t & 31, q = lane & 3;
-  // this thread's rows (two) and columns (two per n8 group) of the tile
-  const int r0 = m0 + 64 * c_wg + 16 * w + (lane >> 2);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3;
+  const int rl = 64 * c_wg + 16 * w + (lane >> 2);  // this thread's first row in the tile (the other: + 8)
   float acc[kAcc], tmp[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-  const uint32_t* sa_w = reinterpret_cast<const uint32_t*>(sa);  // a row's four k32 scales of a k-block
-  const uint32_t* sb_w = reinterpret_cast<const uint32_t*>(sb);
-  const int words = ks / 4;  // 32-bit scale words per row (K % 128 == 0)
   for (int kb = 0; kb < n_k; ++kb) {
     const int s = kb % kStages;
-    // the k-block's scales, one word per row and column (before the stage's wait: their loads
-    // overlap it)
-    const uint32_t wa0 = __ldg(sa_w + size_t(r0) * words + kb), wa1 = __ldg(sa_w + size_t(r0 + 8) * words + kb);
-    uint32_t wb[32];
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) wb[2 * i + j] = __ldg(sb_w + size_t(n0 + 8 * i + 2 * q + j) * words + kb);
     sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
-    const unsigned char* st = stages + size_t(s) * kStageBytes;
+    const unsigned char* st = stages + size_t(s) * kStageStride;
+    const uint32_t* sc_a = reinterpret_cast<const uint32_t*>(st + kCodeBytes);
+    const uint2* sc_b = reinterpret_cast<const uint2*>(st + kCodeBytes + kBM * 4);
+    // the k-block's scales: one word per row and column (its four k32 scales); columns 8 i + 2 q
+    // and + 1 side by side
+    const uint32_t wa0 = sc_a[rl], wa1 = sc_a[rl + 8];
+    uint2 wb[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) wb[i] = sc_b[4 * i + q];
 #pragma unroll
     for (int k32 = 0; k32 < kBK / 32; ++k32) {
       sm90::fence_operands(tmp);
@@ -125,18 +135,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 16; ++i)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float fb = scale((wb[2 * i + j] >> (8 * k32)) & 0xffu);
+          const float fb = scale(((j ? wb[i].y : wb[i].x) >> (8 * k32)) & 0xffu);
           acc[4 * i + j] = fmaf(tmp[4 * i + j] * fa0, fb, acc[4 * i + j]);
           acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j] * fa1, fb, acc[4 * i + 2 + j]);
         }
     }
-    if (t == 0) sm90::mbar_arrive(&empty[s]);  // the stage's reads retired (wait<0> above)
-    if (tid == 0 && kb + kStages < n_k) {  // refill the stage once both warpgroups released it
-      sm90::mbar_wait(&empty[s], (kb / kStages) & 1u);
-      load(kb + kStages);
-    }
+    if (t == 0) sm90::mbar_arrive(&empty[s]);  // the stage's reads retired (wait<0> above; scales read)
   }
   // acc[4 i + {0, 1}]: row r0, columns n0 + 8 i + 2 q + {0, 1}; acc[4 i + {2, 3}]: row r0 + 8
+  const int r0 = m0 + rl;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int col = n0 + 8 * i + 2 * q;
@@ -173,7 +180,8 @@ inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, 
 
 extern "C" {
 
-// C [M, N] float32 = A [M, K] B [N, K]^T, MXFP8 (codes uint8 E4M3, scales uint8 E8M0 [rows, K / 32]).
+// C [M, N] float32 = A [M, K] B [N, K]^T, MXFP8 (codes uint8 E4M3, scales uint8 E8M0 in the blocked
+// layout [K / 128, rows, 4]; 16-byte aligned).
 // M, N, K multiples of 128. Returns 0 or a CUDA error code.
 int mokgen_mx_gemm(void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N, int K,
                    void* stream) {
