@@ -66,25 +66,21 @@ def main() -> None:
             ("dW_gate, split, cluster 2", 2 * rows * H * I,
              lambda tail: bwd_gemm.weight_grads(dg, x, offs, cluster=2, schedule="split", tail=tail)),
         ]
-        # the backward's three weight gradients as each schedule launches them: A = the ping-pong
-        # (three launches, tail zero), B = the split tiles (the joint launch and dW_down, tail tma)
-        def weights(side):
-            if three is not None:  # the three weight gradients as (schedule, tail) launches them
-                sch, t = three[side]
-                if sch == "pingpong":
-                    return tuple(bwd_gemm.weight_grads(p, q, offs, cluster=1, schedule="pingpong", tail=t)
-                                 for p, q in ((dg, x), (du, x), (go, hw)))
-                return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=t),
-                        bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail=t))
-            if not default:  # the split tiles' three weight gradients under tail A or B
-                t = (ta, tb)[side]
-                return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=t),
-                        bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail=t))
-            if side == 0:
-                return tuple(bwd_gemm.weight_grads(p, q, offs, cluster=1, schedule="pingpong", tail="zero")
+        # the three weight gradients as a schedule launches them under a tail: the ping-pong as
+        # three launches, the split tiles as the joint launch and dW_down
+        def three_of(schedule, tail):
+            if schedule == "pingpong":
+                return tuple(bwd_gemm.weight_grads(p, q, offs, cluster=1, schedule="pingpong", tail=tail)
                              for p, q in ((dg, x), (du, x), (go, hw)))
-            return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail="tma"),
-                    bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail="tma"))
+            return (*bwd_gemm.weight_grads_joint(dg, du, x, offs, cluster=1, tail=tail),
+                    bwd_gemm.weight_grads(go, hw, offs, cluster=1, schedule="split", tail=tail))
+
+        # A and B of the last line: --three's pairs, else the split under tails A and B, else (the
+        # default tails) the ping-pong with zero against the split with tma
+        sides = three or ([("split", ta), ("split", tb)] if not default else [("pingpong", "zero"), ("split", "tma")])
+
+        def weights(side):
+            return three_of(*sides[side])
 
         for title, flops, fn in cases:
             zero, tma = fn(ta), fn(tb)
@@ -106,9 +102,7 @@ def main() -> None:
         a = statistics.median(p[0] / 2 for p in pairs)
         b = statistics.median(p[1] / 2 for p in pairs)
         r, lo, hi = bench.block_ratio(pairs)
-        sa, sb = ("pingpong zero", "split tma") if default else (f"split {ta}", f"split {tb}")
-        if three is not None:
-            sa, sb = (f"{sch} {t}" for sch, t in three)
+        sa, sb = (f"{sch} {t}" for sch, t in sides)
         print(f"  all three dW: same bits {same}; {sa} {a:.3f} ms ({6 * rows * H * I / a / 1e9:.0f} "
               f"TFLOP/s), {sb} {b:.3f} ms ({6 * rows * H * I / b / 1e9:.0f}); {sb} / {sa} "
               f"{r:.4f} [{lo:.4f}, {hi:.4f}], B faster in {sum(p[1] < p[0] for p in pairs)}/{len(pairs)}",

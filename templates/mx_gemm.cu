@@ -152,7 +152,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// uint8 [rows, cols] row-major -> a map of 64-row x 128-byte boxes, 128-byte swizzle
+// uint8 [rows, cols] row-major -> a map of 64-row x 128-byte boxes, 128-byte swizzle. (Its own
+// copy of hopper_gemm.cuh's encode_map_2d, which is bf16 only: a data-type argument there would
+// move the megakernel's source digest, and so invalidate the tuned files, for no change to it.)
 inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
