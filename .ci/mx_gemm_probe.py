@@ -1,25 +1,47 @@
-"""The MXFP8 GEMM's first form (templates/mx_gemm.cu) timed against bf16 matmul on the H200 (not in
-CI): C = A B^T at a kimi-k2.5-like shape, median of 20 CUDA-event timings each, and the kernel's
-relative error against the exact MX product. Usage: python3 .ci/mx_gemm_probe.py [M N K]"""
+"""The MXFP8 GEMM (templates/mx_gemm.cu) timed on the H200 (not in CI): C = A B^T at a
+kimi-k2.5-like shape, each form of the kernel against bf16 matmul and per-tensor FP8
+torch._scaled_mm (the FP8 tensor core's rate without block scales) in one run, median of 20
+CUDA-event timings each, interleaved over --rounds rounds; then the kernel's relative error
+against the exact MX product. Usage: python3 .ci/mx_gemm_probe.py [M N K] [--rounds R]"""
 
+import argparse
 import statistics
-import sys
 
 import torch
 
 from mokgen import bench, mx, mx_gemm
 
-M, N, K = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 4096, 7168)
+ap = argparse.ArgumentParser()
+ap.add_argument("shape", nargs="*", type=int, default=[8192, 4096, 7168])
+ap.add_argument("--rounds", type=int, default=3)
+args = ap.parse_args()
+M, N, K = args.shape
 gen = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
 w = (torch.randn(N, K, generator=gen, device="cuda") * K ** -0.5).to(torch.bfloat16)
 a, sa = mx.quantize(x, dim=-1)
 b, sb = mx.quantize(w, dim=-1)
 flops = 2 * M * N * K
-for name, fn in (("mx_gemm (MXFP8, first form)", lambda i: mx_gemm.mx_gemm(a, sa, b, sb)),
-                 ("torch.matmul bf16", lambda i: x @ w.t())):
-    ms = statistics.median(bench.time_cuda(fn, n_inputs=1, iters=20))
-    print(f"{name:30s} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-got = mx_gemm.mx_gemm(a, sa, b, sb).double()
+one = torch.ones((), device="cuda")
+a8, b8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+cases = {f"mx_gemm form={f}": (lambda i, f=f: mx_gemm.mx_gemm(a, sa, b, sb, form=f)) for f in sorted(mx_gemm.FORMS)}
+cases["torch.matmul bf16"] = lambda i: x @ w.t()
+try:
+    torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    cases["torch._scaled_mm fp8 per-tensor"] = lambda i: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                                            out_dtype=torch.bfloat16)
+except Exception as err:  # noqa: BLE001 - report and go on without that peer
+    print(f"torch._scaled_mm unavailable: {err}")
+print(f"M N K = {M} {N} {K}; {args.rounds} rounds")
+times = {name: [] for name in cases}
+for _ in range(args.rounds):
+    for name, fn in cases.items():
+        times[name].append(statistics.median(bench.time_cuda(fn, n_inputs=1, iters=20)))
+for name, ts in times.items():
+    ms = statistics.median(ts)
+    print(f"{name:34s} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  (rounds: {' '.join(f'{t:.3f}' for t in ts)})",
+          flush=True)
 want = mx.dequantize(a, sa, dim=-1).double() @ mx.dequantize(b, sb, dim=-1).double().t()
-print(f"relative error against the exact MX product: {((got - want).norm() / want.norm()).item():.2e}")
+for f in sorted(mx_gemm.FORMS):
+    got = mx_gemm.mx_gemm(a, sa, b, sb, form=f).double()
+    print(f"form={f}: relative error against the exact MX product: {((got - want).norm() / want.norm()).item():.2e}")

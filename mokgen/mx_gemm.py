@@ -24,6 +24,10 @@ SOURCE = "mx_gemm.cu"
 LIBRARY = "libmxgemm.so"
 #: M, N and K must be multiples of this
 BLOCK = 128
+#: the kernel's forms (``templates/mx_gemm.cu``), the same bits: ``decoded`` (the default) has the
+#: producer warpgroup turn the E8M0 scales into float32 in shared memory; ``inline`` has every
+#: consumer thread decode its own (v0.33), kept to measure the difference
+FORMS = {"inline": 0, "decoded": 1}
 
 _by_env: dict = {}
 
@@ -36,7 +40,8 @@ def load_library() -> ctypes.CDLL:
         path: Path = find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)
         lib = ctypes.CDLL(str(path))
         vp, i = ctypes.c_void_p, ctypes.c_int
-        lib.mokgen_mx_gemm.argtypes, lib.mokgen_mx_gemm.restype = [vp, vp, vp, vp, vp, i, i, i, vp], i
+        lib.mokgen_mx_gemm_form.argtypes = [i, vp, vp, vp, vp, vp, i, i, i, vp]
+        lib.mokgen_mx_gemm_form.restype = i
         _by_env[key] = lib
     return lib
 
@@ -69,12 +74,15 @@ def block_scales(scales):
     return scales.view(rows, ks // 4, 4).transpose(0, 1).contiguous()
 
 
-def mx_gemm(a_codes, a_scales, b_codes, b_scales):
+def mx_gemm(a_codes, a_scales, b_codes, b_scales, *, form: str = "decoded"):
     """``A B^T`` in float32 for MXFP8 operands quantized along K (``mokgen.mx.quantize(x, dim=-1)``):
     A ``[M, K]``, B ``[N, K]``, their scales ``[M, K / 32]`` and ``[N, K / 32]`` (re-laid out by
-    :func:`block_scales` for the kernel, a pass over 1/32 of the codes' bytes)."""
+    :func:`block_scales` for the kernel, a pass over 1/32 of the codes' bytes). ``form`` picks the
+    kernel's form (:data:`FORMS`; both give the same bits)."""
     import torch
 
+    if form not in FORMS:
+        raise InputError(f"form must be one of {sorted(FORMS)}, got {form!r}")
     M, K = _check("A", a_codes, a_scales)
     N, _ = _check("B", b_codes, b_scales, K)
     if b_codes.device != a_codes.device:
@@ -83,8 +91,8 @@ def mx_gemm(a_codes, a_scales, b_codes, b_scales):
     sa, sb = block_scales(a_scales), block_scales(b_scales)
     with torch.cuda.device(a_codes.device):
         stream = torch.cuda.current_stream().cuda_stream
-        code = load_library().mokgen_mx_gemm(out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
+        code = load_library().mokgen_mx_gemm_form(FORMS[form], out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
                                              b_codes.data_ptr(), sb.data_ptr(), M, N, K, stream)
     if code:
-        raise KernelError(f"mokgen_mx_gemm failed: CUDA error {code}")
+        raise KernelError(f"mokgen_mx_gemm_form ({form}) failed: CUDA error {code}")
     return out

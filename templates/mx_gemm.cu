@@ -2,9 +2,12 @@
 // A [M, K] and B [N, K] as E4M3 codes plus one E8M0 scale per 32 consecutive k (OCP MX), C [M, N]
 // float32. The FP8 wgmma has no block scales, so each 32-wide k step runs as its own wgmma into
 // a scratch accumulator (scale-d 0), and the consumer promotes it into the float32 sum with the
-// product of the row's and the column's scale: acc += (tmp * 2^(ea - 127)) * 2^(eb - 127). Both
-// factors are powers of two, so the only roundings are the tensor core's within the 32 products
-// and the one add per promotion.
+// product of the row's and the column's scale: acc += tmp * (2^(ea - 127) * 2^(eb - 127)). The
+// scales' product is a power of two, exact in float32 for ea + eb in 105..381 (2^-149 .. 2^127),
+// so the only roundings are the tensor core's within the 32 products and the one add per
+// promotion. Outside that range (both blocks near float32's ends) the product flushes to 0 or
+// overflows to inf. (Scaling tmp by one factor first, as v0.33 did, overflowed for a 2^127 row
+// scale against a 2^-126 column scale, whose product is 2.)
 //
 // Tile: 128 x 128 (consumer warpgroup c owns rows 64 c .. 64 c + 63), k-blocks of 128 codes (four
 // k32 steps) in a ring of kStages stages loaded by a producer thread: the codes by TMA (two 64-row
@@ -36,14 +39,30 @@ namespace mokgen {
 namespace mxg {
 
 constexpr int kBM = 128, kBN = 128, kBK = 128;  // kBK in codes (bytes) = four k32 steps
+constexpr int kSteps = kBK / 32;
 constexpr int kStages = 4;
 constexpr int kBoxBytes = 64 * kBK;                // one 64-row box of codes
 constexpr int kCodeBytes = 4 * kBoxBytes;          // A: two boxes, B: two boxes (32 KB)
 constexpr int kScaleBytes = (kBM + kBN) * 4;       // the k-block's four k32 scales per row and column
-constexpr int kStageStride = kCodeBytes + 1024;    // codes, then the scales (1024-aligned stages)
+constexpr int kFloatBytes = (kBM + kBN) * kSteps * 4;  // the same as float32 (form kDecoded)
 constexpr int kAcc = kBN / 2;                      // float32 accumulators per consumer thread
-constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
-static_assert(kScaleBytes <= 1024, "the scales fit after the codes");
+static_assert(kScaleBytes <= 1024 && kFloatBytes % 1024 == 0, "stages stay 1024-aligned");
+
+// The two forms (one kernel template; `mokgen_mx_gemm_form` picks one, for measuring):
+//  kInline:  each consumer thread decodes its rows' and columns' E8M0 bytes itself, 34 scales a
+//            k32 step (v0.33's second form);
+//  kDecoded: the producer warpgroup's other three warps decode the k-block's scales into float32
+//            in the stage (rows as a float4 of the four steps, columns per step in the order the
+//            accumulator fragment reads them, so a consumer thread's 32 column scales of a step
+//            are eight 16-byte loads) and signal `ready`; the consumers' issue slots then go to
+//            the promotion's two float32 operations per element alone.
+enum Form { kInline = 0, kDecoded = 1 };
+
+template <int kForm>
+struct Geometry {
+  static constexpr int kStageStride = kCodeBytes + 1024 + (kForm == kDecoded ? kFloatBytes : 0);
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 3 * kStages * 8 + 1024;
+};
 
 using Wgmma = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 
@@ -53,26 +72,44 @@ __device__ __forceinline__ void wgmma_k32(uint64_t da, uint64_t db, float (&d)[k
 }
 
 // 2^(e - 127) for an E8M0 code e as a float32: e >= 1 a normal number, 0 the subnormal 2^-127,
-// 255 NaN (MX: the block's values are NaN)
+// 255 NaN (MX: the block's values are NaN). Integer only: e << 23 is the number's bits for e in
+// 1..254, and the mantissa's top bit makes 0 into 2^-127 and 255 into a NaN. (Written with
+// selects on floats, it compiled to a branch per scale: 135 BSSY/BSYNC a k-block, v0.33.)
 __device__ __forceinline__ float scale(uint32_t e) {
-  return e == 0xffu ? __uint_as_float(0x7fc00000u) : e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
+  return __uint_as_float((e << 23) | (uint32_t(((e + 1u) & 0xfeu) == 0u) << 22));
 }
 
-// Threads: a producer warpgroup (thread 0 issues the loads; setmaxnreg 40) and two consumer
-// warpgroups (setmaxnreg 232). The scales come in the kernel's blocked layout, [K / 128, rows, 4]
-// (mokgen.mx_gemm.block_scales): a k-block's scales of the tile's 128 rows are 512 contiguous
-// bytes, which one bulk copy per operand puts into the stage beside the codes.
-constexpr int kThreads = 384;
+__device__ __forceinline__ float lane4(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
+// Column c = 8 i + 2 q + j of a tile (i < 16 the accumulator fragment's column group, q = lane & 3,
+// j < 2) at float ((i / 2) * 4 + q) * 4 + (i % 2) * 2 + j of its step's 128: thread q's columns of
+// fragments 2 m and 2 m + 1 are one float4 (m < 8), and a warp's four q read 64 contiguous bytes.
+__device__ __forceinline__ int col_slot(int c) {
+  const int i = c >> 3, q = (c >> 1) & 3, j = c & 1;
+  return (((i >> 1) * 4 + q) * 4) + (i & 1) * 2 + j;
+}
+
+// Threads: a producer warpgroup (thread 0 issues the loads, warps 1-3 decode the scales in form
+// kDecoded; setmaxnreg 40) and two consumer warpgroups (setmaxnreg 232). The scales come in the
+// kernel's blocked layout, [K / 128, rows, 4] (mokgen.mx_gemm.block_scales): a k-block's scales of
+// the tile's 128 rows are 512 contiguous bytes, which one bulk copy per operand puts into the
+// stage beside the codes.
+constexpr int kThreads = 384;
+constexpr int kDecoders = 96;
+
+template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1)
     mx_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                    const uint8_t* __restrict__ sa, const uint8_t* __restrict__ sb, float* __restrict__ c, int M,
                    int N, int K) {
+  constexpr int kStageStride = Geometry<kForm>::kStageStride;
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
-  unsigned char* stages =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 2 * kStages * 8 + 1023) & ~uintptr_t(1023));
+  uint64_t* ready = empty + kStages;  // form kDecoded: the stage's float scales written
+  // offset from smem itself (not through an integer), so the compiler keeps shared-memory loads
+  const uint32_t base = smem_u32(smem);
+  unsigned char* stages = smem + (((base + 3 * kStages * 8 + 1023) & ~1023u) - base);
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (ptxas: no divergent WG.AR)
   const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, n_k = K / kBK;
@@ -80,6 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
       sm90::mbar_init(&empty[i], 2);  // one arrival per consumer warpgroup
+      sm90::mbar_init(&ready[i], kDecoders);
     }
     sm90::fence_barrier_init();
   }
@@ -100,6 +138,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk::load(st + kCodeBytes, sa + (size_t(kb) * M + m0) * 4, kBM * 4, &full[s]);
         bulk::load(st + kCodeBytes + kBM * 4, sb + (size_t(kb) * N + n0) * 4, kBN * 4, &full[s]);
       }
+    } else if (kForm == kDecoded && t >= 32) {
+      const int d = t - 32;
+      for (int kb = 0; kb < n_k; ++kb) {
+        const int s = kb % kStages;
+        sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+        unsigned char* st = stages + size_t(s) * kStageStride;
+        const uint32_t* raw = reinterpret_cast<const uint32_t*>(st + kCodeBytes);  // rows, then columns
+        float4* rows_f = reinterpret_cast<float4*>(st + kCodeBytes + 1024);      // [kBM] x four steps
+        float* cols_f = reinterpret_cast<float*>(rows_f + kBM);                  // [kSteps][kBN], col_slot order
+        for (int i = d; i < kBM + kBN; i += kDecoders) {
+          const uint32_t w = raw[i];
+          if (i < kBM) {
+            rows_f[i] = make_float4(scale(w & 0xffu), scale((w >> 8) & 0xffu), scale((w >> 16) & 0xffu), scale(w >> 24));
+          } else {
+            const int slot = col_slot(i - kBM);
+#pragma unroll
+            for (int k32 = 0; k32 < kSteps; ++k32) cols_f[k32 * kBN + slot] = scale((w >> (8 * k32)) & 0xffu);
+          }
+        }
+        sm90::mbar_arrive(&ready[s]);  // release: the floats above, before the consumers' acquire
+      }
     }
     return;
   }
@@ -112,33 +171,63 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int kb = 0; kb < n_k; ++kb) {
     const int s = kb % kStages;
     sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+    if (kForm == kDecoded) sm90::mbar_wait(&ready[s], (kb / kStages) & 1u);
     const unsigned char* st = stages + size_t(s) * kStageStride;
-    const uint32_t* sc_a = reinterpret_cast<const uint32_t*>(st + kCodeBytes);
-    const uint2* sc_b = reinterpret_cast<const uint2*>(st + kCodeBytes + kBM * 4);
-    // the k-block's scales: one word per row and column (its four k32 scales); columns 8 i + 2 q
-    // and + 1 side by side
-    const uint32_t wa0 = sc_a[rl], wa1 = sc_a[rl + 8];
-    uint2 wb[16];
+    if (kForm == kDecoded) {
+      const float4* rows_f = reinterpret_cast<const float4*>(st + kCodeBytes + 1024);
+      const float4* cols_f = reinterpret_cast<const float4*>(rows_f + kBM);
+      const float* ra0 = reinterpret_cast<const float*>(rows_f + rl);  // rows rl and rl + 8, per step
+      const float* ra1 = reinterpret_cast<const float*>(rows_f + rl + 8);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) wb[i] = sc_b[4 * i + q];
+      for (int k32 = 0; k32 < kSteps; ++k32) {
+        sm90::fence_operands(tmp);
+        cute::warpgroup_arrive();
+        wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+                  sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(tmp);
+        const float fa0 = ra0[k32], fa1 = ra1[k32];
+        float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
 #pragma unroll
-    for (int k32 = 0; k32 < kBK / 32; ++k32) {
-      sm90::fence_operands(tmp);
-      cute::warpgroup_arrive();
-      wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
-                sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      sm90::fence_operands(tmp);
-      const float fa0 = scale((wa0 >> (8 * k32)) & 0xffu), fa1 = scale((wa1 >> (8 * k32)) & 0xffu);
+        for (int m = 0; m < 8; ++m) cb[m] = cols_f[k32 * (kBN / 4) + 4 * m + q];
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
+        for (int i = 0; i < 16; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float fb = scale(((j ? wb[i].y : wb[i].x) >> (8 * k32)) & 0xffu);
-          acc[4 * i + j] = fmaf(tmp[4 * i + j] * fa0, fb, acc[4 * i + j]);
-          acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j] * fa1, fb, acc[4 * i + 2 + j]);
-        }
+          for (int j = 0; j < 2; ++j) {
+            const float fb = lane4(cb[i >> 1], (i & 1) * 2 + j);
+            acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb, acc[4 * i + j]);
+            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb, acc[4 * i + 2 + j]);
+          }
+      }
+    } else {
+      const uint32_t* sc_a = reinterpret_cast<const uint32_t*>(st + kCodeBytes);
+      const uint2* sc_b = reinterpret_cast<const uint2*>(st + kCodeBytes + kBM * 4);
+      // the k-block's scales: one word per row and column (its four k32 scales); columns 8 i + 2 q
+      // and + 1 side by side
+      const uint32_t wa0 = sc_a[rl], wa1 = sc_a[rl + 8];
+      uint2 wb[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) wb[i] = sc_b[4 * i + q];
+#pragma unroll
+      for (int k32 = 0; k32 < kSteps; ++k32) {
+        sm90::fence_operands(tmp);
+        cute::warpgroup_arrive();
+        wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+                  sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(tmp);
+        const float fa0 = scale((wa0 >> (8 * k32)) & 0xffu), fa1 = scale((wa1 >> (8 * k32)) & 0xffu);
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float fb = scale(((j ? wb[i].y : wb[i].x) >> (8 * k32)) & 0xffu);
+            acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb, acc[4 * i + j]);
+            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb, acc[4 * i + 2 + j]);
+          }
+      }
     }
     if (t == 0) sm90::mbar_arrive(&empty[s]);  // the stage's reads retired (wait<0> above; scales read)
   }
@@ -180,28 +269,45 @@ inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, 
 }  // namespace mxg
 }  // namespace mokgen
 
-extern "C" {
+namespace mokgen {
+namespace mxg {
 
-// C [M, N] float32 = A [M, K] B [N, K]^T, MXFP8 (codes uint8 E4M3, scales uint8 E8M0 in the blocked
-// layout [K / 128, rows, 4]; 16-byte aligned).
-// M, N, K multiples of 128. Returns 0 or a CUDA error code.
-int mokgen_mx_gemm(void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N, int K,
-                   void* stream) {
-  using namespace mokgen::mxg;
+template <int kForm>
+int launch(void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N, int K, void* stream) {
   if (M % kBM || N % kBN || K % kBK || M <= 0 || N <= 0 || K <= 0) return int(cudaErrorInvalidValue);
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K)) != CUDA_SUCCESS ||
       encode_codes(&mb, b, uint64_t(N), uint64_t(K)) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
+  constexpr size_t kSmem = Geometry<kForm>::kSmemBytes;
   static bool attr = false;
   if (!attr) {
-    const cudaError_t e = cudaFuncSetAttribute(mx_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+    const cudaError_t e =
+        cudaFuncSetAttribute(mx_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
     if (e != cudaSuccess) return int(e);
     attr = true;
   }
-  mx_gemm_kernel<<<dim3(N / kBN, M / kBM), kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
+  mx_gemm_kernel<kForm><<<dim3(N / kBN, M / kBM), kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(
       ma, mb, static_cast<const uint8_t*>(sa), static_cast<const uint8_t*>(sb), static_cast<float*>(c), M, N, K);
   return int(cudaGetLastError());
+}
+
+}  // namespace mxg
+}  // namespace mokgen
+
+extern "C" {
+
+// C [M, N] float32 = A [M, K] B [N, K]^T, MXFP8 (codes uint8 E4M3, scales uint8 E8M0 in the blocked
+// layout [K / 128, rows, 4]; 16-byte aligned). M, N, K multiples of 128. form: 0 kInline, 1
+// kDecoded (the same bits). Returns 0 or a CUDA error code.
+int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N,
+                        int K, void* stream) {
+  using namespace mokgen::mxg;
+  switch (form) {
+    case kInline: return launch<kInline>(c, a, sa, b, sb, M, N, K, stream);
+    case kDecoded: return launch<kDecoded>(c, a, sa, b, sb, M, N, K, stream);
+    default: return int(cudaErrorInvalidValue);
+  }
 }
 
 }  // extern "C"

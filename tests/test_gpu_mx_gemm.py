@@ -27,12 +27,13 @@ def _exact(a, sa, b, sb):
     return mx.dequantize(a, sa, dim=-1).double() @ mx.dequantize(b, sb, dim=-1).double().t()
 
 
+@pytest.mark.parametrize("form", sorted(mx_gemm.FORMS))
 @pytest.mark.parametrize("M, N, K, spread", [(128, 128, 128, 0), (256, 384, 512, 6), (384, 256, 2048, 20)])
-def test_mx_gemm_matches_the_exact_mx_product(M, N, K, spread):
+def test_mx_gemm_matches_the_exact_mx_product(M, N, K, spread, form):
     gen = torch.Generator(device="cuda").manual_seed(M + N + K)
     a, sa = mx.quantize(_blocks(M, K, gen, spread), dim=-1)
     b, sb = mx.quantize(_blocks(N, K, gen, spread), dim=-1)
-    got = mx_gemm.mx_gemm(a, sa, b, sb)
+    got = mx_gemm.mx_gemm(a, sa, b, sb, form=form)
     want = _exact(a, sa, b, sb)
     assert got.dtype == torch.float32 and got.shape == (M, N)
     assert torch.isfinite(got).all()
@@ -41,18 +42,36 @@ def test_mx_gemm_matches_the_exact_mx_product(M, N, K, spread):
     # every element, against its own magnitude scale: a wrong scale (2x off) or a misplaced block fails
     scale = (mx.dequantize(a, sa, dim=-1).double().abs() @ mx.dequantize(b, sb, dim=-1).double().abs().t())
     assert ((got.double() - want).abs() <= 4e-3 * scale + 1e-30).all()
-    assert torch.equal(mx_gemm.mx_gemm(a, sa, b, sb), got)  # the same bits again
+    assert torch.equal(mx_gemm.mx_gemm(a, sa, b, sb, form=form), got)  # the same bits again
+    other = "inline" if form == "decoded" else "decoded"
+    assert torch.equal(mx_gemm.mx_gemm(a, sa, b, sb, form=other), got)  # and from the other form
 
 
-def test_a_nan_scale_makes_its_rows_products_nan():
+@pytest.mark.parametrize("form", sorted(mx_gemm.FORMS))
+def test_a_nan_scale_makes_its_rows_products_nan(form):
     gen = torch.Generator(device="cuda").manual_seed(3)
     a, sa = mx.quantize(_blocks(128, 256, gen, 2), dim=-1)
     b, sb = mx.quantize(_blocks(128, 256, gen, 2), dim=-1)
     sa[5, 3] = 255  # E8M0 NaN: row 5's block 3
     sb[7, 0] = 255  # column 7's block 0
-    got = mx_gemm.mx_gemm(a, sa, b, sb)
+    got = mx_gemm.mx_gemm(a, sa, b, sb, form=form)
     assert torch.isnan(got[5]).all() and torch.isnan(got[:, 7]).all()
     ok = torch.ones_like(got, dtype=torch.bool)
     ok[5] = False
     ok[:, 7] = False
     assert torch.isfinite(got[ok]).all()
+
+
+@pytest.mark.parametrize("form", sorted(mx_gemm.FORMS))
+def test_far_apart_scales_whose_product_is_moderate(form):
+    """A 2^127 row scale against a 2^-126 column scale: the scales multiply first (to 2), so the
+    products stay finite; multiplied into the partial sum one at a time they overflowed."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a, sa = mx.quantize(_blocks(128, 128, gen, 0), dim=-1)
+    b, sb = mx.quantize(_blocks(128, 128, gen, 0), dim=-1)
+    sa.fill_(254)
+    sb.fill_(1)
+    got = mx_gemm.mx_gemm(a, sa, b, sb, form=form)
+    want = _exact(a, sa, b, sb)
+    assert torch.isfinite(got).all()
+    assert ((got.double() - want).norm() / want.norm()).item() < REL_TOL

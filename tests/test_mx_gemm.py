@@ -16,16 +16,16 @@ from mokgen.errors import InputError  # noqa: E402
 
 @pytest.mark.nvcc
 def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
-    """One kernel, no spills, no wgmma serialized, and its FP8 wgmma in the SASS (QGMMA; the
-    32-wide k steps on E4M3 operands)."""
+    """The two forms' kernels, no spills, no wgmma serialized, and the FP8 wgmma in the SASS
+    (QGMMA; the 32-wide k steps on E4M3 operands)."""
     from mokgen.build import build_source, serialized_wgmma
 
     lib = build_source(mx_gemm.SOURCE, mx_gemm.LIBRARY, cutlass=True, arch=mx_gemm.ARCH)
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert len(kernels) == 1 and "mx_gemm_kernel" in kernels[0], kernels
+    assert len(kernels) == len(mx_gemm.FORMS) and all("mx_gemm_kernel" in k for k in kernels), kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills == [("0", "0")], spills
+    assert spills == [("0", "0")] * len(mx_gemm.FORMS), spills
     assert serialized_wgmma(lib.parent) == []
     code = sass(lib)
     assert re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", code), "no FP8 wgmma in the SASS"
@@ -47,6 +47,11 @@ def test_bad_operands_are_refused_with_one_line():
         mx_gemm.mx_gemm(a.float(), sa, b, sb)
     with pytest.raises(InputError, match="A codes must be a contiguous 2-d"):
         mx_gemm.mx_gemm(a.t(), sa, b, sb)
+
+
+def test_an_unknown_form_is_refused():
+    with pytest.raises(InputError, match=r"form must be one of \['decoded', 'inline'\], got 'fast'"):
+        mx_gemm.mx_gemm(*_operands(), form="fast")
 
 
 def test_shapes_and_scales_are_checked(monkeypatch):
