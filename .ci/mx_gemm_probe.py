@@ -2,18 +2,23 @@
 kimi-k2.5-like shape, each form of the kernel against bf16 matmul and per-tensor FP8
 torch._scaled_mm (the FP8 tensor core's rate without block scales) in one run, median of 20
 CUDA-event timings each, interleaved over --rounds rounds; then the kernel's relative error
-against the exact MX product. Usage: python3 .ci/mx_gemm_probe.py [M N K] [--rounds R]"""
+against the exact MX product. --probe N (repeatable) adds a timing-only build of the kernel with
+-DMOKGEN_MX_PROBE=N (form decoded; templates/mx_gemm.cu says what each leaves out; wrong results).
+Usage: python3 .ci/mx_gemm_probe.py [M N K] [--rounds R] [--probe N ...]"""
 
 import argparse
+import ctypes
 import statistics
+import tempfile
 
 import torch
 
-from mokgen import bench, mx, mx_gemm
+from mokgen import bench, build, mx, mx_gemm
 
 ap = argparse.ArgumentParser()
 ap.add_argument("shape", nargs="*", type=int, default=[8192, 4096, 7168])
 ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--probe", type=int, action="append", default=[])
 args = ap.parse_args()
 M, N, K = args.shape
 gen = torch.Generator(device="cuda").manual_seed(0)
@@ -25,6 +30,22 @@ flops = 2 * M * N * K
 one = torch.ones((), device="cuda")
 a8, b8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
 cases = {f"mx_gemm form={f}": (lambda i, f=f: mx_gemm.mx_gemm(a, sa, b, sb, form=f)) for f in sorted(mx_gemm.FORMS)}
+for n in args.probe:
+    path = build.build_variant(mx_gemm.SOURCE, mx_gemm.LIBRARY, tempfile.mkdtemp(prefix="mx-probe-"),
+                               [f"-DMOKGEN_MX_PROBE={n}"], cutlass=True, arch=mx_gemm.ARCH)
+    if build.serialized_wgmma(path.parent):
+        print(f"WARNING: probe {n}'s wgmma are serialized")
+    lib = ctypes.CDLL(str(path))
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.mokgen_mx_gemm_form.argtypes, lib.mokgen_mx_gemm_form.restype = [ci, vp, vp, vp, vp, vp, ci, ci, ci, vp], ci
+    out = torch.empty(M, N, device="cuda")
+    bsa, bsb = mx_gemm.block_scales(sa), mx_gemm.block_scales(sb)
+
+    def call(i, lib=lib, out=out, bsa=bsa, bsb=bsb):
+        code = lib.mokgen_mx_gemm_form(mx_gemm.FORMS["decoded"], out.data_ptr(), a.data_ptr(), bsa.data_ptr(),
+                                       b.data_ptr(), bsb.data_ptr(), M, N, K, torch.cuda.current_stream().cuda_stream)
+        assert code == 0, code
+    cases[f"probe {n} (timing only)"] = call
 cases["torch.matmul bf16"] = lambda i: x @ w.t()
 try:
     torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)

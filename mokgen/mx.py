@@ -42,13 +42,15 @@ def quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dim: int = -1,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of ``quantize``'s ``(codes, scales)`` in ``out_dtype`` (exact in float32)."""
+    """The values of ``quantize``'s ``(codes, scales)`` in ``out_dtype``: exact in float64, and in
+    float32 up to its largest finite value (a block whose scale is near 2^127 can exceed it)."""
     blocks, d = mx_blocks(codes.view(torch.float8_e4m3fn), dim)
     e = mx_block_scales(scales, dim, blocks, codes.shape).to(torch.int32)
+    work = torch.float64 if out_dtype == torch.float64 else torch.float32
     # 2**(code - 127) >= 2**-127 and every E4M3 value times it (>= 2**-136) are float32 values
-    factor = torch.ldexp(torch.ones(e.shape, device=e.device), (e - 127).float())
+    factor = torch.ldexp(torch.ones(e.shape, device=e.device, dtype=work), (e - 127).to(work))
     factor = torch.where(e == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
-    return mx_unblocks(blocks.float() * factor.unsqueeze(-1), d).to(out_dtype)
+    return mx_unblocks(blocks.to(work) * factor.unsqueeze(-1), d).to(out_dtype)
 
 
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

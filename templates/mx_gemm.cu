@@ -67,9 +67,19 @@ struct Geometry {
 using Wgmma = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 
 template <size_t... Is>
-__device__ __forceinline__ void wgmma_k32(uint64_t da, uint64_t db, float (&d)[kAcc], std::index_sequence<Is...>) {
-  Wgmma::fma(da, db, d[Is]..., cute::SM90::GMMA::ScaleOut::Zero);
+__device__ __forceinline__ void wgmma_k32(uint64_t da, uint64_t db, float (&d)[kAcc], std::index_sequence<Is...>,
+                                          cute::SM90::GMMA::ScaleOut out = cute::SM90::GMMA::ScaleOut::Zero) {
+  Wgmma::fma(da, db, d[Is]..., out);
 }
+
+// Timing-only builds (wrong results; .ci/mx_gemm_probe.py --variant): MOKGEN_MX_PROBE in form
+// kDecoded, 1: the promotion as acc += tmp (no scales); 2: one promotion per k-block, the four
+// steps accumulated in the tensor core (DeepSeek-style 128-wide blocks); 3: no promotion, every
+// step accumulated into acc and one wait per k-block (the tile's pipeline without MX); 4: the real
+// kernel with consumer warpgroup 1 started about 1 us late (do the warpgroups run in lockstep?).
+#ifndef MOKGEN_MX_PROBE
+#define MOKGEN_MX_PROBE 0
+#endif
 
 // 2^(e - 127) for an E8M0 code e as a float32: e >= 1 a normal number, 0 the subnormal 2^-127,
 // 255 NaN (MX: the block's values are NaN). Integer only: e << 23 is the number's bits for e in
@@ -168,6 +178,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kAcc], tmp[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+#if MOKGEN_MX_PROBE == 4
+  if (c_wg == 1) __nanosleep(1000);
+#endif
   for (int kb = 0; kb < n_k; ++kb) {
     const int s = kb % kStages;
     sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
@@ -178,15 +191,37 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float4* cols_f = reinterpret_cast<const float4*>(rows_f + kBM);
       const float* ra0 = reinterpret_cast<const float*>(rows_f + rl);  // rows rl and rl + 8, per step
       const float* ra1 = reinterpret_cast<const float*>(rows_f + rl + 8);
+#if MOKGEN_MX_PROBE == 2 || MOKGEN_MX_PROBE == 3
+      {
+        float(&d)[kAcc] = MOKGEN_MX_PROBE == 3 ? acc : tmp;
+        sm90::fence_operands(d);
+        cute::warpgroup_arrive();
 #pragma unroll
-      for (int k32 = 0; k32 < kSteps; ++k32) {
+        for (int k32 = 0; k32 < kSteps; ++k32)
+          wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+                    sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), d, std::make_index_sequence<kAcc>{},
+                    MOKGEN_MX_PROBE == 3 || k32 ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(d);
+      }
+#endif
+#pragma unroll
+      for (int k32 = 0; k32 < (MOKGEN_MX_PROBE == 3 ? 0 : MOKGEN_MX_PROBE == 2 ? 1 : kSteps); ++k32) {
         sm90::fence_operands(tmp);
+#if MOKGEN_MX_PROBE != 2
         cute::warpgroup_arrive();
         wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
                   sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         sm90::fence_operands(tmp);
+#endif
+#if MOKGEN_MX_PROBE == 1
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[i] += tmp[i];
+        continue;
+#endif
         const float fa0 = ra0[k32], fa1 = ra1[k32];
         float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
 #pragma unroll

@@ -24,7 +24,8 @@ def _blocks(rows, cols, gen, spread):
 
 
 def _exact(a, sa, b, sb):
-    return mx.dequantize(a, sa, dim=-1).double() @ mx.dequantize(b, sb, dim=-1).double().t()
+    return mx.dequantize(a, sa, dim=-1, out_dtype=torch.float64) @ mx.dequantize(b, sb, dim=-1,
+                                                                                    out_dtype=torch.float64).t()
 
 
 @pytest.mark.parametrize("form", sorted(mx_gemm.FORMS))

@@ -111,3 +111,16 @@ def test_device_quantizer_matches_the_oracle_bit_for_bit(tmp_path, host_check):
     assert torch.equal(scales, want_scales.view(-1)), (scales != want_scales.view(-1)).nonzero()[:5]
     bad = (codes != want_codes).nonzero()
     assert bad.numel() == 0, [(x[i, j].item(), codes[i, j].item(), want_codes[i, j].item()) for i, j in bad[:5].tolist()]
+
+
+def test_dequantize_in_float64_is_exact_past_float32s_range():
+    """Blocks scaled near 2^127 exceed float32 (inf there); float64 holds them exactly, and for
+    ordinary scales the two agree bit for bit."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    codes, scales = mx.quantize(x)
+    assert torch.equal(mx.dequantize(codes, scales, out_dtype=torch.float64).float(), mx.dequantize(codes, scales))
+    scales.fill_(254)  # 2^127
+    big = mx.dequantize(codes, scales, out_dtype=torch.float64)
+    want = codes.view(torch.float8_e4m3fn).double() * 2.0**127
+    assert torch.equal(big, want) and torch.isfinite(big).all()
+    assert torch.isinf(mx.dequantize(codes, scales)).any()
