@@ -34,8 +34,14 @@ from mokgen.spec import MoESpec
 
 #: gencode flags per target architecture
 ARCH_FLAGS = {"sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
-#: flags every build uses (part of the cache key)
-BASE_FLAGS = ["-std=c++17", "-O3", "--shared", "-Xcompiler", "-fPIC", "-lineinfo", "-Xptxas", "-v"]
+#: flags every build uses (part of the cache key). -fno-gnu-unique: a static local of an inline
+#: function or template (a launcher's cache, its guard variable, a "done once" flag) is otherwise a
+#: GNU-unique symbol, which the dynamic linker makes one object for every library in the process,
+#: even libraries loaded RTLD_LOCAL; two mokgen libraries in one process (two specs, a build and
+#: its measuring variant) then shared such flags, and the second library's kernels could launch
+#: without their shared-memory attribute (v0.34, found by .ci/mx_gemm_probe.py --probe).
+BASE_FLAGS = ["-std=c++17", "-O3", "--shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-lineinfo",
+              "-Xptxas", "-v"]
 
 
 @dataclass(frozen=True)

@@ -306,6 +306,11 @@ inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, 
 
 namespace mokgen {
 namespace mxg {
+// Internal linkage (and build.BASE_FLAGS's -fno-gnu-unique): a static local of a template (the
+// attribute flag below) was otherwise a GNU-unique symbol, one for every library in the process,
+// and a variant build loaded beside this library (.ci/mx_gemm_probe.py --probe) skipped setting
+// its own kernel's shared-memory limit.
+namespace {
 
 template <int kForm>
 int launch(void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N, int K, void* stream) {
@@ -327,6 +332,7 @@ int launch(void* c, const void* a, const void* sa, const void* b, const void* sb
   return int(cudaGetLastError());
 }
 
+}  // namespace
 }  // namespace mxg
 }  // namespace mokgen
 

@@ -49,6 +49,31 @@ EMPTY_WGMMA_GROUP = re.compile(r"HGMMA\.64x8x16\.F16 RZ, gdesc\[URZ\], RZ")
 
 
 @functools.lru_cache(maxsize=None)
+def gnu_unique_symbols(library) -> list[str]:
+    """The names of a shared library's dynamic symbols bound STB_GNU_UNIQUE (ELF64, read here:
+    no binutils needed). The dynamic linker keeps one such object for the whole process, so a
+    library that has them shares them with every other library that has the same names."""
+    import struct
+    from pathlib import Path
+
+    data = Path(library).read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2, f"{library} is not an ELF64 file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
+        if sh_type != 11:  # SHT_DYNSYM
+            continue
+        strtab = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            st_name, st_info = struct.unpack_from("<IB", data, at)
+            if st_info >> 4 == 10:  # STB_GNU_UNIQUE
+                end = data.index(b"\0", strtab + st_name)
+                names.append(data[strtab + st_name:end].decode())
+    return names
+
+
 def sass(library) -> str:
     """The SASS of a built library (cuobjdump beside nvcc); skips the calling test without cuobjdump."""
     import subprocess

@@ -21,7 +21,7 @@ from mokgen._version import __version__
 from mokgen.errors import BuildError, LoadError, ToolchainError
 from mokgen.plan import ABI_VERSION, make_plan
 from mokgen.spec import bundled_specs, load_spec
-from conftest import EMPTY_WGMMA_GROUP, pythonpath, sass as sass_of
+from conftest import EMPTY_WGMMA_GROUP, gnu_unique_symbols, pythonpath, sass as sass_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_SPECS = sorted(bundled_specs())
@@ -92,6 +92,8 @@ def test_default_build_sass_roles():
     their setmaxnreg, which comes after it; and the dispatch copy's run of 12 loads in flight
     (pull_unroll) before its stores."""
     result = build_mod.build(load_spec("kimi-k2.5"))
+    # no process-wide statics (a launcher's cache guard shared with another spec's library)
+    assert gnu_unique_symbols(result.library) == []
     sass = sass_of(result.library)
     assert "HGMMA.64x256x16" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the default kernel (a stack frame)"

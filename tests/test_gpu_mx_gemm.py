@@ -76,3 +76,30 @@ def test_far_apart_scales_whose_product_is_moderate(form):
     want = _exact(a, sa, b, sb)
     assert torch.isfinite(got).all()
     assert ((got.double() - want).norm() / want.norm()).item() < REL_TOL
+
+
+def test_a_variant_build_runs_beside_the_library(tmp_path):
+    """A second build of the source (a measuring variant, .ci/mx_gemm_probe.py --probe) loaded in
+    the same process after the library has run: it sets its own kernel's shared-memory limit and
+    gives the same bits. (With a process-wide "attribute set" flag it failed with
+    cudaErrorInvalidValue.)"""
+    import ctypes
+
+    from mokgen import build
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    a, sa = mx.quantize(_blocks(256, 256, gen, 3), dim=-1)
+    b, sb = mx.quantize(_blocks(128, 256, gen, 3), dim=-1)
+    want = mx_gemm.mx_gemm(a, sa, b, sb)
+    path = build.build_variant(mx_gemm.SOURCE, mx_gemm.LIBRARY, tmp_path, ["-DMOKGEN_MX_PROBE=0"], cutlass=True,
+                               arch=mx_gemm.ARCH)
+    lib = ctypes.CDLL(str(path))
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.mokgen_mx_gemm_form.argtypes, lib.mokgen_mx_gemm_form.restype = [ci, vp, vp, vp, vp, vp, ci, ci, ci, vp], ci
+    for form, code in sorted(mx_gemm.FORMS.items()):
+        out = torch.full_like(want, float("nan"))
+        rc = lib.mokgen_mx_gemm_form(code, out.data_ptr(), a.data_ptr(), mx_gemm.block_scales(sa).data_ptr(),
+                                     b.data_ptr(), mx_gemm.block_scales(sb).data_ptr(), 256, 128, 256, None)
+        torch.cuda.synchronize()
+        assert rc == 0, f"form {form}: CUDA error {rc}"
+        assert torch.equal(out, want), form

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import sass  # noqa: E402
+from conftest import gnu_unique_symbols, sass  # noqa: E402
 from mokgen import mx_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
@@ -27,6 +27,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(mx_gemm.FORMS), spills
     assert serialized_wgmma(lib.parent) == []
+    assert gnu_unique_symbols(lib) == []  # no flag shared with a variant build in the process
     code = sass(lib)
     assert re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", code), "no FP8 wgmma in the SASS"
     assert "HGMMA" not in code
