@@ -96,10 +96,12 @@ def test_a_variant_build_runs_beside_the_library(tmp_path):
     lib = ctypes.CDLL(str(path))
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.mokgen_mx_gemm_form.argtypes, lib.mokgen_mx_gemm_form.restype = [ci, vp, vp, vp, vp, vp, ci, ci, ci, vp], ci
+    bsa, bsb = mx_gemm.block_scales(sa), mx_gemm.block_scales(sb)  # held: their memory stays theirs
+    torch.cuda.synchronize()
     for form, code in sorted(mx_gemm.FORMS.items()):
         out = torch.full_like(want, float("nan"))
-        rc = lib.mokgen_mx_gemm_form(code, out.data_ptr(), a.data_ptr(), mx_gemm.block_scales(sa).data_ptr(),
-                                     b.data_ptr(), mx_gemm.block_scales(sb).data_ptr(), 256, 128, 256, None)
+        rc = lib.mokgen_mx_gemm_form(code, out.data_ptr(), a.data_ptr(), bsa.data_ptr(), b.data_ptr(), bsb.data_ptr(),
+                                     256, 128, 256, None)
         torch.cuda.synchronize()
         assert rc == 0, f"form {form}: CUDA error {rc}"
         assert torch.equal(out, want), form
