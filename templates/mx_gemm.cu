@@ -214,6 +214,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
                   sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
         cute::warpgroup_commit_batch();
+#endif
+        // while the wgmma runs: the step's scale products (they do not touch tmp), so only the 64
+        // FFMAs wait for it
+        const float fa0 = ra0[k32], fa1 = ra1[k32];
+        float s0[kAcc / 2], s1[kAcc / 2];  // rows rl and rl + 8: column 8 i + 2 q + j at [2 i + j]
+        {
+          float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
+#pragma unroll
+          for (int m = 0; m < 8; ++m) cb[m] = cols_f[k32 * (kBN / 4) + 4 * m + q];
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float fb = lane4(cb[i >> 1], (i & 1) * 2 + j);
+              s0[2 * i + j] = fa0 * fb;
+              s1[2 * i + j] = fa1 * fb;
+            }
+        }
+#if MOKGEN_MX_PROBE != 2
         cute::warpgroup_wait<0>();
         sm90::fence_operands(tmp);
 #endif
@@ -222,17 +241,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < kAcc; ++i) acc[i] += tmp[i];
         continue;
 #endif
-        const float fa0 = ra0[k32], fa1 = ra1[k32];
-        float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
-#pragma unroll
-        for (int m = 0; m < 8; ++m) cb[m] = cols_f[k32 * (kBN / 4) + 4 * m + q];
 #pragma unroll
         for (int i = 0; i < 16; ++i)
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float fb = lane4(cb[i >> 1], (i & 1) * 2 + j);
-            acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb, acc[4 * i + j]);
-            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb, acc[4 * i + 2 + j]);
+            acc[4 * i + j] = fmaf(tmp[4 * i + j], s0[2 * i + j], acc[4 * i + j]);
+            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], s1[2 * i + j], acc[4 * i + 2 + j]);
           }
       }
     } else {
