@@ -25,9 +25,10 @@ LIBRARY = "libmxgemm.so"
 #: M, N and K must be multiples of this
 BLOCK = 128
 #: the kernel's forms (``templates/mx_gemm.cu``), the same bits: ``decoded`` (the default) has the
-#: producer warpgroup turn the E8M0 scales into float32 in shared memory; ``inline`` has every
-#: consumer thread decode its own (v0.33), kept to measure the difference
-FORMS = {"inline": 0, "decoded": 1}
+#: producer warpgroup turn the E8M0 scales into float32 in shared memory for two consumer
+#: warpgroups of 64 x 128; ``quad`` the same producer for four consumer warpgroups of 64 x 64;
+#: ``inline`` has every consumer thread decode its own (v0.33), kept to measure the difference
+FORMS = {"inline": 0, "decoded": 1, "quad": 2}
 
 _by_env: dict = {}
 

@@ -56,15 +56,30 @@ static_assert(kScaleBytes <= 1024 && kFloatBytes % 1024 == 0, "stages stay 1024-
 //            accumulator fragment reads them, so a consumer thread's 32 column scales of a step
 //            are eight 16-byte loads) and signal `ready`; the consumers' issue slots then go to
 //            the promotion's two float32 operations per element alone.
-enum Form { kInline = 0, kDecoded = 1 };
+//  kQuad:    kDecoded's producer with four consumer warpgroups of 64 x 64 each (two per row half),
+//            so each scheduler has four consumer warps to pick from where kDecoded has two (ncu
+//            on kDecoded: 0.88 warps eligible a cycle, the wgmma wait and the promotion in series
+//            per warp). Registers: 640 threads launch at 96 each, the producer gives back 56, the
+//            consumers take 104.
+enum Form { kInline = 0, kDecoded = 1, kQuad = 2 };
 
 template <int kForm>
 struct Geometry {
-  static constexpr int kStageStride = kCodeBytes + 1024 + (kForm == kDecoded ? kFloatBytes : 0);
+  static constexpr int kStageStride = kCodeBytes + 1024 + (kForm != kInline ? kFloatBytes : 0);
   static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 3 * kStages * 8 + 1024;
+  static constexpr int kConsumers = kForm == kQuad ? 4 : 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kConsumerRegs = kForm == kQuad ? 104 : 232;
 };
 
 using Wgmma = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+using WgmmaQuad = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
+constexpr int kAccQuad = 32;  // float32 accumulators per consumer thread in form kQuad (64 x 64)
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_quad(uint64_t da, uint64_t db, float (&d)[kAccQuad], std::index_sequence<Is...>) {
+  WgmmaQuad::fma(da, db, d[Is]..., cute::SM90::GMMA::ScaleOut::Zero);
+}
 
 template <size_t... Is>
 __device__ __forceinline__ void wgmma_k32(uint64_t da, uint64_t db, float (&d)[kAcc], std::index_sequence<Is...>,
@@ -104,11 +119,10 @@ __device__ __forceinline__ int col_slot(int c) {
 // kernel's blocked layout, [K / 128, rows, 4] (mokgen.mx_gemm.block_scales): a k-block's scales of
 // the tile's 128 rows are 512 contiguous bytes, which one bulk copy per operand puts into the
 // stage beside the codes.
-constexpr int kThreads = 384;
 constexpr int kDecoders = 96;
 
 template <int kForm>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
     mx_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                    const uint8_t* __restrict__ sa, const uint8_t* __restrict__ sb, float* __restrict__ c, int M,
                    int N, int K) {
@@ -126,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
-      sm90::mbar_init(&empty[i], 2);  // one arrival per consumer warpgroup
+      sm90::mbar_init(&empty[i], Geometry<kForm>::kConsumers);  // one arrival per consumer warpgroup
       sm90::mbar_init(&ready[i], kDecoders);
     }
     sm90::fence_barrier_init();
@@ -148,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk::load(st + kCodeBytes, sa + (size_t(kb) * M + m0) * 4, kBM * 4, &full[s]);
         bulk::load(st + kCodeBytes + kBM * 4, sb + (size_t(kb) * N + n0) * 4, kBN * 4, &full[s]);
       }
-    } else if (kForm == kDecoded && t >= 32) {
+    } else if (kForm != kInline && t >= 32) {
       const int d = t - 32;
       for (int kb = 0; kb < n_k; ++kb) {
         const int s = kb % kStages;
@@ -172,7 +186,59 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<Geometry<kForm>::kConsumerRegs>();
+  if constexpr (kForm == kQuad) {
+    // consumer cw: rows 64 (cw & 1) .., columns 64 (cw >> 1) .. of the tile
+    const int cw = wg - 1, rh = cw & 1, ch = cw >> 1, w = t >> 5, lane = t & 31, q = lane & 3;
+    const int rl = 64 * rh + 16 * w + (lane >> 2);
+    float acc[kAccQuad], tmp[kAccQuad];
+#pragma unroll
+    for (int i = 0; i < kAccQuad; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < n_k; ++kb) {
+      const int s = kb % kStages;
+      sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+      sm90::mbar_wait(&ready[s], (kb / kStages) & 1u);
+      const unsigned char* st = stages + size_t(s) * kStageStride;
+      const float4* rows_f = reinterpret_cast<const float4*>(st + kCodeBytes + 1024);
+      const float4* cols_f = reinterpret_cast<const float4*>(rows_f + kBM) + 4 * (4 * ch) + q;
+      const float* ra0 = reinterpret_cast<const float*>(rows_f + rl);
+      const float* ra1 = reinterpret_cast<const float*>(rows_f + rl + 8);
+#pragma unroll
+      for (int k32 = 0; k32 < kSteps; ++k32) {
+        sm90::fence_operands(tmp);
+        cute::warpgroup_arrive();
+        wgmma_quad(sm90::smem_desc_k<128>(st + rh * kBoxBytes + k32 * 32),
+                   sm90::smem_desc_k<128>(st + (2 + ch) * kBoxBytes + k32 * 32), tmp,
+                   std::make_index_sequence<kAccQuad>{});
+        cute::warpgroup_commit_batch();
+        const float fa0 = ra0[k32], fa1 = ra1[k32];
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(tmp);
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm) {  // fragments 2 mm and 2 mm + 1: their columns' scales in one float4
+          const float4 cb = cols_f[k32 * (kBN / 4) + 4 * mm];
+          const float fb[4] = {cb.x, cb.y, cb.z, cb.w};
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int i = 2 * mm + h;
+              acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb[2 * h + j], acc[4 * i + j]);
+              acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb[2 * h + j], acc[4 * i + 2 + j]);
+            }
+        }
+      }
+      if (t == 0) sm90::mbar_arrive(&empty[s]);
+    }
+    const int r0 = m0 + rl;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int col = n0 + 64 * ch + 8 * i + 2 * q;
+      *reinterpret_cast<float2*>(c + size_t(r0) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<float2*>(c + size_t(r0 + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+    return;
+  }
   const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3;
   const int rl = 64 * c_wg + 16 * w + (lane >> 2);  // this thread's first row in the tile (the other: + 8)
   float acc[kAcc], tmp[kAcc];
@@ -214,25 +280,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
                   sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
         cute::warpgroup_commit_batch();
-#endif
-        // while the wgmma runs: the step's scale products (they do not touch tmp), so only the 64
-        // FFMAs wait for it
-        const float fa0 = ra0[k32], fa1 = ra1[k32];
-        float s0[kAcc / 2], s1[kAcc / 2];  // rows rl and rl + 8: column 8 i + 2 q + j at [2 i + j]
-        {
-          float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
-#pragma unroll
-          for (int m = 0; m < 8; ++m) cb[m] = cols_f[k32 * (kBN / 4) + 4 * m + q];
-#pragma unroll
-          for (int i = 0; i < 16; ++i)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const float fb = lane4(cb[i >> 1], (i & 1) * 2 + j);
-              s0[2 * i + j] = fa0 * fb;
-              s1[2 * i + j] = fa1 * fb;
-            }
-        }
-#if MOKGEN_MX_PROBE != 2
         cute::warpgroup_wait<0>();
         sm90::fence_operands(tmp);
 #endif
@@ -241,12 +288,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < kAcc; ++i) acc[i] += tmp[i];
         continue;
 #endif
+        // the scales after the wait: computing the 64 products fa * fb between the wgmma's issue
+        // and its wait was 7% slower (v0.34, call 5)
+        const float fa0 = ra0[k32], fa1 = ra1[k32];
+        float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
+#pragma unroll
+        for (int m = 0; m < 8; ++m) cb[m] = cols_f[k32 * (kBN / 4) + 4 * m + q];
 #pragma unroll
         for (int i = 0; i < 16; ++i)
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            acc[4 * i + j] = fmaf(tmp[4 * i + j], s0[2 * i + j], acc[4 * i + j]);
-            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], s1[2 * i + j], acc[4 * i + 2 + j]);
+            const float fb = lane4(cb[i >> 1], (i & 1) * 2 + j);
+            acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb, acc[4 * i + j]);
+            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb, acc[4 * i + 2 + j]);
           }
       }
     } else {
@@ -341,7 +395,7 @@ int launch(void* c, const void* a, const void* sa, const void* b, const void* sb
     if (e != cudaSuccess) return int(e);
     attr = true;
   }
-  mx_gemm_kernel<kForm><<<dim3(N / kBN, M / kBM), kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(
+  mx_gemm_kernel<kForm><<<dim3(N / kBN, M / kBM), Geometry<kForm>::kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(
       ma, mb, static_cast<const uint8_t*>(sa), static_cast<const uint8_t*>(sb), static_cast<float*>(c), M, N, K);
   return int(cudaGetLastError());
 }
@@ -354,13 +408,14 @@ extern "C" {
 
 // C [M, N] float32 = A [M, K] B [N, K]^T, MXFP8 (codes uint8 E4M3, scales uint8 E8M0 in the blocked
 // layout [K / 128, rows, 4]; 16-byte aligned). M, N, K multiples of 128. form: 0 kInline, 1
-// kDecoded (the same bits). Returns 0 or a CUDA error code.
+// kDecoded, 2 kQuad (the same bits). Returns 0 or a CUDA error code.
 int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N,
                         int K, void* stream) {
   using namespace mokgen::mxg;
   switch (form) {
     case kInline: return launch<kInline>(c, a, sa, b, sb, M, N, K, stream);
     case kDecoded: return launch<kDecoded>(c, a, sa, b, sb, M, N, K, stream);
+    case kQuad: return launch<kQuad>(c, a, sa, b, sb, M, N, K, stream);
     default: return int(cudaErrorInvalidValue);
   }
 }

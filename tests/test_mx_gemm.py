@@ -30,6 +30,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert gnu_unique_symbols(lib) == []  # no flag shared with a variant build in the process
     code = sass(lib)
     assert re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", code), "no FP8 wgmma in the SASS"
+    assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", code), "no 64 x 64 FP8 wgmma (form quad)"
     assert "HGMMA" not in code
 
 
@@ -51,7 +52,7 @@ def test_bad_operands_are_refused_with_one_line():
 
 
 def test_an_unknown_form_is_refused():
-    with pytest.raises(InputError, match=r"form must be one of \['decoded', 'inline'\], got 'fast'"):
+    with pytest.raises(InputError, match=r"form must be one of \['decoded', 'inline', 'quad'\], got 'fast'"):
         mx_gemm.mx_gemm(*_operands(), form="fast")
 
 
