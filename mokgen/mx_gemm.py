@@ -24,10 +24,11 @@ SOURCE = "mx_gemm.cu"
 LIBRARY = "libmxgemm.so"
 #: M, N and K must be multiples of this
 BLOCK = 128
-#: the kernel's forms (``templates/mx_gemm.cu``), the same bits: ``decoded`` (the default) has the
-#: producer warpgroup turn the E8M0 scales into float32 in shared memory for two consumer
-#: warpgroups of 64 x 128; ``quad`` the same producer for four consumer warpgroups of 64 x 64;
-#: ``inline`` has every consumer thread decode its own (v0.33), kept to measure the difference
+#: the kernel's forms (``templates/mx_gemm.cu``), the same bits: ``quad`` (the default, 391-408
+#: TFLOP/s on the H200, v0.34) has the producer warpgroup turn the E8M0 scales into float32 in
+#: shared memory for four consumer warpgroups of 64 x 64; ``decoded`` the same producer for two
+#: consumer warpgroups of 64 x 128 (331-345); ``inline`` has every consumer thread decode its own
+#: scales (v0.33's form, 257-270). The slower forms are kept to measure against.
 FORMS = {"inline": 0, "decoded": 1, "quad": 2}
 
 _by_env: dict = {}
@@ -75,7 +76,7 @@ def block_scales(scales):
     return scales.view(rows, ks // 4, 4).transpose(0, 1).contiguous()
 
 
-def mx_gemm(a_codes, a_scales, b_codes, b_scales, *, form: str = "decoded"):
+def mx_gemm(a_codes, a_scales, b_codes, b_scales, *, form: str = "quad"):
     """``A B^T`` in float32 for MXFP8 operands quantized along K (``mokgen.mx.quantize(x, dim=-1)``):
     A ``[M, K]``, B ``[N, K]``, their scales ``[M, K / 32]`` and ``[N, K / 32]`` (re-laid out by
     :func:`block_scales` for the kernel, a pass over 1/32 of the codes' bytes). ``form`` picks the
