@@ -49,6 +49,9 @@ class Row:
     # fwd+bwd rows: the peak GPU memory of the timed steps above what was allocated before them
     # (GiB), the side's own activations, gradients and workspaces
     peak_gib: float | None = None
+    # ``--numerics mxfp8`` rows: relative Frobenius error of the row's output on the first input
+    # set against the float64 layer (mokgen.reference.experts_forward)
+    error: float | None = None
 
 
 PHASES = ("pull_start_ms", "pull_ms", "push_ms", "done_ms")
@@ -276,20 +279,27 @@ def local_layer_kwargs(spec: MoESpec, ep: int, tokens_per_gpu: int = 2048) -> di
 
 
 def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2048, iters: int = 20,
-                loop: bool = False) -> list[Row]:
+                loop: bool = False, numerics: str = "bf16") -> list[Row]:
     """Workload (a): one rank's expert work after dispatch (ep from LOCAL_EP, default 8)."""
     ep = LOCAL_EP.get(spec.name, 8) if ep is None else ep
     local, rows = local_spec(spec, ep, tokens_per_gpu)
-    out = bench_layer(local, rows, iters=iters, loop=loop, layer_kwargs=local_layer_kwargs(spec, ep, tokens_per_gpu))
+    out = bench_layer(local, rows, iters=iters, loop=loop, layer_kwargs=local_layer_kwargs(spec, ep, tokens_per_gpu),
+                      numerics=numerics)
     for r in out:
         r.workload = f"local EP{ep}"
     return out
 
 
+#: the bench's row of the MXFP8 experts (``--numerics mxfp8``)
+MX_ROW = "mokgen MXFP8 experts (staged launches)"
+
+
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True,
-                layer_kwargs: dict | None = None) -> list[Row]:
+                layer_kwargs: dict | None = None, numerics: str = "bf16") -> list[Row]:
     """mokgen against its peers on ``spec``'s layer at ``tokens`` tokens on one GPU.
-    ``layer_kwargs``: MoELayer arguments of a tuned entry found for another spec (bench_local)."""
+    ``layer_kwargs``: MoELayer arguments of a tuned entry found for another spec (bench_local).
+    ``numerics="mxfp8"`` adds the MXFP8 experts (mokgen.mx_experts, weights quantized once before
+    the timing) and, for them and the BF16 megakernel, the error against the float64 layer."""
     from mokgen.ep import MoELayer
 
     wg, wu, wd = _weights(spec)
@@ -310,6 +320,13 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         ours: lambda i: layer(*inputs[i]),
         "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),
     }
+    if numerics == "mxfp8":
+        from mokgen import mx_experts
+
+        mxw = mx_experts.quantize_weights(wg, wu, wd)
+        impls[MX_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp)
+    elif numerics != "bf16":
+        raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
     if loop:
         impls["torch per-expert loop"] = lambda i: torch_loop(*inputs[i], wg, wu, wd, clamp)
     rows = []
@@ -322,6 +339,15 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
             if name == ours:  # the kernel's phases of its last timed launch
                 st = layer.stats()
                 rows[-1].phases = {k: st.get(k) for k in PHASES}
+        if numerics == "mxfp8":
+            from mokgen import reference
+
+            exact = reference.experts_forward(*inputs[0], wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
+            for r in rows:
+                if r.impl in (ours, MX_ROW):
+                    got = impls[r.impl](0).double()
+                    r.error = ((got - exact).norm() / exact.norm()).item()
+            del exact
     return rows
 
 

@@ -330,16 +330,22 @@ def bench_table(rows, ceiling: float, gpu: str) -> Table:
     memory of each side above its inputs."""
     table = Table(title=f"mokgen bench on {gpu} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
     peaks = any(r.peak_gib is not None for r in rows)
+    errors = any(r.error is not None for r in rows)
     for col in ("workload", "spec", "tokens", "implementation", "ms", "TFLOP/s", "% ceiling", "mokgen speedup",
-                *(("peak GiB",) if peaks else ())):
+                *(("peak GiB",) if peaks else ()), *(("err vs fp64", "vs mokgen bf16") if errors else ())):
         table.add_column(col)
     for r in rows:
         group = [q for q in rows if (q.workload, q.spec, q.tokens) == (r.workload, r.spec, r.tokens)]
         best = min((q.ms for q in group if q.impl.startswith("mokgen")), default=None)
         speed = "" if r.impl.startswith("mokgen") or best is None else f"{r.ms / best:.2f}x"
         peak = ("" if r.peak_gib is None else f"+{r.peak_gib:.2f}",) if peaks else ()
+        err = ()
+        if errors:  # --numerics mxfp8: each row's error, and the MXFP8 row's speed over the BF16 megakernel
+            bf16 = min((q.ms for q in group if q.impl.startswith("mokgen megakernel")), default=None)
+            ratio = f"{bf16 / r.ms:.2f}x" if "MXFP8" in r.impl and bf16 else ""
+            err = ("" if r.error is None else f"{r.error:.2e}", ratio)
         table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
-                      f"{100 * r.tflops / ceiling:.0f}%", speed, *peak)
+                      f"{100 * r.tflops / ceiling:.0f}%", speed, *peak, *err)
     return table
 
 
@@ -358,8 +364,11 @@ def bench_table(rows, ceiling: float, gpu: str) -> Table:
 @click.option("--skew", is_flag=True, help="ep: skewed routing (every token prefers experts of rank 0)")
 @click.option("--backward", is_flag=True,
               help="layer/local/block: time forward + backward (autograd) instead of forward")
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default="bf16", show_default=True,
+              help="mxfp8: the layer and local workloads add the MXFP8 experts, with each mokgen row's error "
+                   "against the float64 layer")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
-def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, out_dir) -> None:
+def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, numerics, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
     from pathlib import Path
 
@@ -371,6 +380,9 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         raise InputError("name at least one SPEC, or pass --all")
     specs = [_spec(r) for r in refs]
     workloads = workload or ("layer", "virtual")
+    if numerics == "mxfp8" and (backward or not set(workloads) <= {"layer", "local"}):
+        raise InputError("--numerics mxfp8 times the forward of the layer and local workloads (pass --workload layer "
+                         "or local, without --backward)")
     if backward and not set(workloads) <= {"layer", "local", "block"}:
         raise InputError("--backward times the layer, local and block workloads only (pass --workload layer, local "
                          "or block)")
@@ -395,14 +407,15 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                 if wl == "layer" and backward:
                     rows += b.bench_layer_backward(spec, tokens or 4096, iters=iters)
                 elif wl == "layer":
-                    rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop)
+                    rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop, numerics=numerics)
                 elif wl == "local" and backward:
                     ep = b.LOCAL_EP.get(spec.name, 8)
                     local, local_rows = b.local_spec(spec, ep, tokens or 2048)
                     rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}",
                                                    layer_kwargs=b.local_layer_kwargs(spec, ep, tokens or 2048))
                 elif wl == "local":
-                    rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters, loop=not no_loop)
+                    rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters, loop=not no_loop,
+                                          numerics=numerics)
                 elif wl == "block":
                     rows += b.bench_block(spec, tokens or 4096, iters=iters, backward=backward)
                 elif wl == "ep":

@@ -44,6 +44,8 @@ def load_library() -> ctypes.CDLL:
         vp, i = ctypes.c_void_p, ctypes.c_int
         lib.mokgen_mx_gemm_form.argtypes = [i, vp, vp, vp, vp, vp, i, i, i, vp]
         lib.mokgen_mx_gemm_form.restype = i
+        lib.mokgen_mx_grouped_gemm.argtypes = [i, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_grouped_gemm.restype = i
         _by_env[key] = lib
     return lib
 
@@ -98,3 +100,60 @@ def mx_gemm(a_codes, a_scales, b_codes, b_scales, *, form: str = "quad"):
     if code:
         raise KernelError(f"mokgen_mx_gemm_form ({form}) failed: CUDA error {code}")
     return out
+
+
+def block_expert_scales(scales):
+    """Expert weights' scales ``[E, N, K / 32]`` (``mx.quantize_experts``) in the grouped kernel's
+    layout ``[E, K / 128, N, 4]``: each expert's block as :func:`block_scales` lays out one
+    matrix."""
+    experts, rows, ks = scales.shape
+    return scales.view(experts, rows, ks // 4, 4).transpose(1, 2).contiguous()
+
+
+def row_tiles(padded_counts, device) -> tuple:
+    """The grouped launch's row tiles for segments of ``padded_counts[e]`` rows (multiples of
+    128, expert e's segment after expert e - 1's): ``(tiles int32 [n, 2] of (expert, first row)
+    on device, n)``."""
+    import torch
+
+    counts = torch.as_tensor(padded_counts, dtype=torch.int64).cpu()
+    if (counts % BLOCK).any() or (counts < 0).any():
+        raise InputError(f"segment rows must be non-negative multiples of {BLOCK}, got {counts.tolist()}")
+    per = counts // BLOCK
+    experts = torch.repeat_interleave(torch.arange(len(counts)), per)
+    starts = torch.cumsum(counts, 0) - counts
+    first = torch.repeat_interleave(starts, per) + BLOCK * (torch.arange(int(per.sum())) -
+                                                            torch.repeat_interleave(torch.cumsum(per, 0) - per, per))
+    tiles = torch.stack([experts, first], 1).to(torch.int32).to(device)
+    return tiles, int(per.sum())
+
+
+def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles, *, out=None, form: str = "quad"):
+    """Per-expert ``A B_e^T`` in float32 over row segments of whole 128-row tiles: A ``[M, K]``
+    codes with its scales already in the blocked layout (``block_scales``), B ``[E, N, K]`` codes
+    with ``block_expert_scales``' layout, ``tiles`` from :func:`row_tiles`. Returns C ``[M, N]``
+    (``out`` if given); rows outside every tile are left as they were."""
+    import torch
+
+    if form not in FORMS:
+        raise InputError(f"form must be one of {sorted(FORMS)}, got {form!r}")
+    M, K = a_codes.shape
+    E, N, Kb = b_codes.shape
+    if Kb != K or M % BLOCK or N % BLOCK or K % BLOCK:
+        raise InputError(f"grouped MX GEMM: A {tuple(a_codes.shape)}, B {tuple(b_codes.shape)}: K must match and "
+                         f"M, N, K be multiples of {BLOCK}")
+    if tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) or tuple(b_scales_blocked.shape) != (E, K // BLOCK, N, 4):
+        raise InputError("grouped MX GEMM: scales not in the blocked layouts (block_scales, block_expert_scales)")
+    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != a_codes.device:
+        raise InputError("grouped MX GEMM: tiles must be int32 [n, 2] on the operands' device (row_tiles)")
+    c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device) if out is None else out
+    if tiles.shape[0] == 0:
+        return c
+    with torch.cuda.device(a_codes.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        code = load_library().mokgen_mx_grouped_gemm(
+            FORMS[form], c.data_ptr(), a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_codes.data_ptr(),
+            b_scales_blocked.data_ptr(), tiles.data_ptr(), int(tiles.shape[0]), M, N, K, E, stream)
+    if code:
+        raise KernelError(f"mokgen_mx_grouped_gemm ({form}) failed: CUDA error {code}")
+    return c

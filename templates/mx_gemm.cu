@@ -125,7 +125,7 @@ template <int kForm>
 __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
     mx_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                    const uint8_t* __restrict__ sa, const uint8_t* __restrict__ sb, float* __restrict__ c, int M,
-                   int N, int K) {
+                   int N, int K, const int2* __restrict__ tiles) {
   constexpr int kStageStride = Geometry<kForm>::kStageStride;
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
@@ -136,7 +136,11 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
   unsigned char* stages = smem + (((base + 3 * kStages * 8 + 1023) & ~1023u) - base);
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (ptxas: no divergent WG.AR)
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, n_k = K / kBK;
+  // the row tile: blockIdx.y's entry of `tiles` (expert e, first row m0) in a grouped launch, else
+  // (0, 128 blockIdx.y); B's rows and scales are expert e's: rows e N .. of the [E N, K] codes,
+  // scales from e's [K / 128, N, 4] block
+  const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
+  const int e = tile.x, m0 = tile.y, n0 = blockIdx.x * kBN, n_k = K / kBK;
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -157,10 +161,10 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + h * kBoxBytes, kb * kBK, m0 + 64 * h);
-          cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st + (2 + h) * kBoxBytes, kb * kBK, n0 + 64 * h);
+          cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st + (2 + h) * kBoxBytes, kb * kBK, e * N + n0 + 64 * h);
         }
         bulk::load(st + kCodeBytes, sa + (size_t(kb) * M + m0) * 4, kBM * 4, &full[s]);
-        bulk::load(st + kCodeBytes + kBM * 4, sb + (size_t(kb) * N + n0) * 4, kBN * 4, &full[s]);
+        bulk::load(st + kCodeBytes + kBM * 4, sb + ((size_t(e) * n_k + kb) * N + n0) * 4, kBN * 4, &full[s]);
       }
     } else if (kForm != kInline && t >= 32) {
       const int d = t - 32;
@@ -381,23 +385,35 @@ namespace mxg {
 namespace {
 
 template <int kForm>
-int launch(void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N, int K, void* stream) {
-  if (M % kBM || N % kBN || K % kBK || M <= 0 || N <= 0 || K <= 0) return int(cudaErrorInvalidValue);
+int launch(void* c, const void* a, const void* sa, const void* b, const void* sb, const int2* tiles, int n_tiles, int M,
+           int N, int K, int E, void* stream) {
+  if (M % kBM || N % kBN || K % kBK || M <= 0 || N <= 0 || K <= 0 || E <= 0 || n_tiles <= 0 || n_tiles > 65535)
+    return int(cudaErrorInvalidValue);
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K)) != CUDA_SUCCESS ||
-      encode_codes(&mb, b, uint64_t(N), uint64_t(K)) != CUDA_SUCCESS)
+      encode_codes(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K)) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
   constexpr size_t kSmem = Geometry<kForm>::kSmemBytes;
   static bool attr = false;
   if (!attr) {
-    const cudaError_t e =
+    const cudaError_t err =
         cudaFuncSetAttribute(mx_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-    if (e != cudaSuccess) return int(e);
+    if (err != cudaSuccess) return int(err);
     attr = true;
   }
-  mx_gemm_kernel<kForm><<<dim3(N / kBN, M / kBM), Geometry<kForm>::kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(
-      ma, mb, static_cast<const uint8_t*>(sa), static_cast<const uint8_t*>(sb), static_cast<float*>(c), M, N, K);
+  mx_gemm_kernel<kForm><<<dim3(N / kBN, n_tiles), Geometry<kForm>::kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<const uint8_t*>(sb), static_cast<float*>(c), M, N, K, tiles);
   return int(cudaGetLastError());
+}
+
+int launch_form(int form, void* c, const void* a, const void* sa, const void* b, const void* sb, const int2* tiles,
+                int n_tiles, int M, int N, int K, int E, void* stream) {
+  switch (form) {
+    case kInline: return launch<kInline>(c, a, sa, b, sb, tiles, n_tiles, M, N, K, E, stream);
+    case kDecoded: return launch<kDecoded>(c, a, sa, b, sb, tiles, n_tiles, M, N, K, E, stream);
+    case kQuad: return launch<kQuad>(c, a, sa, b, sb, tiles, n_tiles, M, N, K, E, stream);
+    default: return int(cudaErrorInvalidValue);
+  }
 }
 
 }  // namespace
@@ -411,13 +427,16 @@ extern "C" {
 // kDecoded, 2 kQuad (the same bits). Returns 0 or a CUDA error code.
 int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N,
                         int K, void* stream) {
-  using namespace mokgen::mxg;
-  switch (form) {
-    case kInline: return launch<kInline>(c, a, sa, b, sb, M, N, K, stream);
-    case kDecoded: return launch<kDecoded>(c, a, sa, b, sb, M, N, K, stream);
-    case kQuad: return launch<kQuad>(c, a, sa, b, sb, M, N, K, stream);
-    default: return int(cudaErrorInvalidValue);
-  }
+  return mokgen::mxg::launch_form(form, c, a, sa, b, sb, nullptr, M / mokgen::mxg::kBM, M, N, K, 1, stream);
+}
+
+// Grouped: rows of A in segments of whole 128-row tiles, one expert's each. `tiles` (device,
+// int32 pairs) lists the row tiles as (expert e, first row m0); C's rows m0 .. m0 + 127 get
+// A's rows times expert e's B, where B holds E experts' codes [E, N, K] and their scales
+// [E, K / 128, N, 4]. Rows outside every tile are not written.
+int mokgen_mx_grouped_gemm(int form, void* c, const void* a, const void* sa, const void* b, const void* sb,
+                           const void* tiles, int n_tiles, int M, int N, int K, int E, void* stream) {
+  return mokgen::mxg::launch_form(form, c, a, sa, b, sb, static_cast<const int2*>(tiles), n_tiles, M, N, K, E, stream);
 }
 
 }  // extern "C"

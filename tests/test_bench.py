@@ -132,6 +132,29 @@ def test_bench_table_speedups_and_peak_memory_column():
     assert "peak GiB" in text and "+2.19" in text and "+2.13" in text and "2.27x" in text
 
 
+def test_bench_table_mxfp8_columns():
+    """--numerics mxfp8: each row's error against float64 and the MXFP8 row's speed over the BF16
+    megakernel of its group; without errors, no such columns."""
+    from rich.console import Console
+
+    from mokgen.bench import MX_ROW, Row
+    from mokgen.cli import bench_table
+
+    rows = [Row("local EP8", "kimi-k2.5-ep8-local", 16384, "mokgen megakernel (W=1, tuned)", 3.0, 550.0, error=0.0031),
+            Row("local EP8", "kimi-k2.5-ep8-local", 16384, MX_ROW, 4.0, 412.0, error=0.071),
+            Row("local EP8", "kimi-k2.5-ep8-local", 16384, "torch._grouped_mm", 6.0, 275.0)]
+    console = Console(width=260, record=True)
+    console.print(bench_table(rows, 700.0, "NVIDIA H200"))
+    text = console.export_text()
+    assert "err vs fp64" in text and "3.10e-03" in text and "7.10e-02" in text
+    assert "0.75x" in text  # 3.0 / 4.0
+    assert "2.00x" in text  # the peer against the best mokgen row
+    console = Console(width=260, record=True)
+    plain = [Row(r.workload, r.spec, r.tokens, r.impl, r.ms, r.tflops) for r in (rows[0], rows[2])]
+    console.print(bench_table(plain, 700.0, "NVIDIA H200"))
+    assert "err vs fp64" not in console.export_text()
+
+
 def test_abba_blocks_interleave_the_sides_and_block_ratio_is_reproducible():
     """abba_blocks launches warm-up then A B B A per block (input i, then i + 1), pairing each
     side's two launches; block_ratio's median and bootstrap interval come from those pairs, the

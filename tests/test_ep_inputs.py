@@ -756,6 +756,15 @@ def test_cli_bench_unknown_spec_before_the_gpu_check(invoke):
     assert "no-such-model" in line and "CUDA" not in line
 
 
+def test_cli_bench_mxfp8_only_for_the_layer_and_local_forward(invoke):
+    for extra in (("--workload", "virtual"), ("--workload", "local", "--backward")):
+        code, out, err, leftovers = invoke("bench", SMALL, "--numerics", "mxfp8", *extra)
+        line = _one_error_line(code, out, err)
+        assert line == ("error: --numerics mxfp8 times the forward of the layer and local workloads (pass --workload "
+                        "layer or local, without --backward)")
+        assert leftovers == []
+
+
 def test_cli_bench_backward_only_for_layer_local_and_block(invoke):
     code, out, err, leftovers = invoke("bench", SMALL, "--backward", "--workload", "virtual")
     line = _one_error_line(code, out, err)

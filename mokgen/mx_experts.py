@@ -1,0 +1,143 @@
+"""MXFP8 routed experts on one GPU (issue 6): the rank-local expert work in MXFP8, on mokgen's FP8
+GEMM (``mokgen.mx_gemm``). Not the megakernel yet: the stages run as separate launches, and
+the activations are quantized here, where the megakernel's dispatch will quantize them.
+
+Semantics (``numerics: mxfp8``; the oracle is :func:`mokgen.reference.mx_experts_forward`):
+  1. each (token, j) row ``x[t]`` is quantized to MXFP8 along H (``mokgen.mx.quantize``);
+  2. gate and up projections: the exact products of the MX rows with the MX weights (quantized
+     once along H by :func:`quantize_weights`), summed in float32;
+  3. ``h = swiglu(gate, up)`` (the spec's clamp) in float32, quantized to MXFP8 along I;
+  4. down projection likewise (weights along I), float32;
+  5. combine: ``out[t] = sum_j w[t, j] * y[t, j]`` in float32 in the fixed order j = 0..k-1,
+     rounded once to bf16.
+Each step is deterministic: rows are grouped by a stable sort of the expert ids, every output
+element has one owner, no atomics.
+
+Layout: the rows of each expert form a segment padded to whole 128-row tiles (the FP8 GEMM's
+tile); padding rows are zero codes and never read back. The tile list needs the experts' row
+counts on the host: one device-to-host copy per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mokgen import mx, mx_gemm
+from mokgen.errors import InputError
+from mokgen.reference import swiglu
+
+__all__ = ["MXExpertWeights", "quantize_weights", "experts_forward", "bytes_per_row"]
+
+
+@dataclass
+class MXExpertWeights:
+    """Expert weights quantized once for the MXFP8 kernels: ``gate_up`` codes ``[E, 2I, H]``
+    (gate rows first, then up) and ``down`` codes ``[E, H, I]``, their E8M0 scales in the grouped
+    kernel's blocked layout (``mx_gemm.block_expert_scales``)."""
+
+    gate_up: torch.Tensor
+    gate_up_scales: torch.Tensor
+    down: torch.Tensor
+    down_scales: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def inter(self) -> int:
+        return self.down.shape[2]
+
+
+def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> MXExpertWeights:
+    """``w_gate`` / ``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` (mokgen's layout) ->
+    MXFP8 along the dimension each GEMM reduces over, one expert at a time. H and I must be
+    multiples of 128 (the GEMM's tile)."""
+    if w_gate.dim() != 3 or w_gate.shape != w_up.shape or w_down.dim() != 3 \
+            or w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
+        raise InputError(f"expert weights must be w_gate / w_up [E, I, H] and w_down [E, H, I], got "
+                         f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
+    E, I, H = w_gate.shape
+    if H % mx_gemm.BLOCK or I % mx_gemm.BLOCK:
+        raise InputError(f"MXFP8 experts need hidden and intermediate sizes that are multiples of "
+                         f"{mx_gemm.BLOCK}, got H = {H}, I = {I}")
+    gu_codes = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn, device=w_gate.device)
+    gu_scales = torch.empty(E, 2 * I, H // 32, dtype=torch.uint8, device=w_gate.device)
+    for e in range(E):
+        gu_codes[e, :I], gu_scales[e, :I] = mx.quantize(w_gate[e], dim=-1)
+        gu_codes[e, I:], gu_scales[e, I:] = mx.quantize(w_up[e], dim=-1)
+    d_codes, d_scales = mx.quantize_experts(w_down)
+    return MXExpertWeights(gu_codes, mx_gemm.block_expert_scales(gu_scales), d_codes,
+                           mx_gemm.block_expert_scales(d_scales))
+
+
+def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
+    """Bytes of one token row as the dispatch moves it: bf16 ``2 H``; MXFP8 ``H`` codes plus
+    ``H / 32`` scales (0.516x)."""
+    if numerics == "bf16":
+        return 2 * hidden
+    if numerics == "mxfp8":
+        return hidden + hidden // 32
+    raise InputError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
+
+
+def _segments(flat_ids: torch.Tensor, num_experts: int):
+    """Rows grouped by expert (a stable sort: ties keep (token, j) order): the sorted pair
+    indices, each pair's row in the padded layout, the padded segment sizes (host) and total."""
+    order = torch.sort(flat_ids, stable=True).indices
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    padded = (counts + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
+    pad_starts = torch.cumsum(padded, 0) - padded
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_ids = flat_ids[order]
+    rank_in_expert = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[sorted_ids]
+    row_of_sorted = pad_starts[sorted_ids] + rank_in_expert
+    row = torch.empty_like(row_of_sorted)
+    row[order] = row_of_sorted
+    padded_host = padded.cpu()  # the tile list's one host sync
+    return row, padded_host, int(padded_host.sum())
+
+
+def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MXExpertWeights,
+                    clamp_limit: float | None = None, *, form: str = "quad") -> torch.Tensor:
+    """The routed experts in MXFP8 on one GPU: ``x [T, H]`` (bf16), ``topk_ids [T, k]``,
+    ``topk_weights [T, k]`` -> ``[T, H]`` bf16 (the module docstring's semantics)."""
+    if x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise InputError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise InputError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    T, k = topk_ids.shape
+    H, I, E = weights.hidden, weights.inter, weights.num_experts
+    if T == 0:
+        return torch.zeros(0, H, dtype=torch.bfloat16, device=x.device)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    if bool(((flat < 0) | (flat >= E)).any()):
+        raise InputError(f"topk_ids must lie in [0, {E})")
+    row, padded, rows = _segments(flat, E)
+    tiles, _ = mx_gemm.row_tiles(padded, x.device)
+    # 1. the rows, quantized (the megakernel's dispatch will do this on the way)
+    xr = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
+    xr[row] = x.repeat_interleave(k, dim=0)
+    xq, xs = mx.quantize(xr, dim=-1)
+    # 2. gate and up
+    gu = mx_gemm.mx_grouped_gemm(xq, mx_gemm.block_scales(xs), weights.gate_up, weights.gate_up_scales, tiles,
+                                 form=form)
+    # 3. SwiGLU in float32, quantized along I
+    h = swiglu(gu[:, :I], gu[:, I:], clamp_limit)
+    hq, hs = mx.quantize(h, dim=-1)
+    # 4. down
+    y = mx_gemm.mx_grouped_gemm(hq, mx_gemm.block_scales(hs), weights.down, weights.down_scales, tiles, form=form)
+    # 5. combine in the fixed order j = 0..k-1
+    yk = y[row].view(T, k, H)
+    w = topk_weights.to(torch.float32)
+    out = w[:, 0:1] * yk[:, 0]
+    for j in range(1, k):
+        out = out + w[:, j:j + 1] * yk[:, j]
+    return out.to(torch.bfloat16)

@@ -1,0 +1,70 @@
+"""The MXFP8 routed experts (mokgen/mx_experts.py) on the H200: the grouped FP8 GEMM against the
+dense one, the layer against the float64 MX oracle (mokgen.reference.mx_experts_forward) and the
+float64 layer, and the same bits over 20 repeats."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mokgen import mx, mx_experts, mx_gemm  # noqa: E402
+from mokgen import reference as R  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _problem(T, H, I, E, k, seed, skew=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    scores = torch.rand(T, E, generator=gen, device="cuda")
+    if skew:  # expert 0 takes most rows, the last expert none
+        scores[:, 0] += 0.7
+        scores[:, E - 1] = -1.0
+    ids = scores.topk(k, dim=-1).indices.to(torch.int32)
+    w = torch.rand(T, k, generator=gen, device="cuda")
+    w = w / w.sum(-1, keepdim=True)
+    wg, wu = ((torch.randn(E, I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    wd = (torch.randn(E, H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16)
+    return x, ids, w, wg, wu, wd
+
+
+@pytest.mark.parametrize("form", sorted(mx_gemm.FORMS))
+def test_grouped_gemm_equals_the_dense_gemm_per_expert(form):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    E, N, K = 3, 256, 384
+    padded = [256, 0, 128]
+    a, sa = mx.quantize(torch.randn(sum(padded), K, generator=gen, device="cuda").to(torch.bfloat16), dim=-1)
+    b, sb = mx.quantize((torch.randn(E, N, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16), dim=-1)
+    tiles, _ = mx_gemm.row_tiles(padded, "cuda")
+    got = mx_gemm.mx_grouped_gemm(a, mx_gemm.block_scales(sa), b, mx_gemm.block_expert_scales(sb), tiles, form=form)
+    start = 0
+    for e, rows in enumerate(padded):
+        if rows:
+            want = mx_gemm.mx_gemm(a[start:start + rows].contiguous(), sa[start:start + rows].contiguous(), b[e],
+                                   sb[e], form=form)
+            assert torch.equal(got[start:start + rows], want), e
+        start += rows
+
+
+@pytest.mark.parametrize("skew, clamp", [(False, None), (True, None), (False, 10.0)])
+def test_mx_experts_match_the_float64_mx_oracle(skew, clamp):
+    T, H, I, E, k = 300, 512, 256, 6, 2
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=7, skew=skew)
+    weights = mx_experts.quantize_weights(wg, wu, wd)
+    out = mx_experts.experts_forward(x, ids, w, weights, clamp_limit=clamp)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H) and torch.isfinite(out).all()
+    oracle = R.mx_experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
+    rel = ((out.double() - oracle).norm() / oracle.norm()).item()
+    assert rel < 3e-3, f"against the MX oracle: {rel:.2e}"  # the bf16 output's rounding, about 1e-3
+    exact = R.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
+    rel_exact = ((out.double() - exact).norm() / exact.norm()).item()
+    assert 0.02 < rel_exact < 0.12, f"against the float64 layer: {rel_exact:.2e}"  # MXFP8's own error
+
+
+def test_mx_experts_give_the_same_bits_20_times():
+    x, ids, w, wg, wu, wd = _problem(512, 256, 128, 4, 3, seed=11, skew=True)
+    weights = mx_experts.quantize_weights(wg, wu, wd)
+    first = mx_experts.experts_forward(x, ids, w, weights)
+    for _ in range(19):
+        assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), first)
