@@ -6,7 +6,8 @@ Semantics (``numerics: mxfp8``; the oracle is :func:`mokgen.reference.mx_experts
   1. each (token, j) row ``x[t]`` is quantized to MXFP8 along H (``mokgen.mx.quantize``);
   2. gate and up projections: the exact products of the MX rows with the MX weights (quantized
      once along H by :func:`quantize_weights`), summed in float32;
-  3. ``h = swiglu(gate, up)`` (the spec's clamp) in float32, quantized to MXFP8 along I;
+  3. ``h = swiglu(gate, up)`` (the spec's clamp; the megakernel's SwiGLU, fast division) in
+     float32, quantized to MXFP8 along I;
   4. down projection likewise (weights along I), float32;
   5. combine: ``out[t] = sum_j w[t, j] * y[t, j]`` in float32 in the fixed order j = 0..k-1,
      rounded once to bf16.
@@ -26,7 +27,6 @@ import torch
 
 from mokgen import mx, mx_gemm
 from mokgen.errors import InputError
-from mokgen.reference import swiglu
 
 __all__ = ["MXExpertWeights", "quantize_weights", "experts_forward", "bytes_per_row"]
 
@@ -88,8 +88,8 @@ def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
 
 
 def _segments(flat_ids: torch.Tensor, num_experts: int):
-    """Rows grouped by expert (a stable sort: ties keep (token, j) order): the sorted pair
-    indices, each pair's row in the padded layout, the padded segment sizes (host) and total."""
+    """Rows grouped by expert (a stable sort: ties keep (token, j) order): each pair's row in the
+    padded layout, the padded segment sizes (host) and their total."""
     order = torch.sort(flat_ids, stable=True).indices
     counts = torch.bincount(flat_ids, minlength=num_experts)
     padded = (counts + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
@@ -108,8 +108,8 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     clamp_limit: float | None = None, *, form: str = "quad") -> torch.Tensor:
     """The routed experts in MXFP8 on one GPU: ``x [T, H]`` (bf16), ``topk_ids [T, k]``,
     ``topk_weights [T, k]`` -> ``[T, H]`` bf16 (the module docstring's semantics)."""
-    if x.dim() != 2 or x.shape[1] != weights.hidden:
-        raise InputError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != weights.hidden or x.dtype != torch.bfloat16:
+        raise InputError(f"x must be bf16 [T, {weights.hidden}], got {x.dtype} {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise InputError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
@@ -122,18 +122,17 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         raise InputError(f"topk_ids must lie in [0, {E})")
     row, padded, rows = _segments(flat, E)
     tiles, _ = mx_gemm.row_tiles(padded, x.device)
-    # 1. the rows, quantized (the megakernel's dispatch will do this on the way)
-    xr = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
-    xr[row] = x.repeat_interleave(k, dim=0)
-    xq, xs = mx.quantize(xr, dim=-1)
+    # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
+    #    the way): padded row r holds token src[r], or zeros
+    src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+    src[row] = (torch.arange(T * k, device=x.device) // k).to(torch.int32)
+    xq, xs = mx_gemm.quantize_rows(x.contiguous(), src, rows)
     # 2. gate and up
-    gu = mx_gemm.mx_grouped_gemm(xq, mx_gemm.block_scales(xs), weights.gate_up, weights.gate_up_scales, tiles,
-                                 form=form)
-    # 3. SwiGLU in float32, quantized along I
-    h = swiglu(gu[:, :I], gu[:, I:], clamp_limit)
-    hq, hs = mx.quantize(h, dim=-1)
+    gu = mx_gemm.mx_grouped_gemm(xq, xs, weights.gate_up, weights.gate_up_scales, tiles, form=form)
+    # 3. SwiGLU in float32 and h quantized along I, one pass
+    hq, hs = mx_gemm.swiglu_quantize(gu, clamp_limit)
     # 4. down
-    y = mx_gemm.mx_grouped_gemm(hq, mx_gemm.block_scales(hs), weights.down, weights.down_scales, tiles, form=form)
+    y = mx_gemm.mx_grouped_gemm(hq, hs, weights.down, weights.down_scales, tiles, form=form)
     # 5. combine in the fixed order j = 0..k-1
     yk = y[row].view(T, k, H)
     w = topk_weights.to(torch.float32)

@@ -1,4 +1,5 @@
-"""MXFP8 GEMM on the H200's FP8 tensor cores (issue 6, its first kernel; not used by the layer yet).
+"""MXFP8 GEMM on the H200's FP8 tensor cores (issue 6), dense and grouped over expert segments,
+and the quantizers of the staged MXFP8 experts (``mokgen.mx_experts``).
 
 ``templates/mx_gemm.cu``: ``C = A B^T`` with A ``[M, K]`` and B ``[N, K]`` in MXFP8 as
 :func:`mokgen.mx.quantize` makes them along K (E4M3 codes, one E8M0 scale per 32 consecutive k)
@@ -46,6 +47,9 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_gemm_form.restype = i
         lib.mokgen_mx_grouped_gemm.argtypes = [i, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_grouped_gemm.restype = i
+        lib.mokgen_mx_quantize_rows.argtypes, lib.mokgen_mx_quantize_rows.restype = [vp, vp, vp, vp, i, i, vp], i
+        lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
+        lib.mokgen_mx_swiglu_quantize.restype = i
         _by_env[key] = lib
     return lib
 
@@ -157,3 +161,50 @@ def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles,
     if code:
         raise KernelError(f"mokgen_mx_grouped_gemm ({form}) failed: CUDA error {code}")
     return c
+
+
+def quantize_rows(x, src, rows: int):
+    """MXFP8 along H of ``rows`` rows: row r is ``x[src[r]]`` (``x`` bf16 ``[*, H]``, ``src`` int32
+    on its device), zeros where ``src[r] < 0``. Returns ``(codes float8_e4m3fn [rows, H], scales
+    uint8 [H / 128, rows, 4])``, the scales in the GEMM's blocked layout; the same bits as
+    ``block_scales(mx.quantize(rows of x))``."""
+    import torch
+
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] % BLOCK:
+        raise InputError(f"x must be contiguous bf16 [T, H] with H a multiple of {BLOCK}, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if src.dtype != torch.int32 or src.shape != (rows,) or src.device != x.device:
+        raise InputError(f"src must be int32 [{rows}] on {x.device}")
+    H = x.shape[1]
+    codes = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(H // BLOCK, rows, 4, dtype=torch.uint8, device=x.device)
+    with torch.cuda.device(x.device):
+        code = load_library().mokgen_mx_quantize_rows(codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
+                                                      src.data_ptr(), rows, H,
+                                                      torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"mokgen_mx_quantize_rows failed: CUDA error {code}")
+    return codes, scales
+
+
+def swiglu_quantize(gu, clamp_limit: float | None = None):
+    """``h = swiglu(gate, up)`` of float32 rows ``gu [rows, 2 I]`` (gate columns first; the
+    megakernel's SwiGLU, fast division), quantized to MXFP8 along I: ``(codes [rows, I], scales
+    [I / 128, rows, 4])``."""
+    import torch
+
+    if gu.dtype != torch.float32 or gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % (2 * BLOCK):
+        raise InputError(f"gu must be contiguous float32 [rows, 2 I] with I a multiple of {BLOCK}, got {gu.dtype} "
+                         f"{tuple(gu.shape)}")
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    limit = 0.0 if clamp_limit is None else float(clamp_limit)
+    if clamp_limit is not None and not limit > 0:
+        raise InputError(f"clamp_limit must be positive, got {clamp_limit}")
+    codes = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gu.device)
+    scales = torch.empty(inter // BLOCK, rows, 4, dtype=torch.uint8, device=gu.device)
+    with torch.cuda.device(gu.device):
+        code = load_library().mokgen_mx_swiglu_quantize(codes.data_ptr(), scales.data_ptr(), gu.data_ptr(), rows,
+                                                        inter, limit, torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"mokgen_mx_swiglu_quantize failed: CUDA error {code}")
+    return codes, scales

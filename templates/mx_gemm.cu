@@ -33,6 +33,8 @@
 #include <utility>
 
 #include "mokgen/bulk_copy.cuh"
+#include "mokgen/common.cuh"
+#include "mokgen/mx.cuh"
 #include "mokgen/hopper_gemm.cuh"
 
 namespace mokgen {
@@ -378,6 +380,73 @@ inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, 
 
 namespace mokgen {
 namespace mxg {
+
+// ---- the staged MXFP8 experts' quantizers (mokgen.mx_experts): one thread per 32-element block,
+// mx.cuh's quantize_block (bit for bit the oracle), the scales written straight into the GEMM's
+// blocked layout [K / 128, rows, 4] -------------------------------------------------------------
+
+MOKGEN_DEVICE void store_block(const uint8_t (&q)[mx::kBlock], uint8_t scale, uint8_t* codes, uint8_t* scales,
+                               int r, int b, int rows, int k) {
+  uint4 w[2];
+  memcpy(w, q, sizeof(q));
+  uint4* dst = reinterpret_cast<uint4*>(codes + size_t(r) * k + b * mx::kBlock);
+  dst[0] = w[0];
+  dst[1] = w[1];
+  scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
+}
+
+// Row r of the output is row src[r] of x (bf16 [*, H]), or zeros where src[r] < 0 (a padding row
+// of an expert's segment), quantized along H.
+__global__ void quantize_rows_kernel(const bf16* __restrict__ x, const int* __restrict__ src, int rows, int h,
+                                     uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+  const int nb = h / mx::kBlock;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)rows * nb) return;
+  const int r = int(idx / nb), b = int(idx % nb), from = src[r];
+  float v[mx::kBlock];
+  if (from >= 0) {
+    const uint4* p = reinterpret_cast<const uint4*>(x + size_t(from) * h + b * mx::kBlock);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 w = p[i];
+      const bf16* e = reinterpret_cast<const bf16*>(&w);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(e[j]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
+  }
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  store_block(q, scale, codes, scales, r, b, rows, h);
+}
+
+// h = swiglu(gate, up) of the float32 gate | up rows gu [rows, 2 I] (common.cuh's swiglu, the
+// megakernel's), quantized along I.
+template <bool kHasClamp>
+__global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, int inter, float limit,
+                                       uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+  const int nb = inter / mx::kBlock;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)rows * nb) return;
+  const int r = int(idx / nb), b = int(idx % nb);
+  const float4* g = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + b * mx::kBlock);
+  const float4* u = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter + b * mx::kBlock);
+  float v[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock / 4; ++i) {
+    const float4 gv = g[i], uv = u[i];
+    v[4 * i] = swiglu<kHasClamp>(gv.x, uv.x, limit);
+    v[4 * i + 1] = swiglu<kHasClamp>(gv.y, uv.y, limit);
+    v[4 * i + 2] = swiglu<kHasClamp>(gv.z, uv.z, limit);
+    v[4 * i + 3] = swiglu<kHasClamp>(gv.w, uv.w, limit);
+  }
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  store_block(q, scale, codes, scales, r, b, rows, inter);
+}
+
 // Internal linkage (and build.BASE_FLAGS's -fno-gnu-unique): a static local of a template (the
 // attribute flag below) was otherwise a GNU-unique symbol, one for every library in the process,
 // and a variant build loaded beside this library (.ci/mx_gemm_probe.py --probe) skipped setting
@@ -428,6 +497,38 @@ extern "C" {
 int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N,
                         int K, void* stream) {
   return mokgen::mxg::launch_form(form, c, a, sa, b, sb, nullptr, M / mokgen::mxg::kBM, M, N, K, 1, stream);
+}
+
+// Codes [rows, H] and blocked scales [H / 128, rows, 4] of x's rows src[r] (zeros where src[r] <
+// 0); H a multiple of 128, x 16-byte aligned rows.
+int mokgen_mx_quantize_rows(void* codes, void* scales, const void* x, const void* src, int rows, int h, void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || h <= 0 || h % 128) return int(cudaErrorInvalidValue);
+  const long long n = (long long)rows * (h / mx::kBlock);
+  if (n == 0) return 0;
+  mxg::quantize_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), static_cast<const int*>(src), rows, h, static_cast<uint8_t*>(codes),
+      static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// Codes [rows, I] and blocked scales [I / 128, rows, 4] of swiglu(gu[:, :I], gu[:, I:]) (gu float32
+// [rows, 2 I]); limit > 0: the SwiGLU clamp, else none.
+int mokgen_mx_swiglu_quantize(void* codes, void* scales, const void* gu, int rows, int inter, float limit,
+                              void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || inter <= 0 || inter % 128) return int(cudaErrorInvalidValue);
+  const long long n = (long long)rows * (inter / mx::kBlock);
+  if (n == 0) return 0;
+  const unsigned grid = unsigned((n + 255) / 256);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (limit > 0.f)
+    mxg::swiglu_quantize_kernel<true><<<grid, 256, 0, st>>>(static_cast<const float*>(gu), rows, inter, limit,
+                                                           static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  else
+    mxg::swiglu_quantize_kernel<false><<<grid, 256, 0, st>>>(static_cast<const float*>(gu), rows, inter, 0.f,
+                                                            static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
 }
 
 // Grouped: rows of A in segments of whole 128-row tiles, one expert's each. `tiles` (device,

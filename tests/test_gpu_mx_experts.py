@@ -47,6 +47,31 @@ def test_grouped_gemm_equals_the_dense_gemm_per_expert(form):
         start += rows
 
 
+def test_quantize_rows_is_the_quantizer_of_the_gathered_rows():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(50, 384, generator=gen, device="cuda") *
+         torch.exp2(torch.randint(-30, 30, (50, 1), generator=gen, device="cuda").float())).to(torch.bfloat16)
+    x[3, 40] = float("nan")
+    src = torch.tensor([5, -1, 3, 49, 0, -1, 5], dtype=torch.int32, device="cuda")
+    codes, scales = mx_gemm.quantize_rows(x, src, 7)
+    rows = torch.where((src >= 0)[:, None], x[src.clamp(min=0).long()], torch.zeros_like(x[:7]))
+    want_codes, want_scales = mx.quantize(rows, dim=-1)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, mx_gemm.block_scales(want_scales))
+
+
+@pytest.mark.parametrize("clamp", [None, 7.0])
+def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    gu = torch.randn(256, 2 * 384, generator=gen, device="cuda") * 4
+    codes, scales = mx_gemm.swiglu_quantize(gu, clamp)
+    want_codes, want_scales = mx.quantize(R.swiglu(gu[:, :384], gu[:, 384:], clamp), dim=-1)
+    # the fast division is within 2 ulp of torch's silu: a few codes round the other way
+    same = (codes.view(torch.uint8) == want_codes.view(torch.uint8)).float().mean().item()
+    assert same > 0.999, same
+    assert (scales == mx_gemm.block_scales(want_scales)).float().mean().item() > 0.999
+
+
 @pytest.mark.parametrize("skew, clamp", [(False, None), (True, None), (False, 10.0)])
 def test_mx_experts_match_the_float64_mx_oracle(skew, clamp):
     T, H, I, E, k = 300, 512, 256, 6, 2
@@ -56,7 +81,10 @@ def test_mx_experts_match_the_float64_mx_oracle(skew, clamp):
     assert out.dtype == torch.bfloat16 and out.shape == (T, H) and torch.isfinite(out).all()
     oracle = R.mx_experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
     rel = ((out.double() - oracle).norm() / oracle.norm()).item()
-    assert rel < 3e-3, f"against the MX oracle: {rel:.2e}"  # the bf16 output's rounding, about 1e-3
+    # against the oracle: the bf16 output's rounding (about 1e-3), and h's roundings to E4M3 that
+    # come out one step apart where the FP8 tensor core's sums within a 32-wide step (about 14
+    # bits) or the fast division move h across a rounding boundary (3.1e-3 seen, v0.34 call 7)
+    assert rel < 6e-3, f"against the MX oracle: {rel:.2e}"
     exact = R.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
     rel_exact = ((out.double() - exact).norm() / exact.norm()).item()
     assert 0.02 < rel_exact < 0.12, f"against the float64 layer: {rel_exact:.2e}"  # MXFP8's own error

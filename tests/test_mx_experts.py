@@ -73,8 +73,10 @@ def test_forward_checks_its_inputs():
     w = mx_experts.quantize_weights(torch.zeros(E, I, H), torch.zeros(E, I, H), torch.zeros(E, H, I))
     x = torch.zeros(4, H, dtype=torch.bfloat16)
     ids, wts = torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2)
-    with pytest.raises(InputError, match=r"x must be \[T, 128\]"):
+    with pytest.raises(InputError, match=r"x must be bf16 \[T, 128\]"):
         mx_experts.experts_forward(x[:, :64], ids, wts, w)
+    with pytest.raises(InputError, match=r"x must be bf16 \[T, 128\], got torch.float32"):
+        mx_experts.experts_forward(x.float(), ids, wts, w)
     with pytest.raises(InputError, match=r"topk_ids and topk_weights must both be \[T, k\]"):
         mx_experts.experts_forward(x, ids, wts[:, :1], w)
     with pytest.raises(InputError, match=r"topk_ids must lie in \[0, 2\)"):
