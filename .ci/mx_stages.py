@@ -43,13 +43,13 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
     H, I = spec.hidden_size, spec.moe_intermediate_size
     stages = {
         "whole forward": lambda: mx_experts.experts_forward(x, ids, w, mxw, spec.activation.clamp_limit),
-        "segments + tile list (host sync)": lambda: (mx_experts._segments(flat, spec.num_experts),
+        "segments + tile list (one host sync)": lambda: (mx_experts._segments(flat, spec.num_experts),
                                                      mx_gemm.row_tiles(padded, x.device)),
         "quantize_rows": lambda: mx_gemm.quantize_rows(x, src, rows),
         "grouped GEMM gate|up": lambda: mx_gemm.mx_grouped_gemm(xq, xs, mxw.gate_up, mxw.gate_up_scales, tiles),
         "swiglu_quantize": lambda: mx_gemm.swiglu_quantize(gu, spec.activation.clamp_limit),
         "grouped GEMM down": lambda: mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles),
-        "combine (gather + weighted sum)": lambda: (w[:, 0:1] * y[row].view(T, k, H)[:, 0]).to(torch.bfloat16),
+        "combine": lambda: mx_gemm.combine(y, row, w.contiguous()),
     }
     flops = {"grouped GEMM gate|up": 2 * rows * 2 * I * H, "grouped GEMM down": 2 * rows * H * I}
     print(f"{spec.name}: {T} x {k} rows, {rows} padded, H {H}, I {I}")

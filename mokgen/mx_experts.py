@@ -89,18 +89,23 @@ def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
 
 def _segments(flat_ids: torch.Tensor, num_experts: int):
     """Rows grouped by expert (a stable sort: ties keep (token, j) order): each pair's row in the
-    padded layout, the padded segment sizes (host) and their total."""
-    order = torch.sort(flat_ids, stable=True).indices
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    padded layout, the padded segment sizes (host) and their total. One host sync, for the
+    experts' counts with the ids' range check folded in (ids below 0 and from E counted apart);
+    an id outside [0, E) raises InputError."""
+    E = num_experts
+    counts = torch.zeros(E + 2, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids.clamp(-1, E) + 1, torch.ones_like(flat_ids))
+    host = counts.cpu()  # the one host sync
+    if host[0] or host[E + 1]:
+        raise InputError(f"topk_ids must lie in [0, {E})")
+    counts, host = counts[1:E + 1], host[1:E + 1]
+    padded_host = (host + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
     padded = (counts + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
-    pad_starts = torch.cumsum(padded, 0) - padded
-    starts = torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat_ids, stable=True).indices
     sorted_ids = flat_ids[order]
-    rank_in_expert = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[sorted_ids]
-    row_of_sorted = pad_starts[sorted_ids] + rank_in_expert
-    row = torch.empty_like(row_of_sorted)
-    row[order] = row_of_sorted
-    padded_host = padded.cpu()  # the tile list's one host sync
+    shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # padding rows before each segment
+    row = torch.empty_like(order)
+    row[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) + shift[sorted_ids]
     return row, padded_host, int(padded_host.sum())
 
 
@@ -118,8 +123,6 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if T == 0:
         return torch.zeros(0, H, dtype=torch.bfloat16, device=x.device)
     flat = topk_ids.reshape(-1).to(torch.int64)
-    if bool(((flat < 0) | (flat >= E)).any()):
-        raise InputError(f"topk_ids must lie in [0, {E})")
     row, padded, rows = _segments(flat, E)
     tiles, _ = mx_gemm.row_tiles(padded, x.device)
     # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
@@ -134,9 +137,4 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     # 4. down
     y = mx_gemm.mx_grouped_gemm(hq, hs, weights.down, weights.down_scales, tiles, form=form)
     # 5. combine in the fixed order j = 0..k-1
-    yk = y[row].view(T, k, H)
-    w = topk_weights.to(torch.float32)
-    out = w[:, 0:1] * yk[:, 0]
-    for j in range(1, k):
-        out = out + w[:, j:j + 1] * yk[:, j]
-    return out.to(torch.bfloat16)
+    return mx_gemm.combine(y, row, topk_weights.to(torch.float32).contiguous())

@@ -50,6 +50,7 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_quantize_rows.argtypes, lib.mokgen_mx_quantize_rows.restype = [vp, vp, vp, vp, i, i, vp], i
         lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
         lib.mokgen_mx_swiglu_quantize.restype = i
+        lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
         _by_env[key] = lib
     return lib
 
@@ -208,3 +209,23 @@ def swiglu_quantize(gu, clamp_limit: float | None = None):
     if code:
         raise KernelError(f"mokgen_mx_swiglu_quantize failed: CUDA error {code}")
     return codes, scales
+
+
+def combine(y, row, weights):
+    """``out[t] = sum_j weights[t, j] * y[row[t k + j]]`` in float32, j = 0..k-1 in order, each
+    product and sum rounded on its own (the bits of that PyTorch expression), then bf16:
+    ``y`` float32 ``[*, H]``, ``row`` int64 ``[T k]``, ``weights`` float32 ``[T, k]``."""
+    import torch
+
+    T, k = weights.shape
+    H = y.shape[1]
+    if y.dtype != torch.float32 or not y.is_contiguous() or H % 4 or row.dtype != torch.int64 \
+            or row.shape != (T * k,) or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise InputError("combine: y float32 [*, H] (H a multiple of 4), row int64 [T k], weights float32 [T, k]")
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
+    with torch.cuda.device(y.device):
+        code = load_library().mokgen_mx_combine(out.data_ptr(), y.data_ptr(), row.data_ptr(), weights.data_ptr(), T,
+                                                k, H, torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"mokgen_mx_combine failed: CUDA error {code}")
+    return out

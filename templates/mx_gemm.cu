@@ -447,6 +447,28 @@ __global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, i
   store_block(q, scale, codes, scales, r, b, rows, inter);
 }
 
+// out[t] = sum_j w[t, j] * y[row[t k + j]] in float32 in the order j = 0..k-1, each product and
+// sum rounded on its own (no FMA: the same bits as the PyTorch expression w0 * y0 + w1 * y1 ...),
+// then bf16. One thread per (token, 4 columns).
+__global__ void combine_kernel(const float* __restrict__ y, const long long* __restrict__ row,
+                               const float* __restrict__ w, int tokens, int k, int h, bf16* __restrict__ out) {
+  const int groups = h / 4;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)tokens * groups) return;
+  const int t = int(idx / groups), g = int(idx % groups);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j = 0; j < k; ++j) {
+    const float wj = w[size_t(t) * k + j];
+    const float4 v = reinterpret_cast<const float4*>(y + size_t(row[size_t(t) * k + j]) * h)[g];
+    const float4 p = make_float4(__fmul_rn(wj, v.x), __fmul_rn(wj, v.y), __fmul_rn(wj, v.z), __fmul_rn(wj, v.w));
+    acc = j == 0 ? p
+                 : make_float4(__fadd_rn(acc.x, p.x), __fadd_rn(acc.y, p.y), __fadd_rn(acc.z, p.z), __fadd_rn(acc.w, p.w));
+  }
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + size_t(t) * h + 4 * g);
+  o[0] = __floats2bfloat162_rn(acc.x, acc.y);
+  o[1] = __floats2bfloat162_rn(acc.z, acc.w);
+}
+
 // Internal linkage (and build.BASE_FLAGS's -fno-gnu-unique): a static local of a template (the
 // attribute flag below) was otherwise a GNU-unique symbol, one for every library in the process,
 // and a variant build loaded beside this library (.ci/mx_gemm_probe.py --probe) skipped setting
@@ -528,6 +550,20 @@ int mokgen_mx_swiglu_quantize(void* codes, void* scales, const void* gu, int row
   else
     mxg::swiglu_quantize_kernel<false><<<grid, 256, 0, st>>>(static_cast<const float*>(gu), rows, inter, 0.f,
                                                             static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// out bf16 [tokens, H] = sum_j w[t, j] y[row[t k + j]] (y float32 [*, H], row int64 [tokens k], w
+// float32 [tokens, k]); H a multiple of 4.
+int mokgen_mx_combine(void* out, const void* y, const void* row, const void* w, int tokens, int k, int h,
+                      void* stream) {
+  using namespace mokgen;
+  if (tokens < 0 || k <= 0 || h <= 0 || h % 4) return int(cudaErrorInvalidValue);
+  const long long n = (long long)tokens * (h / 4);
+  if (n == 0) return 0;
+  mxg::combine_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float*>(y), static_cast<const long long*>(row), static_cast<const float*>(w), tokens, k, h,
+      static_cast<bf16*>(out));
   return int(cudaGetLastError());
 }
 

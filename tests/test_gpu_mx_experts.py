@@ -60,6 +60,19 @@ def test_quantize_rows_is_the_quantizer_of_the_gathered_rows():
     assert torch.equal(scales, mx_gemm.block_scales(want_scales))
 
 
+def test_combine_has_the_bits_of_the_pytorch_expression():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    T, k, H = 70, 3, 256
+    y = torch.randn(400, H, generator=gen, device="cuda")
+    row = torch.randperm(400, generator=gen, device="cuda")[:T * k]
+    w = torch.rand(T, k, generator=gen, device="cuda")
+    yk = y[row].view(T, k, H)
+    want = w[:, 0:1] * yk[:, 0]
+    for j in range(1, k):
+        want = want + w[:, j:j + 1] * yk[:, j]
+    assert torch.equal(mx_gemm.combine(y, row, w), want.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("clamp", [None, 7.0])
 def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
     gen = torch.Generator(device="cuda").manual_seed(4)
