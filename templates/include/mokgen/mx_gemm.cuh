@@ -1,0 +1,335 @@
+// The MXFP8 GEMM's device side (issue 6; templates/mx_gemm.cu holds its launchers and C ABI):
+// C = A B^T with A [M, K] and B [N, K] as E4M3 codes plus one E8M0 scale per 32 consecutive k
+// (OCP MX), C [M, N] float32, dense or grouped over a tile list of (expert, first row). Why each
+// step is its own wgmma, how it is promoted and what that costs: templates/mx_gemm.cu's header
+// and docs/architecture.md (MXFP8).
+#pragma once
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "bulk_copy.cuh"
+#include "hopper_gemm.cuh"
+
+namespace mokgen {
+namespace mxg {
+
+constexpr int kBM = 128, kBN = 128, kBK = 128;  // kBK in codes (bytes) = four k32 steps
+constexpr int kSteps = kBK / 32;
+constexpr int kStages = 4;
+constexpr int kBoxBytes = 64 * kBK;                // one 64-row box of codes
+constexpr int kCodeBytes = 4 * kBoxBytes;          // A: two boxes, B: two boxes (32 KB)
+constexpr int kScaleBytes = (kBM + kBN) * 4;       // the k-block's four k32 scales per row and column
+constexpr int kFloatBytes = (kBM + kBN) * kSteps * 4;  // the same as float32 (form kDecoded)
+constexpr int kAcc = kBN / 2;                      // float32 accumulators per consumer thread
+static_assert(kScaleBytes <= 1024 && kFloatBytes % 1024 == 0, "stages stay 1024-aligned");
+
+// The two forms (one kernel template; `mokgen_mx_gemm_form` picks one, for measuring):
+//  kInline:  each consumer thread decodes its rows' and columns' E8M0 bytes itself, 34 scales a
+//            k32 step (v0.33's second form);
+//  kDecoded: the producer warpgroup's other three warps decode the k-block's scales into float32
+//            in the stage (rows as a float4 of the four steps, columns per step in the order the
+//            accumulator fragment reads them, so a consumer thread's 32 column scales of a step
+//            are eight 16-byte loads) and signal `ready`; the consumers' issue slots then go to
+//            the promotion's two float32 operations per element alone.
+//  kQuad:    kDecoded's producer with four consumer warpgroups of 64 x 64 each (two per row half),
+//            so each scheduler has four consumer warps to pick from where kDecoded has two (ncu
+//            on kDecoded: 0.88 warps eligible a cycle, the wgmma wait and the promotion in series
+//            per warp). Registers: 640 threads launch at 96 each, the producer gives back 56, the
+//            consumers take 104.
+enum Form { kInline = 0, kDecoded = 1, kQuad = 2 };
+
+template <int kForm>
+struct Geometry {
+  static constexpr int kStageStride = kCodeBytes + 1024 + (kForm != kInline ? kFloatBytes : 0);
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 3 * kStages * 8 + 1024;
+  static constexpr int kConsumers = kForm == kQuad ? 4 : 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kConsumerRegs = kForm == kQuad ? 104 : 232;
+};
+
+using Wgmma = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+using WgmmaQuad = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
+constexpr int kAccQuad = 32;  // float32 accumulators per consumer thread in form kQuad (64 x 64)
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_quad(uint64_t da, uint64_t db, float (&d)[kAccQuad], std::index_sequence<Is...>) {
+  WgmmaQuad::fma(da, db, d[Is]..., cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_k32(uint64_t da, uint64_t db, float (&d)[kAcc], std::index_sequence<Is...>,
+                                          cute::SM90::GMMA::ScaleOut out = cute::SM90::GMMA::ScaleOut::Zero) {
+  Wgmma::fma(da, db, d[Is]..., out);
+}
+
+// Timing-only builds (wrong results; .ci/mx_gemm_probe.py --variant): MOKGEN_MX_PROBE in form
+// kDecoded, 1: the promotion as acc += tmp (no scales); 2: one promotion per k-block, the four
+// steps accumulated in the tensor core (DeepSeek-style 128-wide blocks); 3: no promotion, every
+// step accumulated into acc and one wait per k-block (the tile's pipeline without MX); 4: the real
+// kernel with consumer warpgroup 1 started about 1 us late (do the warpgroups run in lockstep?).
+#ifndef MOKGEN_MX_PROBE
+#define MOKGEN_MX_PROBE 0
+#endif
+
+// 2^(e - 127) for an E8M0 code e as a float32: e >= 1 a normal number, 0 the subnormal 2^-127,
+// 255 NaN (MX: the block's values are NaN). Integer only: e << 23 is the number's bits for e in
+// 1..254, and the mantissa's top bit makes 0 into 2^-127 and 255 into a NaN. (Written with
+// selects on floats, it compiled to a branch per scale: 135 BSSY/BSYNC a k-block, v0.33.)
+__device__ __forceinline__ float scale(uint32_t e) {
+  return __uint_as_float((e << 23) | (uint32_t(((e + 1u) & 0xfeu) == 0u) << 22));
+}
+
+__device__ __forceinline__ float lane4(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Column c = 8 i + 2 q + j of a tile (i < 16 the accumulator fragment's column group, q = lane & 3,
+// j < 2) at float ((i / 2) * 4 + q) * 4 + (i % 2) * 2 + j of its step's 128: thread q's columns of
+// fragments 2 m and 2 m + 1 are one float4 (m < 8), and a warp's four q read 64 contiguous bytes.
+__device__ __forceinline__ int col_slot(int c) {
+  const int i = c >> 3, q = (c >> 1) & 3, j = c & 1;
+  return (((i >> 1) * 4 + q) * 4) + (i & 1) * 2 + j;
+}
+
+// Threads: a producer warpgroup (thread 0 issues the loads, warps 1-3 decode the scales in form
+// kDecoded; setmaxnreg 40) and two consumer warpgroups (setmaxnreg 232). The scales come in the
+// kernel's blocked layout, [K / 128, rows, 4] (mokgen.mx_gemm.block_scales): a k-block's scales of
+// the tile's 128 rows are 512 contiguous bytes, which one bulk copy per operand puts into the
+// stage beside the codes.
+constexpr int kDecoders = 96;
+
+template <int kForm>
+__global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
+    mx_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                   const uint8_t* __restrict__ sa, const uint8_t* __restrict__ sb, float* __restrict__ c, int M,
+                   int N, int K, const int2* __restrict__ tiles) {
+  constexpr int kStageStride = Geometry<kForm>::kStageStride;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kStages;
+  uint64_t* ready = empty + kStages;  // form kDecoded: the stage's float scales written
+  // offset from smem itself (not through an integer), so the compiler keeps shared-memory loads
+  const uint32_t base = smem_u32(smem);
+  unsigned char* stages = smem + (((base + 3 * kStages * 8 + 1023) & ~1023u) - base);
+  const int tid = threadIdx.x, t = tid & 127;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (ptxas: no divergent WG.AR)
+  // the row tile: blockIdx.y's entry of `tiles` (expert e, first row m0) in a grouped launch, else
+  // (0, 128 blockIdx.y); B's rows and scales are expert e's: rows e N .. of the [E N, K] codes,
+  // scales from e's [K / 128, N, 4] block
+  const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
+  const int e = tile.x, m0 = tile.y, n0 = blockIdx.x * kBN, n_k = K / kBK;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      sm90::mbar_init(&full[i], 1);
+      sm90::mbar_init(&empty[i], Geometry<kForm>::kConsumers);  // one arrival per consumer warpgroup
+      sm90::mbar_init(&ready[i], kDecoders);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (t == 0) {
+      for (int kb = 0; kb < n_k; ++kb) {
+        const int s = kb % kStages;
+        sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
+        unsigned char* st = stages + size_t(s) * kStageStride;
+        sm90::mbar_arrive_expect_tx(&full[s], kCodeBytes + kScaleBytes);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + h * kBoxBytes, kb * kBK, m0 + 64 * h);
+          cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st + (2 + h) * kBoxBytes, kb * kBK, e * N + n0 + 64 * h);
+        }
+        bulk::load(st + kCodeBytes, sa + (size_t(kb) * M + m0) * 4, kBM * 4, &full[s]);
+        bulk::load(st + kCodeBytes + kBM * 4, sb + ((size_t(e) * n_k + kb) * N + n0) * 4, kBN * 4, &full[s]);
+      }
+    } else if (kForm != kInline && t >= 32) {
+      const int d = t - 32;
+      for (int kb = 0; kb < n_k; ++kb) {
+        const int s = kb % kStages;
+        sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+        unsigned char* st = stages + size_t(s) * kStageStride;
+        const uint32_t* raw = reinterpret_cast<const uint32_t*>(st + kCodeBytes);  // rows, then columns
+        float4* rows_f = reinterpret_cast<float4*>(st + kCodeBytes + 1024);      // [kBM] x four steps
+        float* cols_f = reinterpret_cast<float*>(rows_f + kBM);                  // [kSteps][kBN], col_slot order
+        for (int i = d; i < kBM + kBN; i += kDecoders) {
+          const uint32_t w = raw[i];
+          if (i < kBM) {
+            rows_f[i] = make_float4(scale(w & 0xffu), scale((w >> 8) & 0xffu), scale((w >> 16) & 0xffu), scale(w >> 24));
+          } else {
+            const int slot = col_slot(i - kBM);
+#pragma unroll
+            for (int k32 = 0; k32 < kSteps; ++k32) cols_f[k32 * kBN + slot] = scale((w >> (8 * k32)) & 0xffu);
+          }
+        }
+        sm90::mbar_arrive(&ready[s]);  // release: the floats above, before the consumers' acquire
+      }
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Geometry<kForm>::kConsumerRegs>();
+  if constexpr (kForm == kQuad) {
+    // consumer cw: rows 64 (cw & 1) .., columns 64 (cw >> 1) .. of the tile
+    const int cw = wg - 1, rh = cw & 1, ch = cw >> 1, w = t >> 5, lane = t & 31, q = lane & 3;
+    const int rl = 64 * rh + 16 * w + (lane >> 2);
+    float acc[kAccQuad], tmp[kAccQuad];
+#pragma unroll
+    for (int i = 0; i < kAccQuad; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < n_k; ++kb) {
+      const int s = kb % kStages;
+      sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+      sm90::mbar_wait(&ready[s], (kb / kStages) & 1u);
+      const unsigned char* st = stages + size_t(s) * kStageStride;
+      const float4* rows_f = reinterpret_cast<const float4*>(st + kCodeBytes + 1024);
+      const float4* cols_f = reinterpret_cast<const float4*>(rows_f + kBM) + 4 * (4 * ch) + q;
+      const float* ra0 = reinterpret_cast<const float*>(rows_f + rl);
+      const float* ra1 = reinterpret_cast<const float*>(rows_f + rl + 8);
+#pragma unroll
+      for (int k32 = 0; k32 < kSteps; ++k32) {
+        sm90::fence_operands(tmp);
+        cute::warpgroup_arrive();
+        wgmma_quad(sm90::smem_desc_k<128>(st + rh * kBoxBytes + k32 * 32),
+                   sm90::smem_desc_k<128>(st + (2 + ch) * kBoxBytes + k32 * 32), tmp,
+                   std::make_index_sequence<kAccQuad>{});
+        cute::warpgroup_commit_batch();
+        const float fa0 = ra0[k32], fa1 = ra1[k32];
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(tmp);
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm) {  // fragments 2 mm and 2 mm + 1: their columns' scales in one float4
+          const float4 cb = cols_f[k32 * (kBN / 4) + 4 * mm];
+          const float fb[4] = {cb.x, cb.y, cb.z, cb.w};
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int i = 2 * mm + h;
+              acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb[2 * h + j], acc[4 * i + j]);
+              acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb[2 * h + j], acc[4 * i + 2 + j]);
+            }
+        }
+      }
+      if (t == 0) sm90::mbar_arrive(&empty[s]);
+    }
+    const int r0 = m0 + rl;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int col = n0 + 64 * ch + 8 * i + 2 * q;
+      *reinterpret_cast<float2*>(c + size_t(r0) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<float2*>(c + size_t(r0 + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+    return;
+  }
+  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3;
+  const int rl = 64 * c_wg + 16 * w + (lane >> 2);  // this thread's first row in the tile (the other: + 8)
+  float acc[kAcc], tmp[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+#if MOKGEN_MX_PROBE == 4
+  if (c_wg == 1) __nanosleep(1000);
+#endif
+  for (int kb = 0; kb < n_k; ++kb) {
+    const int s = kb % kStages;
+    sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+    if (kForm == kDecoded) sm90::mbar_wait(&ready[s], (kb / kStages) & 1u);
+    const unsigned char* st = stages + size_t(s) * kStageStride;
+    if (kForm == kDecoded) {
+      const float4* rows_f = reinterpret_cast<const float4*>(st + kCodeBytes + 1024);
+      const float4* cols_f = reinterpret_cast<const float4*>(rows_f + kBM);
+      const float* ra0 = reinterpret_cast<const float*>(rows_f + rl);  // rows rl and rl + 8, per step
+      const float* ra1 = reinterpret_cast<const float*>(rows_f + rl + 8);
+#if MOKGEN_MX_PROBE == 2 || MOKGEN_MX_PROBE == 3
+      {
+        float(&d)[kAcc] = MOKGEN_MX_PROBE == 3 ? acc : tmp;
+        sm90::fence_operands(d);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int k32 = 0; k32 < kSteps; ++k32)
+          wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+                    sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), d, std::make_index_sequence<kAcc>{},
+                    MOKGEN_MX_PROBE == 3 || k32 ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(d);
+      }
+#endif
+#pragma unroll
+      for (int k32 = 0; k32 < (MOKGEN_MX_PROBE == 3 ? 0 : MOKGEN_MX_PROBE == 2 ? 1 : kSteps); ++k32) {
+        sm90::fence_operands(tmp);
+#if MOKGEN_MX_PROBE != 2
+        cute::warpgroup_arrive();
+        wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+                  sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(tmp);
+#endif
+#if MOKGEN_MX_PROBE == 1
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[i] += tmp[i];
+        continue;
+#endif
+        // the scales after the wait: computing the 64 products fa * fb between the wgmma's issue
+        // and its wait was 7% slower (v0.34, call 5)
+        const float fa0 = ra0[k32], fa1 = ra1[k32];
+        float4 cb[8];  // columns 8 (2 m + h) + 2 q + j at cb[m].{x, y} (h 0) and .{z, w} (h 1)
+#pragma unroll
+        for (int m = 0; m < 8; ++m) cb[m] = cols_f[k32 * (kBN / 4) + 4 * m + q];
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float fb = lane4(cb[i >> 1], (i & 1) * 2 + j);
+            acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb, acc[4 * i + j]);
+            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb, acc[4 * i + 2 + j]);
+          }
+      }
+    } else {
+      const uint32_t* sc_a = reinterpret_cast<const uint32_t*>(st + kCodeBytes);
+      const uint2* sc_b = reinterpret_cast<const uint2*>(st + kCodeBytes + kBM * 4);
+      // the k-block's scales: one word per row and column (its four k32 scales); columns 8 i + 2 q
+      // and + 1 side by side
+      const uint32_t wa0 = sc_a[rl], wa1 = sc_a[rl + 8];
+      uint2 wb[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) wb[i] = sc_b[4 * i + q];
+#pragma unroll
+      for (int k32 = 0; k32 < kSteps; ++k32) {
+        sm90::fence_operands(tmp);
+        cute::warpgroup_arrive();
+        wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+                  sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::fence_operands(tmp);
+        const float fa0 = scale((wa0 >> (8 * k32)) & 0xffu), fa1 = scale((wa1 >> (8 * k32)) & 0xffu);
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float fb = scale(((j ? wb[i].y : wb[i].x) >> (8 * k32)) & 0xffu);
+            acc[4 * i + j] = fmaf(tmp[4 * i + j], fa0 * fb, acc[4 * i + j]);
+            acc[4 * i + 2 + j] = fmaf(tmp[4 * i + 2 + j], fa1 * fb, acc[4 * i + 2 + j]);
+          }
+      }
+    }
+    if (t == 0) sm90::mbar_arrive(&empty[s]);  // the stage's reads retired (wait<0> above; scales read)
+  }
+  // acc[4 i + {0, 1}]: row r0, columns n0 + 8 i + 2 q + {0, 1}; acc[4 i + {2, 3}]: row r0 + 8
+  const int r0 = m0 + rl;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int col = n0 + 8 * i + 2 * q;
+    *reinterpret_cast<float2*>(c + size_t(r0) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(c + size_t(r0 + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+}
+
+}  // namespace mxg
+}  // namespace mokgen
