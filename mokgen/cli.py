@@ -165,7 +165,9 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
         table.add_row("plan", doc["plan_error"])
     f = figs
     table.add_row("FLOPs / token (fwd)", f"{f['flops_per_token_fwd'] / 1e9:.3f} GFLOP (routed {f['flops_per_token_routed_fwd'] / 1e9:.3f})")
-    table.add_row("dispatched / token", _human_bytes(f["bytes_dispatched_per_token"]) + f" + routing {f['routing_bytes_per_token']} B")
+    ratio = "" if f["dispatch_bytes_vs_bf16"] == 1 else f" ({f['dispatch_bytes_vs_bf16']:.3f}x bf16)"
+    table.add_row("dispatched / token", _human_bytes(f["bytes_dispatched_per_token"]) + ratio
+                  + f" + routing {f['routing_bytes_per_token']} B")
     table.add_row("expert weights", f"{_human_bytes(f['expert_weight_bytes'])} each, {_human_bytes(f['routed_weight_bytes_total'])} routed in all")
     table.add_row(f"per rank (EP {ep}, {f['tokens_per_rank']} tokens)",
                   f"{f['local_experts']} experts, {_human_bytes(f['routed_weight_bytes_per_rank'])} of weights")

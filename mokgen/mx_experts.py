@@ -27,6 +27,7 @@ import torch
 
 from mokgen import mx, mx_gemm
 from mokgen.errors import InputError
+from mokgen.plan import row_bytes
 
 __all__ = ["MXExpertWeights", "quantize_weights", "experts_forward", "bytes_per_row"]
 
@@ -78,13 +79,12 @@ def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
 
 
 def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
-    """Bytes of one token row as the dispatch moves it: bf16 ``2 H``; MXFP8 ``H`` codes plus
-    ``H / 32`` scales (0.516x)."""
-    if numerics == "bf16":
-        return 2 * hidden
-    if numerics == "mxfp8":
-        return hidden + hidden // 32
-    raise InputError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
+    """Bytes of one token row as the dispatch moves it (``mokgen.plan.row_bytes``): bf16 ``2 H``;
+    MXFP8 ``H`` codes plus ``H / 32`` scales (0.516x)."""
+    try:
+        return row_bytes(hidden, numerics)
+    except ValueError as err:
+        raise InputError(str(err)) from None
 
 
 def _segments(flat_ids: torch.Tensor, num_experts: int):

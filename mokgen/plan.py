@@ -29,6 +29,18 @@ IMPLEMENTED_NUMERICS = ("bf16",)
 ARCH_TAGS = {"sm_90a": "sm90a"}
 
 BF16_BYTES = 2
+#: elements per MXFP8 scale (OCP MX): a row of n elements is n E4M3 codes plus n / 32 E8M0 scales
+MX_BLOCK = 32
+
+
+def row_bytes(n: int, numerics: str = "bf16") -> int:
+    """Bytes of n elements as a row in ``numerics``: bf16 ``2 n``; mxfp8 ``n`` codes plus ``n / 32``
+    scales (0.516x bf16)."""
+    if numerics == "bf16":
+        return n * BF16_BYTES
+    if numerics == "mxfp8":
+        return n + n // MX_BLOCK
+    raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
 
 
 def build_name(spec: "MoESpec | Plan") -> str:
@@ -275,7 +287,8 @@ def figures(spec: MoESpec, *, ep: int = 1, tokens: int | None = None) -> dict[st
     sh = spec.shared_experts
     routed_flops = 6 * K * H * I
     shared_flops = 6 * sh.count * H * sh.intermediate_size
-    expert_bytes = 3 * H * I * BF16_BYTES
+    nx = spec.target.numerics
+    expert_bytes = 3 * row_bytes(H * I, nx)  # routed weights in the target's numerics (MXFP8: codes + scales)
     per_rank_experts = E // ep
     expected_rows = T * K  # each rank receives, on average, as many pairs as it sends
     return {
@@ -285,7 +298,9 @@ def figures(spec: MoESpec, *, ep: int = 1, tokens: int | None = None) -> dict[st
         "flops_per_token_routed_fwd": routed_flops,
         "flops_per_token_shared_fwd": shared_flops,
         "flops_per_token_fwd": routed_flops + shared_flops,
-        "bytes_dispatched_per_token": K * H * BF16_BYTES,
+        # rows travel in the target's numerics (MXFP8: quantized on dispatch); the combine is BF16
+        "bytes_dispatched_per_token": K * row_bytes(H, nx),
+        "dispatch_bytes_vs_bf16": row_bytes(H, nx) / row_bytes(H, "bf16"),
         "routing_bytes_per_token": K * (4 + 4),
         "expert_weight_bytes": expert_bytes,
         "routed_weight_bytes_total": E * expert_bytes,
@@ -293,13 +308,13 @@ def figures(spec: MoESpec, *, ep: int = 1, tokens: int | None = None) -> dict[st
         "local_experts": per_rank_experts,
         "routed_weight_bytes_per_rank": per_rank_experts * expert_bytes,
         "buffers_per_rank": {
-            "x_send": T * H * BF16_BYTES,
+            "x_send": T * row_bytes(H, nx),
             "routing": T * K * 8,
             "combine_slots": T * K * H * BF16_BYTES,
             "expected_rows": expected_rows,
             # every rank's tokens may pick this rank, each with at most min(k, local experts) pairs
             "worst_case_rows": T * ep * min(K, per_rank_experts),
-            "intermediate_expected": expected_rows * I * BF16_BYTES,
+            "intermediate_expected": expected_rows * row_bytes(I, nx),
         },
     }
 

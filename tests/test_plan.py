@@ -89,7 +89,7 @@ def test_figures_kimi_ep8_2048_tokens():
     assert f["flops_per_token_routed_fwd"] == 6 * K * H * I == 704_643_072
     assert f["flops_per_token_shared_fwd"] == 6 * 1 * H * 2048
     assert f["flops_per_token_fwd"] == 6 * K * H * I + 6 * H * 2048
-    assert f["bytes_dispatched_per_token"] == K * H * 2
+    assert f["bytes_dispatched_per_token"] == K * H * 2 and f["dispatch_bytes_vs_bf16"] == 1.0
     assert f["routing_bytes_per_token"] == K * 8
     assert f["expert_weight_bytes"] == expert_bytes == 88_080_384
     assert f["routed_weight_bytes_total"] == E * expert_bytes
@@ -103,6 +103,27 @@ def test_figures_kimi_ep8_2048_tokens():
     assert b["expected_rows"] == T * K
     assert b["worst_case_rows"] == T * K * ep  # 48 local experts >= k: a token can send all k here
     assert b["intermediate_expected"] == T * K * I * 2
+
+
+def test_figures_in_mxfp8_count_codes_and_scales():
+    """numerics mxfp8: dispatched rows, the send buffer, h and the routed weights as E4M3 codes plus
+    one E8M0 scale per 32 (0.516x bf16); the combine and the shared expert stay bf16."""
+    from mokgen.plan import row_bytes
+
+    spec = load_spec("kimi-k2.5")
+    H, I, K = spec.hidden_size, spec.moe_intermediate_size, spec.top_k
+    bf, mx = figures(spec, ep=8, tokens=2048), figures(spec.with_target(numerics="mxfp8"), ep=8, tokens=2048)
+    assert mx["bytes_dispatched_per_token"] == K * (H + H // 32) == 59_136
+    assert mx["dispatch_bytes_vs_bf16"] == pytest.approx(0.515625)
+    assert mx["expert_weight_bytes"] == 3 * (H * I + H * I // 32)
+    assert mx["buffers_per_rank"]["x_send"] == 2048 * (H + H // 32)
+    assert mx["buffers_per_rank"]["intermediate_expected"] == 2048 * K * (I + I // 32)
+    for key in ("shared_weight_bytes", "routing_bytes_per_token", "flops_per_token_fwd"):
+        assert mx[key] == bf[key], key
+    assert mx["buffers_per_rank"]["combine_slots"] == bf["buffers_per_rank"]["combine_slots"]
+    assert row_bytes(64) == 128 and row_bytes(64, "mxfp8") == 66
+    with pytest.raises(ValueError, match="numerics must be bf16 or mxfp8"):
+        row_bytes(64, "fp8")
 
 
 def test_figures_default_tokens_and_ep():
