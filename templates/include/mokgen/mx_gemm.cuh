@@ -70,6 +70,19 @@ __device__ __forceinline__ void wgmma_k32(uint64_t da, uint64_t db, float (&d)[k
   Wgmma::fma(da, db, d[Is]..., out);
 }
 
+// One 32-wide step of the 64 x 128 forms (consumer warpgroup c_wg's rows) into tmp, scale-d 0,
+// waited for: the promotion reads tmp next (read while a wgmma is in flight, ptxas serializes
+// every wgmma, C7514).
+__device__ __forceinline__ void step_k32(const unsigned char* st, int c_wg, int k32, float (&tmp)[kAcc]) {
+  sm90::fence_operands(tmp);
+  cute::warpgroup_arrive();
+  wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
+            sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+  sm90::fence_operands(tmp);
+}
+
 // Timing-only builds (wrong results; .ci/mx_gemm_probe.py --variant): MOKGEN_MX_PROBE in form
 // kDecoded, 1: the promotion as acc += tmp (no scales); 2: one promotion per k-block, the four
 // steps accumulated in the tensor core (DeepSeek-style 128-wide blocks); 3: no promotion, every
@@ -261,14 +274,8 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
 #endif
 #pragma unroll
       for (int k32 = 0; k32 < (MOKGEN_MX_PROBE == 3 ? 0 : MOKGEN_MX_PROBE == 2 ? 1 : kSteps); ++k32) {
-        sm90::fence_operands(tmp);
 #if MOKGEN_MX_PROBE != 2
-        cute::warpgroup_arrive();
-        wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
-                  sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        sm90::fence_operands(tmp);
+        step_k32(st, c_wg, k32, tmp);
 #endif
 #if MOKGEN_MX_PROBE == 1
 #pragma unroll
@@ -301,13 +308,7 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
       for (int i = 0; i < 16; ++i) wb[i] = sc_b[4 * i + q];
 #pragma unroll
       for (int k32 = 0; k32 < kSteps; ++k32) {
-        sm90::fence_operands(tmp);
-        cute::warpgroup_arrive();
-        wgmma_k32(sm90::smem_desc_k<128>(st + c_wg * kBoxBytes + k32 * 32),
-                  sm90::smem_desc_k<128>(st + 2 * kBoxBytes + k32 * 32), tmp, std::make_index_sequence<kAcc>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        sm90::fence_operands(tmp);
+        step_k32(st, c_wg, k32, tmp);
         const float fa0 = scale((wa0 >> (8 * k32)) & 0xffu), fa1 = scale((wa1 >> (8 * k32)) & 0xffu);
 #pragma unroll
         for (int i = 0; i < 16; ++i)
