@@ -87,7 +87,7 @@ def mx_gemm(a_codes, a_scales, b_codes, b_scales, *, form: str = "quad"):
     """``A B^T`` in float32 for MXFP8 operands quantized along K (``mokgen.mx.quantize(x, dim=-1)``):
     A ``[M, K]``, B ``[N, K]``, their scales ``[M, K / 32]`` and ``[N, K / 32]`` (re-laid out by
     :func:`block_scales` for the kernel, a pass over 1/32 of the codes' bytes). ``form`` picks the
-    kernel's form (:data:`FORMS`; both give the same bits)."""
+    kernel's form (:data:`FORMS`; all give the same bits)."""
     import torch
 
     if form not in FORMS:
@@ -124,20 +124,19 @@ def row_tiles(padded_counts, device) -> tuple:
     counts = torch.as_tensor(padded_counts, dtype=torch.int64).cpu()
     if (counts % BLOCK).any() or (counts < 0).any():
         raise InputError(f"segment rows must be non-negative multiples of {BLOCK}, got {counts.tolist()}")
-    per = counts // BLOCK
+    per = counts // BLOCK  # tiles per expert
+    n = int(per.sum())
     experts = torch.repeat_interleave(torch.arange(len(counts)), per)
-    starts = torch.cumsum(counts, 0) - counts
-    first = torch.repeat_interleave(starts, per) + BLOCK * (torch.arange(int(per.sum())) -
-                                                            torch.repeat_interleave(torch.cumsum(per, 0) - per, per))
-    tiles = torch.stack([experts, first], 1).to(torch.int32).to(device)
-    return tiles, int(per.sum())
+    tile_in_expert = torch.arange(n) - (torch.cumsum(per, 0) - per)[experts]
+    first = (torch.cumsum(counts, 0) - counts)[experts] + BLOCK * tile_in_expert
+    return torch.stack([experts, first], 1).to(torch.int32).to(device), n
 
 
-def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles, *, out=None, form: str = "quad"):
+def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles, *, form: str = "quad"):
     """Per-expert ``A B_e^T`` in float32 over row segments of whole 128-row tiles: A ``[M, K]``
     codes with its scales already in the blocked layout (``block_scales``), B ``[E, N, K]`` codes
-    with ``block_expert_scales``' layout, ``tiles`` from :func:`row_tiles`. Returns C ``[M, N]``
-    (``out`` if given); rows outside every tile are left as they were."""
+    with ``block_expert_scales``' layout, ``tiles`` from :func:`row_tiles`. Returns C ``[M, N]``;
+    rows outside every tile are not written (uninitialized)."""
     import torch
 
     if form not in FORMS:
@@ -151,7 +150,7 @@ def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles,
         raise InputError("grouped MX GEMM: scales not in the blocked layouts (block_scales, block_expert_scales)")
     if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != a_codes.device:
         raise InputError("grouped MX GEMM: tiles must be int32 [n, 2] on the operands' device (row_tiles)")
-    c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device) if out is None else out
+    c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     if tiles.shape[0] == 0:
         return c
     with torch.cuda.device(a_codes.device):
