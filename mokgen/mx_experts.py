@@ -3,7 +3,8 @@ GEMM (``mokgen.mx_gemm``). Not the megakernel yet: the stages run as separate la
 the activations are quantized here, where the megakernel's dispatch will quantize them.
 
 Semantics (``numerics: mxfp8``; the oracle is :func:`mokgen.reference.mx_experts_forward`):
-  1. each (token, j) row ``x[t]`` is quantized to MXFP8 along H (``mokgen.mx.quantize``);
+  1. each (token, j) row ``x[t]`` is quantized to MXFP8 along H (``mx_gemm.quantize_rows``, the
+     bits of ``mokgen.mx.quantize``);
   2. gate and up projections: the exact products of the MX rows with the MX weights (quantized
      once along H by :func:`quantize_weights`), summed in float32;
   3. ``h = swiglu(gate, up)`` (the spec's clamp; the megakernel's SwiGLU, fast division) in
