@@ -173,14 +173,9 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # multiple of 128 and its padding rows are zeros, so the 32-row blocks along n are the oracle's
 # (which pads each expert's rows with zeros to a multiple of 32). The dgrads run on the grouped
 # GEMM with weights quantized in the transposed orientation, the wgrads on the dense GEMM, one
-# launch per expert with rows (K = its padded segment). Staged like the forward; the quantizers
-# along rows are torch ops (mokgen.mx.quantize on transposed copies).
-
-
-def _rows_quantized(t: torch.Tensor):
-    """``t [R, N]`` -> MXFP8 of ``t^T [N, R]`` along R (the token rows): ``(codes [N, R], scales
-    [N, R / 32])``."""
-    return mx.quantize(t.t().contiguous(), dim=-1)
+# launch per expert with rows (K = its padded segment). Staged like the forward: the activations'
+# quantizers are mx_gemm's kernels (along K, and along the rows with a transpose), the weights'
+# transposed quantization mokgen.mx.quantize_experts (once per step).
 
 
 def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, form: str) -> torch.Tensor:
@@ -224,9 +219,8 @@ class _MXExperts(torch.autograd.Function):
         dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
         # dgrad of the down projection: dh = q_H(dy) q_H(W_down)
         wd_t, wd_t_scales = mx.quantize_experts(w_down.transpose(1, 2).contiguous())  # [E, I, H] along H
-        dyq, dys = mx.quantize(dy, dim=-1)
-        dh = mx_gemm.mx_grouped_gemm(dyq, mx_gemm.block_scales(dys), wd_t, mx_gemm.block_expert_scales(wd_t_scales),
-                                     tiles, form=form)
+        dyq, dys = mx_gemm.quantize_f32_rows(dy)
+        dh = mx_gemm.mx_grouped_gemm(dyq, dys, wd_t, mx_gemm.block_expert_scales(wd_t_scales), tiles, form=form)
         # SwiGLU backward in float32, as the oracle's swiglu under autograd
         with torch.enable_grad():
             g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
@@ -236,15 +230,15 @@ class _MXExperts(torch.autograd.Function):
         dgu = torch.cat([dg, du], dim=1)
         # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu); then dx[t] = sum_j dx_rows[t, j]
         wgu_t, wgu_t_scales = mx.quantize_experts(torch.cat([w_gate, w_up], dim=1).transpose(1, 2).contiguous())
-        dguq, dgus = mx.quantize(dgu, dim=-1)
-        dx_rows = mx_gemm.mx_grouped_gemm(dguq, mx_gemm.block_scales(dgus), wgu_t,
-                                          mx_gemm.block_expert_scales(wgu_t_scales), tiles, form=form)
+        dguq, dgus = mx_gemm.quantize_f32_rows(dgu)
+        dx_rows = mx_gemm.mx_grouped_gemm(dguq, dgus, wgu_t, mx_gemm.block_expert_scales(wgu_t_scales), tiles,
+                                          form=form)
         dx = dx_rows[row].view(T, k, H).sum(1)
         # wgrads, per expert over its rows
-        d_wd = _weight_grads(_rows_quantized(dy), _rows_quantized(h), padded, form)        # [E, H, I]
-        x_rows = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
-        x_rows[row] = x.to(torch.float32).repeat_interleave(k, dim=0)
-        d_wgu = _weight_grads(_rows_quantized(dgu), _rows_quantized(x_rows), padded, form)  # [E, 2I, H]
+        d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)        # [E, H, I]
+        x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
+        x_rows[row] = x.repeat_interleave(k, dim=0)
+        d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)  # [E, 2I, H]
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wgu[:, :I].to(w_gate.dtype), d_wgu[:, I:].to(w_up.dtype),
                 d_wd.to(w_down.dtype), None, None, None)
 

@@ -73,6 +73,22 @@ def test_combine_has_the_bits_of_the_pytorch_expression():
     assert torch.equal(mx_gemm.combine(y, row, w), want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_quantizers_are_the_quantizer_along_each_dimension(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    t = (torch.randn(256, 384, generator=gen, device="cuda") *
+         torch.exp2(torch.randint(-20, 20, (256, 1), generator=gen, device="cuda").float())).to(dtype)
+    t[7, 3] = float("inf")
+    codes, scales = mx_gemm.quantize_cols(t)
+    want_codes, want_scales = mx.quantize(t.t().contiguous(), dim=-1)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+    if dtype == torch.float32:
+        codes, scales = mx_gemm.quantize_f32_rows(t)
+        want_codes, want_scales = mx.quantize(t, dim=-1)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scales, mx_gemm.block_scales(want_scales))
+
+
 @pytest.mark.parametrize("clamp", [None, 7.0])
 def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
     gen = torch.Generator(device="cuda").manual_seed(4)

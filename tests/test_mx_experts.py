@@ -139,8 +139,16 @@ def emulate_kernels(monkeypatch):
             out = out + w[:, j:j + 1] * yk[:, j]
         return out.to(torch.bfloat16)
 
+    def quantize_f32_rows(x):
+        codes, scales = mx.quantize(x, dim=-1)
+        return codes, mx_gemm.block_scales(scales)
+
+    def quantize_cols(x):
+        return mx.quantize(x.t().contiguous(), dim=-1)
+
     for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("quantize_rows", quantize_rows),
-                     ("swiglu_quantize", swiglu_quantize), ("combine", combine)):
+                     ("swiglu_quantize", swiglu_quantize), ("combine", combine),
+                     ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols)):
         monkeypatch.setattr(mx_gemm, name, fn)
 
 
