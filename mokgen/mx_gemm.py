@@ -51,6 +51,9 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
         lib.mokgen_mx_swiglu_quantize.restype = i
         lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
+        lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
+        lib.mokgen_mx_quantize_f32_rows.restype = i
+        lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
         _by_env[key] = lib
     return lib
 
@@ -228,3 +231,42 @@ def combine(y, row, weights):
     if code:
         raise KernelError(f"mokgen_mx_combine failed: CUDA error {code}")
     return out
+
+
+def quantize_f32_rows(x):
+    """MXFP8 of float32 rows ``x [rows, K]`` along K: ``(codes [rows, K], scales [K / 128, rows,
+    4])``, the scales blocked; the bits of ``mx.quantize(x, dim=-1)``."""
+    import torch
+
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] % BLOCK:
+        raise InputError(f"x must be contiguous float32 [rows, K] with K a multiple of {BLOCK}, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows, k = x.shape
+    codes = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // BLOCK, rows, 4, dtype=torch.uint8, device=x.device)
+    with torch.cuda.device(x.device):
+        code = load_library().mokgen_mx_quantize_f32_rows(codes.data_ptr(), scales.data_ptr(), x.data_ptr(), rows, k,
+                                                          torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"mokgen_mx_quantize_f32_rows failed: CUDA error {code}")
+    return codes, scales
+
+
+def quantize_cols(x):
+    """MXFP8 of ``x [rows, n]`` (float32 or bf16) along its rows, transposed: ``(codes [n, rows],
+    scales [n, rows / 32])``, the bits of ``mx.quantize(x.t(), dim=-1)`` (rows a multiple of 32)."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() or x.shape[0] % 32:
+        raise InputError(f"x must be contiguous float32 or bf16 [rows, n] with rows a multiple of 32, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows, n = x.shape
+    codes = torch.empty(n, rows, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(n, rows // 32, dtype=torch.uint8, device=x.device)
+    with torch.cuda.device(x.device):
+        code = load_library().mokgen_mx_quantize_cols(codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
+                                                      int(x.dtype == torch.bfloat16), rows, n,
+                                                      torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"mokgen_mx_quantize_cols failed: CUDA error {code}")
+    return codes, scales

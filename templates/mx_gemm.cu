@@ -142,6 +142,36 @@ int mokgen_mx_swiglu_quantize(void* codes, void* scales, const void* gu, int row
   return int(cudaGetLastError());
 }
 
+// Codes [rows, k] and blocked scales [k / 128, rows, 4] of float32 rows x [rows, k] (k a multiple
+// of 128, 16-byte aligned rows).
+int mokgen_mx_quantize_f32_rows(void* codes, void* scales, const void* x, int rows, int k, void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || k <= 0 || k % 128) return int(cudaErrorInvalidValue);
+  const long long n = (long long)rows * (k / mx::kBlock);
+  if (n == 0) return 0;
+  mxg::quantize_f32_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float*>(x), rows, k, static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// x [rows, n] (bf16 when is_bf16, else float32) quantized along the rows, transposed: codes [n, rows],
+// scales [n, rows / 32]; rows a multiple of 32.
+int mokgen_mx_quantize_cols(void* codes, void* scales, const void* x, int is_bf16, int rows, int n, void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || n <= 0 || rows % mx::kBlock) return int(cudaErrorInvalidValue);
+  const long long total = (long long)(rows / mx::kBlock) * n;
+  if (total == 0) return 0;
+  const unsigned grid = unsigned((total + 255) / 256);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (is_bf16)
+    mxg::quantize_cols_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n,
+                                                         static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  else
+    mxg::quantize_cols_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n,
+                                                          static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
 // out bf16 [tokens, H] = sum_j w[t, j] y[row[t k + j]] (y float32 [*, H], row int64 [tokens k], w
 // float32 [tokens, k]); H a multiple of 4.
 int mokgen_mx_combine(void* out, const void* y, const void* row, const void* w, int tokens, int k, int h,
