@@ -54,6 +54,8 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
         lib.mokgen_mx_quantize_f32_rows.restype = i
         lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
+        lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_gemm.restype = i
         _by_env[key] = lib
     return lib
 
@@ -270,3 +272,39 @@ def quantize_cols(x):
     if code:
         raise KernelError(f"mokgen_mx_quantize_cols failed: CUDA error {code}")
     return codes, scales
+# ---- the bf16-math prototype (branch wip/mx-bf16-math; docs/architecture.md "Which MXFP8 next") --
+
+def bf16_math_weights(b_codes, b_scales):
+    """MXFP8 ``B [N, K]`` decoded exactly to bf16 (``mx.dequantize``; exact unless a scale is near
+    2^-127 or 2^127) with its k order permuted within each 16 as the prototype's register
+    fragments read A: position ``2q + (i & 1) + 8 (i >> 1)`` holds k ``4q + i``."""
+    import torch
+
+    from mokgen import mx
+
+    N, K = b_codes.shape
+    values = mx.dequantize(b_codes, b_scales, dim=-1, out_dtype=torch.float32).to(torch.bfloat16)
+    L = torch.arange(16)
+    q, i = (L % 8) // 2, (L % 2) + 2 * (L // 8)
+    idx = (torch.arange(K // 16)[:, None] * 16 + (4 * q + i)[None, :]).reshape(-1).to(b_codes.device)
+    return values[:, idx].contiguous()
+
+
+def mx_bf16_math_gemm(a_codes, a_scales, b_bf16):
+    """``A B^T`` in float32 for A MXFP8 ``[M, K]`` (``mx.quantize`` along K) and B from
+    :func:`bf16_math_weights`, on the BF16 tensor core (the prototype; M % 128, N % 256, K % 128)."""
+    import torch
+
+    M, K = _check("A", a_codes, a_scales)
+    N = b_bf16.shape[0]
+    if b_bf16.dtype != torch.bfloat16 or b_bf16.shape != (N, K) or N % 256 or not b_bf16.is_contiguous():
+        raise InputError(f"B must be contiguous bf16 [N, {K}] with N a multiple of 256 (bf16_math_weights)")
+    out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    sa = block_scales(a_scales)
+    with torch.cuda.device(a_codes.device):
+        code = load_library().mokgen_mx_bf16_math_gemm(out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
+                                                       b_bf16.data_ptr(), M, N, K,
+                                                       torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"mokgen_mx_bf16_math_gemm failed: CUDA error {code}")
+    return out
