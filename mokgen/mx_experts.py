@@ -16,8 +16,9 @@ Each step is deterministic: rows are grouped by a stable sort of the expert ids,
 element has one owner, no atomics.
 
 Layout: the rows of each expert form a segment padded to whole 128-row tiles (the FP8 GEMM's
-tile); padding rows are zero codes and never read back. The tile list needs the experts' row
-counts on the host: one device-to-host copy per call.
+tile); padding rows are zero codes and never read back. The segments and the tile list are
+computed on the device at a fixed size (the bound of any routing), so the forward needs no host
+sync but the ids' range check, which ``check_ids=False`` skips.
 """
 
 from __future__ import annotations
@@ -88,26 +89,35 @@ def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
         raise InputError(str(err)) from None
 
 
-def _segments(flat_ids: torch.Tensor, num_experts: int):
-    """Rows grouped by expert (a stable sort: ties keep (token, j) order): each pair's row in the
-    padded layout, the padded segment sizes (host) and their total. One host sync, for the
-    experts' counts with the ids' range check folded in (ids below 0 and from E counted apart);
-    an id outside [0, E) raises InputError."""
-    E = num_experts
-    counts = torch.zeros(E + 2, dtype=torch.int64, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids.clamp(-1, E) + 1, torch.ones_like(flat_ids))
-    host = counts.cpu()  # the one host sync
-    if host[0] or host[E + 1]:
+def _segments(flat_ids: torch.Tensor, num_experts: int, check_ids: bool = True):
+    """Rows grouped by expert (a stable sort: ties keep (token, j) order), on the device with no
+    host sync: each pair's row in the padded layout, the row tiles of the grouped GEMM and the
+    padded segment sizes (device), and the rows allocated. The tile list has a fixed length,
+    ceil(n / 128) + E for n pairs, the bound of any routing; tiles past the segments' are (-1, 0),
+    which the kernel skips, and the rows past them are zeros. ``check_ids``: raise InputError for
+    an id outside [0, E), at the cost of one host sync."""
+    E, n = num_experts, flat_ids.numel()
+    if check_ids and bool(((flat_ids < 0) | (flat_ids >= E)).any()):
         raise InputError(f"topk_ids must lie in [0, {E})")
-    counts, host = counts[1:E + 1], host[1:E + 1]
-    padded_host = (host + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
-    padded = (counts + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
+    block = mx_gemm.BLOCK
+    counts = torch.zeros(E, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids.clamp(0, E - 1), torch.ones_like(flat_ids))
+    padded = (counts + block - 1) // block * block
     order = torch.sort(flat_ids, stable=True).indices
-    sorted_ids = flat_ids[order]
     shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # padding rows before each segment
     row = torch.empty_like(order)
-    row[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) + shift[sorted_ids]
-    return row, padded_host, int(padded_host.sum())
+    row[order] = torch.arange(n, device=flat_ids.device) + shift[flat_ids[order].clamp(0, E - 1)]
+    # tile i: the expert whose tiles cover it (a search over the cumulative tile counts)
+    n_tiles = -(-n // block) + E
+    per = padded // block
+    ends = torch.cumsum(per, 0)
+    i = torch.arange(n_tiles, device=flat_ids.device)
+    expert = torch.searchsorted(ends, i, right=True)
+    valid = expert < E
+    e = expert.clamp(max=E - 1)
+    first = (torch.cumsum(padded, 0) - padded)[e] + block * (i - (ends - per)[e])
+    tiles = torch.stack([torch.where(valid, e, -1), torch.where(valid, first, 0)], 1).to(torch.int32)
+    return row, tiles, padded, block * n_tiles
 
 
 def _check_inputs(x, topk_ids, topk_weights, hidden: int) -> None:
@@ -130,11 +140,10 @@ class _Saved:
     y: torch.Tensor
 
 
-def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str):
+def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str, check_ids: bool = True):
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
-    row, padded, rows = _segments(flat, weights.num_experts)
-    tiles, _ = mx_gemm.row_tiles(padded, x.device)
+    row, tiles, padded, rows = _segments(flat, weights.num_experts, check_ids)
     # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
     #    the way): padded row r holds token src[r], or zeros
     src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
@@ -152,14 +161,15 @@ def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, f
 
 
 def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MXExpertWeights,
-                    clamp_limit: float | None = None, *, form: str = "quad") -> torch.Tensor:
+                    clamp_limit: float | None = None, *, form: str = "quad", check_ids: bool = True) -> torch.Tensor:
     """The routed experts in MXFP8 on one GPU: ``x [T, H]`` (bf16), ``topk_ids [T, k]``,
     ``topk_weights [T, k]`` -> ``[T, H]`` bf16 (the module docstring's semantics). Inference:
-    no gradient (:func:`experts_forward_train` for training)."""
+    no gradient (:func:`experts_forward_train` for training). ``check_ids=False`` skips the ids'
+    range check, the one host sync: the call is then free of them (CUDA graph capture)."""
     _check_inputs(x, topk_ids, topk_weights, weights.hidden)
     if x.shape[0] == 0:
         return torch.zeros(0, weights.hidden, dtype=torch.bfloat16, device=x.device)
-    return _forward(x, topk_ids, topk_weights, weights, clamp_limit, form)[0]
+    return _forward(x, topk_ids, topk_weights, weights, clamp_limit, form, check_ids)[0]
 
 
 # ---- training: the MXFP8 backward -----------------------------------------------------------------
@@ -187,7 +197,7 @@ def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, fo
     E, M, N = len(padded), a_codes.shape[0], b_codes.shape[0]
     out = torch.zeros(E, M, N, dtype=torch.float32, device=a_codes.device)
     start = 0
-    for e, rows in enumerate(padded.tolist()):
+    for e, rows in enumerate(padded.tolist()):  # the backward's host sync: a launch per expert with rows
         if rows:
             cols, blocks = slice(start, start + rows), slice(start // 32, (start + rows) // 32)
             out[e] = mx_gemm.mx_gemm(a_codes[:, cols].contiguous(), a_scales[:, blocks].contiguous(),

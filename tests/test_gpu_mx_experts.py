@@ -101,6 +101,17 @@ def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
     assert (scales == mx_gemm.block_scales(want_scales)).float().mean().item() > 0.999
 
 
+def test_grouped_gemm_skips_the_tiles_past_the_segments():
+    """(-1, 0) entries (the fixed-length tile list of mx_experts._segments) write nothing."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    a, sa = mx.quantize(torch.randn(256, 256, generator=gen, device="cuda").to(torch.bfloat16), dim=-1)
+    b, sb = mx.quantize(torch.randn(2, 128, 256, generator=gen, device="cuda").to(torch.bfloat16), dim=-1)
+    tiles = torch.tensor([[1, 0], [-1, 0], [-1, 0]], dtype=torch.int32, device="cuda")
+    got = mx_gemm.mx_grouped_gemm(a, mx_gemm.block_scales(sa), b, mx_gemm.block_expert_scales(sb), tiles)
+    want = mx_gemm.mx_gemm(a[:128].contiguous(), sa[:128].contiguous(), b[1], sb[1])
+    assert torch.equal(got[:128], want)
+
+
 @pytest.mark.parametrize("skew, clamp", [(False, None), (True, None), (False, 10.0)])
 def test_mx_experts_match_the_float64_mx_oracle(skew, clamp):
     T, H, I, E, k = 300, 512, 256, 6, 2

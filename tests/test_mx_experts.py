@@ -14,16 +14,33 @@ from mokgen.errors import InputError  # noqa: E402
 
 def test_segments_group_rows_by_expert_in_pair_order_with_padding():
     ids = torch.tensor([2, 0, 2, 2, 0, 3])  # pairs 0..5
-    row, padded, rows = mx_experts._segments(ids, 4)
-    assert padded.tolist() == [128, 0, 128, 128] and rows == 384
+    row, tiles, padded, rows = mx_experts._segments(ids, 4)
+    assert padded.tolist() == [128, 0, 128, 128]
     # expert 0: pairs 1, 4 at rows 0, 1; expert 2: pairs 0, 2, 3 at 128, 129, 130; expert 3: pair 5 at 256
     assert row.tolist() == [128, 0, 129, 130, 1, 256]
+    # ceil(6 / 128) + 4 = 5 tiles, three of them the segments'; rows for every tile
+    assert tiles.tolist() == [[0, 0], [2, 128], [3, 256], [-1, 0], [-1, 0]] and rows == 5 * 128
 
 
 def test_segments_of_a_full_tile_and_more():
     ids = torch.zeros(129, dtype=torch.int64)
-    row, padded, rows = mx_experts._segments(ids, 2)
-    assert padded.tolist() == [256, 0] and rows == 256 and row.tolist() == list(range(129))
+    row, tiles, padded, rows = mx_experts._segments(ids, 2)
+    assert padded.tolist() == [256, 0] and row.tolist() == list(range(129))
+    assert tiles.tolist() == [[0, 0], [0, 128], [-1, 0], [-1, 0]] and rows == 4 * 128
+
+
+def test_segments_tile_list_is_row_tiles_padded_to_the_bound():
+    """On random routings the device-side list equals mx_gemm.row_tiles of the segment sizes,
+    then (-1, 0) up to ceil(n / 128) + E entries."""
+    gen = torch.Generator().manual_seed(4)
+    for E in (1, 3, 16):
+        ids = torch.randint(0, E, (int(torch.randint(1, 700, (1,), generator=gen)),), generator=gen)
+        row, tiles, padded, rows = mx_experts._segments(ids, E)
+        want, n = mx_gemm.row_tiles(padded, "cpu")
+        bound = -(-ids.numel() // 128) + E
+        assert tiles.shape == (bound, 2) and rows == 128 * bound
+        assert torch.equal(tiles[:n], want) and (tiles[n:] == torch.tensor([-1, 0], dtype=torch.int32)).all()
+        assert len(set(row.tolist())) == ids.numel() and int(row.max()) < int(padded.sum())
 
 
 def test_row_tiles_list_each_segments_tiles():
@@ -117,7 +134,8 @@ def emulate_kernels(monkeypatch):
         B = mx.dequantize(b, _unblock_experts(sb), out_dtype=f64)
         c = torch.full((a.shape[0], b.shape[1]), float("nan"))
         for e, m0 in tiles.tolist():
-            c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
+            if e >= 0:  # the kernel skips (-1, 0) tiles
+                c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
         return c
 
     def quantize_rows(x, src, rows):

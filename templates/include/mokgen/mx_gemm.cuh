@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
   // scales from e's [K / 128, N, 4] block
   const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
   const int e = tile.x, m0 = tile.y, n0 = blockIdx.x * kBN, n_k = K / kBK;
+  if (e < 0) return;  // a tile past the segments of a fixed-length list (mx_experts._segments)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
