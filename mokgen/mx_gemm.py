@@ -60,6 +60,23 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
+def _form(form: str) -> int:
+    if form not in FORMS:
+        raise InputError(f"form must be one of {sorted(FORMS)}, got {form!r}")
+    return FORMS[form]
+
+
+def _launch(entry: str, device, *args, what: str = "") -> None:
+    """``entry(*args, stream)`` of the library on ``device``'s current stream; a non-zero CUDA error
+    code raises KernelError naming the entry (and ``what``)."""
+    import torch
+
+    with torch.cuda.device(device):
+        code = getattr(load_library(), entry)(*args, torch.cuda.current_stream().cuda_stream)
+    if code:
+        raise KernelError(f"{entry}{f' ({what})' if what else ''} failed: CUDA error {code}")
+
+
 def _check(name: str, codes, scales, k: int | None = None) -> tuple[int, int]:
     import torch
 
@@ -95,20 +112,15 @@ def mx_gemm(a_codes, a_scales, b_codes, b_scales, *, form: str = "quad"):
     kernel's form (:data:`FORMS`; all give the same bits)."""
     import torch
 
-    if form not in FORMS:
-        raise InputError(f"form must be one of {sorted(FORMS)}, got {form!r}")
+    form_id = _form(form)
     M, K = _check("A", a_codes, a_scales)
     N, _ = _check("B", b_codes, b_scales, K)
     if b_codes.device != a_codes.device:
         raise InputError(f"A and B must be on one device, got {a_codes.device} and {b_codes.device}")
     out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     sa, sb = block_scales(a_scales), block_scales(b_scales)
-    with torch.cuda.device(a_codes.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        code = load_library().mokgen_mx_gemm_form(FORMS[form], out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
-                                             b_codes.data_ptr(), sb.data_ptr(), M, N, K, stream)
-    if code:
-        raise KernelError(f"mokgen_mx_gemm_form ({form}) failed: CUDA error {code}")
+    _launch("mokgen_mx_gemm_form", a_codes.device, form_id, out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
+            b_codes.data_ptr(), sb.data_ptr(), M, N, K, what=form)
     return out
 
 
@@ -144,8 +156,7 @@ def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles,
     rows outside every tile are not written (uninitialized)."""
     import torch
 
-    if form not in FORMS:
-        raise InputError(f"form must be one of {sorted(FORMS)}, got {form!r}")
+    form_id = _form(form)
     M, K = a_codes.shape
     E, N, Kb = b_codes.shape
     if Kb != K or M % BLOCK or N % BLOCK or K % BLOCK:
@@ -158,13 +169,9 @@ def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles,
     c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     if tiles.shape[0] == 0:
         return c
-    with torch.cuda.device(a_codes.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        code = load_library().mokgen_mx_grouped_gemm(
-            FORMS[form], c.data_ptr(), a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_codes.data_ptr(),
-            b_scales_blocked.data_ptr(), tiles.data_ptr(), int(tiles.shape[0]), M, N, K, E, stream)
-    if code:
-        raise KernelError(f"mokgen_mx_grouped_gemm ({form}) failed: CUDA error {code}")
+    _launch("mokgen_mx_grouped_gemm", a_codes.device, form_id, c.data_ptr(), a_codes.data_ptr(),
+            a_scales_blocked.data_ptr(), b_codes.data_ptr(), b_scales_blocked.data_ptr(), tiles.data_ptr(),
+            int(tiles.shape[0]), M, N, K, E, what=form)
     return c
 
 
@@ -183,12 +190,8 @@ def quantize_rows(x, src, rows: int):
     H = x.shape[1]
     codes = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(H // BLOCK, rows, 4, dtype=torch.uint8, device=x.device)
-    with torch.cuda.device(x.device):
-        code = load_library().mokgen_mx_quantize_rows(codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
-                                                      src.data_ptr(), rows, H,
-                                                      torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise KernelError(f"mokgen_mx_quantize_rows failed: CUDA error {code}")
+    _launch("mokgen_mx_quantize_rows", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(), src.data_ptr(),
+            rows, H)
     return codes, scales
 
 
@@ -207,11 +210,8 @@ def swiglu_quantize(gu, clamp_limit: float | None = None):
         raise InputError(f"clamp_limit must be positive, got {clamp_limit}")
     codes = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gu.device)
     scales = torch.empty(inter // BLOCK, rows, 4, dtype=torch.uint8, device=gu.device)
-    with torch.cuda.device(gu.device):
-        code = load_library().mokgen_mx_swiglu_quantize(codes.data_ptr(), scales.data_ptr(), gu.data_ptr(), rows,
-                                                        inter, limit, torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise KernelError(f"mokgen_mx_swiglu_quantize failed: CUDA error {code}")
+    _launch("mokgen_mx_swiglu_quantize", gu.device, codes.data_ptr(), scales.data_ptr(), gu.data_ptr(), rows, inter,
+            limit)
     return codes, scales
 
 
@@ -227,11 +227,8 @@ def combine(y, row, weights):
             or row.shape != (T * k,) or weights.dtype != torch.float32 or not weights.is_contiguous():
         raise InputError("combine: y float32 [*, H] (H a multiple of 4), row int64 [T k], weights float32 [T, k]")
     out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
-    with torch.cuda.device(y.device):
-        code = load_library().mokgen_mx_combine(out.data_ptr(), y.data_ptr(), row.data_ptr(), weights.data_ptr(), T,
-                                                k, H, torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise KernelError(f"mokgen_mx_combine failed: CUDA error {code}")
+    _launch("mokgen_mx_combine", y.device, out.data_ptr(), y.data_ptr(), row.data_ptr(), weights.data_ptr(), T, k,
+            H)
     return out
 
 

@@ -68,3 +68,40 @@ def test_shapes_and_scales_are_checked(monkeypatch):
         mx_gemm.mx_gemm(a, sa[:, :4].contiguous(), b, sb)
     with pytest.raises(InputError, match="B codes have K = 128, the other operand 256"):
         mx_gemm.mx_gemm(a, sa, b[:, :128].contiguous(), sb[:, :4].contiguous())
+
+
+def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(monkeypatch):
+    """Every entry point goes through one launch helper: the arguments in the C ABI's order, the
+    current stream appended, and a non-zero return a KernelError naming the entry (and the form)."""
+    import contextlib
+    import types
+
+    from mokgen.errors import KernelError
+
+    calls, returns = [], {}
+
+    class Fake:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or returns.get(name, 0)
+
+    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=77))
+    y, w, row = torch.zeros(6, 8), torch.ones(2, 3), torch.arange(6)
+    mx_gemm.combine(y, row, w)
+    name, args = calls[-1]
+    assert name == "mokgen_mx_combine" and len(args) == 8 and args[4:] == (2, 3, 8, 77)
+    a = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)
+    sa, sb = torch.zeros(1, 256, 4, dtype=torch.uint8), torch.zeros(2, 1, 128, 4, dtype=torch.uint8)
+    tiles, _ = mx_gemm.row_tiles([128, 128], "cpu")
+    mx_gemm.mx_grouped_gemm(a, sa, b, sb, tiles, form="decoded")
+    name, args = calls[-1]
+    assert name == "mokgen_mx_grouped_gemm" and args[0] == mx_gemm.FORMS["decoded"]
+    assert args[7:] == (2, 256, 128, 128, 2, 77)  # tiles, M, N, K, E, stream
+    returns["mokgen_mx_grouped_gemm"] = 700
+    with pytest.raises(KernelError, match=r"^mokgen_mx_grouped_gemm \(quad\) failed: CUDA error 700$"):
+        mx_gemm.mx_grouped_gemm(a, sa, b, sb, tiles)
+    returns["mokgen_mx_combine"] = 1
+    with pytest.raises(KernelError, match=r"^mokgen_mx_combine failed: CUDA error 1$"):
+        mx_gemm.combine(y, row, w)
