@@ -243,11 +243,7 @@ def quantize_f32_rows(x):
     rows, k = x.shape
     codes = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k // BLOCK, rows, 4, dtype=torch.uint8, device=x.device)
-    with torch.cuda.device(x.device):
-        code = load_library().mokgen_mx_quantize_f32_rows(codes.data_ptr(), scales.data_ptr(), x.data_ptr(), rows, k,
-                                                          torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise KernelError(f"mokgen_mx_quantize_f32_rows failed: CUDA error {code}")
+    _launch("mokgen_mx_quantize_f32_rows", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(), rows, k)
     return codes, scales
 
 
@@ -262,12 +258,8 @@ def quantize_cols(x):
     rows, n = x.shape
     codes = torch.empty(n, rows, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(n, rows // 32, dtype=torch.uint8, device=x.device)
-    with torch.cuda.device(x.device):
-        code = load_library().mokgen_mx_quantize_cols(codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
-                                                      int(x.dtype == torch.bfloat16), rows, n,
-                                                      torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise KernelError(f"mokgen_mx_quantize_cols failed: CUDA error {code}")
+    _launch("mokgen_mx_quantize_cols", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
+            int(x.dtype == torch.bfloat16), rows, n)
     return codes, scales
 # ---- the bf16-math prototype (branch wip/mx-bf16-math; docs/architecture.md "Which MXFP8 next") --
 
@@ -298,10 +290,6 @@ def mx_bf16_math_gemm(a_codes, a_scales, b_bf16):
         raise InputError(f"B must be contiguous bf16 [N, {K}] with N a multiple of 256 (bf16_math_weights)")
     out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     sa = block_scales(a_scales)
-    with torch.cuda.device(a_codes.device):
-        code = load_library().mokgen_mx_bf16_math_gemm(out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
-                                                       b_bf16.data_ptr(), M, N, K,
-                                                       torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise KernelError(f"mokgen_mx_bf16_math_gemm failed: CUDA error {code}")
+    _launch("mokgen_mx_bf16_math_gemm", a_codes.device, out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
+            b_bf16.data_ptr(), M, N, K)
     return out
