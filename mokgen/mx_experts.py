@@ -16,8 +16,9 @@ Each step is deterministic: rows are grouped by a stable sort of the expert ids,
 element has one owner, no atomics.
 
 Layout: the rows of each expert form a segment padded to whole 128-row tiles (the FP8 GEMM's
-tile); padding rows are zero codes and never read back. The tile list needs the experts' row
-counts on the host: one device-to-host copy per call.
+tile); padding rows are zero codes and never read back. The segments and the tile list are
+computed on the device at a fixed size (the bound of any routing), so the forward needs no host
+sync but the ids' range check, which ``check_ids=False`` skips.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mokgen import mx, mx_gemm
+from mokgen import mx, mx_gemm, reference
 from mokgen.errors import InputError
 from mokgen.plan import row_bytes
 
-__all__ = ["MXExpertWeights", "quantize_weights", "experts_forward", "bytes_per_row"]
+__all__ = ["MXExpertWeights", "quantize_weights", "experts_forward", "experts_forward_train", "bytes_per_row"]
 
 
 @dataclass
@@ -88,44 +89,61 @@ def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
         raise InputError(str(err)) from None
 
 
-def _segments(flat_ids: torch.Tensor, num_experts: int):
-    """Rows grouped by expert (a stable sort: ties keep (token, j) order): each pair's row in the
-    padded layout, the padded segment sizes (host) and their total. One host sync, for the
-    experts' counts with the ids' range check folded in (ids below 0 and from E counted apart);
-    an id outside [0, E) raises InputError."""
-    E = num_experts
-    counts = torch.zeros(E + 2, dtype=torch.int64, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids.clamp(-1, E) + 1, torch.ones_like(flat_ids))
-    host = counts.cpu()  # the one host sync
-    if host[0] or host[E + 1]:
+def _segments(flat_ids: torch.Tensor, num_experts: int, check_ids: bool = True):
+    """Rows grouped by expert (a stable sort: ties keep (token, j) order), on the device with no
+    host sync: each pair's row in the padded layout, the row tiles of the grouped GEMM and the
+    padded segment sizes (device), and the rows allocated. The tile list has a fixed length,
+    ceil(n / 128) + E for n pairs, the bound of any routing; tiles past the segments' are (-1, 0),
+    which the kernel skips, and the rows past them are zeros. ``check_ids``: raise InputError for
+    an id outside [0, E), at the cost of one host sync."""
+    E, n = num_experts, flat_ids.numel()
+    if check_ids and bool(((flat_ids < 0) | (flat_ids >= E)).any()):
         raise InputError(f"topk_ids must lie in [0, {E})")
-    counts, host = counts[1:E + 1], host[1:E + 1]
-    padded_host = (host + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
-    padded = (counts + mx_gemm.BLOCK - 1) // mx_gemm.BLOCK * mx_gemm.BLOCK
+    block = mx_gemm.BLOCK
+    counts = torch.zeros(E, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids.clamp(0, E - 1), torch.ones_like(flat_ids))
+    padded = (counts + block - 1) // block * block
     order = torch.sort(flat_ids, stable=True).indices
-    sorted_ids = flat_ids[order]
     shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # padding rows before each segment
     row = torch.empty_like(order)
-    row[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) + shift[sorted_ids]
-    return row, padded_host, int(padded_host.sum())
+    row[order] = torch.arange(n, device=flat_ids.device) + shift[flat_ids[order].clamp(0, E - 1)]
+    # tile i: the expert whose tiles cover it (a search over the cumulative tile counts)
+    n_tiles = -(-n // block) + E
+    per = padded // block
+    ends = torch.cumsum(per, 0)
+    i = torch.arange(n_tiles, device=flat_ids.device)
+    expert = torch.searchsorted(ends, i, right=True)
+    valid = expert < E
+    e = expert.clamp(max=E - 1)
+    first = (torch.cumsum(padded, 0) - padded)[e] + block * (i - (ends - per)[e])
+    tiles = torch.stack([torch.where(valid, e, -1), torch.where(valid, first, 0)], 1).to(torch.int32)
+    return row, tiles, padded, block * n_tiles
 
 
-def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MXExpertWeights,
-                    clamp_limit: float | None = None, *, form: str = "quad") -> torch.Tensor:
-    """The routed experts in MXFP8 on one GPU: ``x [T, H]`` (bf16), ``topk_ids [T, k]``,
-    ``topk_weights [T, k]`` -> ``[T, H]`` bf16 (the module docstring's semantics)."""
-    if x.dim() != 2 or x.shape[1] != weights.hidden or x.dtype != torch.bfloat16:
-        raise InputError(f"x must be bf16 [T, {weights.hidden}], got {x.dtype} {tuple(x.shape)}")
+def _check_inputs(x, topk_ids, topk_weights, hidden: int) -> None:
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.bfloat16:
+        raise InputError(f"x must be bf16 [T, {hidden}], got {x.dtype} {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise InputError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+
+
+@dataclass
+class _Saved:
+    """What the forward leaves for the backward: each pair's padded row, the segments and their
+    tiles, the float32 gate | up rows and the float32 expert outputs."""
+
+    row: torch.Tensor
+    padded: torch.Tensor
+    tiles: torch.Tensor
+    gu: torch.Tensor
+    y: torch.Tensor
+
+
+def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str, check_ids: bool = True):
     T, k = topk_ids.shape
-    H, I, E = weights.hidden, weights.inter, weights.num_experts
-    if T == 0:
-        return torch.zeros(0, H, dtype=torch.bfloat16, device=x.device)
     flat = topk_ids.reshape(-1).to(torch.int64)
-    row, padded, rows = _segments(flat, E)
-    tiles, _ = mx_gemm.row_tiles(padded, x.device)
+    row, tiles, padded, rows = _segments(flat, weights.num_experts, check_ids)
     # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
     #    the way): padded row r holds token src[r], or zeros
     src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
@@ -138,4 +156,112 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     # 4. down
     y = mx_gemm.mx_grouped_gemm(hq, hs, weights.down, weights.down_scales, tiles, form=form)
     # 5. combine in the fixed order j = 0..k-1
-    return mx_gemm.combine(y, row, topk_weights.to(torch.float32).contiguous())
+    out = mx_gemm.combine(y, row, topk_weights.to(torch.float32).contiguous())
+    return out, _Saved(row, padded, tiles, gu, y)
+
+
+def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MXExpertWeights,
+                    clamp_limit: float | None = None, *, form: str = "quad", check_ids: bool = True) -> torch.Tensor:
+    """The routed experts in MXFP8 on one GPU: ``x [T, H]`` (bf16), ``topk_ids [T, k]``,
+    ``topk_weights [T, k]`` -> ``[T, H]`` bf16 (the module docstring's semantics). Inference:
+    no gradient (:func:`experts_forward_train` for training). ``check_ids=False`` skips the ids'
+    range check, the one host sync: the call is then free of them (CUDA graph capture)."""
+    _check_inputs(x, topk_ids, topk_weights, weights.hidden)
+    if x.shape[0] == 0:
+        return torch.zeros(0, weights.hidden, dtype=torch.bfloat16, device=x.device)
+    return _forward(x, topk_ids, topk_weights, weights, clamp_limit, form, check_ids)[0]
+
+
+# ---- training: the MXFP8 backward -----------------------------------------------------------------
+#
+# The oracle's semantics (mokgen.reference._MXMatmul, the transposed quantization of MX
+# training): every backward GEMM quantizes its two operands along its own reduction dimension.
+#   dgrad  dh = q_H(dy) q_H(W_down)        (W_down [H, I] along H: its transpose [I, H] along H)
+#          dx_rows = q_2I(dgu) q_2I(W_gu)  (W_gu = [W_gate; W_up] [2I, H] along 2I)
+#   wgrad  dW_down = q_n(dy)^T q_n(h),  dW_gu = q_n(dgu)^T q_n(x_rows)   (n: the expert's rows)
+# with dy[t, j] = w[t, j] dOut[t], d w[t, j] = <dOut[t], y[t, j]> and the SwiGLU backward in
+# float32 (the oracle's swiglu under autograd). The rows of an expert's segment start at a
+# multiple of 128 and its padding rows are zeros, so the 32-row blocks along n are the oracle's
+# (which pads each expert's rows with zeros to a multiple of 32). The dgrads run on the grouped
+# GEMM with weights quantized in the transposed orientation, the wgrads on the dense GEMM, one
+# launch per expert with rows (K = its padded segment). Staged like the forward: the activations'
+# quantizers are mx_gemm's kernels (along K, and along the rows with a transpose), the weights'
+# transposed quantization mokgen.mx.quantize_experts (once per step).
+
+
+def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, form: str) -> torch.Tensor:
+    """``out[e] = q_n(a_e)^T q_n(b_e)`` per expert: ``a_t`` / ``b_t`` the transposed rows
+    ``[M, R]`` / ``[N, R]`` quantized along R, e's rows its padded segment; ``[E, M, N]`` float32
+    (zeros for an expert without rows)."""
+    (a_codes, a_scales), (b_codes, b_scales) = a_t, b_t
+    E, M, N = len(padded), a_codes.shape[0], b_codes.shape[0]
+    out = torch.zeros(E, M, N, dtype=torch.float32, device=a_codes.device)
+    start = 0
+    for e, rows in enumerate(padded.tolist()):  # the backward's host sync: a launch per expert with rows
+        if rows:
+            cols, blocks = slice(start, start + rows), slice(start // 32, (start + rows) // 32)
+            out[e] = mx_gemm.mx_gemm(a_codes[:, cols].contiguous(), a_scales[:, blocks].contiguous(),
+                                     b_codes[:, cols].contiguous(), b_scales[:, blocks].contiguous(), form=form)
+        start += rows
+    return out
+
+
+class _MXExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form):
+        weights = quantize_weights(w_gate, w_up, w_down)
+        out, saved = _forward(x, topk_ids, topk_weights, weights, clamp_limit, form)
+        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, saved.row, saved.tiles, saved.gu, saved.y)
+        ctx.padded, ctx.clamp_limit, ctx.form = saved.padded, clamp_limit, form
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, w, w_gate, w_up, w_down, row, tiles, gu, y = ctx.saved_tensors
+        padded, clamp_limit, form = ctx.padded, ctx.clamp_limit, ctx.form
+        T, k = w.shape
+        E, I, H = w_gate.shape
+        rows = gu.shape[0]
+        g_out = d_out.to(torch.float32)
+        # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row
+        yk = y[row].view(T, k, H)
+        d_w = (g_out.unsqueeze(1) * yk).sum(-1)
+        dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
+        dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
+        # dgrad of the down projection: dh = q_H(dy) q_H(W_down)
+        wd_t, wd_t_scales = mx.quantize_experts(w_down.transpose(1, 2).contiguous())  # [E, I, H] along H
+        dyq, dys = mx_gemm.quantize_f32_rows(dy)
+        dh = mx_gemm.mx_grouped_gemm(dyq, dys, wd_t, mx_gemm.block_expert_scales(wd_t_scales), tiles, form=form)
+        # SwiGLU backward in float32, as the oracle's swiglu under autograd
+        with torch.enable_grad():
+            g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
+            h = reference.swiglu(g, u, clamp_limit)
+            dg, du = torch.autograd.grad(h, (g, u), dh)
+        h = h.detach()
+        dgu = torch.cat([dg, du], dim=1)
+        # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu); then dx[t] = sum_j dx_rows[t, j]
+        wgu_t, wgu_t_scales = mx.quantize_experts(torch.cat([w_gate, w_up], dim=1).transpose(1, 2).contiguous())
+        dguq, dgus = mx_gemm.quantize_f32_rows(dgu)
+        dx_rows = mx_gemm.mx_grouped_gemm(dguq, dgus, wgu_t, mx_gemm.block_expert_scales(wgu_t_scales), tiles,
+                                          form=form)
+        dx = dx_rows[row].view(T, k, H).sum(1)
+        # wgrads, per expert over its rows
+        d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)        # [E, H, I]
+        x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
+        x_rows[row] = x.repeat_interleave(k, dim=0)
+        d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)  # [E, 2I, H]
+        return (dx.to(x.dtype), d_w.to(w.dtype), d_wgu[:, :I].to(w_gate.dtype), d_wgu[:, I:].to(w_up.dtype),
+                d_wd.to(w_down.dtype), None, None, None)
+
+
+def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                          w_up: torch.Tensor, w_down: torch.Tensor, clamp_limit: float | None = None, *,
+                          form: str = "quad") -> torch.Tensor:
+    """:func:`experts_forward` with gradients for ``x``, ``topk_weights`` and the three expert
+    weights (mokgen's layout, unquantized: quantized on every call, as a training step's weights
+    change), the MXFP8 backward above. Straight-through: the gradients are of the unquantized
+    inputs, as the oracle's (``mokgen.reference.mx_experts_forward``)."""
+    _check_inputs(x, topk_ids, topk_weights, w_gate.shape[2] if w_gate.dim() == 3 else -1)
+    if x.shape[0] == 0:
+        raise InputError("experts_forward_train needs at least one token")
+    return _MXExperts.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form)

@@ -51,6 +51,11 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
         lib.mokgen_mx_swiglu_quantize.restype = i
         lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
+        lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
+        lib.mokgen_mx_quantize_f32_rows.restype = i
+        lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
+        lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_gemm.restype = i
         _by_env[key] = lib
     return lib
 
@@ -224,4 +229,67 @@ def combine(y, row, weights):
     out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
     _launch("mokgen_mx_combine", y.device, out.data_ptr(), y.data_ptr(), row.data_ptr(), weights.data_ptr(), T, k,
             H)
+    return out
+
+
+def quantize_f32_rows(x):
+    """MXFP8 of float32 rows ``x [rows, K]`` along K: ``(codes [rows, K], scales [K / 128, rows,
+    4])``, the scales blocked; the bits of ``mx.quantize(x, dim=-1)``."""
+    import torch
+
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] % BLOCK:
+        raise InputError(f"x must be contiguous float32 [rows, K] with K a multiple of {BLOCK}, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows, k = x.shape
+    codes = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // BLOCK, rows, 4, dtype=torch.uint8, device=x.device)
+    _launch("mokgen_mx_quantize_f32_rows", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(), rows, k)
+    return codes, scales
+
+
+def quantize_cols(x):
+    """MXFP8 of ``x [rows, n]`` (float32 or bf16) along its rows, transposed: ``(codes [n, rows],
+    scales [n, rows / 32])``, the bits of ``mx.quantize(x.t(), dim=-1)`` (rows a multiple of 32)."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() or x.shape[0] % 32:
+        raise InputError(f"x must be contiguous float32 or bf16 [rows, n] with rows a multiple of 32, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows, n = x.shape
+    codes = torch.empty(n, rows, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(n, rows // 32, dtype=torch.uint8, device=x.device)
+    _launch("mokgen_mx_quantize_cols", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
+            int(x.dtype == torch.bfloat16), rows, n)
+    return codes, scales
+# ---- the bf16-math prototype (branch wip/mx-bf16-math; docs/architecture.md "Which MXFP8 next") --
+
+def bf16_math_weights(b_codes, b_scales):
+    """MXFP8 ``B [N, K]`` decoded exactly to bf16 (``mx.dequantize``; exact unless a scale is near
+    2^-127 or 2^127) with its k order permuted within each 16 as the prototype's register
+    fragments read A: position ``2q + (i & 1) + 8 (i >> 1)`` holds k ``4q + i``."""
+    import torch
+
+    from mokgen import mx
+
+    N, K = b_codes.shape
+    values = mx.dequantize(b_codes, b_scales, dim=-1, out_dtype=torch.float32).to(torch.bfloat16)
+    L = torch.arange(16)
+    q, i = (L % 8) // 2, (L % 2) + 2 * (L // 8)
+    idx = (torch.arange(K // 16)[:, None] * 16 + (4 * q + i)[None, :]).reshape(-1).to(b_codes.device)
+    return values[:, idx].contiguous()
+
+
+def mx_bf16_math_gemm(a_codes, a_scales, b_bf16):
+    """``A B^T`` in float32 for A MXFP8 ``[M, K]`` (``mx.quantize`` along K) and B from
+    :func:`bf16_math_weights`, on the BF16 tensor core (the prototype; M % 128, N % 256, K % 128)."""
+    import torch
+
+    M, K = _check("A", a_codes, a_scales)
+    N = b_bf16.shape[0]
+    if b_bf16.dtype != torch.bfloat16 or b_bf16.shape != (N, K) or N % 256 or not b_bf16.is_contiguous():
+        raise InputError(f"B must be contiguous bf16 [N, {K}] with N a multiple of 256 (bf16_math_weights)")
+    out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    sa = block_scales(a_scales)
+    _launch("mokgen_mx_bf16_math_gemm", a_codes.device, out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
+            b_bf16.data_ptr(), M, N, K)
     return out

@@ -36,7 +36,8 @@ namespace mxg {
 // uint8 [rows, cols] row-major -> a map of 64-row x 128-byte boxes, 128-byte swizzle. (Its own
 // copy of hopper_gemm.cuh's encode_map_2d, which is bf16 only: a data-type argument there would
 // move the megakernel's source digest, and so invalidate the tuned files, for no change to it.)
-inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols) {
+inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                             uint32_t box_cols = kBK, uint32_t box_rows = 64) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -51,11 +52,11 @@ inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, 
   if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {cols};
-  const cuuint32_t box[2] = {uint32_t(kBK), 64};
+  const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                CU_TENSOR_MAP_INTERLEAVE_NONE, box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
 // Internal linkage (and build.BASE_FLAGS's -fno-gnu-unique): a static local of a template (the
@@ -96,6 +97,27 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
   }
 }
 
+// The bf16-math prototype: A MXFP8 [M, K] (codes, blocked scales [K / 128, M, 4]), B bf16 [N, K]
+// (decoded MXFP8, k permuted within each 16: mokgen.mx_gemm.bf16_math_weights).
+int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, int M, int N, int K, void* stream) {
+  namespace bm = bf16m;
+  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0) return int(cudaErrorInvalidValue);
+  CUtensorMap ma, mb;
+  if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&mb, b, uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);
+  static bool attr = false;
+  if (!attr) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(bm::gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bm::kSmemBytes));
+    if (err != cudaSuccess) return int(err);
+    attr = true;
+  }
+  bm::gemm_kernel<<<dim3(N / bm::kBN, M / bm::kBM), bm::kThreads, bm::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K);
+  return int(cudaGetLastError());
+}
+
 }  // namespace
 }  // namespace mxg
 }  // namespace mokgen
@@ -108,6 +130,13 @@ extern "C" {
 int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const void* b, const void* sb, int M, int N,
                         int K, void* stream) {
   return mokgen::mxg::launch_form(form, c, a, sa, b, sb, nullptr, M / mokgen::mxg::kBM, M, N, K, 1, stream);
+}
+
+// C [M, N] float32 = A B^T, A MXFP8 (codes, blocked scales), B bf16 [N, K] with its k order
+// permuted within each 16 (the bf16-math prototype; M % 128, N % 256, K % 128).
+int mokgen_mx_bf16_math_gemm(void* c, const void* a, const void* sa, const void* b, int M, int N, int K,
+                             void* stream) {
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, M, N, K, stream);
 }
 
 // Codes [rows, H] and blocked scales [H / 128, rows, 4] of x's rows src[r] (zeros where src[r] <
@@ -139,6 +168,36 @@ int mokgen_mx_swiglu_quantize(void* codes, void* scales, const void* gu, int row
   else
     mxg::swiglu_quantize_kernel<false><<<grid, 256, 0, st>>>(static_cast<const float*>(gu), rows, inter, 0.f,
                                                             static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// Codes [rows, k] and blocked scales [k / 128, rows, 4] of float32 rows x [rows, k] (k a multiple
+// of 128, 16-byte aligned rows).
+int mokgen_mx_quantize_f32_rows(void* codes, void* scales, const void* x, int rows, int k, void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || k <= 0 || k % 128) return int(cudaErrorInvalidValue);
+  const long long n = (long long)rows * (k / mx::kBlock);
+  if (n == 0) return 0;
+  mxg::quantize_f32_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float*>(x), rows, k, static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// x [rows, n] (bf16 when is_bf16, else float32) quantized along the rows, transposed: codes [n, rows],
+// scales [n, rows / 32]; rows a multiple of 32.
+int mokgen_mx_quantize_cols(void* codes, void* scales, const void* x, int is_bf16, int rows, int n, void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || n <= 0 || rows % mx::kBlock) return int(cudaErrorInvalidValue);
+  const long long total = (long long)(rows / mx::kBlock) * n;
+  if (total == 0) return 0;
+  const unsigned grid = unsigned((total + 255) / 256);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (is_bf16)
+    mxg::quantize_cols_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n,
+                                                         static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  else
+    mxg::quantize_cols_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n,
+                                                          static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }
 

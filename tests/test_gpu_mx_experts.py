@@ -73,6 +73,22 @@ def test_combine_has_the_bits_of_the_pytorch_expression():
     assert torch.equal(mx_gemm.combine(y, row, w), want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_quantizers_are_the_quantizer_along_each_dimension(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    t = (torch.randn(256, 384, generator=gen, device="cuda") *
+         torch.exp2(torch.randint(-20, 20, (256, 1), generator=gen, device="cuda").float())).to(dtype)
+    t[7, 3] = float("inf")
+    codes, scales = mx_gemm.quantize_cols(t)
+    want_codes, want_scales = mx.quantize(t.t().contiguous(), dim=-1)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+    if dtype == torch.float32:
+        codes, scales = mx_gemm.quantize_f32_rows(t)
+        want_codes, want_scales = mx.quantize(t, dim=-1)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scales, mx_gemm.block_scales(want_scales))
+
+
 @pytest.mark.parametrize("clamp", [None, 7.0])
 def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -83,6 +99,17 @@ def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
     same = (codes.view(torch.uint8) == want_codes.view(torch.uint8)).float().mean().item()
     assert same > 0.999, same
     assert (scales == mx_gemm.block_scales(want_scales)).float().mean().item() > 0.999
+
+
+def test_grouped_gemm_skips_the_tiles_past_the_segments():
+    """(-1, 0) entries (the fixed-length tile list of mx_experts._segments) write nothing."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    a, sa = mx.quantize(torch.randn(256, 256, generator=gen, device="cuda").to(torch.bfloat16), dim=-1)
+    b, sb = mx.quantize(torch.randn(2, 128, 256, generator=gen, device="cuda").to(torch.bfloat16), dim=-1)
+    tiles = torch.tensor([[1, 0], [-1, 0], [-1, 0]], dtype=torch.int32, device="cuda")
+    got = mx_gemm.mx_grouped_gemm(a, mx_gemm.block_scales(sa), b, mx_gemm.block_expert_scales(sb), tiles)
+    want = mx_gemm.mx_gemm(a[:128].contiguous(), sa[:128].contiguous(), b[1], sb[1])
+    assert torch.equal(got[:128], want)
 
 
 @pytest.mark.parametrize("skew, clamp", [(False, None), (True, None), (False, 10.0)])
@@ -109,3 +136,30 @@ def test_mx_experts_give_the_same_bits_20_times():
     first = mx_experts.experts_forward(x, ids, w, weights)
     for _ in range(19):
         assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), first)
+
+
+@pytest.mark.parametrize("skew, clamp", [(False, None), (True, 10.0)])
+def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp):
+    """experts_forward_train's gradients (x, the routing weights, the three expert weights) against
+    the float64 MX oracle's autograd. Beyond the bf16 rounding of dx and the weight gradients, the
+    bound covers E4M3
+    roundings that move one step where the FP8 tensor core's 32-wide sums move a value across a
+    rounding boundary (as the forward's 6e-3)."""
+    T, H, I, E, k = 300, 512, 256, 6, 2
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=13, skew=skew)
+    d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(3),
+                        device="cuda").to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]  # weights bf16, as a model holds them
+    out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=clamp)
+    out.backward(d_out)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    ref = R.mx_experts_forward(ref_leaves[0], ids, ref_leaves[1], *ref_leaves[2:], clamp_limit=clamp,
+                               acc_dtype=torch.float64)
+    ref.backward(d_out.double())
+    for name, got, want in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), leaves, ref_leaves):
+        rel = ((got.grad.double() - want.grad).norm() / want.grad.norm()).item()
+        assert rel < 6e-3, (name, rel)
+    again = [t.detach().clone().requires_grad_(True) for t in leaves]
+    mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp).backward(d_out)
+    for got, twice in zip(leaves, again):
+        assert torch.equal(got.grad, twice.grad)  # the same bits again

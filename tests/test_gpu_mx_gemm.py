@@ -105,3 +105,19 @@ def test_a_variant_build_runs_beside_the_library(tmp_path):
         torch.cuda.synchronize()
         assert rc == 0, f"form {form}: CUDA error {rc}"
         assert torch.equal(out, want), form
+
+
+@pytest.mark.parametrize("M, N, K, spread", [(128, 256, 128, 0), (256, 512, 1024, 6), (384, 256, 2048, 20)])
+def test_bf16_math_prototype_matches_the_exact_mx_product(M, N, K, spread):
+    """The bf16-math prototype (branch wip/mx-bf16-math): A's blocks decoded into BF16 register
+    fragments, B decoded once; float32 sums with no promotion, so closer to the exact product than
+    the FP8 forms (their 32-wide sums keep about 14 bits)."""
+    gen = torch.Generator(device="cuda").manual_seed(M + N + K + 1)
+    a, sa = mx.quantize(_blocks(M, K, gen, spread), dim=-1)
+    b, sb = mx.quantize(_blocks(N, K, gen, spread), dim=-1)
+    got = mx_gemm.mx_bf16_math_gemm(a, sa, mx_gemm.bf16_math_weights(b, sb))
+    want = _exact(a, sa, b, sb)
+    assert torch.isfinite(got).all()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < 1e-5, f"relative error {err:.3e}"
+    assert torch.equal(mx_gemm.mx_bf16_math_gemm(a, sa, mx_gemm.bf16_math_weights(b, sb)), got)

@@ -14,16 +14,33 @@ from mokgen.errors import InputError  # noqa: E402
 
 def test_segments_group_rows_by_expert_in_pair_order_with_padding():
     ids = torch.tensor([2, 0, 2, 2, 0, 3])  # pairs 0..5
-    row, padded, rows = mx_experts._segments(ids, 4)
-    assert padded.tolist() == [128, 0, 128, 128] and rows == 384
+    row, tiles, padded, rows = mx_experts._segments(ids, 4)
+    assert padded.tolist() == [128, 0, 128, 128]
     # expert 0: pairs 1, 4 at rows 0, 1; expert 2: pairs 0, 2, 3 at 128, 129, 130; expert 3: pair 5 at 256
     assert row.tolist() == [128, 0, 129, 130, 1, 256]
+    # ceil(6 / 128) + 4 = 5 tiles, three of them the segments'; rows for every tile
+    assert tiles.tolist() == [[0, 0], [2, 128], [3, 256], [-1, 0], [-1, 0]] and rows == 5 * 128
 
 
 def test_segments_of_a_full_tile_and_more():
     ids = torch.zeros(129, dtype=torch.int64)
-    row, padded, rows = mx_experts._segments(ids, 2)
-    assert padded.tolist() == [256, 0] and rows == 256 and row.tolist() == list(range(129))
+    row, tiles, padded, rows = mx_experts._segments(ids, 2)
+    assert padded.tolist() == [256, 0] and row.tolist() == list(range(129))
+    assert tiles.tolist() == [[0, 0], [0, 128], [-1, 0], [-1, 0]] and rows == 4 * 128
+
+
+def test_segments_tile_list_is_row_tiles_padded_to_the_bound():
+    """On random routings the device-side list equals mx_gemm.row_tiles of the segment sizes,
+    then (-1, 0) up to ceil(n / 128) + E entries."""
+    gen = torch.Generator().manual_seed(4)
+    for E in (1, 3, 16):
+        ids = torch.randint(0, E, (int(torch.randint(1, 700, (1,), generator=gen)),), generator=gen)
+        row, tiles, padded, rows = mx_experts._segments(ids, E)
+        want, n = mx_gemm.row_tiles(padded, "cpu")
+        bound = -(-ids.numel() // 128) + E
+        assert tiles.shape == (bound, 2) and rows == 128 * bound
+        assert torch.equal(tiles[:n], want) and (tiles[n:] == torch.tensor([-1, 0], dtype=torch.int32)).all()
+        assert len(set(row.tolist())) == ids.numel() and int(row.max()) < int(padded.sum())
 
 
 def test_row_tiles_list_each_segments_tiles():
@@ -117,7 +134,8 @@ def emulate_kernels(monkeypatch):
         B = mx.dequantize(b, _unblock_experts(sb), out_dtype=f64)
         c = torch.full((a.shape[0], b.shape[1]), float("nan"))
         for e, m0 in tiles.tolist():
-            c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
+            if e >= 0:  # the kernel skips (-1, 0) tiles
+                c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
         return c
 
     def quantize_rows(x, src, rows):
@@ -139,8 +157,16 @@ def emulate_kernels(monkeypatch):
             out = out + w[:, j:j + 1] * yk[:, j]
         return out.to(torch.bfloat16)
 
+    def quantize_f32_rows(x):
+        codes, scales = mx.quantize(x, dim=-1)
+        return codes, mx_gemm.block_scales(scales)
+
+    def quantize_cols(x):
+        return mx.quantize(x.t().contiguous(), dim=-1)
+
     for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("quantize_rows", quantize_rows),
-                     ("swiglu_quantize", swiglu_quantize), ("combine", combine)):
+                     ("swiglu_quantize", swiglu_quantize), ("combine", combine),
+                     ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols)):
         monkeypatch.setattr(mx_gemm, name, fn)
 
 
@@ -171,3 +197,31 @@ def test_forward_orchestration_matches_the_mx_oracle(emulated, skew, clamp):
     out = mx_experts.experts_forward(x, ids, w, mx_experts.quantize_weights(wg, wu, wd), clamp)
     oracle = R.mx_experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
     assert out.dtype == torch.bfloat16 and _rel(out, oracle) < 4e-3  # the bf16 output's rounding
+
+
+@pytest.mark.parametrize("skew, clamp", [(False, None), (True, 1.5)])
+def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, skew, clamp):
+    """Every gradient of experts_forward_train (the kernels emulated exactly) against the float64 MX
+    oracle's autograd: the transposed quantizations, the SwiGLU backward, the per-expert row
+    blocks of the weight gradients and the combine's gradients all have to agree."""
+    from mokgen import reference as R
+
+    x, ids, w, wg, wu, wd = _cpu_problem(skew=skew, seed=1)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=clamp)
+    out.backward(d_out)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    ref = R.mx_experts_forward(ref_leaves[0], ids, ref_leaves[1], *ref_leaves[2:], clamp_limit=clamp,
+                               acc_dtype=torch.float64)
+    ref.backward(d_out.double())
+    assert _rel(out, ref) < 4e-3
+    # x's gradient is rounded to bf16 (about 2e-3); the others stay float32 and agree to float32's
+    # precision (1e-8 seen). Dgrad weights quantized along the forward's K instead put them 8e-3 to
+    # 2e-2 off.
+    for name, got, want in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), leaves, ref_leaves):
+        assert got.grad is not None and got.grad.dtype == got.dtype, name
+        assert _rel(got.grad, want.grad) < (4e-3 if name == "x" else 1e-5), (name, _rel(got.grad, want.grad))
+    # a skewed routing leaves the last expert without rows: its weight gradients are zeros
+    if skew:
+        assert not leaves[2].grad[-1].any() and not leaves[4].grad[-1].any()

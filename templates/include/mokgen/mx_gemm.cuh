@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
   // scales from e's [K / 128, N, 4] block
   const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
   const int e = tile.x, m0 = tile.y, n0 = blockIdx.x * kBN, n_k = K / kBK;
+  if (e < 0) return;  // a tile past the segments of a fixed-length list (mx_experts._segments)
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -332,5 +333,146 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
   }
 }
 
+
+// ==== Form "bf16 math" (branch wip/mx-bf16-math; a prototype, not yet run on the GPU) =============
+// The same C = A B^T with A MXFP8, on the BF16 tensor core: each consumer decodes its rows' E4M3
+// codes, times their block's power of two, into the wgmma's register A fragments (exact: an E4M3
+// value times 2^(s - 127) is a BF16 value unless s is near 0 or 254), and B is BF16 in shared
+// memory: an MXFP8 weight decoded once (exact too), its k order permuted within each 16 so that a
+// thread's four consecutive codes fill its fragment's k slots 2q, 2q + 1, 2q + 8, 2q + 9 (the
+// permutation pairs the same A and B elements, so the sum is unchanged). No promotion: the sums
+// stay in the tensor core's float32 accumulators, wgmma k16 steps kept in flight.
+namespace bf16m {
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 5;
+constexpr int kABytes = kBM * kBK;                  // FP8 codes, 64-byte rows, SWIZZLE_64B
+constexpr int kBBytes = kBN * kBK * 2;              // bf16, 128-byte rows, SWIZZLE_128B
+constexpr int kScaleBytes = kBM * 4;                // the k128 block's four scales per row
+constexpr int kStageStride = ((kBBytes + kABytes + kScaleBytes) + 1023) / 1024 * 1024;
+constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
+constexpr int kAcc = kBN / 2;                       // m64n256: 128 float32 per consumer thread
+constexpr int kThreads = 384;
+
+using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t db, float (&d)[kAcc], bool accumulate,
+                                      std::index_sequence<Is...>) {
+  Wgmma::fma(a[0], a[1], a[2], a[3], db, d[Is]...,
+             accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ void fence_a(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// Two E4M3 codes (the low 16 bits of w) -> bf16x2 of their values times 2^(s - 127), given
+// m1 = 2^(min(s, 142) - 15) and m2 = 2^(max(s, 142) - 142) as bf16x2 (m1 NaN for the NaN scale).
+// cvt gives the exact f16x2; its bits shifted right by 3 (sign kept) read as bf16 are the value
+// times 2^-112 (zero stays zero), and the two exact multiplications put back 2^(112 + s - 127).
+__device__ __forceinline__ uint32_t decode2(uint32_t w, uint32_t m1, uint32_t m2) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(w & 0xffffu)));
+  uint32_t t = ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
+  asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(t) : "r"(m1));
+  asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(t) : "r"(m2));
+  return t;
+}
+
+__device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& m2) {
+  const uint32_t lo = s < 142u ? s : 142u, hi = s > 142u ? s : 142u;
+  const uint32_t b1 = s == 255u ? 0x7fc0u : (lo + 112u) << 7;  // 2^(lo - 15)
+  const uint32_t b2 = (hi - 142u + 127u) << 7;                  // 2^(hi - 142)
+  m1 = b1 | (b1 << 16);
+  m2 = b2 | (b2 << 16);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kStages;
+  const uint32_t base = smem_u32(smem);
+  unsigned char* stages = smem + (((base + 2 * kStages * 8 + 1023) & ~1023u) - base);
+  const int tid = threadIdx.x, t = tid & 127;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, n_k = K / kBK;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      sm90::mbar_init(&full[i], 1);
+      sm90::mbar_init(&empty[i], 2);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (t == 0) {
+      for (int kb = 0; kb < n_k; ++kb) {
+        const int s = kb % kStages;
+        sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
+        unsigned char* st = stages + size_t(s) * kStageStride;
+        sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, kb * kBK, n0);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, kb * kBK, m0);
+        bulk::load(st + kBBytes + kABytes, sa + (size_t(kb / 2) * M + m0) * 4, kScaleBytes, &full[s]);
+      }
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
+  const int r0 = 64 * c_wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
+  float acc[kAcc];
+  uint32_t a[2][4];
+  int prev = -1;
+  for (int kb = 0; kb < n_k; ++kb) {
+    const int s = kb % kStages;
+    sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+    const unsigned char* st = stages + size_t(s) * kStageStride;
+    const unsigned char* at = st + kBBytes;
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
+    const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
+#pragma unroll
+    for (int k16 = 0; k16 < kBK / 16; ++k16) {
+      const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
+      uint32_t m1a, m2a, m1b, m2b;
+      multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
+      multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
+      // the k16 chunk of rows r0 and r0 + 8 (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
+      const uint32_t c0 = *reinterpret_cast<const uint32_t*>(at + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
+      const uint32_t c1 =
+          *reinterpret_cast<const uint32_t*>(at + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
+      uint32_t(&f)[4] = a[k16 & 1];
+      f[0] = decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
+      f[1] = decode2(c1, m1b, m2b);        // row r0 + 8
+      f[2] = decode2(c0 >> 16, m1a, m2a);  // row r0, slots 2q + 8, 2q + 9
+      f[3] = decode2(c1 >> 16, m1b, m2b);
+      fence_a(f);
+      sm90::fence_operands(acc);
+      cute::warpgroup_arrive();
+      wgmma(f, sm90::smem_desc_k<128>(st + k16 * 32), acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
+      fence_a(f);
+    }
+    sm90::fence_operands(acc);
+    if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // its last wgmma retired above
+    prev = s;
+  }
+  cute::warpgroup_wait<0>();
+  sm90::fence_operands(acc);
+  const int row = m0 + r0;
+#pragma unroll
+  for (int i = 0; i < kAcc / 4; ++i) {
+    const int col = n0 + 8 * i + 2 * q;
+    *reinterpret_cast<float2*>(c + size_t(row) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(c + size_t(row + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+}
+
+}  // namespace bf16m
 }  // namespace mxg
 }  // namespace mokgen

@@ -99,5 +99,53 @@ __global__ void combine_kernel(const float* __restrict__ y, const long long* __r
   o[1] = __floats2bfloat162_rn(acc.z, acc.w);
 }
 
+// ---- the MXFP8 backward's quantizers (mx_experts.experts_forward_train) --------------------------
+
+// float32 rows [rows, k] quantized along k (dy and dgu for the dgrads), the scales blocked.
+__global__ void quantize_f32_rows_kernel(const float* __restrict__ x, int rows, int k, uint8_t* __restrict__ codes,
+                                         uint8_t* __restrict__ scales) {
+  const int nb = k / mx::kBlock;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)rows * nb) return;
+  const int r = int(idx / nb), b = int(idx % nb);
+  const float4* p = reinterpret_cast<const float4*>(x + size_t(r) * k + b * mx::kBlock);
+  float v[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock / 4; ++i) {
+    const float4 f = p[i];
+    v[4 * i] = f.x;
+    v[4 * i + 1] = f.y;
+    v[4 * i + 2] = f.z;
+    v[4 * i + 3] = f.w;
+  }
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  store_block(q, scale, codes, scales, r, b, rows, k);
+}
+
+// Rows [rows, n] (float32 or bf16) quantized along the rows, transposed: codes [n, rows], scales
+// [n, rows / 32] (the wgrads' operands, the token rows their reduction). Thread (block b of 32
+// rows, column c): a warp's threads take 32 consecutive columns, so each of the 32 row reads is
+// one 128-byte (float32) or 64-byte (bf16) line.
+template <class T>
+__global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, uint8_t* __restrict__ codes,
+                                     uint8_t* __restrict__ scales) {
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const int nb = rows / mx::kBlock;
+  if (idx >= (long long)nb * n) return;
+  const int b = int(idx / n), c = int(idx % n);
+  float v[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock; ++i) v[i] = float(x[size_t(b * mx::kBlock + i) * n + c]);
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  uint4 w[2];
+  memcpy(w, q, sizeof(q));
+  uint4* dst = reinterpret_cast<uint4*>(codes + size_t(c) * rows + b * mx::kBlock);
+  dst[0] = w[0];
+  dst[1] = w[1];
+  scales[size_t(c) * nb + b] = scale;
+}
+
 }  // namespace mxg
 }  // namespace mokgen

@@ -1,0 +1,56 @@
+"""The staged MXFP8 experts' forward + backward (mokgen.mx_experts.experts_forward_train) against
+mokgen's BF16 forward + backward on the bench's local workloads (runs on an H200, not in CI;
+issue 6's backward ratio), median of 10 CUDA-event timings each, and the MXFP8 gradients' error
+against float64 autograd of the unquantized layer. Usage: python3 .ci/mx_backward_bench.py SPEC..."""
+import statistics
+import sys
+
+import torch
+
+from mokgen import bench, load_spec, mx_experts, reference
+
+
+def timed(fn, n=10):
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+for name in sys.argv[1:] or ["kimi-k2.5", "deepseek-v3"]:
+    ep = bench.LOCAL_EP.get(name, 8)
+    spec, tokens = bench.local_spec(load_spec(name), ep)
+    layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1, bench.local_layer_kwargs(load_spec(name), ep))
+    x, ids, w, d_out = inputs[0]
+    clamp = spec.activation.clamp_limit
+
+    def bf16_step():
+        for t in (x, w, *layer.parameters()):
+            t.grad = None
+        layer(x, ids, w).backward(d_out)
+
+    def mx_step():
+        for t in (x, w, wg, wu, wd):
+            t.grad = None
+        mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp).backward(d_out)
+
+    ms_bf16, ms_mx = timed(bf16_step), timed(mx_step)
+    flops = 3 * bench.routed_flops(spec, tokens)
+    print(f"{spec.name}: BF16 megakernel fwd+bwd {ms_bf16:.3f} ms ({flops / ms_bf16 / 1e9:.0f} TFLOP/s), "
+          f"MXFP8 staged fwd+bwd {ms_mx:.3f} ms ({flops / ms_mx / 1e9:.0f}), MXFP8 / BF16 speed {ms_bf16 / ms_mx:.2f}x",
+          flush=True)
+    mx_step()
+    grads = [t.grad.double() for t in (x, w, wg, wu, wd)]
+    ref = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    reference.experts_forward(ref[0], ids, ref[1], *ref[2:], clamp_limit=clamp,
+                              acc_dtype=torch.float64).backward(d_out.double())
+    errs = {n: ((g - r.grad).norm() / r.grad.norm()).item() for n, g, r in zip(("x", "w", "w_gate", "w_up", "w_down"),
+                                                                            grads, ref)}
+    print("  MXFP8 gradients against float64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
