@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from mokgen import bench, load_spec, mx_experts, reference
+from mokgen import bench, load_spec, mx_experts, mx_gemm, reference
 
 
 def timed(fn, n=10):
@@ -36,15 +36,18 @@ for name in sys.argv[1:] or ["kimi-k2.5", "deepseek-v3"]:
             t.grad = None
         layer(x, ids, w).backward(d_out)
 
-    def mx_step():
+    def mx_step(form="bf16"):
         for t in (x, w, wg, wu, wd):
             t.grad = None
-        mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp).backward(d_out)
+        mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp, form=form).backward(d_out)
 
-    ms_bf16, ms_mx = timed(bf16_step), timed(mx_step)
+    ms_bf16, ms_mx, ms_quad = timed(bf16_step), timed(mx_step), timed(lambda: mx_step("quad"))
+    ms_wq = timed(lambda: (mx_experts.quantize_weights(wg, wu, wd, codes=False),
+                           mx_gemm.expert_weights([wd], transpose=True), mx_gemm.expert_weights([wg, wu], transpose=True)))
     flops = 3 * bench.routed_flops(spec, tokens)
     print(f"{spec.name}: BF16 megakernel fwd+bwd {ms_bf16:.3f} ms ({flops / ms_bf16 / 1e9:.0f} TFLOP/s), "
-          f"MXFP8 staged fwd+bwd {ms_mx:.3f} ms ({flops / ms_mx / 1e9:.0f}), MXFP8 / BF16 speed {ms_bf16 / ms_mx:.2f}x",
+          f"MXFP8 staged fwd+bwd {ms_mx:.3f} ms ({flops / ms_mx / 1e9:.0f}; FP8 quad form {ms_quad:.3f} ms), "
+          f"MXFP8 / BF16 speed {ms_bf16 / ms_mx:.2f}x; of which the weights' three quantizations {ms_wq:.3f} ms",
           flush=True)
     mx_step()
     grads = [t.grad.double() for t in (x, w, wg, wu, wd)]

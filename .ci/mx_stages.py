@@ -32,27 +32,34 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
     mxw = mx_experts.quantize_weights(wg, wu, wd)
     T, k = ids.shape
     flat = ids.reshape(-1).long()
-    row, tiles, padded, rows = mx_experts._segments(flat, spec.num_experts)
-    src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-    src[row] = (torch.arange(T * k, device=x.device) // k).to(torch.int32)
+    row, src, tiles, padded = mx_experts._segments(flat, spec.num_experts, k)
+    rows = src.numel()
     xq, xs = mx_gemm.quantize_rows(x, src, rows)
     gu = mx_gemm.mx_grouped_gemm(xq, xs, mxw.gate_up, mxw.gate_up_scales, tiles)
     hq, hs = mx_gemm.swiglu_quantize(gu, spec.activation.clamp_limit)
     y = mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles)
     H, I = spec.hidden_size, spec.moe_intermediate_size
+    clamp = spec.activation.clamp_limit
     stages = {
-        "whole forward": lambda: mx_experts.experts_forward(x, ids, w, mxw, spec.activation.clamp_limit),
-        "segments + tile list (device)": lambda: mx_experts._segments(flat, spec.num_experts, check_ids=False),
+        "whole forward (bf16 math)": lambda: mx_experts.experts_forward(x, ids, w, mxw, clamp, check_ids=False),
+        "whole forward (FP8 quad)": lambda: mx_experts.experts_forward(x, ids, w, mxw, clamp, form="quad",
+                                                                       check_ids=False),
+        "weights quantized (3 tensors)": lambda: mx_experts.quantize_weights(wg, wu, wd, codes=False),
+        "segments + tile list (device)": lambda: mx_experts._segments(flat, spec.num_experts, k, check_ids=False),
         "the ids' range check (host sync)": lambda: bool(((flat < 0) | (flat >= spec.num_experts)).any()),
         "quantize_rows": lambda: mx_gemm.quantize_rows(x, src, rows),
-        "grouped GEMM gate|up": lambda: mx_gemm.mx_grouped_gemm(xq, xs, mxw.gate_up, mxw.gate_up_scales, tiles),
-        "swiglu_quantize": lambda: mx_gemm.swiglu_quantize(gu, spec.activation.clamp_limit),
-        "grouped GEMM down": lambda: mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles),
+        "grouped GEMM gate|up (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(xq, xs, mxw.gate_up, mxw.gate_up_scales,
+                                                                          tiles),
+        "grouped GEMM gate|up (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(xq, xs, mxw.gate_up_bf16, tiles),
+        "swiglu_quantize": lambda: mx_gemm.swiglu_quantize(gu, clamp),
+        "grouped GEMM down (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles),
+        "grouped GEMM down (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(hq, hs, mxw.down_bf16, tiles),
         "combine": lambda: mx_gemm.combine(y, row, w.contiguous()),
     }
-    flops = {"grouped GEMM gate|up": 2 * rows * 2 * I * H, "grouped GEMM down": 2 * rows * H * I}
+    flops = {name: 2 * rows * 2 * I * H for name in stages if "gate|up" in name}
+    flops.update({name: 2 * rows * H * I for name in stages if "GEMM down" in name})
     print(f"{spec.name}: {T} x {k} rows, {int(padded.sum())} padded ({rows} allocated), H {H}, I {I}")
     for stage, fn in stages.items():
         ms = timed(fn)
         extra = f"  {flops[stage] / ms / 1e9:5.0f} TFLOP/s (padded rows)" if stage in flops else ""
-        print(f"  {stage:34s} {ms:7.3f} ms{extra}", flush=True)
+        print(f"  {stage:36s} {ms:7.3f} ms{extra}", flush=True)

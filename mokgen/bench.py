@@ -290,8 +290,10 @@ def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2
     return out
 
 
-#: the bench's row of the MXFP8 experts (``--numerics mxfp8``)
-MX_ROW = "mokgen MXFP8 experts (staged launches)"
+#: the bench's rows of the MXFP8 experts (``--numerics mxfp8``): the default bf16-math form and
+#: the FP8 tensor core's quad form (mokgen.mx_experts.FORMS)
+MX_ROW = "mokgen MXFP8 experts (staged, bf16 math)"
+MX_FP8_ROW = "mokgen MXFP8 experts (staged, FP8 quad)"
 
 
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True,
@@ -324,7 +326,9 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         from mokgen import mx_experts
 
         mxw = mx_experts.quantize_weights(wg, wu, wd)
-        impls[MX_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp)
+        impls[MX_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp, check_ids=False)
+        impls[MX_FP8_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp, form="quad",
+                                                                check_ids=False)
     elif numerics != "bf16":
         raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
     if loop:
@@ -344,7 +348,7 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
 
             exact = reference.experts_forward(*inputs[0], wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
             for r in rows:
-                if r.impl in (ours, MX_ROW):
+                if r.impl in (ours, MX_ROW, MX_FP8_ROW):
                     got = impls[r.impl](0).double()
                     r.error = ((got - exact).norm() / exact.norm()).item()
             del exact

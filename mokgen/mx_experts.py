@@ -1,6 +1,13 @@
-"""MXFP8 routed experts on one GPU (issue 6): the rank-local expert work in MXFP8, on mokgen's FP8
-GEMM (``mokgen.mx_gemm``). Not the megakernel yet: the stages run as separate launches, and
+"""MXFP8 routed experts on one GPU (issue 6): the rank-local expert work in MXFP8, on mokgen's MX
+GEMMs (``mokgen.mx_gemm``). Not the megakernel yet: the stages run as separate launches, and
 the activations are quantized here, where the megakernel's dispatch will quantize them.
+
+The GEMMs' form (``form=``): ``"bf16"`` (the default) computes the exact MX product on the BF16
+tensor core, the activations' E4M3 codes decoded in registers and the weights held as their MX
+values in bf16 (653 TFLOP/s on the H200 against 382 for the FP8 tensor core with exact
+promotion, docs/perf-notes.md v0.35); ``"quad"``, ``"decoded"`` and ``"inline"`` run the FP8
+tensor core (QGMMA) with per-32 promotion. All compute the same MX product; the bits differ only
+by the FP8 tensor core's narrower sums within 32 products.
 
 Semantics (``numerics: mxfp8``; the oracle is :func:`mokgen.reference.mx_experts_forward`):
   1. each (token, j) row ``x[t]`` is quantized to MXFP8 along H (``mx_gemm.quantize_rows``, the
@@ -34,34 +41,56 @@ from mokgen.plan import row_bytes
 __all__ = ["MXExpertWeights", "quantize_weights", "experts_forward", "experts_forward_train", "bytes_per_row"]
 
 
+#: the GEMM forms mx_experts accepts: the bf16-math form, then mx_gemm's FP8 forms
+FORMS = ("bf16", *mx_gemm.FORMS)
+
+
+def _check_form(form: str) -> None:
+    if form not in FORMS:
+        raise InputError(f"form must be one of {list(FORMS)}, got {form!r}")
+
+
 @dataclass
 class MXExpertWeights:
     """Expert weights quantized once for the MXFP8 kernels: ``gate_up`` codes ``[E, 2I, H]``
     (gate rows first, then up) and ``down`` codes ``[E, H, I]``, their E8M0 scales in the grouped
-    kernel's blocked layout (``mx_gemm.block_expert_scales``)."""
+    kernel's blocked layout (``mx_gemm.block_expert_scales``), and the same MX values as bf16 with
+    k permuted for the bf16-math form (``gate_up_bf16``, ``down_bf16``). The codes are None when
+    only the bf16-math form will run (``quantize_weights(..., codes=False)``)."""
 
-    gate_up: torch.Tensor
-    gate_up_scales: torch.Tensor
-    down: torch.Tensor
-    down_scales: torch.Tensor
+    gate_up: torch.Tensor | None
+    gate_up_scales: torch.Tensor | None
+    down: torch.Tensor | None
+    down_scales: torch.Tensor | None
+    gate_up_bf16: torch.Tensor | None = None
+    down_bf16: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return self.gate_up_bf16.shape[0] if self.gate_up is None else self.gate_up.shape[0]
 
     @property
     def hidden(self) -> int:
-        return self.gate_up.shape[2]
+        return self.gate_up_bf16.shape[2] if self.gate_up is None else self.gate_up.shape[2]
 
     @property
     def inter(self) -> int:
-        return self.down.shape[2]
+        return self.down_bf16.shape[2] if self.down is None else self.down.shape[2]
 
 
-def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> MXExpertWeights:
+def _decoded_stack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per expert, ``mx_gemm.bf16_math_weights`` (the PyTorch expression) of codes ``[E, N, K]`` and
+    unblocked scales ``[E, N, K / 32]``."""
+    return torch.stack([mx_gemm.bf16_math_weights(c, sc) for c, sc in zip(codes, scales)])
+
+
+def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                     codes: bool = True) -> MXExpertWeights:
     """``w_gate`` / ``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` (mokgen's layout) ->
-    MXFP8 along the dimension each GEMM reduces over, one expert at a time. H and I must be
-    multiples of 128 (the GEMM's tile)."""
+    MXFP8 along the dimension each GEMM reduces over. bf16 weights on a GPU take one kernel pass
+    per tensor (``mx_gemm.expert_weights``); other dtypes or devices the PyTorch expression of
+    ``mokgen.mx.quantize``, one expert at a time (the same bits). H and I must be multiples of
+    128 (the GEMM's tile). ``codes=False`` keeps only the bf16-math form's operands."""
     if w_gate.dim() != 3 or w_gate.shape != w_up.shape or w_down.dim() != 3 \
             or w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise InputError(f"expert weights must be w_gate / w_up [E, I, H] and w_down [E, H, I], got "
@@ -70,6 +99,12 @@ def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     if H % mx_gemm.BLOCK or I % mx_gemm.BLOCK:
         raise InputError(f"MXFP8 experts need hidden and intermediate sizes that are multiples of "
                          f"{mx_gemm.BLOCK}, got H = {H}, I = {I}")
+    if w_gate.is_cuda and all(w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down)):
+        gu = mx_gemm.expert_weights([w_gate.contiguous(), w_up.contiguous()], codes=codes)
+        dn = mx_gemm.expert_weights([w_down.contiguous()], codes=codes)
+        if not codes:
+            return MXExpertWeights(None, None, None, None, gu, dn)
+        return MXExpertWeights(gu[1], gu[2], dn[1], dn[2], gu[0], dn[0])
     gu_codes = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn, device=w_gate.device)
     gu_scales = torch.empty(E, 2 * I, H // 32, dtype=torch.uint8, device=w_gate.device)
     for e in range(E):
@@ -77,7 +112,23 @@ def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         gu_codes[e, I:], gu_scales[e, I:] = mx.quantize(w_up[e], dim=-1)
     d_codes, d_scales = mx.quantize_experts(w_down)
     return MXExpertWeights(gu_codes, mx_gemm.block_expert_scales(gu_scales), d_codes,
-                           mx_gemm.block_expert_scales(d_scales))
+                           mx_gemm.block_expert_scales(d_scales), _decoded_stack(gu_codes, gu_scales),
+                           _decoded_stack(d_codes, d_scales))
+
+
+def _grouped(a, sa, b_bf16, b_codes, b_scales, tiles, form: str):
+    """The grouped GEMM in ``form``; the bf16-math form needs N a multiple of 256 and falls back to
+    quad (the same MX product) otherwise, and so needs the codes then."""
+    if form == "bf16" and b_bf16 is not None and b_bf16.shape[1] % mx_gemm.BF16_MATH_N == 0:
+        return mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b_bf16, tiles)
+    if b_codes is None:
+        raise InputError(f"the FP8 form needs the weights' codes (N = {b_bf16.shape[1]} is not a multiple of "
+                         f"{mx_gemm.BF16_MATH_N} for the bf16-math form)")
+    return mx_gemm.mx_grouped_gemm(a, sa, b_codes, b_scales, tiles, form="quad" if form == "bf16" else form)
+
+
+def _needs_codes(form: str, *ns: int) -> bool:
+    return form != "bf16" or any(n % mx_gemm.BF16_MATH_N for n in ns)
 
 
 def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
@@ -89,21 +140,25 @@ def bytes_per_row(hidden: int, numerics: str = "mxfp8") -> int:
         raise InputError(str(err)) from None
 
 
-def _segments(flat_ids: torch.Tensor, num_experts: int, check_ids: bool = True):
+def _segments(flat_ids: torch.Tensor, num_experts: int, k: int, check_ids: bool = True):
     """Rows grouped by expert (a stable sort: ties keep (token, j) order), on the device with no
-    host sync: each pair's row in the padded layout, the row tiles of the grouped GEMM and the
-    padded segment sizes (device), and the rows allocated. The tile list has a fixed length,
-    ceil(n / 128) + E for n pairs, the bound of any routing; tiles past the segments' are (-1, 0),
-    which the kernel skips, and the rows past them are zeros. ``check_ids``: raise InputError for
-    an id outside [0, E), at the cost of one host sync."""
+    host sync: each pair's row in the padded layout, each padded row's source token (-1 for
+    padding), the row tiles of the grouped GEMM and the padded segment sizes (device). The tile
+    list has a fixed length, ceil(n / 128) + E for n pairs, the bound of any routing; tiles past
+    the segments' are (-1, 0), which the kernels skip, and the rows past them are zeros. On a GPU
+    the sort and one kernel (``mx_gemm.segments``); elsewhere the PyTorch expression below, its
+    reference. ``check_ids``: raise InputError for an id outside [0, E), at the cost of one host
+    sync."""
     E, n = num_experts, flat_ids.numel()
     if check_ids and bool(((flat_ids < 0) | (flat_ids >= E)).any()):
         raise InputError(f"topk_ids must lie in [0, {E})")
+    order = torch.sort(flat_ids, stable=True).indices
+    if flat_ids.is_cuda:
+        return mx_gemm.segments(flat_ids, order, k, E)
     block = mx_gemm.BLOCK
     counts = torch.zeros(E, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids.clamp(0, E - 1), torch.ones_like(flat_ids))
     padded = (counts + block - 1) // block * block
-    order = torch.sort(flat_ids, stable=True).indices
     shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # padding rows before each segment
     row = torch.empty_like(order)
     row[order] = torch.arange(n, device=flat_ids.device) + shift[flat_ids[order].clamp(0, E - 1)]
@@ -117,7 +172,9 @@ def _segments(flat_ids: torch.Tensor, num_experts: int, check_ids: bool = True):
     e = expert.clamp(max=E - 1)
     first = (torch.cumsum(padded, 0) - padded)[e] + block * (i - (ends - per)[e])
     tiles = torch.stack([torch.where(valid, e, -1), torch.where(valid, first, 0)], 1).to(torch.int32)
-    return row, tiles, padded, block * n_tiles
+    src = torch.full((block * n_tiles,), -1, dtype=torch.int32, device=flat_ids.device)
+    src[row] = (torch.arange(n, device=flat_ids.device) // k).to(torch.int32)
+    return row, src, tiles, padded
 
 
 def _check_inputs(x, topk_ids, topk_weights, hidden: int) -> None:
@@ -143,30 +200,30 @@ class _Saved:
 def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str, check_ids: bool = True):
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
-    row, tiles, padded, rows = _segments(flat, weights.num_experts, check_ids)
+    row, src, tiles, padded = _segments(flat, weights.num_experts, k, check_ids)
+    rows = src.shape[0]
     # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
     #    the way): padded row r holds token src[r], or zeros
-    src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-    src[row] = (torch.arange(T * k, device=x.device) // k).to(torch.int32)
     xq, xs = mx_gemm.quantize_rows(x.contiguous(), src, rows)
     # 2. gate and up
-    gu = mx_gemm.mx_grouped_gemm(xq, xs, weights.gate_up, weights.gate_up_scales, tiles, form=form)
+    gu = _grouped(xq, xs, weights.gate_up_bf16, weights.gate_up, weights.gate_up_scales, tiles, form)
     # 3. SwiGLU in float32 and h quantized along I, one pass
     hq, hs = mx_gemm.swiglu_quantize(gu, clamp_limit)
     # 4. down
-    y = mx_gemm.mx_grouped_gemm(hq, hs, weights.down, weights.down_scales, tiles, form=form)
+    y = _grouped(hq, hs, weights.down_bf16, weights.down, weights.down_scales, tiles, form)
     # 5. combine in the fixed order j = 0..k-1
     out = mx_gemm.combine(y, row, topk_weights.to(torch.float32).contiguous())
     return out, _Saved(row, padded, tiles, gu, y)
 
 
 def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MXExpertWeights,
-                    clamp_limit: float | None = None, *, form: str = "quad", check_ids: bool = True) -> torch.Tensor:
+                    clamp_limit: float | None = None, *, form: str = "bf16", check_ids: bool = True) -> torch.Tensor:
     """The routed experts in MXFP8 on one GPU: ``x [T, H]`` (bf16), ``topk_ids [T, k]``,
     ``topk_weights [T, k]`` -> ``[T, H]`` bf16 (the module docstring's semantics). Inference:
     no gradient (:func:`experts_forward_train` for training). ``check_ids=False`` skips the ids'
     range check, the one host sync: the call is then free of them (CUDA graph capture)."""
     _check_inputs(x, topk_ids, topk_weights, weights.hidden)
+    _check_form(form)
     if x.shape[0] == 0:
         return torch.zeros(0, weights.hidden, dtype=torch.bfloat16, device=x.device)
     return _forward(x, topk_ids, topk_weights, weights, clamp_limit, form, check_ids)[0]
@@ -183,10 +240,11 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # float32 (the oracle's swiglu under autograd). The rows of an expert's segment start at a
 # multiple of 128 and its padding rows are zeros, so the 32-row blocks along n are the oracle's
 # (which pads each expert's rows with zeros to a multiple of 32). The dgrads run on the grouped
-# GEMM with weights quantized in the transposed orientation, the wgrads on the dense GEMM, one
-# launch per expert with rows (K = its padded segment). Staged like the forward: the activations'
-# quantizers are mx_gemm's kernels (along K, and along the rows with a transpose), the weights'
-# transposed quantization mokgen.mx.quantize_experts (once per step).
+# GEMM (the forward's form) with weights quantized in the transposed orientation, the wgrads on
+# the dense FP8 GEMM (quad), one launch per expert with rows (K = its padded segment). Staged like
+# the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
+# a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
+# training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
 
 
 def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, form: str) -> torch.Tensor:
@@ -201,15 +259,29 @@ def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, fo
         if rows:
             cols, blocks = slice(start, start + rows), slice(start // 32, (start + rows) // 32)
             out[e] = mx_gemm.mx_gemm(a_codes[:, cols].contiguous(), a_scales[:, blocks].contiguous(),
-                                     b_codes[:, cols].contiguous(), b_scales[:, blocks].contiguous(), form=form)
+                                     b_codes[:, cols].contiguous(), b_scales[:, blocks].contiguous(),
+                                     form="quad" if form == "bf16" else form)
         start += rows
     return out
+
+
+def _transposed_weights(parts, form: str, n: int):
+    """The dgrads' weights: the transpose of the stacked ``parts`` quantized along their rows,
+    ``(bf16-math values, codes, blocked scales)`` (codes None when the bf16-math form runs; values
+    None off the GPU kernels' path)."""
+    if parts[0].is_cuda and all(p.dtype == torch.bfloat16 for p in parts):
+        got = mx_gemm.expert_weights([p.contiguous() for p in parts], transpose=True,
+                                     codes=_needs_codes(form, n))
+        return got if isinstance(got, tuple) else (got, None, None)
+    codes, scales = mx.quantize_experts(torch.cat(parts, dim=1).transpose(1, 2).contiguous())
+    return _decoded_stack(codes, scales), codes, mx_gemm.block_expert_scales(scales)
 
 
 class _MXExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form):
-        weights = quantize_weights(w_gate, w_up, w_down)
+        E, I, H = w_gate.shape
+        weights = quantize_weights(w_gate, w_up, w_down, codes=_needs_codes(form, 2 * I, H))
         out, saved = _forward(x, topk_ids, topk_weights, weights, clamp_limit, form)
         ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, saved.row, saved.tiles, saved.gu, saved.y)
         ctx.padded, ctx.clamp_limit, ctx.form = saved.padded, clamp_limit, form
@@ -228,10 +300,10 @@ class _MXExperts(torch.autograd.Function):
         d_w = (g_out.unsqueeze(1) * yk).sum(-1)
         dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
         dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
-        # dgrad of the down projection: dh = q_H(dy) q_H(W_down)
-        wd_t, wd_t_scales = mx.quantize_experts(w_down.transpose(1, 2).contiguous())  # [E, I, H] along H
+        # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
+        wd_t = _transposed_weights([w_down], form, I)
         dyq, dys = mx_gemm.quantize_f32_rows(dy)
-        dh = mx_gemm.mx_grouped_gemm(dyq, dys, wd_t, mx_gemm.block_expert_scales(wd_t_scales), tiles, form=form)
+        dh = _grouped(dyq, dys, *wd_t, tiles, form)
         # SwiGLU backward in float32, as the oracle's swiglu under autograd
         with torch.enable_grad():
             g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
@@ -239,11 +311,11 @@ class _MXExperts(torch.autograd.Function):
             dg, du = torch.autograd.grad(h, (g, u), dh)
         h = h.detach()
         dgu = torch.cat([dg, du], dim=1)
-        # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu); then dx[t] = sum_j dx_rows[t, j]
-        wgu_t, wgu_t_scales = mx.quantize_experts(torch.cat([w_gate, w_up], dim=1).transpose(1, 2).contiguous())
+        # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
+        # then dx[t] = sum_j dx_rows[t, j]
+        wgu_t = _transposed_weights([w_gate, w_up], form, H)
         dguq, dgus = mx_gemm.quantize_f32_rows(dgu)
-        dx_rows = mx_gemm.mx_grouped_gemm(dguq, dgus, wgu_t, mx_gemm.block_expert_scales(wgu_t_scales), tiles,
-                                          form=form)
+        dx_rows = _grouped(dguq, dgus, *wgu_t, tiles, form)
         dx = dx_rows[row].view(T, k, H).sum(1)
         # wgrads, per expert over its rows
         d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)        # [E, H, I]
@@ -256,12 +328,13 @@ class _MXExperts(torch.autograd.Function):
 
 def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                           w_up: torch.Tensor, w_down: torch.Tensor, clamp_limit: float | None = None, *,
-                          form: str = "quad") -> torch.Tensor:
+                          form: str = "bf16") -> torch.Tensor:
     """:func:`experts_forward` with gradients for ``x``, ``topk_weights`` and the three expert
     weights (mokgen's layout, unquantized: quantized on every call, as a training step's weights
     change), the MXFP8 backward above. Straight-through: the gradients are of the unquantized
     inputs, as the oracle's (``mokgen.reference.mx_experts_forward``)."""
     _check_inputs(x, topk_ids, topk_weights, w_gate.shape[2] if w_gate.dim() == 3 else -1)
+    _check_form(form)
     if x.shape[0] == 0:
         raise InputError("experts_forward_train needs at least one token")
     return _MXExperts.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form)

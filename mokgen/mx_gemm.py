@@ -56,6 +56,11 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
         lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
         lib.mokgen_mx_bf16_math_gemm.restype = i
+        lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
+        lib.mokgen_mx_weight_rows.argtypes, lib.mokgen_mx_weight_rows.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
+        lib.mokgen_mx_weight_cols.argtypes, lib.mokgen_mx_weight_cols.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
+        lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
         _by_env[key] = lib
     return lib
 
@@ -261,12 +266,20 @@ def quantize_cols(x):
     _launch("mokgen_mx_quantize_cols", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
             int(x.dtype == torch.bfloat16), rows, n)
     return codes, scales
-# ---- the bf16-math prototype (branch wip/mx-bf16-math; docs/architecture.md "Which MXFP8 next") --
+# ---- the bf16-math form (docs/architecture.md "Which MXFP8 next"; v0.35: 653 TFLOP/s against quad's
+# 382 on the H200): A MXFP8 decoded into BF16 register fragments, B as BF16 MX values in shared
+# memory, the BF16 tensor core (HGMMA with A from registers); the exact MX product, its sums
+# float32 with no promotion. B's k order is permuted within each 16 to match A's fragments.
+
+#: N must be a multiple of this for the bf16-math GEMMs (their tile is 128 x 256)
+BF16_MATH_N = 256
+
 
 def bf16_math_weights(b_codes, b_scales):
     """MXFP8 ``B [N, K]`` decoded exactly to bf16 (``mx.dequantize``; exact unless a scale is near
-    2^-127 or 2^127) with its k order permuted within each 16 as the prototype's register
-    fragments read A: position ``2q + (i & 1) + 8 (i >> 1)`` holds k ``4q + i``."""
+    2^-127 or 2^127) with its k order permuted within each 16 as the bf16-math GEMM's register
+    fragments read A: position ``2q + (i & 1) + 8 (i >> 1)`` holds k ``4q + i``. PyTorch
+    operations (any device): the reference for :func:`expert_weights`' kernels."""
     import torch
 
     from mokgen import mx
@@ -279,17 +292,118 @@ def bf16_math_weights(b_codes, b_scales):
     return values[:, idx].contiguous()
 
 
+def _check_bf16_b(b_bf16, K: int, stacked: bool):
+    import torch
+
+    want = 3 if stacked else 2
+    if b_bf16.dtype != torch.bfloat16 or b_bf16.dim() != want or b_bf16.shape[-1] != K \
+            or b_bf16.shape[-2] % BF16_MATH_N or not b_bf16.is_contiguous():
+        shape = "[E, N, K]" if stacked else "[N, K]"
+        raise InputError(f"B must be contiguous bf16 {shape} with K = {K} and N a multiple of {BF16_MATH_N} "
+                         f"(bf16_math_weights / expert_weights), got {b_bf16.dtype} {tuple(b_bf16.shape)}")
+
+
 def mx_bf16_math_gemm(a_codes, a_scales, b_bf16):
     """``A B^T`` in float32 for A MXFP8 ``[M, K]`` (``mx.quantize`` along K) and B from
-    :func:`bf16_math_weights`, on the BF16 tensor core (the prototype; M % 128, N % 256, K % 128)."""
+    :func:`bf16_math_weights`, on the BF16 tensor core (M % 128, N % 256, K % 128)."""
     import torch
 
     M, K = _check("A", a_codes, a_scales)
+    _check_bf16_b(b_bf16, K, stacked=False)
     N = b_bf16.shape[0]
-    if b_bf16.dtype != torch.bfloat16 or b_bf16.shape != (N, K) or N % 256 or not b_bf16.is_contiguous():
-        raise InputError(f"B must be contiguous bf16 [N, {K}] with N a multiple of 256 (bf16_math_weights)")
     out = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     sa = block_scales(a_scales)
     _launch("mokgen_mx_bf16_math_gemm", a_codes.device, out.data_ptr(), a_codes.data_ptr(), sa.data_ptr(),
             b_bf16.data_ptr(), M, N, K)
     return out
+
+
+def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles):
+    """:func:`mx_grouped_gemm` on the bf16-math form: A ``[M, K]`` codes with blocked scales,
+    B bf16 ``[E, N, K]`` from :func:`expert_weights` (MX values, k permuted), ``tiles`` int32
+    ``[n, 2]`` of (expert, first row), (-1, 0) entries skipped. Returns C ``[M, N]`` float32; rows
+    outside every tile are not written."""
+    import torch
+
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"grouped bf16-math GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    _check_bf16_b(b_bf16, K, stacked=True)
+    E, N, _ = b_bf16.shape
+    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != a_codes.device \
+            or tiles.shape[0] > 65535:
+        raise InputError("grouped bf16-math GEMM: tiles must be int32 [n, 2] (n <= 65535) on the operands' device")
+    c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    if tiles.shape[0] == 0:
+        return c
+    _launch("mokgen_mx_bf16_math_grouped_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
+            a_scales_blocked.data_ptr(), b_bf16.data_ptr(), tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K,
+            what="bf16 math")
+    return c
+
+
+def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
+    """Stacked expert weights (bf16, mokgen's layout) quantized to MXFP8 on the GPU in one pass each,
+    for the grouped GEMMs: ``parts`` are ``[E, n_i, K]`` tensors stacked along their rows (gate then
+    up), quantized along K; with ``transpose`` the parts are ``[E, r_i, n]`` and the result is the
+    transpose of their stack, ``[E, n, sum r_i]``, quantized along ``sum r_i`` (the dgrads'
+    orientation). Returns the MX values as bf16 with k permuted for the bf16-math GEMM
+    (:func:`bf16_math_weights`' bits), then with ``codes`` the E4M3 codes and the E8M0 scales in
+    ``block_expert_scales``' layout for the FP8 forms."""
+    import torch
+
+    parts = list(parts)
+    first = parts[0]
+    if any(p.dtype != torch.bfloat16 or p.dim() != 3 or not p.is_contiguous() or p.device != first.device
+           or p.shape[0] != first.shape[0] or p.shape[2] != first.shape[2] for p in parts):
+        raise InputError("expert weights must be contiguous bf16 [E, n, K] tensors on one device, alike in E and K")
+    E, dev = first.shape[0], first.device
+    sizes = [p.shape[1] for p in parts]
+    total, inner = sum(sizes), first.shape[2]
+    if transpose:
+        if total % BLOCK or any(r % 32 for r in sizes):
+            raise InputError(f"transposed expert weights: the stacked rows {sizes} must be multiples of 32 summing to a "
+                             f"multiple of {BLOCK}")
+        N, K = inner, total
+    else:
+        if inner % BLOCK:
+            raise InputError(f"expert weights: K = {inner} must be a multiple of {BLOCK}")
+        N, K = total, inner
+    dec = torch.empty(E, N, K, dtype=torch.bfloat16, device=dev)
+    cod = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=dev) if codes else None
+    sc = torch.empty(E, K // BLOCK, N, 4, dtype=torch.uint8, device=dev) if codes else None
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    offset = 0
+    for p, size in zip(parts, sizes):
+        if transpose:
+            _launch("mokgen_mx_weight_cols", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, N, K,
+                    offset)
+        else:
+            _launch("mokgen_mx_weight_rows", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, K, N,
+                    offset)
+        offset += size
+    return (dec, cod, sc) if codes else dec
+
+
+def segments(ids, order, k: int, num_experts: int):
+    """The staged experts' segments on the GPU in one launch (``mx_experts._segments``'
+    semantics): the pairs' ids int64 ``[n]`` and their stable sort order -> ``(row int64 [n], src
+    int32 [128 n_tiles], tiles int32 [n_tiles, 2], padded int64 [E])`` with ``n_tiles = ceil(n /
+    128) + E``."""
+    import torch
+
+    n, E = ids.numel(), num_experts
+    if ids.dtype != torch.int64 or order.dtype != torch.int64 or order.shape != ids.shape or ids.dim() != 1:
+        raise InputError("segments: ids and order must be int64 [n]")
+    if not 0 < E <= 8192:
+        raise InputError(f"segments: 1 to 8192 experts, got {E}")
+    n_tiles = -(-n // BLOCK) + E
+    dev = ids.device
+    row = torch.empty(n, dtype=torch.int64, device=dev)
+    src = torch.empty(BLOCK * n_tiles, dtype=torch.int32, device=dev)
+    tiles = torch.empty(n_tiles, 2, dtype=torch.int32, device=dev)
+    padded = torch.empty(E, dtype=torch.int64, device=dev)
+    _launch("mokgen_mx_segments", dev, row.data_ptr(), src.data_ptr(), tiles.data_ptr(), padded.data_ptr(),
+            ids.data_ptr(), order.data_ptr(), n, k, E, n_tiles)
+    return row, src, tiles, padded

@@ -97,14 +97,19 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
   }
 }
 
-// The bf16-math prototype: A MXFP8 [M, K] (codes, blocked scales [K / 128, M, 4]), B bf16 [N, K]
-// (decoded MXFP8, k permuted within each 16: mokgen.mx_gemm.bf16_math_weights).
-int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, int M, int N, int K, void* stream) {
+// The bf16-math form: A MXFP8 [M, K] (codes, blocked scales [K / 128, M, 4]), B bf16 [E N, K]
+// (MX values, k permuted within each 16: mokgen.mx_gemm.bf16_math_weights), C [M, N] float32.
+// Dense (tiles null, E = 1) or grouped: n_tiles row tiles (expert, first row), (-1, 0) skipped.
+int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
+                     int M, int N, int K, void* stream) {
   namespace bm = bf16m;
-  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0) return int(cudaErrorInvalidValue);
+  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
+      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535)
+    return int(cudaErrorInvalidValue);
+  if (n_tiles == 0) return 0;
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&mb, b, uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
+      sm90::encode_map_2d(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
   static bool attr = false;
   if (!attr) {
@@ -113,8 +118,8 @@ int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, int 
     if (err != cudaSuccess) return int(err);
     attr = true;
   }
-  bm::gemm_kernel<<<dim3(N / bm::kBN, M / bm::kBM), bm::kThreads, bm::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
-      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K);
+  bm::gemm_kernel<<<dim3(N / bm::kBN, n_tiles), bm::kThreads, bm::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, static_cast<const int2*>(tiles));
   return int(cudaGetLastError());
 }
 
@@ -133,10 +138,65 @@ int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const 
 }
 
 // C [M, N] float32 = A B^T, A MXFP8 (codes, blocked scales), B bf16 [N, K] with its k order
-// permuted within each 16 (the bf16-math prototype; M % 128, N % 256, K % 128).
+// permuted within each 16 (the bf16-math form; M % 128, N % 256, K % 128).
 int mokgen_mx_bf16_math_gemm(void* c, const void* a, const void* sa, const void* b, int M, int N, int K,
                              void* stream) {
-  return mokgen::mxg::launch_bf16_math(c, a, sa, b, M, N, K, stream);
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, stream);
+}
+
+// Grouped: row tile i = tiles[i] = (expert e, first row m0) of A's M rows times e's N rows of B
+// bf16 [E N, K] (permuted as above), into C [M, N]; (-1, 0) tiles skipped.
+int mokgen_mx_bf16_math_grouped_gemm(void* c, const void* a, const void* sa, const void* b, const void* tiles,
+                                     int n_tiles, int E, int M, int N, int K, void* stream) {
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, stream);
+}
+
+// Expert weights x bf16 [E, n_in, K] quantized along K into rows offset .. offset + n_in of each
+// expert's n_out: decoded bf16 [E, n_out, K] (k permuted for the bf16-math GEMM), and when codes is
+// not null codes [E, n_out, K] and scales [E, K / 128, n_out, 4]. K a multiple of 128.
+int mokgen_mx_weight_rows(void* decoded, void* codes, void* scales, const void* x, int E, int n_in, int k, int n_out,
+                          int offset, void* stream) {
+  using namespace mokgen;
+  if (E < 0 || n_in < 0 || k <= 0 || k % 128 || offset < 0 || offset + n_in > n_out ||
+      (decoded == nullptr && codes == nullptr))
+    return int(cudaErrorInvalidValue);
+  const long long n = (long long)E * n_in * (k / mx::kBlock);
+  if (n == 0) return 0;
+  mxg::weight_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), E, n_in, k, n_out, offset, static_cast<bf16*>(decoded),
+      static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// Expert weights x bf16 [E, rows, n] quantized along the rows, transposed, into columns offset ..
+// offset + rows of each expert's [n, rows_out]: decoded bf16 (permuted), and when codes is not null
+// codes [E, n, rows_out] and scales [E, rows_out / 128, n, 4]. rows, offset multiples of 32,
+// rows_out of 128.
+int mokgen_mx_weight_cols(void* decoded, void* codes, void* scales, const void* x, int E, int rows, int n,
+                          int rows_out, int offset, void* stream) {
+  using namespace mokgen;
+  if (E < 0 || rows < 0 || n <= 0 || rows % mx::kBlock || offset % mx::kBlock || rows_out % 128 || offset < 0 ||
+      offset + rows > rows_out || (decoded == nullptr && codes == nullptr))
+    return int(cudaErrorInvalidValue);
+  const long long total = (long long)E * (rows / mx::kBlock) * n;
+  if (total == 0) return 0;
+  mxg::weight_cols_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), E, rows, n, rows_out, offset, static_cast<bf16*>(decoded),
+      static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  return int(cudaGetLastError());
+}
+
+// The staged experts' segments from the pairs' ids (int64 [n]) and their stable sort order (int64
+// [n]): row int64 [n], src int32 [128 n_tiles], tiles int2 [n_tiles], padded int64 [E]. One CTA.
+int mokgen_mx_segments(void* row, void* src, void* tiles, void* padded, const void* ids, const void* order, int n,
+                       int k, int E, int n_tiles, void* stream) {
+  using namespace mokgen;
+  if (n < 0 || k <= 0 || E <= 0 || E > 8192 || n_tiles < 0) return int(cudaErrorInvalidValue);
+  mxg::segments_kernel<<<1, mxg::kSegThreads, 4 * E * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const long long*>(ids), static_cast<const long long*>(order), n, k, E, n_tiles,
+      static_cast<long long*>(row), static_cast<int*>(src), static_cast<int2*>(tiles),
+      static_cast<long long*>(padded));
+  return int(cudaGetLastError());
 }
 
 // Codes [rows, H] and blocked scales [H / 128, rows, 4] of x's rows src[r] (zeros where src[r] <

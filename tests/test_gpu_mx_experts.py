@@ -112,12 +112,13 @@ def test_grouped_gemm_skips_the_tiles_past_the_segments():
     assert torch.equal(got[:128], want)
 
 
-@pytest.mark.parametrize("skew, clamp", [(False, None), (True, None), (False, 10.0)])
-def test_mx_experts_match_the_float64_mx_oracle(skew, clamp):
+@pytest.mark.parametrize("skew, clamp, form", [(False, None, "bf16"), (True, None, "bf16"), (False, 10.0, "bf16"),
+                                               (True, 10.0, "quad")])
+def test_mx_experts_match_the_float64_mx_oracle(skew, clamp, form):
     T, H, I, E, k = 300, 512, 256, 6, 2
     x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=7, skew=skew)
     weights = mx_experts.quantize_weights(wg, wu, wd)
-    out = mx_experts.experts_forward(x, ids, w, weights, clamp_limit=clamp)
+    out = mx_experts.experts_forward(x, ids, w, weights, clamp_limit=clamp, form=form)
     assert out.dtype == torch.bfloat16 and out.shape == (T, H) and torch.isfinite(out).all()
     oracle = R.mx_experts_forward(x, ids, w, wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
     rel = ((out.double() - oracle).norm() / oracle.norm()).item()
@@ -130,16 +131,17 @@ def test_mx_experts_match_the_float64_mx_oracle(skew, clamp):
     assert 0.02 < rel_exact < 0.12, f"against the float64 layer: {rel_exact:.2e}"  # MXFP8's own error
 
 
-def test_mx_experts_give_the_same_bits_20_times():
+@pytest.mark.parametrize("form", ["bf16", "quad"])
+def test_mx_experts_give_the_same_bits_20_times(form):
     x, ids, w, wg, wu, wd = _problem(512, 256, 128, 4, 3, seed=11, skew=True)
     weights = mx_experts.quantize_weights(wg, wu, wd)
-    first = mx_experts.experts_forward(x, ids, w, weights)
+    first = mx_experts.experts_forward(x, ids, w, weights, form=form)
     for _ in range(19):
-        assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), first)
+        assert torch.equal(mx_experts.experts_forward(x, ids, w, weights, form=form), first)
 
 
-@pytest.mark.parametrize("skew, clamp", [(False, None), (True, 10.0)])
-def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp):
+@pytest.mark.parametrize("skew, clamp, form", [(False, None, "bf16"), (True, 10.0, "bf16"), (True, 10.0, "quad")])
+def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form):
     """experts_forward_train's gradients (x, the routing weights, the three expert weights) against
     the float64 MX oracle's autograd. Beyond the bf16 rounding of dx and the weight gradients, the
     bound covers E4M3
@@ -150,7 +152,7 @@ def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp):
     d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(3),
                         device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]  # weights bf16, as a model holds them
-    out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=clamp)
+    out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=clamp, form=form)
     out.backward(d_out)
     ref_leaves = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
     ref = R.mx_experts_forward(ref_leaves[0], ids, ref_leaves[1], *ref_leaves[2:], clamp_limit=clamp,
@@ -160,6 +162,6 @@ def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp):
         rel = ((got.grad.double() - want.grad).norm() / want.grad.norm()).item()
         assert rel < 6e-3, (name, rel)
     again = [t.detach().clone().requires_grad_(True) for t in leaves]
-    mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp).backward(d_out)
+    mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp, form=form).backward(d_out)
     for got, twice in zip(leaves, again):
         assert torch.equal(got.grad, twice.grad)  # the same bits again

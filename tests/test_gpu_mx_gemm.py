@@ -108,9 +108,8 @@ def test_a_variant_build_runs_beside_the_library(tmp_path):
 
 
 @pytest.mark.parametrize("M, N, K, spread", [(128, 256, 128, 0), (256, 512, 1024, 6), (384, 256, 2048, 20)])
-def test_bf16_math_prototype_matches_the_exact_mx_product(M, N, K, spread):
-    """The bf16-math prototype (branch wip/mx-bf16-math): A's blocks decoded into BF16 register
-    fragments, B decoded once; float32 sums with no promotion, so closer to the exact product than
+def test_bf16_math_gemm_matches_the_exact_mx_product(M, N, K, spread):
+    """The bf16-math form (dense): A's blocks decoded into BF16 register fragments, B decoded once; float32 sums with no promotion, so closer to the exact product than
     the FP8 forms (their 32-wide sums keep about 14 bits)."""
     gen = torch.Generator(device="cuda").manual_seed(M + N + K + 1)
     a, sa = mx.quantize(_blocks(M, K, gen, spread), dim=-1)
@@ -121,3 +120,66 @@ def test_bf16_math_prototype_matches_the_exact_mx_product(M, N, K, spread):
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err < 1e-5, f"relative error {err:.3e}"
     assert torch.equal(mx_gemm.mx_bf16_math_gemm(a, sa, mx_gemm.bf16_math_weights(b, sb)), got)
+
+
+def test_bf16_math_grouped_gemm_equals_the_dense_form_per_expert():
+    """Grouped over (expert, first row) tiles with (-1, 0) entries skipped: each expert's rows
+    are the dense bf16-math GEMM's bits against that expert's B."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    E, N, K = 3, 512, 384
+    padded = [256, 0, 128]
+    a, sa = mx.quantize(_blocks(sum(padded), K, gen, 8), dim=-1)
+    b, sb = mx.quantize(torch.stack([_blocks(N, K, gen, 8) for _ in range(E)]), dim=-1)
+    b16 = torch.stack([mx_gemm.bf16_math_weights(b[e], sb[e]) for e in range(E)])
+    tiles, n = mx_gemm.row_tiles(padded, "cuda")
+    tiles = torch.cat([tiles, torch.tensor([[-1, 0]] * 2, dtype=torch.int32, device="cuda")])
+    got = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), b16, tiles)
+    start = 0
+    for e, rows in enumerate(padded):
+        if rows:
+            want = mx_gemm.mx_bf16_math_gemm(a[start:start + rows].contiguous(), sa[start:start + rows].contiguous(),
+                                             b16[e])
+            assert torch.equal(got[start:start + rows], want), e
+        start += rows
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_expert_weights_are_the_quantizer_s_values_codes_and_scales(transpose):
+    """mx_gemm.expert_weights' kernels against mokgen.mx.quantize of the stacked (or stacked and
+    transposed) weights: the bf16-math values (bf16_math_weights' bits), the codes and the
+    blocked scales; rows scaled over a wide range, one NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(22 + transpose)
+    E, R, C = 3, 256, 384
+    parts = [(torch.randn(E, R, C, generator=gen, device="cuda") *
+              torch.exp2(torch.randint(-40, 40, (E, R, 1), generator=gen, device="cuda").float())).to(torch.bfloat16)
+             for _ in range(2)]
+    parts[1][2, 5, 7] = float("nan")
+    dec, codes, scales = mx_gemm.expert_weights(parts, transpose=transpose, codes=True)
+    stacked = torch.cat(parts, dim=1)
+    if transpose:
+        stacked = stacked.transpose(1, 2).contiguous()
+    want_codes, want_scales = mx.quantize_experts(stacked)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, mx_gemm.block_expert_scales(want_scales))
+    want_dec = torch.stack([mx_gemm.bf16_math_weights(want_codes[e], want_scales[e]) for e in range(E)])
+    assert torch.equal(dec.view(torch.int16), want_dec.view(torch.int16))
+    alone = mx_gemm.expert_weights(parts, transpose=transpose)
+    assert torch.equal(alone.view(torch.int16), dec.view(torch.int16))
+
+
+@pytest.mark.parametrize("E, n", [(1, 1), (3, 300), (48, 16384), (384, 20000), (8, 0)])
+def test_segments_kernel_is_the_pytorch_expression(E, n):
+    """mx_gemm.segments (one CTA) against mx_experts._segments' PyTorch expression on the CPU:
+    rows, sources, tiles and padded sizes, on random and skewed routings."""
+    from mokgen import mx_experts
+
+    gen = torch.Generator().manual_seed(E + n)
+    for skew in (False, True):
+        ids = torch.randint(0, E, (n,), generator=gen)
+        if skew and n:
+            ids[: n // 2] = 0
+        k = 2 if n % 2 == 0 and n else 1
+        want = mx_experts._segments(ids, E, k)
+        got = mx_experts._segments(ids.cuda(), E, k)
+        for name, g, w in zip(("row", "src", "tiles", "padded"), got, want):
+            assert torch.equal(g.cpu(), w), name

@@ -14,17 +14,21 @@ from mokgen.errors import InputError  # noqa: E402
 
 def test_segments_group_rows_by_expert_in_pair_order_with_padding():
     ids = torch.tensor([2, 0, 2, 2, 0, 3])  # pairs 0..5
-    row, tiles, padded, rows = mx_experts._segments(ids, 4)
+    row, src, tiles, padded = mx_experts._segments(ids, 4, k=2)
+    rows = src.numel()
     assert padded.tolist() == [128, 0, 128, 128]
     # expert 0: pairs 1, 4 at rows 0, 1; expert 2: pairs 0, 2, 3 at 128, 129, 130; expert 3: pair 5 at 256
     assert row.tolist() == [128, 0, 129, 130, 1, 256]
+    # each padded row's token (pair // k), -1 for padding
+    assert src[[0, 1, 2, 128, 129, 130, 131, 256, 257]].tolist() == [0, 2, -1, 0, 1, 1, -1, 2, -1]
     # ceil(6 / 128) + 4 = 5 tiles, three of them the segments'; rows for every tile
     assert tiles.tolist() == [[0, 0], [2, 128], [3, 256], [-1, 0], [-1, 0]] and rows == 5 * 128
 
 
 def test_segments_of_a_full_tile_and_more():
     ids = torch.zeros(129, dtype=torch.int64)
-    row, tiles, padded, rows = mx_experts._segments(ids, 2)
+    row, src, tiles, padded = mx_experts._segments(ids, 2, k=1)
+    rows = src.numel()
     assert padded.tolist() == [256, 0] and row.tolist() == list(range(129))
     assert tiles.tolist() == [[0, 0], [0, 128], [-1, 0], [-1, 0]] and rows == 4 * 128
 
@@ -35,7 +39,8 @@ def test_segments_tile_list_is_row_tiles_padded_to_the_bound():
     gen = torch.Generator().manual_seed(4)
     for E in (1, 3, 16):
         ids = torch.randint(0, E, (int(torch.randint(1, 700, (1,), generator=gen)),), generator=gen)
-        row, tiles, padded, rows = mx_experts._segments(ids, E)
+        row, src, tiles, padded = mx_experts._segments(ids, E, k=1)
+        rows = src.numel()
         want, n = mx_gemm.row_tiles(padded, "cpu")
         bound = -(-ids.numel() // 128) + E
         assert tiles.shape == (bound, 2) and rows == 128 * bound
@@ -113,6 +118,47 @@ def _unblock_experts(scales):  # [E, K / 128, N, 4] -> [E, N, K / 32]
     return scales.permute(0, 2, 1, 3).reshape(e, n, kb * 4)
 
 
+def unpermute(b):
+    """The bf16-math B operand's k order undone: position 2q + (i & 1) + 8 (i >> 1) of each 16
+    holds k 4q + i (written out by loops, apart from mx_gemm's index expression)."""
+    pos = {}
+    for q in range(4):
+        for i in range(4):
+            pos[4 * q + i] = 2 * q + (i & 1) + 8 * (i >> 1)
+    idx = torch.tensor([16 * c + pos[j] for c in range(b.shape[-1] // 16) for j in range(16)])
+    return b[..., idx]
+
+
+def test_bf16_math_weights_are_the_mx_values_permuted_within_16():
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 128, generator=gen) * torch.exp2(torch.randint(-9, 9, (256, 1), generator=gen).float()))
+    codes, scales = mx.quantize(w.to(torch.bfloat16), dim=-1)
+    b = mx_gemm.bf16_math_weights(codes, scales)
+    assert b.dtype == torch.bfloat16 and b.shape == (256, 128)
+    assert torch.equal(unpermute(b), mx.dequantize(codes, scales).to(torch.bfloat16))
+    assert not torch.equal(b, unpermute(b))  # a permutation that moves elements
+
+
+def test_quantized_weights_hold_the_bf16_math_operands():
+    gen = torch.Generator().manual_seed(6)
+    E, I, H = 2, 128, 256
+    wg, wu = (torch.randn(E, I, H, generator=gen).to(torch.bfloat16) for _ in range(2))
+    wd = torch.randn(E, H, I, generator=gen).to(torch.bfloat16)
+    w = mx_experts.quantize_weights(wg, wu, wd)
+    codes, scales = mx.quantize(wu[1], dim=-1)
+    assert torch.equal(unpermute(w.gate_up_bf16[1, I:]), mx.dequantize(codes, scales).to(torch.bfloat16))
+    codes, scales = mx.quantize(wd[0], dim=-1)
+    assert torch.equal(unpermute(w.down_bf16[0]), mx.dequantize(codes, scales).to(torch.bfloat16))
+
+
+def test_an_unknown_form_is_refused():
+    E, I, H = 1, 128, 128
+    w = mx_experts.quantize_weights(torch.zeros(E, I, H), torch.zeros(E, I, H), torch.zeros(E, H, I))
+    x, ids, wts = torch.zeros(4, H, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.int32), torch.ones(4, 1)
+    with pytest.raises(InputError, match=r"form must be one of \['bf16', 'inline', 'decoded', 'quad'\]"):
+        mx_experts.experts_forward(x, ids, wts, w, form="fp8")
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     emulate_kernels(monkeypatch)
@@ -164,7 +210,16 @@ def emulate_kernels(monkeypatch):
     def quantize_cols(x):
         return mx.quantize(x.t().contiguous(), dim=-1)
 
-    for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("quantize_rows", quantize_rows),
+    def bf16_grouped(a, sa, b_bf16, tiles):
+        A = mx.dequantize(a, _unblock(sa), out_dtype=f64)
+        B = unpermute(b_bf16).double()
+        c = torch.full((a.shape[0], b_bf16.shape[1]), float("nan"))
+        for e, m0 in tiles.tolist():
+            if e >= 0:
+                c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
+        return c
+
+    for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped), ("quantize_rows", quantize_rows),
                      ("swiglu_quantize", swiglu_quantize), ("combine", combine),
                      ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols)):
         monkeypatch.setattr(mx_gemm, name, fn)

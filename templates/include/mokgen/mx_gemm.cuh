@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(Geometry<kForm>::kThreads, 1)
 }
 
 
-// ==== Form "bf16 math" (branch wip/mx-bf16-math; a prototype, not yet run on the GPU) =============
+// ==== Form "bf16 math" (v0.35: 653 TFLOP/s dense against quad's 382, docs/perf-notes.md) ========
 // The same C = A B^T with A MXFP8, on the BF16 tensor core: each consumer decodes its rows' E4M3
 // codes, times their block's power of two, into the wgmma's register A fragments (exact: an E4M3
 // value times 2^(s - 127) is a BF16 value unless s is near 0 or 254), and B is BF16 in shared
@@ -390,7 +390,8 @@ __device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& 
 
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K) {
+                const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
+                const int2* __restrict__ tiles) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
@@ -398,7 +399,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* stages = smem + (((base + 2 * kStages * 8 + 1023) & ~1023u) - base);
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, n_k = K / kBK;
+  // grouped (tiles given): tile (expert e, first row m0) against e's N rows of the stacked B
+  // [E N, K]; (-1, 0) tiles (past the segments of a fixed-length list) are skipped
+  const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
+  if (tile.x < 0) return;
+  const int m0 = tile.y, n0 = blockIdx.x * kBN, b0 = tile.x * N + n0, n_k = K / kBK;
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -415,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
         unsigned char* st = stages + size_t(s) * kStageStride;
         sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, kb * kBK, n0);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, kb * kBK, b0);
         cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, kb * kBK, m0);
         bulk::load(st + kBBytes + kABytes, sa + (size_t(kb / 2) * M + m0) * 4, kScaleBytes, &full[s]);
       }

@@ -147,5 +147,162 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
   scales[size_t(c) * nb + b] = scale;
 }
 
+
+// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights_rows / _cols) ------------
+// Each 32-element block quantized (quantize_block, the oracle's bits) and its MX values written as
+// bf16 (E4M3 value times 2^(s - 127) in float32, then rounded: mx.dequantize(...).to(bf16), exact
+// unless the scale is near 2^-127 or 2^127), k permuted within each 16 as the GEMM's register
+// fragments read A (bf16m: position 2q + (i & 1) + 8 (i >> 1) holds k 4q + i); optionally the codes
+// and the scales too, in the grouped kernels' layout [E, K / 128, N, 4].
+
+MOKGEN_DEVICE float e4m3_value(uint8_t c) {
+  const uint32_t e = (c >> 3) & 15u, m = c & 7u;
+  const float mag = (c & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000)
+                    : e == 0           ? float(m) * 0.001953125f                     // m 2^-9
+                                       : __int_as_float(int(((e + 120u) << 23) | (m << 20)));  // (1 + m/8) 2^(e-7)
+  return (c & 0x80u) ? -mag : mag;
+}
+
+MOKGEN_DEVICE float e8m0_factor(uint8_t s) {  // 2^(s - 127); 2^-127 is a float32 subnormal
+  return s == 0xffu ? __int_as_float(0x7fc00000) : s == 0 ? __int_as_float(0x00400000) : __int_as_float(int(s) << 23);
+}
+
+MOKGEN_DEVICE int bf16m_pos(int j) {  // j < 32: the position of k j within its block
+  const int i = j & 3, q = (j >> 2) & 3;
+  return (j & 16) + 2 * q + (i & 1) + 8 * (i >> 1);
+}
+
+MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, bf16* dst) {
+  const float f = e8m0_factor(scale);
+  alignas(16) bf16 out[mx::kBlock];
+#pragma unroll
+  for (int j = 0; j < mx::kBlock; ++j) out[bf16m_pos(j)] = __float2bfloat16_rn(e4m3_value(q[j]) * f);
+  const uint4* src = reinterpret_cast<const uint4*>(out);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = src[i];
+}
+
+// x [E, n_in, K] bf16 along K -> rows offset .. offset + n_in of each expert's n_out rows: decoded
+// [E, n_out, K] bf16 (permuted); codes [E, n_out, K] and scales [E, K / 128, n_out, 4] when given.
+__global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int n_in, int k, int n_out, int offset,
+                                   bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
+                                   uint8_t* __restrict__ scales) {
+  const int nb = k / mx::kBlock;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)experts * n_in * nb) return;
+  const long long r = idx / nb;  // e n_in + row
+  const int b = int(idx % nb), e = int(r / n_in), row = offset + int(r % n_in);
+  const uint4* p = reinterpret_cast<const uint4*>(x + size_t(r) * k + b * mx::kBlock);
+  float v[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 w = p[i];
+    const bf16* h = reinterpret_cast<const bf16*>(&w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(h[j]);
+  }
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  const size_t out_row = size_t(e) * n_out + row;
+  if (decoded != nullptr) store_decoded(q, scale, decoded + out_row * k + b * mx::kBlock);
+  if (codes != nullptr) {
+    uint4 w[2];
+    memcpy(w, q, sizeof(q));
+    uint4* dst = reinterpret_cast<uint4*>(codes + out_row * k + b * mx::kBlock);
+    dst[0] = w[0];
+    dst[1] = w[1];
+    scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
+  }
+}
+
+// x [E, rows, n] bf16 along its rows, transposed: expert e's [n, rows_out] with the rows at columns
+// offset .. offset + rows (the dgrads' weights: W_down^T along H, [W_gate; W_up]^T along 2 I):
+// decoded bf16 (permuted); codes and scales [E, rows_out / 128, n, 4] when given. A warp's threads
+// take 32 consecutive columns of one 32-row block.
+__global__ void weight_cols_kernel(const bf16* __restrict__ x, int experts, int rows, int n, int rows_out, int offset,
+                                   bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
+                                   uint8_t* __restrict__ scales) {
+  const int nb = rows / mx::kBlock;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)experts * nb * n) return;
+  const int c = int(idx % n), b = int((idx / n) % nb), e = int(idx / ((long long)n * nb));
+  const bf16* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
+  float v[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock; ++i) v[i] = __bfloat162float(src[size_t(i) * n]);
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  const size_t out = (size_t(e) * n + c) * rows_out + offset + b * mx::kBlock;
+  if (decoded != nullptr) store_decoded(q, scale, decoded + out);
+  if (codes != nullptr) {
+    uint4 w[2];
+    memcpy(w, q, sizeof(q));
+    uint4* dst = reinterpret_cast<uint4*>(codes + out);
+    dst[0] = w[0];
+    dst[1] = w[1];
+    const int kb = offset / mx::kBlock + b;  // the 32-block along rows_out
+    scales[((size_t(e) * (rows_out / 128) + (kb >> 2)) * n + c) * 4 + (kb & 3)] = scale;
+  }
+}
+
+// ---- the staged experts' segments on the device, one CTA (mx_experts._segments) -----------------
+// From the pairs' expert ids (flat, n = T k) and their stable sort order: each pair's row in the
+// padded layout (segments in expert order, each a multiple of 128 rows), the source token of
+// every padded row (-1: padding), the fixed-length tile list (n_tiles = ceil(n / 128) + E entries,
+// (-1, 0) past the segments) and the padded sizes. Ids outside [0, E) are clamped, as the
+// PyTorch expression did (experts_forward checks them first unless told not to).
+constexpr int kSegThreads = 1024;
+
+__global__ void __launch_bounds__(kSegThreads, 1)
+    segments_kernel(const long long* __restrict__ ids, const long long* __restrict__ order, int n, int k, int E,
+                    int n_tiles, long long* __restrict__ row, int* __restrict__ src, int2* __restrict__ tiles,
+                    long long* __restrict__ padded_out) {
+  extern __shared__ int seg_smem[];  // counts, pairs before, segment starts, tile ends: 4 E ints
+  int* counts = seg_smem;
+  int* before = counts + E;
+  int* start = before + E;
+  int* tile_end = start + E;
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += kSegThreads) counts[e] = 0;
+  const int rows = 128 * n_tiles;
+  for (int r = tid; r < rows; r += kSegThreads) src[r] = -1;
+  __syncthreads();
+  auto expert_of = [&](long long id) { return int(id < 0 ? 0 : id >= E ? E - 1 : id); };
+  for (int p = tid; p < n; p += kSegThreads) atomicAdd(&counts[expert_of(ids[p])], 1);  // integer: exact
+  __syncthreads();
+  if (tid == 0) {
+    int c = 0, s = 0, t = 0;
+    for (int e = 0; e < E; ++e) {
+      const int padded = (counts[e] + 127) / 128 * 128;
+      before[e] = c;
+      start[e] = s;
+      c += counts[e];
+      s += padded;
+      t += padded / 128;
+      tile_end[e] = t;
+      padded_out[e] = padded;
+    }
+  }
+  __syncthreads();
+  // the p-th pair in sorted order (by id, stable) is its expert's (p - before[e])-th row
+  for (int p = tid; p < n; p += kSegThreads) {
+    const long long i = order[p];
+    const int e = expert_of(ids[i]);
+    const int r = start[e] + (p - before[e]);
+    row[i] = r;
+    src[r] = int(i / k);
+  }
+  for (int i = tid; i < n_tiles; i += kSegThreads) {
+    int lo = 0, hi = E;  // the first expert whose tiles end past i
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (tile_end[mid] <= i) lo = mid + 1; else hi = mid;
+    }
+    tiles[i] = lo < E ? make_int2(lo, start[lo] + 128 * (i - (tile_end[lo] - (counts[lo] + 127) / 128)))
+                      : make_int2(-1, 0);
+  }
+}
+
 }  // namespace mxg
 }  // namespace mokgen
