@@ -122,8 +122,10 @@ def _grouped(a, sa, b_bf16, b_codes, b_scales, tiles, form: str):
     if form == "bf16" and b_bf16 is not None and b_bf16.shape[1] % mx_gemm.BF16_MATH_N == 0:
         return mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b_bf16, tiles)
     if b_codes is None:
-        raise InputError(f"the FP8 form needs the weights' codes (N = {b_bf16.shape[1]} is not a multiple of "
-                         f"{mx_gemm.BF16_MATH_N} for the bf16-math form)")
+        why = (f"form {form!r} runs on the FP8 tensor core" if form != "bf16" else
+               f"N = {b_bf16.shape[1]} is not a multiple of {mx_gemm.BF16_MATH_N}, so the bf16-math form falls back "
+               f"to quad")
+        raise InputError(f"{why} and needs the weights' codes: quantize_weights(..., codes=True)")
     return mx_gemm.mx_grouped_gemm(a, sa, b_codes, b_scales, tiles, form="quad" if form == "bf16" else form)
 
 

@@ -159,6 +159,16 @@ def test_an_unknown_form_is_refused():
         mx_experts.experts_forward(x, ids, wts, w, form="fp8")
 
 
+def test_the_fp8_form_without_codes_is_refused(emulated):
+    x, ids, w, wg, wu, wd = _cpu_problem()
+    weights = mx_experts.quantize_weights(wg, wu, wd)
+    bare = mx_experts.MXExpertWeights(None, None, None, None, weights.gate_up_bf16, weights.down_bf16)
+    assert bare.num_experts == 4 and bare.hidden == 256 and bare.inter == 128
+    assert torch.equal(mx_experts.experts_forward(x, ids, w, bare), mx_experts.experts_forward(x, ids, w, weights))
+    with pytest.raises(InputError, match=r"form 'quad' runs on the FP8 tensor core and needs the weights' codes"):
+        mx_experts.experts_forward(x, ids, w, bare, form="quad")
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     emulate_kernels(monkeypatch)
