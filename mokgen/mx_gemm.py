@@ -1,5 +1,8 @@
-"""MXFP8 GEMM on the H200's FP8 tensor cores (issue 6), dense and grouped over expert segments,
-and the quantizers of the staged MXFP8 experts (``mokgen.mx_experts``).
+"""MXFP8 GEMMs on the H200 (issue 6), dense and grouped over expert segments, and the quantizers
+of the staged MXFP8 experts (``mokgen.mx_experts``). Two kinds of GEMM compute the same MX
+product: the FP8 tensor core with the block scales promoted per 32-wide k step (below), and the
+bf16-math form (A's codes decoded in registers, B as BF16 MX values; see its section further
+down), the faster one on Hopper (653 against 382 TFLOP/s, docs/perf-notes.md v0.35).
 
 ``templates/mx_gemm.cu``: ``C = A B^T`` with A ``[M, K]`` and B ``[N, K]`` in MXFP8 as
 :func:`mokgen.mx.quantize` makes them along K (E4M3 codes, one E8M0 scale per 32 consecutive k)
