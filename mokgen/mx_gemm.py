@@ -140,6 +140,16 @@ def block_expert_scales(scales):
     return scales.view(experts, rows, ks // 4, 4).transpose(1, 2).contiguous()
 
 
+def _check_tiles(tiles, device, what: str) -> None:
+    """A grouped launch's tile list: int32 ``[n, 2]`` of (expert, first row) on ``device``, at most
+    65535 entries (the launch grid's y dimension)."""
+    import torch
+
+    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != device \
+            or tiles.shape[0] > 65535:
+        raise InputError(f"{what}: tiles must be int32 [n, 2] (n <= 65535) on the operands' device (row_tiles)")
+
+
 def row_tiles(padded_counts, device) -> tuple:
     """The grouped launch's row tiles for segments of ``padded_counts[e]`` rows (multiples of
     128, expert e's segment after expert e - 1's): ``(tiles int32 [n, 2] of (expert, first row)
@@ -172,8 +182,7 @@ def mx_grouped_gemm(a_codes, a_scales_blocked, b_codes, b_scales_blocked, tiles,
                          f"M, N, K be multiples of {BLOCK}")
     if tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) or tuple(b_scales_blocked.shape) != (E, K // BLOCK, N, 4):
         raise InputError("grouped MX GEMM: scales not in the blocked layouts (block_scales, block_expert_scales)")
-    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != a_codes.device:
-        raise InputError("grouped MX GEMM: tiles must be int32 [n, 2] on the operands' device (row_tiles)")
+    _check_tiles(tiles, a_codes.device, "grouped MX GEMM")
     c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     if tiles.shape[0] == 0:
         return c
@@ -269,6 +278,8 @@ def quantize_cols(x):
     _launch("mokgen_mx_quantize_cols", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
             int(x.dtype == torch.bfloat16), rows, n)
     return codes, scales
+
+
 # ---- the bf16-math form (docs/architecture.md "Which MXFP8 next"; v0.35: 653 TFLOP/s against quad's
 # 382 on the H200): A MXFP8 decoded into BF16 register fragments, B as BF16 MX values in shared
 # memory, the BF16 tensor core (HGMMA with A from registers); the exact MX product, its sums
@@ -334,9 +345,7 @@ def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles):
                          f"and blocked scales [K / 128, M, 4]")
     _check_bf16_b(b_bf16, K, stacked=True)
     E, N, _ = b_bf16.shape
-    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != a_codes.device \
-            or tiles.shape[0] > 65535:
-        raise InputError("grouped bf16-math GEMM: tiles must be int32 [n, 2] (n <= 65535) on the operands' device")
+    _check_tiles(tiles, a_codes.device, "grouped bf16-math GEMM")
     c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
     if tiles.shape[0] == 0:
         return c

@@ -70,6 +70,25 @@ def test_shapes_and_scales_are_checked(monkeypatch):
         mx_gemm.mx_gemm(a, sa, b[:, :128].contiguous(), sb[:, :4].contiguous())
 
 
+def test_grouped_launches_check_their_operands_and_tile_list(monkeypatch):
+    """Both grouped GEMMs refuse a tile list that is not int32 [n, 2] or is too long for the grid,
+    and the bf16-math ones a B that is not bf16 with N a multiple of 256, before any launch."""
+    a, sa, b, sb = _operands(K=256)
+    sa_b, sb_b = mx_gemm.block_scales(sa), mx_gemm.block_expert_scales(sb[None])
+    good = torch.zeros(1, 2, dtype=torch.int32)
+    for bad in (good.long(), good[:, :1], torch.zeros(65536, 2, dtype=torch.int32)):
+        with pytest.raises(InputError, match=r"grouped MX GEMM: tiles must be int32 \[n, 2\] \(n <= 65535\)"):
+            mx_gemm.mx_grouped_gemm(a, sa_b, b[None], sb_b, bad)
+    b16 = torch.zeros(1, 256, 256, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=r"grouped bf16-math GEMM: tiles must be int32"):
+        mx_gemm.mx_bf16_math_grouped_gemm(a, sa_b, b16, good.long())
+    with pytest.raises(InputError, match=r"B must be contiguous bf16 \[E, N, K\] with K = 256 and N a multiple of 256"):
+        mx_gemm.mx_bf16_math_grouped_gemm(a, sa_b, b16[:, :128], good)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(InputError, match=r"B must be contiguous bf16 \[N, K\]"):
+        mx_gemm.mx_bf16_math_gemm(a, sa, b16[0].float())
+
+
 def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(monkeypatch):
     """Every entry point goes through one launch helper: the arguments in the C ABI's order, the
     current stream appended, and a non-zero return a KernelError naming the entry (and the form)."""

@@ -15,13 +15,18 @@ namespace mxg {
 // mx.cuh's quantize_block (bit for bit the oracle), the scales written straight into the GEMM's
 // blocked layout [K / 128, rows, 4] -------------------------------------------------------------
 
-MOKGEN_DEVICE void store_block(const uint8_t (&q)[mx::kBlock], uint8_t scale, uint8_t* codes, uint8_t* scales,
-                               int r, int b, int rows, int k) {
+// A block's 32 codes as two 16-byte stores (dst 16-byte aligned).
+MOKGEN_DEVICE void store_codes(const uint8_t (&q)[mx::kBlock], uint8_t* dst) {
   uint4 w[2];
   memcpy(w, q, sizeof(q));
-  uint4* dst = reinterpret_cast<uint4*>(codes + size_t(r) * k + b * mx::kBlock);
-  dst[0] = w[0];
-  dst[1] = w[1];
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = w[0];
+  d[1] = w[1];
+}
+
+MOKGEN_DEVICE void store_block(const uint8_t (&q)[mx::kBlock], uint8_t scale, uint8_t* codes, uint8_t* scales,
+                               int r, int b, int rows, int k) {
+  store_codes(q, codes + size_t(r) * k + b * mx::kBlock);
   scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
 }
 
@@ -139,11 +144,7 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
   for (int i = 0; i < mx::kBlock; ++i) v[i] = float(x[size_t(b * mx::kBlock + i) * n + c]);
   uint8_t q[mx::kBlock];
   const uint8_t scale = mx::quantize_block(v, q);
-  uint4 w[2];
-  memcpy(w, q, sizeof(q));
-  uint4* dst = reinterpret_cast<uint4*>(codes + size_t(c) * rows + b * mx::kBlock);
-  dst[0] = w[0];
-  dst[1] = w[1];
+  store_codes(q, codes + size_t(c) * rows + b * mx::kBlock);
   scales[size_t(c) * nb + b] = scale;
 }
 
@@ -207,11 +208,7 @@ __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int 
   const size_t out_row = size_t(e) * n_out + row;
   if (decoded != nullptr) store_decoded(q, scale, decoded + out_row * k + b * mx::kBlock);
   if (codes != nullptr) {
-    uint4 w[2];
-    memcpy(w, q, sizeof(q));
-    uint4* dst = reinterpret_cast<uint4*>(codes + out_row * k + b * mx::kBlock);
-    dst[0] = w[0];
-    dst[1] = w[1];
+    store_codes(q, codes + out_row * k + b * mx::kBlock);
     scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
   }
 }
@@ -236,11 +233,7 @@ __global__ void weight_cols_kernel(const bf16* __restrict__ x, int experts, int 
   const size_t out = (size_t(e) * n + c) * rows_out + offset + b * mx::kBlock;
   if (decoded != nullptr) store_decoded(q, scale, decoded + out);
   if (codes != nullptr) {
-    uint4 w[2];
-    memcpy(w, q, sizeof(q));
-    uint4* dst = reinterpret_cast<uint4*>(codes + out);
-    dst[0] = w[0];
-    dst[1] = w[1];
+    store_codes(q, codes + out);
     const int kb = offset / mx::kBlock + b;  // the 32-block along rows_out
     scales[((size_t(e) * (rows_out / 128) + (kb >> 2)) * n + c) * 4 + (kb & 3)] = scale;
   }
