@@ -46,6 +46,7 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
                                                                        check_ids=False),
         "weights quantized (3 tensors)": lambda: mx_experts.quantize_weights(wg, wu, wd, codes=False),
         "segments + tile list (device)": lambda: mx_experts._segments(flat, spec.num_experts, k, check_ids=False),
+        "  of which the stable sort": lambda: torch.sort(flat, stable=True),
         "the ids' range check (host sync)": lambda: bool(((flat < 0) | (flat >= spec.num_experts)).any()),
         "quantize_rows": lambda: mx_gemm.quantize_rows(x, src, rows),
         "grouped GEMM gate|up (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(xq, xs, mxw.gate_up, mxw.gate_up_scales,

@@ -242,8 +242,9 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # float32 (the oracle's swiglu under autograd). The rows of an expert's segment start at a
 # multiple of 128 and its padding rows are zeros, so the 32-row blocks along n are the oracle's
 # (which pads each expert's rows with zeros to a multiple of 32). The dgrads run on the grouped
-# GEMM (the forward's form) with weights quantized in the transposed orientation, the wgrads on
-# the dense FP8 GEMM (quad), one launch per expert with rows (K = its padded segment). Staged like
+# GEMM (the forward's form) with weights quantized in the transposed orientation. The wgrads: on
+# the bf16-math form one launch over k ranges (each expert's padded segment, no host sync); on the
+# FP8 forms the dense GEMM per expert with rows (K = its segment, after a host sync). Staged like
 # the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
 # a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
 # training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
@@ -277,6 +278,23 @@ def _transposed_weights(parts, form: str, n: int):
         return got if isinstance(got, tuple) else (got, None, None)
     codes, scales = mx.quantize_experts(torch.cat(parts, dim=1).transpose(1, 2).contiguous())
     return _decoded_stack(codes, scales), codes, mx_gemm.block_expert_scales(scales)
+
+
+def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor, padded: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_weight_grads` on the bf16-math form in one launch and no host sync: ``out[e] =
+    q_n(a_e)^T q_n(b_e)`` for the token rows ``a_rows [R, M]`` (float32) and ``b_rows [R, N]``
+    (float32 or bf16), each expert's k range its padded segment (empty: zeros), ``[E, M, N]`` in
+    ``out_dtype``."""
+    a_codes, a_scales = mx_gemm.quantize_cols(a_rows)
+    start = torch.cumsum(padded, 0) - padded
+    kranges = torch.stack([start, padded], 1).to(torch.int32)
+    return mx_gemm.mx_bf16_math_ranged_gemm(a_codes, mx_gemm.block_scales(a_scales), mx_gemm.cols_bf16_math(b_rows),
+                                            kranges, out_dtype=out_dtype)
+
+
+def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
+    return form == "bf16" and t.is_cuda and n % mx_gemm.BF16_MATH_N == 0
 
 
 class _MXExperts(torch.autograd.Function):
@@ -319,11 +337,17 @@ class _MXExperts(torch.autograd.Function):
         dguq, dgus = mx_gemm.quantize_f32_rows(dgu)
         dx_rows = _grouped(dguq, dgus, *wgu_t, tiles, form)
         dx = dx_rows[row].view(T, k, H).sum(1)
-        # wgrads, per expert over its rows
-        d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)        # [E, H, I]
+        # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
+        if _ranged(form, dy, I):
+            d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
+        else:
+            d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
         x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
         x_rows[row] = x.repeat_interleave(k, dim=0)
-        d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)  # [E, 2I, H]
+        if _ranged(form, dgu, H) and w_gate.dtype == w_up.dtype:
+            d_wgu = _weight_grads_ranged(dgu, x_rows, padded, w_gate.dtype)                           # [E, 2I, H]
+        else:
+            d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wgu[:, :I].to(w_gate.dtype), d_wgu[:, I:].to(w_up.dtype),
                 d_wd.to(w_down.dtype), None, None, None)
 

@@ -62,7 +62,10 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
         lib.mokgen_mx_weight_rows.argtypes, lib.mokgen_mx_weight_rows.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
-        lib.mokgen_mx_weight_cols.argtypes, lib.mokgen_mx_weight_cols.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
+        lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+        lib.mokgen_mx_weight_cols.restype = i
+        lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
         lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
         _by_env[key] = lib
     return lib
@@ -390,12 +393,55 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
     for p, size in zip(parts, sizes):
         if transpose:
             _launch("mokgen_mx_weight_cols", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, N, K,
-                    offset)
+                    offset, 0)
         else:
             _launch("mokgen_mx_weight_rows", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, K, N,
                     offset)
         offset += size
     return (dec, cod, sc) if codes else dec
+
+
+def cols_bf16_math(x):
+    """Rows ``x [rows, n]`` (float32 or bf16 activations) quantized along the rows (32-row blocks,
+    ``mx.quantize(x.t(), dim=-1)``), transposed, as the bf16-math GEMM's B operand: ``[n, rows]``
+    bf16 MX values with k permuted (``bf16_math_weights``' bits). rows a multiple of 128."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() or x.shape[0] % BLOCK:
+        raise InputError(f"x must be contiguous float32 or bf16 [rows, n] with rows a multiple of {BLOCK}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    rows, n = x.shape
+    out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
+    if rows and n:
+        _launch("mokgen_mx_weight_cols", x.device, out.data_ptr(), None, None, x.data_ptr(), 1, rows, n, rows, 0,
+                int(x.dtype == torch.float32))
+    return out
+
+
+def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None):
+    """The weight gradients' GEMM on the bf16-math form: ``C[z] = A[:, r_z] B[:, r_z]^T`` for each
+    k range ``r_z = kranges[z]`` (int32 ``[Z, 2]`` of (first k, length), multiples of 128; a zero
+    length gives zeros): A MXFP8 ``[M, K]`` codes with blocked scales ``[K / 128, M, 4]`` (an
+    operand quantized along K, here the token rows), B bf16 ``[N, K]`` (:func:`cols_bf16_math`).
+    Returns ``[Z, M, N]`` in float32 or bf16 (``out_dtype``), each sum in one fixed order."""
+    import torch
+
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"ranged bf16-math GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    _check_bf16_b(b_bf16, K, stacked=False)
+    if kranges.dtype != torch.int32 or kranges.dim() != 2 or kranges.shape[1] != 2 or kranges.device != a_codes.device \
+            or not 0 < kranges.shape[0] <= 65535 or out_dtype not in (torch.float32, torch.bfloat16):
+        raise InputError("ranged bf16-math GEMM: kranges int32 [Z, 2] (1 <= Z <= 65535) on the operands' device, "
+                         "out_dtype float32 or bf16")
+    N = b_bf16.shape[0]
+    c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
+    _launch("mokgen_mx_bf16_math_ranged_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
+            a_scales_blocked.data_ptr(), b_bf16.data_ptr(), kranges.data_ptr(), int(kranges.shape[0]), M, N, K,
+            int(out_dtype == torch.bfloat16), what="bf16 math, k ranges")
+    return c
 
 
 def segments(ids, order, k: int, num_experts: int):

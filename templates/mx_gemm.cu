@@ -100,11 +100,15 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // The bf16-math form: A MXFP8 [M, K] (codes, blocked scales [K / 128, M, 4]), B bf16 [E N, K]
 // (MX values, k permuted within each 16: mokgen.mx_gemm.bf16_math_weights), C [M, N] float32.
 // Dense (tiles null, E = 1) or grouped: n_tiles row tiles (expert, first row), (-1, 0) skipped.
+// K-ranged (kranges given: n_ranges (first k, length) pairs, multiples of 128): C [n_ranges, M, N]
+// with slice z the product over its range only (the weight gradients), tiles null.
 int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
-                     int M, int N, int K, void* stream) {
+                     int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, void* stream) {
   namespace bm = bf16m;
   if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
-      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535)
+      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535 ||
+      n_ranges < 1 || n_ranges > 65535 || (kranges == nullptr && n_ranges != 1) ||
+      (kranges != nullptr && tiles != nullptr))
     return int(cudaErrorInvalidValue);
   if (n_tiles == 0) return 0;
   CUtensorMap ma, mb;
@@ -118,8 +122,10 @@ int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, cons
     if (err != cudaSuccess) return int(err);
     attr = true;
   }
-  bm::gemm_kernel<<<dim3(N / bm::kBN, n_tiles), bm::kThreads, bm::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
-      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, static_cast<const int2*>(tiles));
+  bm::gemm_kernel<<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
+                    static_cast<cudaStream_t>(stream)>>>(ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c),
+                                                         M, N, K, static_cast<const int2*>(tiles),
+                                                         static_cast<const int2*>(kranges), out_bf16);
   return int(cudaGetLastError());
 }
 
@@ -141,14 +147,23 @@ int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const 
 // permuted within each 16 (the bf16-math form; M % 128, N % 256, K % 128).
 int mokgen_mx_bf16_math_gemm(void* c, const void* a, const void* sa, const void* b, int M, int N, int K,
                              void* stream) {
-  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, stream);
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, nullptr, 1, 0, stream);
 }
 
 // Grouped: row tile i = tiles[i] = (expert e, first row m0) of A's M rows times e's N rows of B
 // bf16 [E N, K] (permuted as above), into C [M, N]; (-1, 0) tiles skipped.
 int mokgen_mx_bf16_math_grouped_gemm(void* c, const void* a, const void* sa, const void* b, const void* tiles,
                                      int n_tiles, int E, int M, int N, int K, void* stream) {
-  return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, stream);
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream);
+}
+
+// The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over
+// k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
+// (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
+int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, const void* b, const void* kranges,
+                                    int n_ranges, int M, int N, int K, int out_bf16, void* stream) {
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, kranges, n_ranges, out_bf16,
+                                       stream);
 }
 
 // Expert weights x bf16 [E, n_in, K] quantized along K into rows offset .. offset + n_in of each
@@ -168,21 +183,28 @@ int mokgen_mx_weight_rows(void* decoded, void* codes, void* scales, const void* 
   return int(cudaGetLastError());
 }
 
-// Expert weights x bf16 [E, rows, n] quantized along the rows, transposed, into columns offset ..
-// offset + rows of each expert's [n, rows_out]: decoded bf16 (permuted), and when codes is not null
-// codes [E, n, rows_out] and scales [E, rows_out / 128, n, 4]. rows, offset multiples of 32,
-// rows_out of 128.
+// Expert weights x bf16 [E, rows, n] (float32 when is_f32: activations) quantized along the rows,
+// transposed, into columns offset .. offset + rows of each expert's [n, rows_out]: decoded bf16
+// (permuted), and when codes is not null codes [E, n, rows_out] and scales [E, rows_out / 128, n,
+// 4]. rows, offset multiples of 32, rows_out of 128.
 int mokgen_mx_weight_cols(void* decoded, void* codes, void* scales, const void* x, int E, int rows, int n,
-                          int rows_out, int offset, void* stream) {
+                          int rows_out, int offset, int is_f32, void* stream) {
   using namespace mokgen;
   if (E < 0 || rows < 0 || n <= 0 || rows % mx::kBlock || offset % mx::kBlock || rows_out % 128 || offset < 0 ||
       offset + rows > rows_out || (decoded == nullptr && codes == nullptr))
     return int(cudaErrorInvalidValue);
   const long long total = (long long)E * (rows / mx::kBlock) * n;
   if (total == 0) return 0;
-  mxg::weight_cols_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), E, rows, n, rows_out, offset, static_cast<bf16*>(decoded),
-      static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  const unsigned grid = unsigned((total + 255) / 256);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (is_f32)
+    mxg::weight_cols_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), E, rows, n, rows_out, offset,
+                                                         static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                         static_cast<uint8_t*>(scales));
+  else
+    mxg::weight_cols_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), E, rows, n, rows_out, offset,
+                                                        static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                        static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }
 

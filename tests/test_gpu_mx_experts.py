@@ -161,7 +161,8 @@ def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form):
     for name, got, want in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), leaves, ref_leaves):
         rel = ((got.grad.double() - want.grad).norm() / want.grad.norm()).item()
         assert rel < 6e-3, (name, rel)
-    again = [t.detach().clone().requires_grad_(True) for t in leaves]
-    mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp, form=form).backward(d_out)
-    for got, twice in zip(leaves, again):
-        assert torch.equal(got.grad, twice.grad)  # the same bits again
+    for _ in range(19):  # the same bits 20 times
+        again = [t.detach().clone().requires_grad_(True) for t in leaves]
+        mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp, form=form).backward(d_out)
+        for got, twice in zip(leaves, again):
+            assert torch.equal(got.grad, twice.grad)

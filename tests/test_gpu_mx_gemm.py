@@ -183,3 +183,37 @@ def test_segments_kernel_is_the_pytorch_expression(E, n):
         got = mx_experts._segments(ids.cuda(), E, k)
         for name, g, w in zip(("row", "src", "tiles", "padded"), got, want):
             assert torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cols_bf16_math_is_the_transposed_quantizer_s_values(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    x = (torch.randn(384, 512, generator=gen, device="cuda") *
+         torch.exp2(torch.randint(-30, 30, (384, 1), generator=gen, device="cuda").float())).to(dtype)
+    codes, scales = mx.quantize(x.t().contiguous(), dim=-1)
+    want = mx_gemm.bf16_math_weights(codes, scales)
+    assert torch.equal(mx_gemm.cols_bf16_math(x).view(torch.int16), want.view(torch.int16))
+
+
+def test_ranged_gemm_is_the_dense_gemm_over_each_range():
+    """The weight gradients' launch: slice z over its k range has the dense bf16-math GEMM's bits
+    on the operands sliced to that range; an empty range gives zeros; bf16 output is the float32
+    output rounded."""
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    M, N, K = 256, 512, 1024
+    a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+    b, sb = mx.quantize(_blocks(N, K, gen, 10), dim=-1)
+    b16 = mx_gemm.bf16_math_weights(b, sb)
+    ranges = [(0, 384), (384, 0), (384, 128), (512, 512)]
+    kr = torch.tensor(ranges, dtype=torch.int32, device="cuda")
+    got = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr)
+    for z, (first, length) in enumerate(ranges):
+        if length == 0:
+            assert (got[z] == 0).all()
+            continue
+        cols, blocks = slice(first, first + length), slice(first // 32, (first + length) // 32)
+        want = mx_gemm.mx_bf16_math_gemm(a[:, cols].contiguous(), sa[:, blocks].contiguous(),
+                                         b16[:, cols].contiguous())
+        assert torch.equal(got[z], want), z
+    low = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=torch.bfloat16)
+    assert torch.equal(low, got.to(torch.bfloat16))

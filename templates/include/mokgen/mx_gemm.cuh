@@ -391,7 +391,7 @@ __device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& 
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
-                const int2* __restrict__ tiles) {
+                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
@@ -403,7 +403,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // [E N, K]; (-1, 0) tiles (past the segments of a fixed-length list) are skipped
   const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
   if (tile.x < 0) return;
-  const int m0 = tile.y, n0 = blockIdx.x * kBN, b0 = tile.x * N + n0, n_k = K / kBK;
+  const int m0 = tile.y, n0 = blockIdx.x * kBN, b0 = tile.x * N + n0;
+  // k-ranged (kranges given, the weight gradients): output z = blockIdx.z reduces k in
+  // [first, first + length) of its range (first a multiple of 128; length 0 writes zeros) into
+  // its own [M, N] slice of C
+  const int2 kr = kranges != nullptr ? kranges[blockIdx.z] : make_int2(0, K);
+  const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
+  const size_t z_off = size_t(blockIdx.z) * M * N;  // elements of C (float32 or bf16) before slice z
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -420,9 +426,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
         unsigned char* st = stages + size_t(s) * kStageStride;
         sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, kb * kBK, b0);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, kb * kBK, m0);
-        bulk::load(st + kBBytes + kABytes, sa + (size_t(kb / 2) * M + m0) * 4, kScaleBytes, &full[s]);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, (kb0 + kb) * kBK, b0);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, (kb0 + kb) * kBK, m0);
+        bulk::load(st + kBBytes + kABytes, sa + (size_t((kb0 + kb) / 2) * M + m0) * 4, kScaleBytes, &full[s]);
       }
     }
     return;
@@ -431,6 +437,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
   const int r0 = 64 * c_wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
   float acc[kAcc];
+  if (n_k == 0) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  }
   uint32_t a[2][4];
   int prev = -1;
   for (int kb = 0; kb < n_k; ++kb) {
@@ -470,11 +480,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   cute::warpgroup_wait<0>();
   sm90::fence_operands(acc);
   const int row = m0 + r0;
+  if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
+    bf16* cb = reinterpret_cast<bf16*>(c) + z_off;
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const int col = n0 + 8 * i + 2 * q;
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * N + col) = __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row + 8) * N + col) =
+          __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+    return;
+  }
+  float* cf = c + z_off;
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i) {
     const int col = n0 + 8 * i + 2 * q;
-    *reinterpret_cast<float2*>(c + size_t(row) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<float2*>(c + size_t(row + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    *reinterpret_cast<float2*>(cf + size_t(row) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(cf + size_t(row + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
   }
 }
 

@@ -213,21 +213,22 @@ __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int 
   }
 }
 
-// x [E, rows, n] bf16 along its rows, transposed: expert e's [n, rows_out] with the rows at columns
+// x [E, rows, n] (bf16, or float32 for activations) along its rows, transposed: expert e's [n, rows_out] with the rows at columns
 // offset .. offset + rows (the dgrads' weights: W_down^T along H, [W_gate; W_up]^T along 2 I):
 // decoded bf16 (permuted); codes and scales [E, rows_out / 128, n, 4] when given. A warp's threads
 // take 32 consecutive columns of one 32-row block.
-__global__ void weight_cols_kernel(const bf16* __restrict__ x, int experts, int rows, int n, int rows_out, int offset,
+template <class T>
+__global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int rows, int n, int rows_out, int offset,
                                    bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
                                    uint8_t* __restrict__ scales) {
   const int nb = rows / mx::kBlock;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)experts * nb * n) return;
   const int c = int(idx % n), b = int((idx / n) % nb), e = int(idx / ((long long)n * nb));
-  const bf16* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
+  const T* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
   float v[mx::kBlock];
 #pragma unroll
-  for (int i = 0; i < mx::kBlock; ++i) v[i] = __bfloat162float(src[size_t(i) * n]);
+  for (int i = 0; i < mx::kBlock; ++i) v[i] = float(src[size_t(i) * n]);
   uint8_t q[mx::kBlock];
   const uint8_t scale = mx::quantize_block(v, q);
   const size_t out = (size_t(e) * n + c) * rows_out + offset + b * mx::kBlock;
