@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 #include "mx.cuh"
 
@@ -12,7 +14,7 @@ namespace mokgen {
 namespace mxg {
 
 // ---- the staged MXFP8 experts' quantizers (mokgen.mx_experts): one thread per 32-element block,
-// mx.cuh's quantize_block (bit for bit the oracle), the scales written straight into the GEMM's
+// mx.cuh's quantize_block_hw (bit for bit the oracle), the scales written straight into the GEMM's
 // blocked layout [K / 128, rows, 4] -------------------------------------------------------------
 
 // A block's 32 codes as two 16-byte stores (dst 16-byte aligned).
@@ -53,7 +55,7 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, const int* __re
     for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_block(q, scale, codes, scales, r, b, rows, h);
 }
 
@@ -78,7 +80,7 @@ __global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, i
     v[4 * i + 3] = swiglu<kHasClamp>(gv.w, uv.w, limit);
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_block(q, scale, codes, scales, r, b, rows, inter);
 }
 
@@ -124,7 +126,7 @@ __global__ void quantize_f32_rows_kernel(const float* __restrict__ x, int rows, 
     v[4 * i + 3] = f.w;
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_block(q, scale, codes, scales, r, b, rows, k);
 }
 
@@ -143,26 +145,18 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 #pragma unroll
   for (int i = 0; i < mx::kBlock; ++i) v[i] = float(x[size_t(b * mx::kBlock + i) * n + c]);
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_codes(q, codes + size_t(c) * rows + b * mx::kBlock);
   scales[size_t(c) * nb + b] = scale;
 }
 
 
-// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights_rows / _cols) ------------
-// Each 32-element block quantized (quantize_block, the oracle's bits) and its MX values written as
+// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights, cols_bf16_math) ---------
+// Each 32-element block quantized (quantize_block_hw, the oracle's bits) and its MX values written as
 // bf16 (E4M3 value times 2^(s - 127) in float32, then rounded: mx.dequantize(...).to(bf16), exact
 // unless the scale is near 2^-127 or 2^127), k permuted within each 16 as the GEMM's register
 // fragments read A (bf16m: position 2q + (i & 1) + 8 (i >> 1) holds k 4q + i); optionally the codes
 // and the scales too, in the grouped kernels' layout [E, K / 128, N, 4].
-
-MOKGEN_DEVICE float e4m3_value(uint8_t c) {
-  const uint32_t e = (c >> 3) & 15u, m = c & 7u;
-  const float mag = (c & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000)
-                    : e == 0           ? float(m) * 0.001953125f                     // m 2^-9
-                                       : __int_as_float(int(((e + 120u) << 23) | (m << 20)));  // (1 + m/8) 2^(e-7)
-  return (c & 0x80u) ? -mag : mag;
-}
 
 MOKGEN_DEVICE float e8m0_factor(uint8_t s) {  // 2^(s - 127); 2^-127 is a float32 subnormal
   return s == 0xffu ? __int_as_float(0x7fc00000) : s == 0 ? __int_as_float(0x00400000) : __int_as_float(int(s) << 23);
@@ -177,7 +171,15 @@ MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, 
   const float f = e8m0_factor(scale);
   alignas(16) bf16 out[mx::kBlock];
 #pragma unroll
-  for (int j = 0; j < mx::kBlock; ++j) out[bf16m_pos(j)] = __float2bfloat16_rn(e4m3_value(q[j]) * f);
+  for (int j = 0; j < mx::kBlock; j += 2) {
+    // two codes -> their exact values as f16x2 (every E4M3 value is an f16 value), then float32:
+    // one conversion per pair
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(q[j] | (q[j + 1] << 8))));
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    out[bf16m_pos(j)] = __float2bfloat16_rn(pair.x * f);
+    out[bf16m_pos(j + 1)] = __float2bfloat16_rn(pair.y * f);
+  }
   const uint4* src = reinterpret_cast<const uint4*>(out);
   uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
@@ -204,7 +206,7 @@ __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int 
     for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(h[j]);
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out_row = size_t(e) * n_out + row;
   if (decoded != nullptr) store_decoded(q, scale, decoded + out_row * k + b * mx::kBlock);
   if (codes != nullptr) {
@@ -230,7 +232,7 @@ __global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int row
 #pragma unroll
   for (int i = 0; i < mx::kBlock; ++i) v[i] = float(src[size_t(i) * n]);
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out = (size_t(e) * n + c) * rows_out + offset + b * mx::kBlock;
   if (decoded != nullptr) store_decoded(q, scale, decoded + out);
   if (codes != nullptr) {
