@@ -75,7 +75,6 @@ MOKGEN_HOST_DEVICE uint8_t quantize_block(const float (&v)[kBlock], uint8_t (&co
 }
 
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 // quantize_block on the GPU with the hardware conversion: the same scale, then each pair of
 // scaled values through cvt.rn.satfinite.e4m3x2.f32 (round to nearest even, E4M3 subnormals kept,
 // finite values beyond 448 saturated to +-448, the sign of zero kept): the bits of e4m3_encode for
@@ -83,7 +82,11 @@ MOKGEN_HOST_DEVICE uint8_t quantize_block(const float (&v)[kBlock], uint8_t (&co
 // codes from the check before. About one instruction per pair where e4m3_encode takes a dozen per
 // element. Checked against the oracle's bits on the GPU (tests/test_gpu_mx_gemm.py,
 // tests/test_gpu_mx_experts.py), as this has no host form.
+// (Before sm_89, which has no such conversion, and in the host pass: quantize_block itself.)
 __device__ __forceinline__ uint8_t quantize_block_hw(const float (&v)[kBlock], uint8_t (&codes)[kBlock]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
+  return quantize_block(v, codes);
+#else
   uint32_t amax = 0;
   bool finite = true;
 #pragma unroll
@@ -109,8 +112,8 @@ __device__ __forceinline__ uint8_t quantize_block_hw(const float (&v)[kBlock], u
     codes[i + 1] = uint8_t(pair >> 8);
   }
   return uint8_t(s + 127);
-}
 #endif
+}
 
 }  // namespace mx
 }  // namespace mokgen
