@@ -53,11 +53,13 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
                                                                           tiles),
         "grouped GEMM gate|up (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(xq, xs, mxw.gate_up_bf16, tiles),
         "swiglu_quantize": lambda: mx_gemm.swiglu_quantize(gu, clamp),
+        "gate|up + SwiGLU + quantize (fused)": lambda: mx_gemm.mx_bf16_math_swiglu_gemm(xq, xs, mxw.gate_up_bf16, tiles,
+                                                                                       clamp),
         "grouped GEMM down (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles),
         "grouped GEMM down (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(hq, hs, mxw.down_bf16, tiles),
         "combine": lambda: mx_gemm.combine(y, row, w.contiguous()),
     }
-    flops = {name: 2 * rows * 2 * I * H for name in stages if "gate|up" in name}
+    flops = {name: 2 * rows * 2 * I * H for name in stages if "gate|up" in name}  # padded rows
     flops.update({name: 2 * rows * H * I for name in stages if "GEMM down" in name})
     print(f"{spec.name}: {T} x {k} rows, {int(padded.sum())} padded ({rows} allocated), H {H}, I {I}")
     for stage, fn in stages.items():

@@ -61,7 +61,10 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_gemm.restype = i
         lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
-        lib.mokgen_mx_weight_rows.argtypes, lib.mokgen_mx_weight_rows.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
+        lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+        lib.mokgen_mx_weight_rows.restype = i
+        lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
+        lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
         lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_cols.restype = i
         lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -358,14 +361,45 @@ def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles):
     return c
 
 
-def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
+def mx_bf16_math_swiglu_gemm(a_codes, a_scales_blocked, b_interleaved, tiles, clamp_limit: float | None = None):
+    """The up projection with SwiGLU and h's quantization fused into the bf16-math GEMM's epilogue
+    (grouped): A ``[M, H]`` MXFP8 rows with blocked scales, B the gate | up weights from
+    :func:`expert_weights` with ``interleave`` (``[E, 2I, H]``), ``tiles`` as
+    :func:`mx_bf16_math_grouped_gemm`'s. Returns h as ``(codes [M, I], scales [I / 128, M, 4])``:
+    the bits of :func:`swiglu_quantize` of the unfused GEMM's gate | up, with no float32 gate | up
+    written. Rows outside every tile are not written."""
+    import torch
+
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"fused SwiGLU GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    _check_bf16_b(b_interleaved, K, stacked=True)
+    _check_tiles(tiles, a_codes.device, "fused SwiGLU GEMM")
+    E, N, _ = b_interleaved.shape
+    inter = N // 2
+    limit = 0.0 if clamp_limit is None else float(clamp_limit)
+    if clamp_limit is not None and not limit > 0:
+        raise InputError(f"clamp_limit must be positive, got {clamp_limit}")
+    codes = torch.empty(M, inter, dtype=torch.float8_e4m3fn, device=a_codes.device)
+    scales = torch.empty(inter // BLOCK, M, 4, dtype=torch.uint8, device=a_codes.device)
+    if tiles.shape[0]:
+        _launch("mokgen_mx_bf16_math_swiglu_gemm", a_codes.device, codes.data_ptr(), scales.data_ptr(),
+                a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_interleaved.data_ptr(), tiles.data_ptr(),
+                int(tiles.shape[0]), E, M, inter, K, limit, what="bf16 math, fused SwiGLU")
+    return codes, scales
+
+
+def expert_weights(parts, *, transpose: bool = False, codes: bool = False, interleave: bool = False):
     """Stacked expert weights (bf16, mokgen's layout) quantized to MXFP8 on the GPU in one pass each,
     for the grouped GEMMs: ``parts`` are ``[E, n_i, K]`` tensors stacked along their rows (gate then
     up), quantized along K; with ``transpose`` the parts are ``[E, r_i, n]`` and the result is the
     transpose of their stack, ``[E, n, sum r_i]``, quantized along ``sum r_i`` (the dgrads'
     orientation). Returns the MX values as bf16 with k permuted for the bf16-math GEMM
     (:func:`bf16_math_weights`' bits), then with ``codes`` the E4M3 codes and the E8M0 scales in
-    ``block_expert_scales``' layout for the FP8 forms."""
+    ``block_expert_scales``' layout for the FP8 forms. ``interleave`` (two parts of equal rows, a
+    multiple of 128, along K): the bf16 values' rows interleaved in 128s, gate then up, as
+    :func:`mx_bf16_math_swiglu_gemm` reads them (the codes keep the parts' order)."""
     import torch
 
     parts = list(parts)
@@ -376,6 +410,9 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
     E, dev = first.shape[0], first.device
     sizes = [p.shape[1] for p in parts]
     total, inner = sum(sizes), first.shape[2]
+    if interleave and (transpose or len(parts) != 2 or sizes[0] != sizes[1] or sizes[0] % BLOCK):
+        raise InputError(f"interleave takes two parts of equal rows, a multiple of {BLOCK}, along K; got {sizes}"
+                         f"{' transposed' if transpose else ''}")
     if transpose:
         if total % BLOCK or any(r % 32 for r in sizes):
             raise InputError(f"transposed expert weights: the stacked rows {sizes} must be multiples of 32 summing to a "
@@ -396,7 +433,7 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
                     offset, 0)
         else:
             _launch("mokgen_mx_weight_rows", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, K, N,
-                    offset)
+                    offset, int(interleave))
         offset += size
     return (dec, cod, sc) if codes else dec
 

@@ -102,31 +102,50 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // Dense (tiles null, E = 1) or grouped: n_tiles row tiles (expert, first row), (-1, 0) skipped.
 // K-ranged (kranges given: n_ranges (first k, length) pairs, multiples of 128): C [n_ranges, M, N]
 // with slice z the product over its range only (the weight gradients), tiles null.
-int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
-                     int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, void* stream) {
+// Fused (swi.codes not null, grouped only): no C; h = swiglu(gate, up) quantized to MXFP8 into
+// swi (B's rows interleaved in 128s of gate then up: N = 2 inter).
+template <int kEpi>
+int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
+                         int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::SwigluOut swi,
+                         void* stream) {
   namespace bm = bf16m;
-  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
-      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535 ||
-      n_ranges < 1 || n_ranges > 65535 || (kranges == nullptr && n_ranges != 1) ||
-      (kranges != nullptr && tiles != nullptr))
-    return int(cudaErrorInvalidValue);
-  if (n_tiles == 0) return 0;
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
   static bool attr = false;
   if (!attr) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(bm::gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bm::kSmemBytes));
+    const cudaError_t err = cudaFuncSetAttribute(bm::gemm_kernel<kEpi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 int(bm::kSmemBytes));
     if (err != cudaSuccess) return int(err);
     attr = true;
   }
-  bm::gemm_kernel<<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
-                    static_cast<cudaStream_t>(stream)>>>(ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c),
-                                                         M, N, K, static_cast<const int2*>(tiles),
-                                                         static_cast<const int2*>(kranges), out_bf16);
+  bm::gemm_kernel<kEpi><<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
+                          static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, static_cast<const int2*>(tiles),
+      static_cast<const int2*>(kranges), out_bf16, swi);
   return int(cudaGetLastError());
+}
+
+int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
+                     int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, void* stream,
+                     bf16m::SwigluOut swi = {nullptr, nullptr, 0, 0.f}) {
+  namespace bm = bf16m;
+  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
+      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535 ||
+      n_ranges < 1 || n_ranges > 65535 || (kranges == nullptr && n_ranges != 1) ||
+      (kranges != nullptr && tiles != nullptr) ||
+      (swi.codes != nullptr && (swi.scales == nullptr || kranges != nullptr || 2 * swi.inter != N)))
+    return int(cudaErrorInvalidValue);
+  if (n_tiles == 0) return 0;
+  if (swi.codes == nullptr)
+    return launch_bf16_math_epi<bm::kEpiStore>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, out_bf16,
+                                               swi, stream);
+  if (swi.limit > 0.f)
+    return launch_bf16_math_epi<bm::kEpiSwigluClamp>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0,
+                                                     swi, stream);
+  return launch_bf16_math_epi<bm::kEpiSwiglu>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0, swi,
+                                              stream);
 }
 
 }  // namespace
@@ -157,6 +176,21 @@ int mokgen_mx_bf16_math_grouped_gemm(void* c, const void* a, const void* sa, con
   return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream);
 }
 
+// The up projection with SwiGLU and h's quantization fused (grouped): A MXFP8 rows [M, K], B bf16
+// [E 2I, K] with each expert's gate and up rows interleaved in 128s (mx_gemm.expert_weights'
+// interleave), tiles as above -> h codes [M, I] and blocked scales [I / 128, M, 4] of
+// swiglu(gate, up) (limit > 0: clamped), the bits of the unfused GEMM then
+// mokgen_mx_swiglu_quantize; no float32 gate | up.
+int mokgen_mx_bf16_math_swiglu_gemm(void* h_codes, void* h_scales, const void* a, const void* sa, const void* b,
+                                    const void* tiles, int n_tiles, int E, int M, int inter, int K, float limit,
+                                    void* stream) {
+  if (h_codes == nullptr || h_scales == nullptr || inter <= 0) return int(cudaErrorInvalidValue);
+  const mokgen::mxg::bf16m::SwigluOut swi{static_cast<uint8_t*>(h_codes), static_cast<uint8_t*>(h_scales), inter,
+                                          limit};
+  return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, 2 * inter, K, nullptr, 1, 0, stream,
+                                       swi);
+}
+
 // The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over
 // k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
 // (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
@@ -167,18 +201,24 @@ int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, cons
 }
 
 // Expert weights x bf16 [E, n_in, K] quantized along K into rows offset .. offset + n_in of each
-// expert's n_out: decoded bf16 [E, n_out, K] (k permuted for the bf16-math GEMM), and when codes is
-// not null codes [E, n_out, K] and scales [E, K / 128, n_out, 4]. K a multiple of 128.
+// expert's n_out: decoded bf16 [E, n_out, K] (k permuted for the bf16-math GEMM; with interleave,
+// two parts of n_in rows, a multiple of 128, interleaved in 128s), and when codes is not null
+// codes [E, n_out, K] and scales [E, K / 128, n_out, 4] (rows in order). K a multiple of 128.
 int mokgen_mx_weight_rows(void* decoded, void* codes, void* scales, const void* x, int E, int n_in, int k, int n_out,
-                          int offset, void* stream) {
+                          int offset, int interleave, void* stream) {
   using namespace mokgen;
   if (E < 0 || n_in < 0 || k <= 0 || k % 128 || offset < 0 || offset + n_in > n_out ||
-      (decoded == nullptr && codes == nullptr))
+      (decoded == nullptr && codes == nullptr) ||
+      (interleave && (n_in <= 0 || n_in % 128 || offset % n_in || 2 * n_in != n_out)))
     return int(cudaErrorInvalidValue);
+  // the decoded rows: as the codes', or gate | up interleaved in 128s (offset 0: gate, n_in: up)
+  const int dec_block = interleave ? 128 : (n_in > 0 ? n_in : 1), dec_stride = interleave ? 256 : 0;
+  const int dec_offset = interleave ? (offset ? 128 : 0) : offset;
   const long long n = (long long)E * n_in * (k / mx::kBlock);
   if (n == 0) return 0;
   mxg::weight_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), E, n_in, k, n_out, offset, static_cast<bf16*>(decoded),
+      static_cast<const bf16*>(x), E, n_in, k, n_out, offset, dec_block, dec_stride, dec_offset,
+      static_cast<bf16*>(decoded),
       static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }

@@ -166,3 +166,15 @@ def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form):
         mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp, form=form).backward(d_out)
         for got, twice in zip(leaves, again):
             assert torch.equal(got.grad, twice.grad)
+
+
+@pytest.mark.parametrize("clamp", [None, 10.0])
+def test_the_fused_up_projection_gives_the_unfused_bits(clamp):
+    """experts_forward with the gate | up weights interleaved (SwiGLU and h's quantization in the
+    GEMM's epilogue, the default) and without (the GEMM, then swiglu_quantize): the same bits."""
+    x, ids, w, wg, wu, wd = _problem(300, 512, 256, 6, 2, seed=17, skew=True)
+    fused = mx_experts.quantize_weights(wg, wu, wd)
+    plain = mx_experts.quantize_weights(wg, wu, wd, interleave=False)
+    assert fused.interleaved and not plain.interleaved
+    assert torch.equal(mx_experts.experts_forward(x, ids, w, fused, clamp_limit=clamp),
+                       mx_experts.experts_forward(x, ids, w, plain, clamp_limit=clamp))

@@ -217,3 +217,27 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range():
         assert torch.equal(got[z], want), z
     low = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=torch.bfloat16)
     assert torch.equal(low, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("clamp", [None, 7.0])
+def test_fused_swiglu_gemm_is_the_gemm_then_swiglu_quantize(clamp):
+    """The up projection with SwiGLU and h's quantization in the epilogue (B interleaved in 128s)
+    has the bits of the unfused grouped GEMM followed by swiglu_quantize, over every tile of the
+    segments; skipped (-1, 0) tiles write nothing. Rows scaled over a wide range, a NaN row."""
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    E, I, K = 3, 256, 384
+    padded = [256, 0, 128]
+    x = _blocks(sum(padded), K, gen, 12)
+    x[130, 5] = float("nan")  # its h row: the NaN scale and codes where the product meets it
+    a, sa = mx.quantize(x, dim=-1)
+    wg, wu = ((torch.randn(E, I, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16) for _ in range(2))
+    plain = mx_gemm.expert_weights([wg, wu])
+    fused = mx_gemm.expert_weights([wg, wu], interleave=True)
+    tiles, n = mx_gemm.row_tiles(padded, "cuda")
+    tiles = torch.cat([tiles, torch.tensor([[-1, 0]], dtype=torch.int32, device="cuda")])
+    gu = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), plain, tiles)
+    want_codes, want_scales = mx_gemm.swiglu_quantize(gu, clamp)
+    codes, scales = mx_gemm.mx_bf16_math_swiglu_gemm(a, mx_gemm.block_scales(sa), fused, tiles, clamp)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert (scales == 255).any()  # the NaN row reached the check

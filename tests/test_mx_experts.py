@@ -144,9 +144,14 @@ def test_quantized_weights_hold_the_bf16_math_operands():
     E, I, H = 2, 128, 256
     wg, wu = (torch.randn(E, I, H, generator=gen).to(torch.bfloat16) for _ in range(2))
     wd = torch.randn(E, H, I, generator=gen).to(torch.bfloat16)
-    w = mx_experts.quantize_weights(wg, wu, wd)
+    w = mx_experts.quantize_weights(wg, wu, wd, interleave=False)
     codes, scales = mx.quantize(wu[1], dim=-1)
     assert torch.equal(unpermute(w.gate_up_bf16[1, I:]), mx.dequantize(codes, scales).to(torch.bfloat16))
+    # interleaved (the default): rows 256 j .. 256 j + 127 gate's 128 j .., then up's
+    fused = mx_experts.quantize_weights(wg, wu, wd)
+    assert fused.interleaved and not w.interleaved and torch.equal(fused.gate_up, w.gate_up)
+    assert torch.equal(fused.gate_up_bf16[1, 128:256], w.gate_up_bf16[1, I:I + 128])
+    assert torch.equal(fused.gate_up_bf16[0, :128], w.gate_up_bf16[0, :128])
     codes, scales = mx.quantize(wd[0], dim=-1)
     assert torch.equal(unpermute(w.down_bf16[0]), mx.dequantize(codes, scales).to(torch.bfloat16))
 
@@ -229,7 +234,14 @@ def emulate_kernels(monkeypatch):
                 c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
         return c
 
-    for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped), ("quantize_rows", quantize_rows),
+    def swiglu_gemm(a, sa, b_interleaved, tiles, clamp_limit=None):
+        gu = bf16_grouped(a, sa, b_interleaved, tiles)  # columns interleaved in 128s, as B's rows
+        rows, n = gu.shape
+        gu = gu.view(rows, n // 256, 2, 128).transpose(1, 2).reshape(rows, n)
+        return swiglu_quantize(torch.nan_to_num(gu), clamp_limit)  # rows outside the tiles: unwritten
+
+    for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped),
+                     ("mx_bf16_math_swiglu_gemm", swiglu_gemm), ("quantize_rows", quantize_rows),
                      ("swiglu_quantize", swiglu_quantize), ("combine", combine),
                      ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols)):
         monkeypatch.setattr(mx_gemm, name, fn)

@@ -17,6 +17,7 @@
 
 #include "bulk_copy.cuh"
 #include "hopper_gemm.cuh"
+#include "mx.cuh"
 
 namespace mokgen {
 namespace mxg {
@@ -388,10 +389,73 @@ __device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& 
   m2 = b2 | (b2 << 16);
 }
 
+// The fused up-projection epilogue (kEpi = kEpiSwiglu, kEpiSwigluClamp): B's rows interleaved in
+// 128s (n-tile j = gate rows 128 j .. 128 j + 127, then the same up rows: expert_weights with
+// interleave), so a thread holds gate and up of the same column (accumulators i and i + 16); it
+// computes h = swiglu(gate, up) (common.cuh's, the megakernel's) and quantizes h to MXFP8 along I
+// in place of storing C: a 32-block of a row lies with the four threads q = 0..3 of a quad (8
+// values each), which agree on the block's amax by two shuffles. The codes go to h [M, I], the
+// scales to [I / 128, M, 4]: the bits of mx_gemm.swiglu_quantize of the float32 gate | up.
+struct SwigluOut {
+  uint8_t* codes;
+  uint8_t* scales;
+  int inter;
+  float limit;
+};
+constexpr int kEpiStore = 0, kEpiSwiglu = 1, kEpiSwigluClamp = 2;
+
+template <bool kHasClamp>
+__device__ __forceinline__ void swiglu_quantize_epilogue(const float (&acc)[kAcc], const SwigluOut& out, int M,
+                                                         int row, int n0, int q) {
+  const int j0 = (n0 / kBN) * (kBN / 2);  // this tile's first column of h
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // rows row and row + 8
+    const int r = row + 8 * half;
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb) {  // the tile's four 32-blocks of h
+      float h[8];
+      uint32_t amax = 0;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = 4 * bb + u;  // gate accumulators i, up i + 16
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = swiglu<kHasClamp>(acc[4 * i + 2 * half + e], acc[4 * (i + 16) + 2 * half + e], out.limit);
+          h[2 * u + e] = v;
+          const uint32_t a = mx::float_bits(v) & 0x7fffffffu;
+          amax = a > amax ? a : amax;
+        }
+      }
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      // mx::quantize_block's scale and codes (non-finite: NaN scale and codes)
+      const bool finite = amax < 0x7f800000u;
+      const int exp_field = int(amax >> 23);
+      int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
+      sc = sc < -127 ? -127 : sc;
+      const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
+      const int j = j0 + 32 * bb + 2 * q;  // this thread's first column of the block; then + 8 u
+      uint8_t* dst = out.codes + size_t(r) * out.inter + j;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        uint16_t pair;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(h[2 * u + 1] * inv), "f"(h[2 * u] * inv));
+        if (!finite) pair = uint16_t(mx::kE4M3Nan | (mx::kE4M3Nan << 8));
+        *reinterpret_cast<uint16_t*>(dst + 8 * u) = pair;
+      }
+      if (q == 0) {
+        const int b = j / 32;  // the block along I
+        out.scales[(size_t(b >> 2) * M + r) * 4 + (b & 3)] = finite ? uint8_t(sc + 127) : mx::kE8M0Nan;
+      }
+    }
+  }
+}
+
+template <int kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
-                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16) {
+                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, SwigluOut swi) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
@@ -480,6 +544,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   cute::warpgroup_wait<0>();
   sm90::fence_operands(acc);
   const int row = m0 + r0;
+  if constexpr (kEpi != kEpiStore) {
+    swiglu_quantize_epilogue<kEpi == kEpiSwigluClamp>(acc, swi, M, row, n0, q);
+    return;
+  }
   if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
     bf16* cb = reinterpret_cast<bf16*>(c) + z_off;
 #pragma unroll

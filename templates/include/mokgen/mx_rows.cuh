@@ -186,16 +186,19 @@ MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, 
   for (int i = 0; i < 4; ++i) d[i] = src[i];
 }
 
-// x [E, n_in, K] bf16 along K -> rows offset .. offset + n_in of each expert's n_out rows: decoded
-// [E, n_out, K] bf16 (permuted); codes [E, n_out, K] and scales [E, K / 128, n_out, 4] when given.
+// x [E, n_in, K] bf16 along K -> rows offset .. offset + n_in of each expert's n_out rows: codes
+// [E, n_out, K] and scales [E, K / 128, n_out, 4] when given; decoded [E, n_out, K] bf16 (permuted)
+// at row (r / dec_block) dec_stride + dec_offset + r % dec_block of the expert's (dec_block =
+// n_in, dec_offset = offset: the codes' rows; dec_block = 128, dec_stride = 256, dec_offset = 0
+// or 128: gate and up interleaved in 128s for the fused SwiGLU epilogue).
 __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int n_in, int k, int n_out, int offset,
-                                   bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
-                                   uint8_t* __restrict__ scales) {
+                                   int dec_block, int dec_stride, int dec_offset, bf16* __restrict__ decoded,
+                                   uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
   const int nb = k / mx::kBlock;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)experts * n_in * nb) return;
   const long long r = idx / nb;  // e n_in + row
-  const int b = int(idx % nb), e = int(r / n_in), row = offset + int(r % n_in);
+  const int b = int(idx % nb), e = int(r / n_in), local = int(r % n_in), row = offset + local;
   const uint4* p = reinterpret_cast<const uint4*>(x + size_t(r) * k + b * mx::kBlock);
   float v[mx::kBlock];
 #pragma unroll
@@ -208,7 +211,10 @@ __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int 
   uint8_t q[mx::kBlock];
   const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out_row = size_t(e) * n_out + row;
-  if (decoded != nullptr) store_decoded(q, scale, decoded + out_row * k + b * mx::kBlock);
+  if (decoded != nullptr) {
+    const size_t dec_row = size_t(e) * n_out + (local / dec_block) * dec_stride + dec_offset + local % dec_block;
+    store_decoded(q, scale, decoded + dec_row * k + b * mx::kBlock);
+  }
   if (codes != nullptr) {
     store_codes(q, codes + out_row * k + b * mx::kBlock);
     scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
