@@ -160,15 +160,16 @@ def _segments(flat_ids: torch.Tensor, num_experts: int, k: int, check_ids: bool 
     padding), the row tiles of the grouped GEMM and the padded segment sizes (device). The tile
     list has a fixed length, ceil(n / 128) + E for n pairs, the bound of any routing; tiles past
     the segments' are (-1, 0), which the kernels skip, and the rows past them are zeros. On a GPU
-    the sort and one kernel (``mx_gemm.segments``); elsewhere the PyTorch expression below, its
-    reference. ``check_ids``: raise InputError for an id outside [0, E), at the cost of one host
+    one kernel (``mx_gemm.segments``, after a sort only past 1024 experts); elsewhere the PyTorch
+    expression below, its reference. ``check_ids``: raise InputError for an id outside [0, E), at the cost of one host
     sync."""
     E, n = num_experts, flat_ids.numel()
     if check_ids and bool(((flat_ids < 0) | (flat_ids >= E)).any()):
         raise InputError(f"topk_ids must lie in [0, {E})")
+    if flat_ids.is_cuda:  # one kernel; past its expert count, after a stable sort
+        order = None if E <= mx_gemm.SEGMENTS_MAX_UNSORTED else torch.sort(flat_ids, stable=True).indices
+        return mx_gemm.segments(flat_ids, k, E, order)
     order = torch.sort(flat_ids, stable=True).indices
-    if flat_ids.is_cuda:
-        return mx_gemm.segments(flat_ids, order, k, E)
     block = mx_gemm.BLOCK
     counts = torch.zeros(E, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids.clamp(0, E - 1), torch.ones_like(flat_ids))

@@ -481,18 +481,25 @@ def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_
     return c
 
 
-def segments(ids, order, k: int, num_experts: int):
+#: the most experts mx_gemm.segments ranks without a sort order (its shared memory)
+SEGMENTS_MAX_UNSORTED = 1024
+
+
+def segments(ids, k: int, num_experts: int, order=None):
     """The staged experts' segments on the GPU in one launch (``mx_experts._segments``'
-    semantics): the pairs' ids int64 ``[n]`` and their stable sort order -> ``(row int64 [n], src
-    int32 [128 n_tiles], tiles int32 [n_tiles, 2], padded int64 [E])`` with ``n_tiles = ceil(n /
-    128) + E``."""
+    semantics): the pairs' ids int64 ``[n]`` -> ``(row int64 [n], src int32 [128 n_tiles], tiles
+    int32 [n_tiles, 2], padded int64 [E])`` with ``n_tiles = ceil(n / 128) + E``. Given ``order``
+    (the ids' stable sort order, int64 ``[n]``) the kernel reads the ranks from it; without, it
+    ranks the pairs itself (at most :data:`SEGMENTS_MAX_UNSORTED` experts)."""
     import torch
 
     n, E = ids.numel(), num_experts
-    if ids.dtype != torch.int64 or order.dtype != torch.int64 or order.shape != ids.shape or ids.dim() != 1:
-        raise InputError("segments: ids and order must be int64 [n]")
-    if not 0 < E <= 8192:
-        raise InputError(f"segments: 1 to 8192 experts, got {E}")
+    if ids.dtype != torch.int64 or ids.dim() != 1 or (order is not None and (order.dtype != torch.int64
+                                                                             or order.shape != ids.shape)):
+        raise InputError("segments: ids (and order, when given) must be int64 [n]")
+    if not 0 < E <= (8192 if order is not None else SEGMENTS_MAX_UNSORTED):
+        raise InputError(f"segments: 1 to {8192 if order is not None else SEGMENTS_MAX_UNSORTED} experts "
+                         f"{'with' if order is not None else 'without'} a sort order, got {E}")
     n_tiles = -(-n // BLOCK) + E
     dev = ids.device
     row = torch.empty(n, dtype=torch.int64, device=dev)
@@ -500,5 +507,5 @@ def segments(ids, order, k: int, num_experts: int):
     tiles = torch.empty(n_tiles, 2, dtype=torch.int32, device=dev)
     padded = torch.empty(E, dtype=torch.int64, device=dev)
     _launch("mokgen_mx_segments", dev, row.data_ptr(), src.data_ptr(), tiles.data_ptr(), padded.data_ptr(),
-            ids.data_ptr(), order.data_ptr(), n, k, E, n_tiles)
+            ids.data_ptr(), None if order is None else order.data_ptr(), n, k, E, n_tiles)
     return row, src, tiles, padded

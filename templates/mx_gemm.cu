@@ -249,12 +249,20 @@ int mokgen_mx_weight_cols(void* decoded, void* codes, void* scales, const void* 
 }
 
 // The staged experts' segments from the pairs' ids (int64 [n]) and their stable sort order (int64
-// [n]): row int64 [n], src int32 [128 n_tiles], tiles int2 [n_tiles], padded int64 [E]. One CTA.
+// [n]; null: ranked in the kernel, E <= 1024): row int64 [n], src int32 [128 n_tiles], tiles int2
+// [n_tiles], padded int64 [E]. One CTA.
 int mokgen_mx_segments(void* row, void* src, void* tiles, void* padded, const void* ids, const void* order, int n,
                        int k, int E, int n_tiles, void* stream) {
   using namespace mokgen;
-  if (n < 0 || k <= 0 || E <= 0 || E > 8192 || n_tiles < 0) return int(cudaErrorInvalidValue);
-  mxg::segments_kernel<<<1, mxg::kSegThreads, 4 * E * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+  if (n < 0 || k <= 0 || E <= 0 || E > 8192 || n_tiles < 0 || (order == nullptr && E > mxg::kSegMaxUnsorted))
+    return int(cudaErrorInvalidValue);
+  const size_t smem = mxg::segments_smem_bytes(E, order != nullptr);
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(mxg::segments_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return int(err);
+  }
+  mxg::segments_kernel<<<1, mxg::kSegThreads, smem, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const long long*>(ids), static_cast<const long long*>(order), n, k, E, n_tiles,
       static_cast<long long*>(row), static_cast<int*>(src), static_cast<int2*>(tiles),
       static_cast<long long*>(padded));

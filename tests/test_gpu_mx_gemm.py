@@ -167,7 +167,7 @@ def test_expert_weights_are_the_quantizer_s_values_codes_and_scales(transpose):
     assert torch.equal(alone.view(torch.int16), dec.view(torch.int16))
 
 
-@pytest.mark.parametrize("E, n", [(1, 1), (3, 300), (48, 16384), (384, 20000), (8, 0)])
+@pytest.mark.parametrize("E, n", [(1, 1), (3, 300), (48, 16384), (384, 20000), (8, 0), (1024, 3000), (2, 131072)])
 def test_segments_kernel_is_the_pytorch_expression(E, n):
     """mx_gemm.segments (one CTA) against mx_experts._segments' PyTorch expression on the CPU:
     rows, sources, tiles and padded sizes, on random and skewed routings."""
@@ -180,9 +180,12 @@ def test_segments_kernel_is_the_pytorch_expression(E, n):
             ids[: n // 2] = 0
         k = 2 if n % 2 == 0 and n else 1
         want = mx_experts._segments(ids, E, k)
-        got = mx_experts._segments(ids.cuda(), E, k)
-        for name, g, w in zip(("row", "src", "tiles", "padded"), got, want):
-            assert torch.equal(g.cpu(), w), name
+        dev = ids.cuda()
+        unsorted = mx_experts._segments(dev, E, k)  # the kernel ranks the pairs itself
+        sorted_ = mx_gemm.segments(dev, k, E, torch.sort(dev, stable=True).indices)
+        for got in (unsorted, sorted_):
+            for name, g, w in zip(("row", "src", "tiles", "padded"), got, want):
+                assert torch.equal(g.cpu(), w), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

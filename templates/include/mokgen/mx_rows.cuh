@@ -249,18 +249,28 @@ __global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int row
 }
 
 // ---- the staged experts' segments on the device, one CTA (mx_experts._segments) -----------------
-// From the pairs' expert ids (flat, n = T k) and their stable sort order: each pair's row in the
-// padded layout (segments in expert order, each a multiple of 128 rows), the source token of
+// From the pairs' expert ids (flat, n = T k), and their stable sort order or none: each pair's row
+// in the padded layout (segments in expert order, each a multiple of 128 rows), the source token of
 // every padded row (-1: padding), the fixed-length tile list (n_tiles = ceil(n / 128) + E entries,
 // (-1, 0) past the segments) and the padded sizes. Ids outside [0, E) are clamped, as the
 // PyTorch expression did (experts_forward checks them first unless told not to).
+//
+// Without the order (E <= kSegMaxUnsorted), the kernel ranks the pairs itself, in the sort's
+// order: chunks of 1024 pairs in turn; within a warp, the lanes holding one expert find each other
+// (__match_any_sync) and count the lanes before them; across the chunk's 32 warps, a warp's base
+// for expert e is the pairs of e in the warps before it (hist [32][E] in shared memory, turned
+// into exclusive prefixes by a thread per expert), plus the pairs of e in the chunks before.
 constexpr int kSegThreads = 1024;
+constexpr int kSegMaxUnsorted = 1024;  // 4 E + 32 E ints of shared memory: 144 KB at 1024
+
+inline size_t segments_smem_bytes(int E, bool sorted) { return size_t(sorted ? 4 : 36) * E * sizeof(int); }
 
 __global__ void __launch_bounds__(kSegThreads, 1)
     segments_kernel(const long long* __restrict__ ids, const long long* __restrict__ order, int n, int k, int E,
                     int n_tiles, long long* __restrict__ row, int* __restrict__ src, int2* __restrict__ tiles,
                     long long* __restrict__ padded_out) {
-  extern __shared__ int seg_smem[];  // counts, pairs before, segment starts, tile ends: 4 E ints
+  extern __shared__ int seg_smem[];  // counts, pairs before, segment starts, tile ends: 4 E ints;
+                                     // unsorted: then hist [32][E]
   int* counts = seg_smem;
   int* before = counts + E;
   int* start = before + E;
@@ -287,13 +297,47 @@ __global__ void __launch_bounds__(kSegThreads, 1)
     }
   }
   __syncthreads();
-  // the p-th pair in sorted order (by id, stable) is its expert's (p - before[e])-th row
-  for (int p = tid; p < n; p += kSegThreads) {
-    const long long i = order[p];
-    const int e = expert_of(ids[i]);
-    const int r = start[e] + (p - before[e]);
-    row[i] = r;
-    src[r] = int(i / k);
+  if (order != nullptr) {
+    // the p-th pair in sorted order (by id, stable) is its expert's (p - before[e])-th row
+    for (int p = tid; p < n; p += kSegThreads) {
+      const long long i = order[p];
+      const int e = expert_of(ids[i]);
+      const int r = start[e] + (p - before[e]);
+      row[i] = r;
+      src[r] = int(i / k);
+    }
+  } else {
+    int* hist = tile_end + E;  // [32][E]
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int i = tid; i < 32 * E; i += kSegThreads) hist[i] = 0;
+    for (int e = tid; e < E; e += kSegThreads) before[e] = 0;  // now: pairs of e in the chunks before
+    __syncthreads();
+    for (int chunk = 0; chunk < n; chunk += kSegThreads) {
+      const int p = chunk + tid;
+      const int e = p < n ? expert_of(ids[p]) : E;  // E: no pair
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int lanes_before = __popc(peers & ((1u << lane) - 1u));
+      if (e < E && lanes_before == 0) hist[warp * E + e] = __popc(peers);
+      __syncthreads();
+      for (int x = tid; x < E; x += kSegThreads) {  // hist[., x] -> exclusive prefixes, chunk base added
+        int acc = before[x];
+        for (int w = 0; w < 32; ++w) {
+          const int c = hist[w * E + x];
+          hist[w * E + x] = acc;
+          acc += c;
+        }
+        before[x] = acc;
+      }
+      __syncthreads();
+      if (e < E) {
+        const int r = start[e] + hist[warp * E + e] + lanes_before;
+        row[p] = r;
+        src[r] = p / k;
+      }
+      __syncthreads();
+      for (int i = tid; i < 32 * E; i += kSegThreads) hist[i] = 0;
+      __syncthreads();
+    }
   }
   for (int i = tid; i < n_tiles; i += kSegThreads) {
     int lo = 0, hi = E;  // the first expert whose tiles end past i
