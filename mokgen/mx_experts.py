@@ -209,7 +209,7 @@ class _Saved:
     padded: torch.Tensor
     tiles: torch.Tensor
     gu: torch.Tensor | None  # None when the fused up projection ran (inference)
-    y: torch.Tensor
+    y: torch.Tensor | None  # None when the fused combine ran (inference, k = 1)
 
 
 def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str, check_ids: bool = True,
@@ -233,6 +233,11 @@ def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, f
                       weights.interleaved)
         # 3. SwiGLU in float32 and h quantized along I, one pass
         hq, hs = mx_gemm.swiglu_quantize(gu, clamp_limit)
+    if k == 1 and form == "bf16" and not keep_gu and weights.hidden % mx_gemm.BF16_MATH_N == 0:
+        # 4-5. down with the combine of each token's one pair in the GEMM's epilogue (no float32 y)
+        out = mx_gemm.mx_bf16_math_combine1_gemm(hq, hs, weights.down_bf16, tiles, src,
+                                                 topk_weights.reshape(-1).to(torch.float32).contiguous())
+        return out, _Saved(row, padded, tiles, gu, None)
     # 4. down
     y = _grouped(hq, hs, weights.down_bf16, weights.down, weights.down_scales, tiles, form)
     # 5. combine in the fixed order j = 0..k-1

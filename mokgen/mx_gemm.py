@@ -65,6 +65,8 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_weight_rows.restype = i
         lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
         lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
+        lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
         lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_cols.restype = i
         lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -388,6 +390,33 @@ def mx_bf16_math_swiglu_gemm(a_codes, a_scales_blocked, b_interleaved, tiles, cl
                 a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_interleaved.data_ptr(), tiles.data_ptr(),
                 int(tiles.shape[0]), E, M, inter, K, limit, what="bf16 math, fused SwiGLU")
     return codes, scales
+
+
+def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, weight):
+    """The down projection with the combine of one pair per token (k = 1) fused into the bf16-math
+    GEMM's epilogue (grouped): A ``[M, K]`` MXFP8 h rows with blocked scales, B bf16 ``[E, N, K]``,
+    ``tiles`` as :func:`mx_bf16_math_grouped_gemm`'s, ``src`` int32 ``[M]`` (each row's token,
+    -1 for padding; every token exactly once) and ``weight`` float32 ``[T]``. Returns ``out [T, N]``
+    bf16 with ``out[src[r]] = weight[src[r]] * (A B^T)[r]``: the bits of the GEMM then
+    :func:`combine` at k = 1, with no float32 C written."""
+    import torch
+
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"fused combine GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    _check_bf16_b(b_bf16, K, stacked=True)
+    _check_tiles(tiles, a_codes.device, "fused combine GEMM")
+    if src.dtype != torch.int32 or src.shape != (M,) or weight.dtype != torch.float32 or weight.dim() != 1 \
+            or not weight.is_contiguous() or src.device != a_codes.device or weight.device != a_codes.device:
+        raise InputError(f"fused combine GEMM: src int32 [{M}] and weight float32 [T] on the operands' device")
+    E, N, _ = b_bf16.shape
+    out = torch.empty(weight.shape[0], N, dtype=torch.bfloat16, device=a_codes.device)
+    if tiles.shape[0] and weight.shape[0]:
+        _launch("mokgen_mx_bf16_math_combine1_gemm", a_codes.device, out.data_ptr(), src.data_ptr(),
+                weight.data_ptr(), a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_bf16.data_ptr(),
+                tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K, what="bf16 math, fused combine")
+    return out
 
 
 def expert_weights(parts, *, transpose: bool = False, codes: bool = False, interleave: bool = False):

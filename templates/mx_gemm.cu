@@ -102,11 +102,12 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // Dense (tiles null, E = 1) or grouped: n_tiles row tiles (expert, first row), (-1, 0) skipped.
 // K-ranged (kranges given: n_ranges (first k, length) pairs, multiples of 128): C [n_ranges, M, N]
 // with slice z the product over its range only (the weight gradients), tiles null.
-// Fused (swi.codes not null, grouped only): no C; h = swiglu(gate, up) quantized to MXFP8 into
-// swi (B's rows interleaved in 128s of gate then up: N = 2 inter).
+// Fused epilogues (grouped only, no C): swi.codes not null, h = swiglu(gate, up) quantized to
+// MXFP8 (B's rows interleaved in 128s of gate then up: N = 2 inter); swi.out not null, the combine
+// of one pair per token.
 template <int kEpi>
 int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
-                         int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::SwigluOut swi,
+                         int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::EpiArgs swi,
                          void* stream) {
   namespace bm = bf16m;
   CUtensorMap ma, mb;
@@ -129,15 +130,19 @@ int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, 
 
 int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
                      int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, void* stream,
-                     bf16m::SwigluOut swi = {nullptr, nullptr, 0, 0.f}) {
+                     bf16m::EpiArgs swi = {}) {
   namespace bm = bf16m;
   if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
       (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535 ||
       n_ranges < 1 || n_ranges > 65535 || (kranges == nullptr && n_ranges != 1) ||
       (kranges != nullptr && tiles != nullptr) ||
-      (swi.codes != nullptr && (swi.scales == nullptr || kranges != nullptr || 2 * swi.inter != N)))
+      (swi.codes != nullptr && (swi.scales == nullptr || kranges != nullptr || 2 * swi.inter != N)) ||
+      (swi.out != nullptr && (swi.src == nullptr || swi.weight == nullptr || kranges != nullptr || swi.codes)))
     return int(cudaErrorInvalidValue);
   if (n_tiles == 0) return 0;
+  if (swi.out != nullptr)
+    return launch_bf16_math_epi<bm::kEpiCombine1>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0,
+                                                  swi, stream);
   if (swi.codes == nullptr)
     return launch_bf16_math_epi<bm::kEpiStore>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, out_bf16,
                                                swi, stream);
@@ -185,10 +190,28 @@ int mokgen_mx_bf16_math_swiglu_gemm(void* h_codes, void* h_scales, const void* a
                                     const void* tiles, int n_tiles, int E, int M, int inter, int K, float limit,
                                     void* stream) {
   if (h_codes == nullptr || h_scales == nullptr || inter <= 0) return int(cudaErrorInvalidValue);
-  const mokgen::mxg::bf16m::SwigluOut swi{static_cast<uint8_t*>(h_codes), static_cast<uint8_t*>(h_scales), inter,
-                                          limit};
+  mokgen::mxg::bf16m::EpiArgs swi{};
+  swi.codes = static_cast<uint8_t*>(h_codes);
+  swi.scales = static_cast<uint8_t*>(h_scales);
+  swi.inter = inter;
+  swi.limit = limit;
   return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, 2 * inter, K, nullptr, 1, 0, stream,
                                        swi);
+}
+
+// The down projection with the combine of one pair per token fused (grouped): A MXFP8 h rows
+// [M, K], B bf16 [E N, K], tiles as above -> out bf16 [T, N], out[src[r]] = w[src[r]] * (A B^T)[r]
+// (src int32 [M], -1 for padding; w float32 [T]): the bits of the GEMM then mokgen_mx_combine at
+// k = 1; no float32 C.
+int mokgen_mx_bf16_math_combine1_gemm(void* out, const void* src, const void* w, const void* a, const void* sa,
+                                      const void* b, const void* tiles, int n_tiles, int E, int M, int N, int K,
+                                      void* stream) {
+  if (out == nullptr || src == nullptr || w == nullptr) return int(cudaErrorInvalidValue);
+  mokgen::mxg::bf16m::EpiArgs epi{};
+  epi.out = static_cast<mokgen::bf16*>(out);
+  epi.src = static_cast<const int*>(src);
+  epi.weight = static_cast<const float*>(w);
+  return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream, epi);
 }
 
 // The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over

@@ -178,3 +178,21 @@ def test_the_fused_up_projection_gives_the_unfused_bits(clamp):
     assert fused.interleaved and not plain.interleaved
     assert torch.equal(mx_experts.experts_forward(x, ids, w, fused, clamp_limit=clamp),
                        mx_experts.experts_forward(x, ids, w, plain, clamp_limit=clamp))
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_the_fused_combine_gives_the_unfused_bits(skew):
+    """k = 1: the down projection with the combine in its epilogue (the default) against the same
+    forward on the FP8 path's order of stages (down GEMM, then the combine kernel), the same
+    bf16-math GEMM in both: the same bits; and the same bits 20 times."""
+    x, ids, w, wg, wu, wd = _problem(1000, 512, 256, 6, 1, seed=19, skew=skew)
+    weights = mx_experts.quantize_weights(wg, wu, wd)
+    fused = mx_experts.experts_forward(x, ids, w, weights)
+    flat = ids.reshape(-1).long()
+    row, src, tiles, padded = mx_experts._segments(flat, 6, 1)
+    xq, xs = mx_gemm.quantize_rows(x, src, src.numel())
+    hq, hs = mx_gemm.mx_bf16_math_swiglu_gemm(xq, xs, weights.gate_up_bf16, tiles)
+    y = mx_gemm.mx_bf16_math_grouped_gemm(hq, hs, weights.down_bf16, tiles)
+    assert torch.equal(fused, mx_gemm.combine(y, row, w.float().contiguous()))
+    for _ in range(19):
+        assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), fused)

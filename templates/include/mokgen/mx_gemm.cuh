@@ -396,16 +396,24 @@ __device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& 
 // in place of storing C: a 32-block of a row lies with the four threads q = 0..3 of a quad (8
 // values each), which agree on the block's amax by two shuffles. The codes go to h [M, I], the
 // scales to [I / 128, M, 4]: the bits of mx_gemm.swiglu_quantize of the float32 gate | up.
-struct SwigluOut {
-  uint8_t* codes;
-  uint8_t* scales;
+//
+// The fused combine of one pair per token (kEpi = kEpiCombine1; the local work's k = 1): the
+// down projection's row r is token src[r]'s only pair (src < 0: padding), so the epilogue writes
+// out[src[r]] = bf16(w[src[r]] * y) itself, the bits of mokgen_mx_combine at k = 1 (one product,
+// rounded once), with no float32 y written.
+struct EpiArgs {
+  uint8_t* codes;       // swiglu: h codes [M, inter]
+  uint8_t* scales;      // swiglu: h scales [inter / 128, M, 4]
   int inter;
-  float limit;
+  float limit;          // swiglu: > 0 clamps
+  bf16* out;            // combine: [T, N]
+  const int* src;       // combine: [M] the token of each row, -1 for padding
+  const float* weight;  // combine: [T] the pair's routing weight
 };
-constexpr int kEpiStore = 0, kEpiSwiglu = 1, kEpiSwigluClamp = 2;
+constexpr int kEpiStore = 0, kEpiSwiglu = 1, kEpiSwigluClamp = 2, kEpiCombine1 = 3;
 
 template <bool kHasClamp>
-__device__ __forceinline__ void swiglu_quantize_epilogue(const float (&acc)[kAcc], const SwigluOut& out, int M,
+__device__ __forceinline__ void swiglu_quantize_epilogue(const float (&acc)[kAcc], const EpiArgs& out, int M,
                                                          int row, int n0, int q) {
   const int j0 = (n0 / kBN) * (kBN / 2);  // this tile's first column of h
 #pragma unroll
@@ -455,7 +463,7 @@ template <int kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
-                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, SwigluOut swi) {
+                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
@@ -544,8 +552,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   cute::warpgroup_wait<0>();
   sm90::fence_operands(acc);
   const int row = m0 + r0;
-  if constexpr (kEpi != kEpiStore) {
+  if constexpr (kEpi == kEpiSwiglu || kEpi == kEpiSwigluClamp) {
     swiglu_quantize_epilogue<kEpi == kEpiSwigluClamp>(acc, swi, M, row, n0, q);
+    return;
+  }
+  if constexpr (kEpi == kEpiCombine1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = swi.src[row + 8 * half];
+      if (t < 0) continue;
+      const float wt = swi.weight[t];
+      bf16* o = swi.out + size_t(t) * N;
+#pragma unroll
+      for (int i = 0; i < kAcc / 4; ++i) {
+        const int col = n0 + 8 * i + 2 * q;
+        *reinterpret_cast<__nv_bfloat162*>(o + col) = __floats2bfloat162_rn(
+            __fmul_rn(wt, acc[4 * i + 2 * half]), __fmul_rn(wt, acc[4 * i + 2 * half + 1]));
+      }
+    }
     return;
   }
   if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
