@@ -149,7 +149,7 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 }
 
 
-// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights_rows / _cols) ------------
+// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights) ------------------------
 // Each 32-element block quantized (quantize_block, the oracle's bits) and its MX values written as
 // bf16 (E4M3 value times 2^(s - 127) in float32, then rounded: mx.dequantize(...).to(bf16), exact
 // unless the scale is near 2^-127 or 2^127), k permuted within each 16 as the GEMM's register
