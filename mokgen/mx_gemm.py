@@ -67,6 +67,8 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
         lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
+        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, vp]
+        lib.mokgen_mx_tile_test.restype = i
         lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_cols.restype = i
         lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -538,3 +540,33 @@ def segments(ids, k: int, num_experts: int, order=None):
     _launch("mokgen_mx_segments", dev, row.data_ptr(), src.data_ptr(), tiles.data_ptr(), padded.data_ptr(),
             ids.data_ptr(), None if order is None else order.data_ptr(), n, k, E, n_tiles)
     return row, src, tiles, padded
+
+
+#: the megakernel's MX tile run alone (templates/include/mokgen/mx_tile.cuh), fixed shapes per
+#: kind: (M, N out, K); the GPU test holds it to the bf16-math GEMM's bits
+TILE_TEST_SHAPES = {"down": (256, 512, 256), "gated": (256, 256, 512)}
+
+
+def _mx_tile_test(kind: str, a_codes, a_scales_blocked, b0, b1=None, clamp_limit: float | None = None):
+    """The MX tile alone (not yet the megakernel's): ``down`` -> bf16 ``A B0^T``; ``gated`` -> h =
+    swiglu(A B0^T, A B1^T) quantized, ``(codes, blocked scales)``. A MXFP8 with blocked scales, B0
+    and B1 bf16 MX values with k permuted (:func:`bf16_math_weights`), shapes
+    :data:`TILE_TEST_SHAPES`."""
+    import torch
+
+    M, N, K = TILE_TEST_SHAPES[kind]  # B: N rows (the down tile's outputs; gate and up rows of h's N)
+    for t, shape in ((a_codes, (M, K)), (b0, (N, K))) + (((b1, (N, K)),) if kind == "gated" else ()):
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise InputError(f"MX tile test ({kind}): operands of shapes A {(M, K)}, B {(N, K)}")
+    dev = a_codes.device
+    if kind == "down":
+        c = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        _launch("mokgen_mx_tile_test", dev, 0, c.data_ptr(), None, None, a_codes.data_ptr(),
+                a_scales_blocked.data_ptr(), b0.data_ptr(), None, 0.0)
+        return c
+    codes = torch.empty(M, N, dtype=torch.float8_e4m3fn, device=dev)
+    scales = torch.empty(N // BLOCK, M, 4, dtype=torch.uint8, device=dev)
+    _launch("mokgen_mx_tile_test", dev, 1 if clamp_limit is None else 2, None, codes.data_ptr(), scales.data_ptr(),
+            a_codes.data_ptr(), a_scales_blocked.data_ptr(), b0.data_ptr(), b1.data_ptr(),
+            0.0 if clamp_limit is None else float(clamp_limit))
+    return codes, scales

@@ -29,6 +29,7 @@
 
 #include "mokgen/mx_gemm.cuh"
 #include "mokgen/mx_rows.cuh"
+#include "mokgen/mx_tile.cuh"
 
 namespace mokgen {
 namespace mxg {
@@ -153,6 +154,67 @@ int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, cons
                                               stream);
 }
 
+// ---- the megakernel's MX tile run alone (mx_tile.cuh; tests/test_gpu_mx_gemm.py) ----------------
+// Fixed shapes, one tile per CTA: the gated tile (up projection: I = 256 output columns of h from
+// 128-row gate and up tiles, K = H = 512) and the down tile (N = 512 bf16 columns, K = I = 256),
+// M = 256 rows.
+namespace mxt {
+constexpr int kM = 256, kStages = 4;
+using Gated = sm90::MxTile<256, 512, true, false, kStages, 256>;
+using GatedClamp = sm90::MxTile<256, 512, true, true, kStages, 256>;
+using Down = sm90::MxTile<512, 256, false, false, kStages, 256>;
+
+template <class Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    tile_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
+                const __grid_constant__ CUtensorMap map_b1, const uint8_t* __restrict__ a_scales, bf16* c,
+                uint8_t* h_codes, uint8_t* h_scales, float limit) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const auto s = Tile::carve(smem);
+  if (threadIdx.x == 0) Tile::init_barriers(s);
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  const int m0 = int(blockIdx.y) * Tile::kBM, nt = int(blockIdx.x);
+  typename Tile::Pipe pipe;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0)
+      Tile::produce(s, pipe, &map_a, m0, a_scales, kM, &map_b0, &map_b1, nt * (Tile::kBBox * (Tile::kBN == 128 ? 1 : 2)));
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int n0 = nt * Tile::kBN;
+  if constexpr (Tile::kBN == 128) {  // gated
+    const sm90::MxRowsBlocked out{h_codes, h_scales, Tile::kNTiles * Tile::kBN, kM, m0};
+    Tile::consume(s, pipe, wg - 1, Tile::kBM, n0, out, limit);
+  } else {
+    constexpr int kN = Tile::kNTiles * Tile::kBN;
+    const auto out = [&](int r) { return c + size_t(m0 + r) * kN; };
+    Tile::consume(s, pipe, wg - 1, Tile::kBM, n0, out, limit);
+  }
+}
+
+template <class Tile>
+int launch_tile(void* c, void* h_codes, void* h_scales, const void* a, const void* sa, const void* b0, const void* b1,
+                float limit, void* stream) {
+  constexpr int kK = Tile::kKTiles * Tile::kBK, kRowsB = Tile::kBN == 128 ? Tile::kNTiles * 128 : Tile::kNTiles * 256;
+  CUtensorMap ma, mb0, mb1;
+  if (encode_codes(&ma, a, uint64_t(kM), uint64_t(kK), Tile::kBK, Tile::kABox) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&mb0, b0, uint64_t(kRowsB), uint64_t(kK), Tile::kBBox, Tile::kBK) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&mb1, b1 != nullptr ? b1 : b0, uint64_t(kRowsB), uint64_t(kK), Tile::kBBox, Tile::kBK) !=
+          CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);
+  const cudaError_t err =
+      cudaFuncSetAttribute(tile_kernel<Tile>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tile::kSmemBytes));
+  if (err != cudaSuccess) return int(err);
+  tile_kernel<Tile><<<dim3(Tile::kNTiles, kM / Tile::kBM), Tile::kThreads, Tile::kSmemBytes,
+                      static_cast<cudaStream_t>(stream)>>>(ma, mb0, mb1, static_cast<const uint8_t*>(sa),
+                                                           static_cast<bf16*>(c), static_cast<uint8_t*>(h_codes),
+                                                           static_cast<uint8_t*>(h_scales), limit);
+  return int(cudaGetLastError());
+}
+}  // namespace mxt
+
 }  // namespace
 }  // namespace mxg
 }  // namespace mokgen
@@ -212,6 +274,21 @@ int mokgen_mx_bf16_math_combine1_gemm(void* out, const void* src, const void* w,
   epi.src = static_cast<const int*>(src);
   epi.weight = static_cast<const float*>(w);
   return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream, epi);
+}
+
+// The megakernel's MX tile alone (fixed shapes, mxt above). kind 0: the down tile, c bf16 [256,
+// 512] = A [256, 256] B [512, 256]^T; kind 1 / 2: the gated tile without / with the clamp (limit),
+// h codes [256, 256] and blocked scales [2, 256, 4] of swiglu(A Bg^T, A Bu^T), A [256, 512], Bg and
+// Bu [256, 512]. A MXFP8 (codes, blocked scales [K / 128, 256, 4]); B bf16 MX values, k permuted.
+int mokgen_mx_tile_test(int kind, void* c, void* h_codes, void* h_scales, const void* a, const void* sa,
+                        const void* b0, const void* b1, float limit, void* stream) {
+  namespace t = mokgen::mxg::mxt;
+  switch (kind) {
+    case 0: return t::launch_tile<t::Down>(c, nullptr, nullptr, a, sa, b0, nullptr, 0.f, stream);
+    case 1: return t::launch_tile<t::Gated>(nullptr, h_codes, h_scales, a, sa, b0, b1, 0.f, stream);
+    case 2: return t::launch_tile<t::GatedClamp>(nullptr, h_codes, h_scales, a, sa, b0, b1, limit, stream);
+    default: return int(cudaErrorInvalidValue);
+  }
 }
 
 // The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over

@@ -18,6 +18,7 @@
 #include "bulk_copy.cuh"
 #include "hopper_gemm.cuh"
 #include "mx.cuh"
+#include "mx_decode.cuh"
 
 namespace mokgen {
 namespace mxg {
@@ -354,40 +355,15 @@ constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 +
 constexpr int kAcc = kBN / 2;                       // m64n256: 128 float32 per consumer thread
 constexpr int kThreads = 384;
 
-using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-
 template <size_t... Is>
 __device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t db, float (&d)[kAcc], bool accumulate,
-                                      std::index_sequence<Is...>) {
-  Wgmma::fma(a[0], a[1], a[2], a[3], db, d[Is]...,
-             accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+                                      std::index_sequence<Is...> seq) {
+  mxd::wgmma_rs<kBN>(a, db, d, accumulate, seq);
 }
 
-__device__ __forceinline__ void fence_a(uint32_t (&a)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
-
-// Two E4M3 codes (the low 16 bits of w) -> bf16x2 of their values times 2^(s - 127), given
-// m1 = 2^(min(s, 142) - 15) and m2 = 2^(max(s, 142) - 142) as bf16x2 (m1 NaN for the NaN scale).
-// cvt gives the exact f16x2; its bits shifted right by 3 (sign kept) read as bf16 are the value
-// times 2^-112 (zero stays zero), and the two exact multiplications put back 2^(112 + s - 127).
-__device__ __forceinline__ uint32_t decode2(uint32_t w, uint32_t m1, uint32_t m2) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(w & 0xffffu)));
-  uint32_t t = ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
-  asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(t) : "r"(m1));
-  asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(t) : "r"(m2));
-  return t;
-}
-
-__device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& m2) {
-  const uint32_t lo = s < 142u ? s : 142u, hi = s > 142u ? s : 142u;
-  const uint32_t b1 = s == 255u ? 0x7fc0u : (lo + 112u) << 7;  // 2^(lo - 15)
-  const uint32_t b2 = (hi - 142u + 127u) << 7;                  // 2^(hi - 142)
-  m1 = b1 | (b1 << 16);
-  m2 = b2 | (b2 << 16);
-}
+using mxd::decode2;
+using mxd::fence_a;
+using mxd::multipliers;
 
 // The fused up-projection epilogue (kEpi = kEpiSwiglu, kEpiSwigluClamp): B's rows interleaved in
 // 128s (n-tile j = gate rows 128 j .. 128 j + 127, then the same up rows: expert_weights with
