@@ -46,9 +46,9 @@ for n in args.probe:
                                        b.data_ptr(), bsb.data_ptr(), M, N, K, torch.cuda.current_stream().cuda_stream)
         assert code == 0, code
     cases[f"probe {n} (timing only)"] = call
-if hasattr(mx_gemm, "mx_bf16_math_gemm") and N % 256 == 0:  # the prototype (branch wip/mx-bf16-math)
+if N % mx_gemm.BF16_MATH_N == 0:  # the bf16-math form (A decoded in registers, the BF16 tensor core)
     b16 = mx_gemm.bf16_math_weights(b, sb)
-    cases["mx_bf16_math_gemm (prototype)"] = lambda i: mx_gemm.mx_bf16_math_gemm(a, sa, b16)
+    cases["mx_bf16_math_gemm"] = lambda i: mx_gemm.mx_bf16_math_gemm(a, sa, b16)
 cases["torch.matmul bf16"] = lambda i: x @ w.t()
 try:
     torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
@@ -69,7 +69,7 @@ want = mx.dequantize(a, sa, dim=-1).double() @ mx.dequantize(b, sb, dim=-1).doub
 for f in sorted(mx_gemm.FORMS):
     got = mx_gemm.mx_gemm(a, sa, b, sb, form=f).double()
     print(f"form={f}: relative error against the exact MX product: {((got - want).norm() / want.norm()).item():.2e}")
-if "mx_bf16_math_gemm (prototype)" in cases:
+if "mx_bf16_math_gemm" in cases:
     got = mx_gemm.mx_bf16_math_gemm(a, sa, b16).double()
-    print(f"bf16-math prototype: relative error against the exact MX product: "
+    print(f"bf16-math form: relative error against the exact MX product: "
           f"{((got - want).norm() / want.norm()).item():.2e}")

@@ -32,7 +32,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     code = sass(lib)
     assert re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", code), "no FP8 wgmma in the SASS"
     assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", code), "no 64 x 64 FP8 wgmma (form quad)"
-    # the bf16-math prototype's wgmma: A from registers (BF16), B from shared memory
+    # the bf16-math form's wgmma: A from registers (BF16), B from shared memory
     assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "no register-A BF16 wgmma"
 
 
