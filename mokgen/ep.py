@@ -84,7 +84,8 @@ class EpBuffers:
         # size and statistics offset
         self._ring_x_offset = None
         names = ("NUM_EXPERTS", "HIDDEN_SIZE", "INTERMEDIATE_SIZE")
-        if all(hasattr(kernel, n) for n in names):
+        # (an MXFP8 build's ring holds codes, not bf16 rows, and it has no backward)
+        if all(hasattr(kernel, n) for n in names) and getattr(kernel, "NUMERICS", "bf16") == "bf16":
             lay = abi.local_layout(*(int(getattr(kernel, n)) for n in names), g.world, g.chunk_rows, g.ring_chunks)
             if (lay["total"], lay["stats"]) == (self.local_bytes, self.stats_offset):
                 self._ring_x_offset = lay["ring_x"]
@@ -311,6 +312,39 @@ def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: i
     return max(ring_chunks, need)
 
 
+#: MXFP8 builds' weights as their MX values in bf16 with k permuted (mx_gemm.expert_weights), by
+#: the source tensor's storage, version and shape: converted again only after the weights change
+#: (an optimizer step bumps the version). A few entries: one per weight tensor of the live layers.
+_MX_WEIGHTS: dict = {}
+_MX_WEIGHTS_MAX = 12
+
+
+def _mx_operand(w: torch.Tensor) -> torch.Tensor:
+    key = (w.data_ptr(), tuple(w.shape), w.device)
+    hit = _MX_WEIGHTS.get(key)
+    if hit is not None and hit[0] == w._version:
+        return hit[1]
+    from mokgen import mx_gemm
+
+    out = mx_gemm.expert_weights([w.detach().contiguous()])
+    if len(_MX_WEIGHTS) >= _MX_WEIGHTS_MAX:
+        _MX_WEIGHTS.pop(next(iter(_MX_WEIGHTS)))
+    _MX_WEIGHTS[key] = (w._version, out)
+    return out
+
+
+def _weights_for(kernel, w_gate, w_up, w_down, grad_inputs):
+    """The expert weights as ``kernel`` takes them: as given (bf16 builds), or for an MXFP8 build
+    their MX values (``_mx_operand``). MXFP8 builds are forward only: a call that autograd would
+    record raises."""
+    if getattr(kernel, "NUMERICS", "bf16") != "mxfp8":
+        return w_gate, w_up, w_down
+    if _records_grad(grad_inputs):
+        raise InputError("the MXFP8 megakernel is forward only: run it under torch.no_grad(), or train through "
+                         "mokgen.mx_experts.experts_forward_train")
+    return _mx_operand(w_gate), _mx_operand(w_up), _mx_operand(w_down)
+
+
 def _op(kernel, grad: bool = True):
     """The megakernel's entry: the registered op (EP_OP) while torch.compile traces, else its
     eager form (EP_EAGER: the same implementation and backward without the custom op's dispatch,
@@ -466,6 +500,7 @@ def virtual_ep_forward(
         e_loc = spec.num_experts // W
         grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, policy, True, (), grad_inputs)
+        w_gate, w_up, w_down = _weights_for(kernel, w_gate, w_up, w_down, grad_inputs)
         outs = _op(kernel, _records_grad(grad_inputs))(
             list(xs),
             [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids],
@@ -501,11 +536,12 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
         ctas, dispatch = _ctas(kernel, 1)
         grad_inputs = (x, topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, env.bwd_policy(), True, (), grad_inputs)
+        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down, grad_inputs)
         out = _op(kernel, _records_grad(grad_inputs))(
             [x],
             [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
-            [w_gate], [w_up], [w_down],
+            [wg], [wu], [wd],
             *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6), -1,
             *tail,
         )[0]
@@ -767,11 +803,12 @@ class MoELayer(torch.nn.Module):
             bufs.ring_key, bufs.ring_untracked = None, True
         else:
             bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
+        wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down, grad_inputs)
         out = _op(self._kernel, _records_grad(grad_inputs))(
             [x],
             [ids32],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
-            [self.w_gate], [self.w_up], [self.w_down],
+            [wg], [wu], [wd],
             *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
             self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
         )[0]

@@ -23,8 +23,10 @@ ABI_VERSION = 7
 
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
-#: numerics the kernels implement today; mxfp8 is declared in specs and arrives later
-IMPLEMENTED_NUMERICS = ("bf16",)
+#: numerics the megakernel implements: bf16, and mxfp8 (rows as E4M3 codes + E8M0 scales through the
+#: dispatch and h, mx_tile.cuh; the Hopper core's flow schedule without clusters or the fused shared
+#: expert; forward only)
+IMPLEMENTED_NUMERICS = ("bf16", "mxfp8")
 #: filename-safe tags of the architectures
 ARCH_TAGS = {"sm_90a": "sm90a"}
 
@@ -172,6 +174,14 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
     if pull_mode == "bulk" and gemm_core != "wgmma":
         raise PlanError(f"{spec.name}: pull_mode bulk needs the Hopper core (gemm_core wgmma), got {gemm_core}")
+    if spec.target.numerics == "mxfp8":
+        for option, value, want in (("gemm_core", gemm_core, "wgmma"), ("schedule", schedule, "flow"),
+                                    ("block_k", block_k, 64), ("pull_mode", pull_mode, "copy")):
+            if value != want:
+                raise PlanError(f"{spec.name}: numerics mxfp8 needs {option} {want}, got {value!r}")
+        if cluster not in (None, 1):
+            raise PlanError(f"{spec.name}: numerics mxfp8 runs without clusters (cluster 1), got {cluster}")
+        cluster, fuse_shared = 1, False
     if cluster is None:
         cluster = default_cluster(spec, gemm_core, schedule)
     if fuse_shared is None:
@@ -219,7 +229,10 @@ def smem_bytes(plan: Plan) -> int:
     """Dynamic shared memory per CTA of ``plan``'s megakernel, as EpForward::kSmemBytes computes
     it (ep_forward.cuh, hopper_gemm.cuh, grouped_gemm.cuh): the GEMM stage ring (both tile kinds
     step through one ring with the larger stage) or the routing prologue's histograms."""
-    if plan.gemm_core == "wgmma":
+    if plan.gemm_core == "wgmma" and plan.numerics == "mxfp8":  # E4M3 A, bf16 B, the k128 block's A scales
+        stride = (128 * 64 + max(256, plan.gemm_block_n_down) * 64 * 2 + 512 + 1023) // 1024 * 1024
+        gemm, threads = plan.gemm_stages * stride + 2 * plan.gemm_stages * 8 + 1024, 384
+    elif plan.gemm_core == "wgmma":
         stride = (128 + max(256, plan.gemm_block_n_down)) * plan.gemm_block_k * 2
         gemm, threads = plan.gemm_stages * stride + 2 * plan.gemm_stages * 8 + 1024, 384
     else:

@@ -34,30 +34,10 @@
 namespace mokgen {
 namespace mxg {
 
-// uint8 [rows, cols] row-major -> a map of 64-row x 128-byte boxes, 128-byte swizzle. (Its own
-// copy of hopper_gemm.cuh's encode_map_2d, which is bf16 only: a data-type argument there would
-// move the megakernel's source digest, and so invalidate the tuned files, for no change to it.)
+// uint8 [rows, cols] row-major -> a map of box_rows x box_cols-byte boxes (mx_tile.cuh).
 inline CUresult encode_codes(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
                              uint32_t box_cols = kBK, uint32_t box_rows = 64) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult qr;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
-        qr != cudaDriverEntryPointSuccess)
-      fn = nullptr;
-    return reinterpret_cast<Encode>(fn);
-  }();
-  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols};
-  const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return sm90::encode_codes_2d(map, base, rows, cols, box_cols, box_rows);
 }
 
 // Internal linkage (and build.BASE_FLAGS's -fno-gnu-unique): a static local of a template (the
@@ -179,7 +159,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0)
-      Tile::produce(s, pipe, &map_a, m0, a_scales, kM, &map_b0, &map_b1, nt * (Tile::kBBox * (Tile::kBN == 128 ? 1 : 2)));
+      Tile::produce(s, pipe, sm90::MxA{&map_a, a_scales, kM}, m0, &map_b0, &map_b1,
+                    nt * (Tile::kBBox * (Tile::kBN == 128 ? 1 : 2)));
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<232>();

@@ -557,11 +557,15 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
     lines = ["#include <cstdio>", '#include "mokgen/ep_forward.cuh"']
     for i, (e, h, inter, *_rest) in enumerate(cases):
         lines.append(f"struct Cfg{i} {{ static constexpr int kExperts = {e}, kHidden = {h}, kInter = {inter}; }};")
+        lines.append(f"struct Mx{i} : Cfg{i} {{ static constexpr bool kMx = true; }};")  # MXFP8 builds' layout
     lines.append("int main() {")
     for i, (_e, _h, _i, w, c, r) in enumerate(cases):
         lines.append(f"  {{ mokgen::LocalLayout<Cfg{i}> L({w}, {c}, {r});")
         for name in (*abi.LOCAL_FIELDS, "total"):
             lines.append(f'    std::printf("{i} {name} %zu\\n", L.{name});')
+        lines.append(f"  }}\n  {{ mokgen::LocalLayout<Mx{i}> L({w}, {c}, {r});")
+        for name in (*abi.LOCAL_FIELDS, "ring_x_scales", "ring_h_scales", "total"):
+            lines.append(f'    std::printf("mx{i} {name} %zu\\n", L.{name});')
         lines.append("  }")
     lines += ["  return 0;", "}"]
     (tmp_path / "layout.cu").write_text("\n".join(lines) + "\n")
@@ -570,12 +574,14 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, timeout=60, check=True).stdout
-    got: dict[int, dict[str, int]] = {}
+    got: dict[str, dict[str, int]] = {}
     for line in out.splitlines():
         i, name, v = line.split()
-        got.setdefault(int(i), {})[name] = int(v)
+        got.setdefault(i, {})[name] = int(v)
     for i, case in enumerate(cases):
-        assert abi.local_layout(*case) == got[i], case
+        assert abi.local_layout(*case) == got[str(i)], case
+        assert abi.local_layout(*case, numerics="mxfp8") == got[f"mx{i}"], case
+        assert got[f"mx{i}"]["ring_x_scales"] > got[f"mx{i}"]["ring_h"]  # the MXFP8 planes exist
     # the region's size as the library computes it, for the built spec
     spec, lib = load_spec(SMALL), _library()
     for W, C, S in ((1, 8192, 4), (1, 1024, 64), (2, 512, 3)):
@@ -771,3 +777,20 @@ def test_cli_bench_backward_only_for_layer_local_and_block(invoke):
     assert line == ("error: --backward times the layer, local and block workloads only (pass --workload layer, "
                     "local or block)")
     assert leftovers == []
+
+
+def test_mxfp8_builds_are_forward_only_and_bf16_builds_take_the_weights_as_given():
+    """mokgen.ep._weights_for: an MXFP8 build refuses a call autograd would record (one line);
+    a bf16 build gets the weight tensors themselves."""
+    import types
+
+    from mokgen import ep
+
+    w = [torch.zeros(2, 128, 256, dtype=torch.bfloat16) for _ in range(3)]
+    bf16 = types.SimpleNamespace(NUMERICS="bf16")
+    assert all(a is b for a, b in zip(ep._weights_for(bf16, *w, (w[0],)), w))
+    mx = types.SimpleNamespace(NUMERICS="mxfp8")
+    x = torch.zeros(4, 256, requires_grad=True)
+    with pytest.raises(InputError, match="the MXFP8 megakernel is forward only") as info:
+        ep._weights_for(mx, *w, (x,))
+    assert "\n" not in str(info.value)

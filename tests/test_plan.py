@@ -16,6 +16,7 @@ from mokgen.plan import (
     figures,
     make_plan,
     op_identifier,
+    smem_bytes,
 )
 from mokgen.spec import bundled_specs, load_spec
 
@@ -173,12 +174,22 @@ def test_figures_errors_are_one_line_plan_errors(name, kwargs, pattern):
 # ---- make_plan --------------------------------------------------------------------------------
 
 
-def test_make_plan_mxfp8_is_declared_but_not_implemented():
-    spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
-    with pytest.raises(PlanError, match="declared but not implemented") as info:
-        make_plan(spec)
-    assert "\n" not in str(info.value)
-    assert "mxfp8" in str(info.value)
+def test_make_plan_mxfp8_takes_the_hopper_flow_schedule_without_clusters_or_fusion():
+    """numerics mxfp8 (mx_tile.cuh in the megakernel): the defaults' clusters and fused shared
+    expert are dropped; options the MX tiles do not have are refused with one line."""
+    spec = load_spec("qwen3.5-35b-a3b").with_target(numerics="mxfp8")  # fuses its shared expert in bf16
+    plan = make_plan(spec)
+    assert plan.numerics == "mxfp8" and plan.gemm_cluster == 1 and not plan.fuse_shared
+    assert plan.gemm_core == "wgmma" and plan.schedule == "flow" and plan.gemm_block_k == 64
+    assert make_plan(load_spec("kimi-k2.5").with_target(numerics="mxfp8")).gemm_cluster == 1
+    # a stage: A's 128 x 64 codes, B's 256 x 64 bf16, the k128 block's scales, 1024-aligned
+    assert smem_bytes(plan) == plan.gemm_stages * 41984 + 2 * plan.gemm_stages * 8 + 1024
+    for options, what in (({"gemm_core": "mma_sync"}, "gemm_core wgmma"), ({"schedule": "phased"}, "schedule flow"),
+                          ({"block_k": 32}, "block_k 64"), ({"pull_mode": "bulk"}, "pull_mode copy"),
+                          ({"cluster": 2}, "without clusters")):
+        with pytest.raises(PlanError, match=what) as info:
+            make_plan(spec, **options)
+        assert "\n" not in str(info.value) and str(info.value).startswith(f"{spec.name}: ")
 
 
 @pytest.mark.parametrize("name", ALL_SPECS)

@@ -29,6 +29,7 @@
 #include "fwd_trace.cuh"
 #include "grouped_gemm.cuh"
 #include "hopper_gemm.cuh"
+#include "mx_tile.cuh"
 #include "sync.cuh"
 #include "tile_order.cuh"
 
@@ -103,9 +104,30 @@ struct EpMaps {
   CUtensorMap sh_gate, sh_up, sh_down;    // [I, H], [I, H], [H, I]
 };
 
+// Cfg::kMx, false where a configuration does not say (the layout tests' small configurations).
+template <class Cfg, class = void>
+struct CfgMx : std::false_type {};
+template <class Cfg>
+struct CfgMx<Cfg, std::void_t<decltype(Cfg::kMx)>> : std::bool_constant<Cfg::kMx> {};
+
+// The MXFP8 builds' extra offsets (Cfg::kMx), as empty bases for the others: the bf16 builds'
+// layouts, and so their kernel parameters, stay as they were.
+template <bool kMx>
+struct SymMxOffsets {};
+template <>
+struct SymMxOffsets<true> {
+  size_t x_scales;
+};
+template <bool kMx>
+struct LocalMxOffsets {};
+template <>
+struct LocalMxOffsets<true> {
+  size_t ring_x_scales, ring_h_scales;
+};
+
 // Byte offsets inside a rank's symmetric region (identical on every rank).
 template <class Cfg>
-struct SymLayout {
+struct SymLayout : SymMxOffsets<CfgMx<Cfg>::value> {
   size_t routing_ready, done, send_count, send_offset, send_pairs, x, slots, shared_blk, shared_h, shared_y, total;
   MOKGEN_HOST_DEVICE explicit SymLayout(int64_t max_tokens) {
     size_t at = 0;
@@ -115,7 +137,10 @@ struct SymLayout {
     send_count = take(4 * Cfg::kExperts);
     send_offset = take(4 * (Cfg::kExperts + 1));
     send_pairs = take(4 * max_tokens * Cfg::kTopK);
-    x = take(sizeof(bf16) * max_tokens * Cfg::kHidden);
+    // the published rows: bf16, or (CfgMx<Cfg>::value) E4M3 codes [max_tokens, H] and E8M0 scales
+    // [max_tokens, H / 32] (a row's scales contiguous, as the pull copies rows)
+    x = take((CfgMx<Cfg>::value ? 1 : sizeof(bf16)) * max_tokens * Cfg::kHidden);
+    if constexpr (CfgMx<Cfg>::value) this->x_scales = take(max_tokens * Cfg::kHidden / 32);
     slots = take(sizeof(bf16) * max_tokens * Cfg::kTopK * Cfg::kHidden);
     // fused shared expert (empty without): up tiles done per 128-token block, h and y rows
     const int64_t fuse = Cfg::kFuseShared ? 1 : 0;
@@ -128,7 +153,7 @@ struct SymLayout {
 
 // Byte offsets inside a rank's private region.
 template <class Cfg>
-struct LocalLayout {
+struct LocalLayout : LocalMxOffsets<CfgMx<Cfg>::value> {
   size_t bar_rank, bar_compute, tile_next, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done,
       recv_expert_offset, recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
@@ -149,8 +174,14 @@ struct LocalLayout {
     recv_base = take(4 * (Cfg::kExperts + 1));
     recv_src_off = take(4 * Cfg::kExperts);
     ring_meta = take(8 * ring_rows);
-    ring_x = take(sizeof(bf16) * ring_rows * Cfg::kHidden);
-    ring_h = take(sizeof(bf16) * ring_rows * Cfg::kInter);
+    // ring rows and h rows: bf16, or (CfgMx<Cfg>::value) E4M3 codes plus E8M0 scales in the tiles'
+    // blocked layout [K / 128, ring_rows, 4] (a k128 block's scales of consecutive rows together)
+    ring_x = take((CfgMx<Cfg>::value ? 1 : sizeof(bf16)) * ring_rows * Cfg::kHidden);
+    ring_h = take((CfgMx<Cfg>::value ? 1 : sizeof(bf16)) * ring_rows * Cfg::kInter);
+    if constexpr (CfgMx<Cfg>::value) {
+      this->ring_x_scales = take(ring_rows * Cfg::kHidden / 32);
+      this->ring_h_scales = take(ring_rows * Cfg::kInter / 32);
+    }
     route_hist = take(4 * kRouteParts * Cfg::kExperts);  // routing prologue: pairs per (part, expert)
     total = at;
   }
@@ -202,18 +233,36 @@ template <class Cfg, bool kWgmma = Cfg::kWgmma>
 struct EpCore;
 template <class Cfg>
 struct EpCore<Cfg, false> {
+  static_assert(!Cfg::kMx, "MXFP8 builds need the Hopper core");
   using Up = GemmTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages>;
   using Down = GemmTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages>;
   static constexpr int kThreads = 256;
 };
-template <class Cfg>
-struct EpCore<Cfg, true> {
+template <class Cfg, bool kMx = Cfg::kMx>
+struct EpHopperTiles {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
   using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster,
                               Cfg::kBlockK>;
   using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
                                 Cfg::kCluster, Cfg::kBlockK>;
+};
+// MXFP8 (Cfg::kMx): the tiles of mx_tile.cuh, A as E4M3 rows plus scales (a stage: A codes, B bf16
+// MX values, the k128 block's A scales), under the flow schedule without clusters
+template <class Cfg>
+struct EpHopperTiles<Cfg, true> {
+  static constexpr int kStride = (128 * 64 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN) * 64 * 2 + 512 + 1023) /
+                                 1024 * 1024;
+  using Up = sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride>;
+  using Down = sm90::MxTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride>;
+  static_assert(Cfg::kFlow && Cfg::kCluster == 1 && !Cfg::kFuseShared && Cfg::kBlockK == 64 && !Cfg::kPullBulk,
+                "MXFP8 builds: the Hopper core's flow schedule, no clusters, no fused shared expert, k-blocks of 64, "
+                "the copy dispatch");
+};
+template <class Cfg>
+struct EpCore<Cfg, true> {
+  using Up = typename EpHopperTiles<Cfg>::Up;
+  using Down = typename EpHopperTiles<Cfg>::Down;
   static_assert(Up::kStageStride == Down::kStageStride && Up::kStageStride >= Up::kStageBytes &&
                     Down::kStageStride >= Down::kStageBytes, "up and down tiles share the stage stride");
   static constexpr int kThreads = 384;
@@ -308,11 +357,35 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     // When every rank is in this launch (one GPU: W = 1 or virtual ranks), dispatch reads each
     // rank's x where it lies (p.x) and the publish copy is skipped; the fused shared expert's
     // TMA map reads the published copy, so a launch running it publishes.
-    const bool x_in_place = p.launch_ranks == p.world && !has_shared;
+    // MXFP8 builds always publish: the rows are quantized there (the dispatch moves codes).
+    const bool x_in_place = !Cfg::kMx && p.launch_ranks == p.world && !has_shared;
 
     // ---- 1. publish -----------------------------------------------------------------------
     {
-      if (!x_in_place) {
+      if constexpr (Cfg::kMx) {
+        // MXFP8: each 32-element block of x quantized (mx::quantize_block_hw, the oracle's bits):
+        // codes [T, H] into S.x, scales [T, H / 32] into S.x_scales
+        uint8_t* codes = at<uint8_t>(mine, S.x);
+        uint8_t* scales = at<uint8_t>(mine, S.x_scales);
+        const int64_t blocks = int64_t(T) * (kH / 32);
+        for (int64_t b = int64_t(cta) * kEpThreads + tid; b < blocks; b += int64_t(G) * kEpThreads) {
+          const uint4* src = reinterpret_cast<const uint4*>(p.x[g] + b * 32);
+          float v[32];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint4 word = __ldg(src + i);
+            const bf16* e = reinterpret_cast<const bf16*>(&word);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(e[j]);
+          }
+          uint8_t q[32];
+          scales[b] = mx::quantize_block_hw(v, q);
+          uint4 out[2];
+          memcpy(out, q, sizeof(q));
+          reinterpret_cast<uint4*>(codes + b * 32)[0] = out[0];
+          reinterpret_cast<uint4*>(codes + b * 32)[1] = out[1];
+        }
+      } else if (!x_in_place) {
         const uint4* src = reinterpret_cast<const uint4*>(p.x[g]);
         uint4* dst = at<uint4>(mine, S.x);
         const int64_t vecs = int64_t(T) * kH / 8;
@@ -439,9 +512,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
     // the TMA's bulk-copy engine and the CTA's free shared memory (bulk_copy.cuh). The CTA that
     // lands the last part publishes landed[slot].
     constexpr int kPullUnroll = Cfg::kPullUnroll;
-    constexpr int kVecs = kH / 8;  // 16-byte vectors per row
+    constexpr int kVecs = Cfg::kMx ? kH / 16 : kH / 8;  // 16-byte vectors per row (MXFP8: of codes)
     constexpr int kBatch = 1024;   // rows located per batch (8 KB of source row pointers)
-    static_assert(K_::kSmemBytes >= kBatch * sizeof(const uint4*), "dispatch batch must fit in shared memory");
+    static_assert(K_::kSmemBytes >= (Cfg::kMx ? 2 : 1) * kBatch * sizeof(const uint4*),
+                  "dispatch batch must fit in shared memory");
     long long* st = at<long long>(loc, L.stats);
     unsigned long long* arrived = at<unsigned long long>(loc, L.chunk_arrived);
     unsigned remote = 0;  // rows this thread located on other ranks
@@ -461,11 +535,27 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           // launch-local rank src - rank_base holds rank src's x when x_in_place (rank_base = 0 then)
           const uint4* x_src = x_in_place ? reinterpret_cast<const uint4*>(p.x[src - p.rank_base]) : at<const uint4>(p.sym[src], S.x);
           s_from[i - b0] = x_src + int64_t(pair / kK) * kVecs;
+          if constexpr (Cfg::kMx)  // the row's scales (kH / 32 bytes) after the batch's code pointers
+            reinterpret_cast<const uint32_t**>(smem)[kBatch + (i - b0)] =
+                at<const uint32_t>(p.sym[src], S.x_scales) + int64_t(pair / kK) * (kH / 128);
           meta[int64_t(slot) * C + (i - r0)] = make_int2(src, pair);
           remote += src != rank;
         }
         __syncthreads();
-        uint4* to = reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
+        uint4* to = Cfg::kMx ? reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(ring_x) + (int64_t(slot) * C + (b0 - r0)) * kH)
+                             : reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
+        if constexpr (Cfg::kMx) {
+          // the rows' scales, a 4-byte word per k128 block, into the ring's blocked plane
+          // [H / 128, ring_rows, 4]
+          const uint32_t* const* s_sfrom = reinterpret_cast<const uint32_t* const*>(smem) + kBatch;
+          uint32_t* ring_s = at<uint32_t>(loc, L.ring_x_scales);
+          const int64_t ring_rows = int64_t(C) * R, first = int64_t(slot) * C + (b0 - r0);
+          constexpr int kWords = kH / 128;
+          for (int v = tid; v < (b1 - b0) * kWords; v += kEpThreads) {
+            const int r = v / kWords, kb = v % kWords;
+            ring_s[int64_t(kb) * ring_rows + first + r] = s_sfrom[r][kb];
+          }
+        }
         if constexpr (Cfg::kPullBulk) {
           // s_from, then 16 mbarriers, then the stage buffers (128-byte aligned)
           constexpr size_t kBars = kBatch * sizeof(const uint4*), kBuf = kBars + 16 * sizeof(uint64_t);
@@ -584,6 +674,21 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       char* const* sym = p.sym;
       const size_t slots_off = S.slots;
       auto h_row = [ring_h](int64_t row0) { return [ring_h, row0](int r) { return ring_h + (row0 + r) * kI; }; };
+      // MXFP8: the up tiles' h as codes and blocked scales (mx_tile.cuh), and the A operands
+      // (codes' map, scales) of the up and down tiles
+      [[maybe_unused]] auto mx_h_rows = [ring_h, loc, &L, C, R](int64_t row0) {
+        if constexpr (Cfg::kMx)
+          return sm90::MxRowsBlocked{reinterpret_cast<uint8_t*>(ring_h), at<uint8_t>(loc, L.ring_h_scales), kI, C * R,
+                                     int(row0)};
+        else
+          return row0;
+      };
+      [[maybe_unused]] auto a_operand = [loc, &L, C, R](const CUtensorMap* map, bool h) {
+        if constexpr (Cfg::kMx)
+          return sm90::MxA{map, at<const uint8_t>(loc, h ? L.ring_h_scales : L.ring_x_scales), C * R};
+        else
+          return map;
+      };
       auto slot_row = [meta, sym, slots_off](int64_t row0) {
         return [meta, sym, slots_off, row0](int r) {
           const int2 d = meta[row0 + r];
@@ -860,16 +965,16 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 }
               }
               if (kind == 0) {
-                Up::produce(Up::carve(smem), pipe, &maps.ring_x[g], int(row0), &maps.w_gate[g], &maps.w_up[g],
-                            le * kI + n * Up::kBN, share, cc % kPair);
+                Up::produce(Up::carve(smem), pipe, a_operand(&maps.ring_x[g], false), int(row0), &maps.w_gate[g],
+                            &maps.w_up[g], le * kI + n * Up::kBN, share, cc % kPair);
               } else {
                 if (!*abort_flag) {
                   if (!w.wait_geq<false>(&blk_done[row0], Up::kNTiles, kStageBlockReady, -1)) *abort_flag = 1;
                   sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
                 }
                 MOKGEN_FWD_TRACE_ONLY(fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
-                Down::produce(Down::carve(smem), pipe, &maps.ring_h[g], int(row0), &maps.w_down[g], nullptr,
-                              le * kH + n * Down::kBN, share, cc % kPair);
+                Down::produce(Down::carve(smem), pipe, a_operand(&maps.ring_h[g], true), int(row0), &maps.w_down[g],
+                              nullptr, le * kH + n * Down::kBN, share, cc % kPair);
               }
               MOKGEN_FWD_TRACE_ONLY(
                   fwd_trace::set(tr_rec, 3, fwd_trace::clock()); fwd_trace::set(tr_rec, 7, fwd_trace::s_waited[0]);)
@@ -906,8 +1011,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag);
               }
             } else if (kind == 0) {
-              Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag,
-                          SaveRows<kI>{p.save_gu, meta + row0, true});
+              if constexpr (Cfg::kMx)
+                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, mx_h_rows(row0), Cfg::kClampLimit,
+                            abort_flag);
+              else
+                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag,
+                            SaveRows<kI>{p.save_gu, meta + row0, true});
               sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
             } else {
               Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
@@ -1062,9 +1171,18 @@ struct EpLauncher {
       using Up = typename EpForward<Cfg>::Up;
       using Down = typename EpForward<Cfg>::Down;
       for (int r = 0; r < p.launch_ranks; ++r) {
+        // the A operands: bf16 rows, or (MXFP8) E4M3 codes in 64-byte boxes
+        const bool a_ok =
+            Cfg::kMx ? sm90::encode_codes_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kBK,
+                                             Up::kABox) == CUDA_SUCCESS &&
+                           sm90::encode_codes_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kBK,
+                                                 Down::kABox) == CUDA_SUCCESS
+                     : sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kABox,
+                                           Up::kBK) == CUDA_SUCCESS &&
+                           sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kABox,
+                                               Up::kBK) == CUDA_SUCCESS;
         const bool ok =
-            sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kABox, Up::kBK) == CUDA_SUCCESS &&
-            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kABox, Up::kBK) == CUDA_SUCCESS &&
+            a_ok &&
             sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&
             sm90::encode_map_2d(&m.w_up[r], p.w_up[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&
             sm90::encode_map_2d(&m.w_down[r], p.w_down[r], uint64_t(e_loc) * Cfg::kHidden, Cfg::kInter,

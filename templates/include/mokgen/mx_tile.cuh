@@ -27,6 +27,14 @@
 namespace mokgen {
 namespace sm90 {
 
+// An MX tile's A operand: the codes' tensor map, and the scales in the blocked layout [K / 128,
+// rows, 4] (the scales of A row r and k128 block b at scales + (b rows + r) 4).
+struct MxA {
+  const CUtensorMap* map;
+  const uint8_t* scales;
+  int rows;
+};
+
 // Where a gated MX tile's epilogue puts h: codes(r) -> uint8_t* of row r's codes at column 0;
 // scale(r, b, s): E8M0 scale s of row r's 32-block b (b counted from column 0).
 struct MxRowsBlocked {
@@ -74,11 +82,12 @@ struct MxTile {
   MOKGEN_DEVICE static void init_barriers(const Smem& s) { Base::init_barriers(s); }
 
   // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate, and the
-  // row of A's blocked scale plane a_scales [K / 128, a_rows, 4]); b_row0: first B row of map_b0
-  // and map_b1 (gate and up rows of a gated tile) or of map_b0 alone (both halves).
-  MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const CUtensorMap* map_a, int a_row0,
-                                    const uint8_t* a_scales, int a_rows, const CUtensorMap* map_b0,
-                                    const CUtensorMap* map_b1, int b_row0) {
+  // row of A's blocked scales); b_row0: first B row of map_b0 and map_b1 (gate and up rows of a
+  // gated tile) or of map_b0 alone (both halves). HopperTile's signature, A an MxA; share and
+  // crank (clusters) are not supported and ignored.
+  MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const MxA& a, int a_row0, const CUtensorMap* map_b0,
+                                    const CUtensorMap* map_b1, int b_row0, int /*share*/ = kShareNone,
+                                    int /*crank*/ = 0) {
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
@@ -89,10 +98,10 @@ struct MxTile {
       for (int h = 0; h < 2; ++h) {
         const CUtensorMap* mb = kGated && h ? map_b1 : map_b0;
         const int b_row = kGated ? b_row0 : b_row0 + h * kBBox;
-        cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * (kABox * kBK), k0, a_row0 + h * kABox);
+        cute::SM90_TMA_LOAD_2D::copy(a.map, full, 0, st + h * (kABox * kBK), k0, a_row0 + h * kABox);
         cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, st + kABytes + h * (kBBox * kBK * 2), k0, b_row);
       }
-      bulk::load(st + kABytes + kBBytes, a_scales + (size_t(k0 / 128) * a_rows + a_row0) * 4, kScaleBytes, full);
+      bulk::load(st + kABytes + kBBytes, a.scales + (size_t(k0 / 128) * a.rows + a_row0) * 4, kScaleBytes, full);
       pipe.advance();
     }
   }
@@ -100,9 +109,10 @@ struct MxTile {
   // Consumer warpgroup wg (0/1): all k-blocks of one tile, then the epilogue for rows
   // [64 wg, 64 wg + 64) of the tile that are < rows. Down tiles: out(r) -> bf16* of output row r at
   // column 0 (as HopperTile). Gated tiles: out is an MxRowsBlocked-like object (codes, scale).
-  template <class Out>
+  // HopperTile's signature; the pre-activations' save (SRow) is not supported and ignored.
+  template <class Out, class SRow = NoSaveRows>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, const Out& out,
-                                    float clamp_limit, const volatile int* abort_flag = nullptr) {
+                                    float clamp_limit, const volatile int* abort_flag = nullptr, SRow = SRow{}) {
     float acc[kAcc];
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
@@ -221,6 +231,32 @@ struct MxTile {
     }
   }
 };
+
+// ---- host: 2-D uint8 tensor maps of E4M3 codes (row-major [rows, cols]) --------------------------
+// Boxes of box_rows x box_cols bytes, 128-byte swizzle for 128-byte box rows, else 64-byte (the MX
+// tiles' A: 64-byte rows). hopper_gemm.cuh's encode_map_2d is bf16 only.
+inline CUresult encode_codes_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_cols,
+                                uint32_t box_rows) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+        qr != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
 
 }  // namespace sm90
 }  // namespace mokgen

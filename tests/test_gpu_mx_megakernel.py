@@ -1,0 +1,87 @@
+"""The megakernel's MXFP8 path (numerics: mxfp8; mx_tile.cuh in ep_forward.cuh) on the H200: rows
+quantized at publish and dispatched as E4M3 codes plus scales, the up tiles' A decoded in registers,
+h quantized in the up tiles' epilogue, the down tiles pushing bf16 rows to the combine.
+
+Oracles:
+- the staged MXFP8 experts (mokgen.mx_experts), which compute the same gate | up sums, the same
+  h codes and the same down sums; the megakernel rounds each pushed row to bf16 and combines
+  with fmaf, so the two differ by that rounding;
+- the float64 MX oracle (mokgen.reference.mx_experts_forward);
+- itself: every virtual rank count W and ring size gives the same bits (rows are independent and
+  the combine order is fixed), and repeats give the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mokgen import mx_experts  # noqa: E402
+from mokgen import reference as R  # noqa: E402
+from mokgen.ep import virtual_ep_forward  # noqa: E402
+from mokgen.errors import InputError  # noqa: E402
+from mokgen.spec import load_spec  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+
+SMALL = "qwen3-30b-a3b"
+
+
+def _problem(spec, tokens, seed, skew=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    E, I, H = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    wg, wu = ((torch.randn(E, I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    wd = (torch.randn(E, H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16)
+    xs, ids, ws = [], [], []
+    for T in tokens:
+        xs.append(torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16))
+        scores = torch.rand(T, E, generator=gen, device="cuda")
+        if skew:
+            scores[:, : E // 4] += 1.0  # the first ranks' experts take most rows
+        ids.append(scores.topk(spec.top_k, dim=-1).indices.to(torch.int32))
+        w = torch.rand(T, spec.top_k, generator=gen, device="cuda")
+        ws.append(w / w.sum(-1, keepdim=True))
+    return xs, ids, ws, (wg, wu, wd)
+
+
+def _spec(name=SMALL):
+    return load_spec(name).with_target(numerics="mxfp8")
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_mx_megakernel_against_the_staged_experts_and_the_mx_oracle(skew):
+    spec = _spec()
+    xs, ids, ws, (wg, wu, wd) = _problem(spec, [700], seed=1, skew=skew)
+    with torch.no_grad():
+        out = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd)[0]
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    staged = mx_experts.experts_forward(xs[0], ids[0], ws[0], mx_experts.quantize_weights(wg, wu, wd))
+    rel = ((out.double() - staged.double()).norm() / staged.double().norm()).item()
+    assert rel < 6e-3, f"against the staged MXFP8 experts: {rel:.2e}"  # the pushed rows' bf16 rounding
+    oracle = R.mx_experts_forward(xs[0], ids[0], ws[0], wg, wu, wd, acc_dtype=torch.float64)
+    rel = ((out.double() - oracle).norm() / oracle.norm()).item()
+    assert rel < 1e-2, f"against the float64 MX oracle: {rel:.2e}"
+
+
+def test_mx_megakernel_gives_the_same_bits_for_every_w_and_ring():
+    """W = 4 virtual ranks (one without tokens, skewed routing, a ring of 3 x 256 rows) against
+    each rank's tokens run alone on one rank holding every expert (the default ring), and 20
+    repeats of the same launch."""
+    spec = _spec()
+    xs, ids, ws, weights = _problem(spec, [600, 0, 300, 900], seed=2, skew=True)
+    with torch.no_grad():
+        four = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
+        for r in range(4):
+            alone = virtual_ep_forward(spec, [xs[r]], [ids[r]], [ws[r]], *weights)[0]
+            assert torch.equal(four[r], alone), r
+        for _ in range(19):
+            again = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
+            assert all(torch.equal(a, b) for a, b in zip(four, again))
+
+
+def test_mx_megakernel_is_forward_only():
+    spec = _spec()
+    xs, ids, ws, (wg, wu, wd) = _problem(spec, [64], seed=3)
+    with pytest.raises(InputError, match="the MXFP8 megakernel is forward only"):
+        virtual_ep_forward(spec, [xs[0].requires_grad_(True)], ids, ws, wg, wu, wd)
