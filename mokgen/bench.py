@@ -294,6 +294,8 @@ def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2
 #: the FP8 tensor core's quad form (mokgen.mx_experts.FORMS)
 MX_ROW = "mokgen MXFP8 experts (staged, bf16 math)"
 MX_FP8_ROW = "mokgen MXFP8 experts (staged, FP8 quad)"
+#: the megakernel built with numerics mxfp8 (mx_tile.cuh: rows dispatched as E4M3 codes + scales)
+MX_MEGA_ROW = "mokgen megakernel MXFP8 (W=1)"
 
 
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True,
@@ -329,6 +331,11 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         impls[MX_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp, check_ids=False)
         impls[MX_FP8_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp, form="quad",
                                                                 check_ids=False)
+        mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda")
+        with torch.no_grad():
+            mx_layer.w_gate.copy_(wg), mx_layer.w_up.copy_(wu), mx_layer.w_down.copy_(wd)
+        mx_layer.check_ids = False
+        impls[MX_MEGA_ROW] = lambda i: mx_layer(*inputs[i])
     elif numerics != "bf16":
         raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
     if loop:
@@ -348,7 +355,7 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
 
             exact = reference.experts_forward(*inputs[0], wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
             for r in rows:
-                if r.impl in (ours, MX_ROW, MX_FP8_ROW):
+                if r.impl in (ours, MX_ROW, MX_FP8_ROW, MX_MEGA_ROW):
                     got = impls[r.impl](0).double()
                     r.error = ((got - exact).norm() / exact.norm()).item()
             del exact
