@@ -216,16 +216,19 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     options = env.plan_options()
     # an axis whose switch is set stays at the switch's value (the build would override it)
     pairs_possible = options["gemm_core"] == "wgmma" and options["schedule"] == "flow"
-    clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not env.switch_set("cluster") else [])
+    mx = spec.target.numerics == "mxfp8"  # the MX tiles: no clusters, k-blocks of 64, the copy dispatch
+    clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not mx and not env.switch_set("cluster")
+                                 else [])
     block_ks = [base.block_k] + ([b for b in (64, 32) if b != base.block_k]
-                                 if options["gemm_core"] == "wgmma" and not env.switch_set("block_k") else [])
+                                 if options["gemm_core"] == "wgmma" and not mx and not env.switch_set("block_k")
+                                 else [])
     chunks = [base.chunk_rows] + [c for c in CHUNKS if c != base.chunk_rows]
     rings = [base.ring_chunks] + [r for r in RINGS if r != base.ring_chunks]
     dispatch = [None] + (list(DISPATCH) if distributed and ep > 1 else list(DISPATCH_ONE_RANK) if ep == 1 else [])
     # the bulk-copy dispatch only where rows cross links: on one GPU every pull is a local copy,
     # and the two modes measured level there (docs/perf-notes.md, v0.7)
     pulls = [base.pull_mode] + ([m for m in PULL_MODES if m != base.pull_mode]
-                                if distributed and ep > 1 and options["gemm_core"] == "wgmma"
+                                if distributed and ep > 1 and options["gemm_core"] == "wgmma" and not mx
                                 and not env.switch_set("pull_mode") else [])
     rows = int(tokens) * spec.top_k  # rows a rank receives on average (uniform routing)
     # the chunk that holds all rows (the default's if it does, else the smallest tried): larger

@@ -755,3 +755,14 @@ def test_pair_timer_times_both_layers_in_abba_blocks():
     assert len(pairs) == 20 and all(a > 0 and b > 0 for a, b in pairs)
     v = tune_mod.interleaved_verdict(pairs)
     assert 0.95 < v["ratio"] < 1.05 and not v["held"]
+
+
+def test_the_mxfp8_space_keeps_to_what_the_mx_tiles_build():
+    """numerics mxfp8: no cluster pairs, no 32-wide k-blocks, no bulk dispatch among the
+    candidates (make_plan refuses them), the rings and chunks searched as for bf16."""
+    from mokgen.spec import load_spec
+
+    spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    space = search_space(spec, ep=8, tokens=2048, distributed=True)
+    assert space.candidates and {(c.cluster, c.block_k, c.pull_mode) for c in space.candidates} == {(1, 64, "copy")}
+    assert len({(c.chunk_rows, c.ring_chunks) for c in space.candidates}) > 1
