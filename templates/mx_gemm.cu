@@ -146,8 +146,8 @@ using Down = sm90::MxTile<512, 256, false, false, kStages, 256>;
 
 template <class Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
-    tile_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
-                const __grid_constant__ CUtensorMap map_b1, const uint8_t* __restrict__ a_scales, bf16* c,
+    tile_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_s,
+                const __grid_constant__ CUtensorMap map_b0, const __grid_constant__ CUtensorMap map_b1, bf16* c,
                 uint8_t* h_codes, uint8_t* h_scales, float limit) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const auto s = Tile::carve(smem);
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0)
-      Tile::produce(s, pipe, sm90::MxA{&map_a, a_scales, kM}, m0, &map_b0, &map_b1,
+      Tile::produce(s, pipe, sm90::MxA{&map_a, &map_s}, m0, &map_b0, &map_b1,
                     nt * (Tile::kBBox * (Tile::kBN == 128 ? 1 : 2)));
     return;
   }
@@ -179,8 +179,9 @@ template <class Tile>
 int launch_tile(void* c, void* h_codes, void* h_scales, const void* a, const void* sa, const void* b0, const void* b1,
                 float limit, void* stream) {
   constexpr int kK = Tile::kKTiles * Tile::kBK, kRowsB = Tile::kBN == 128 ? Tile::kNTiles * 128 : Tile::kNTiles * 256;
-  CUtensorMap ma, mb0, mb1;
+  CUtensorMap ma, ms, mb0, mb1;
   if (encode_codes(&ma, a, uint64_t(kM), uint64_t(kK), Tile::kBK, Tile::kABox) != CUDA_SUCCESS ||
+      sm90::encode_scales_2d(&ms, sa, uint64_t(kM), uint64_t(kK / 128)) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&mb0, b0, uint64_t(kRowsB), uint64_t(kK), Tile::kBBox, Tile::kBK) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&mb1, b1 != nullptr ? b1 : b0, uint64_t(kRowsB), uint64_t(kK), Tile::kBBox, Tile::kBK) !=
           CUDA_SUCCESS)
@@ -189,8 +190,8 @@ int launch_tile(void* c, void* h_codes, void* h_scales, const void* a, const voi
       cudaFuncSetAttribute(tile_kernel<Tile>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tile::kSmemBytes));
   if (err != cudaSuccess) return int(err);
   tile_kernel<Tile><<<dim3(Tile::kNTiles, kM / Tile::kBM), Tile::kThreads, Tile::kSmemBytes,
-                      static_cast<cudaStream_t>(stream)>>>(ma, mb0, mb1, static_cast<const uint8_t*>(sa),
-                                                           static_cast<bf16*>(c), static_cast<uint8_t*>(h_codes),
+                      static_cast<cudaStream_t>(stream)>>>(ma, ms, mb0, mb1, static_cast<bf16*>(c),
+                                                           static_cast<uint8_t*>(h_codes),
                                                            static_cast<uint8_t*>(h_scales), limit);
   return int(cudaGetLastError());
 }

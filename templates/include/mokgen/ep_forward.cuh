@@ -98,7 +98,9 @@ struct EpMaps {
   CUtensorMap w_gate[kMaxLaunchRanks];  // [E/W*I, H]
   CUtensorMap w_up[kMaxLaunchRanks];    // [E/W*I, H]
   CUtensorMap w_down[kMaxLaunchRanks];  // [E/W*H, I]
-  // fused shared expert (Cfg::kFuseShared): the rank's published x and shared h, its weights
+  // fused shared expert (Cfg::kFuseShared): the rank's published x and shared h, its weights.
+  // MXFP8 builds (Cfg::kMx, never fused) use these two for the A scales of the up and the down
+  // tiles instead: the ring's blocked scale planes (mx_tile.cuh, encode_scales_2d)
   CUtensorMap sym_x[kMaxLaunchRanks];     // [max_tokens, H]  A of the shared up projection
   CUtensorMap shared_h[kMaxLaunchRanks];  // [max_tokens, I]  A of the shared down projection
   CUtensorMap sh_gate, sh_up, sh_down;    // [I, H], [I, H], [H, I]
@@ -683,9 +685,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         else
           return row0;
       };
-      [[maybe_unused]] auto a_operand = [loc, &L, C, R](const CUtensorMap* map, bool h) {
+      [[maybe_unused]] auto a_operand = [](const CUtensorMap* map, const CUtensorMap* scales) {
         if constexpr (Cfg::kMx)
-          return sm90::MxA{map, at<const uint8_t>(loc, h ? L.ring_h_scales : L.ring_x_scales), C * R};
+          return sm90::MxA{map, scales};
         else
           return map;
       };
@@ -965,7 +967,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 }
               }
               if (kind == 0) {
-                Up::produce(Up::carve(smem), pipe, a_operand(&maps.ring_x[g], false), int(row0), &maps.w_gate[g],
+                Up::produce(Up::carve(smem), pipe, a_operand(&maps.ring_x[g], &maps.sym_x[g]), int(row0), &maps.w_gate[g],
                             &maps.w_up[g], le * kI + n * Up::kBN, share, cc % kPair);
               } else {
                 if (!*abort_flag) {
@@ -973,7 +975,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   sm90::fence_proxy_async_global();  // h rows of the block: generic writes -> TMA reads
                 }
                 MOKGEN_FWD_TRACE_ONLY(fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
-                Down::produce(Down::carve(smem), pipe, a_operand(&maps.ring_h[g], true), int(row0), &maps.w_down[g],
+                Down::produce(Down::carve(smem), pipe, a_operand(&maps.ring_h[g], &maps.shared_h[g]), int(row0),
+                              &maps.w_down[g],
                               nullptr, le * kH + n * Down::kBN, share, cc % kPair);
               }
               MOKGEN_FWD_TRACE_ONLY(
@@ -1171,16 +1174,23 @@ struct EpLauncher {
       using Up = typename EpForward<Cfg>::Up;
       using Down = typename EpForward<Cfg>::Down;
       for (int r = 0; r < p.launch_ranks; ++r) {
-        // the A operands: bf16 rows, or (MXFP8) E4M3 codes in 64-byte boxes
-        const bool a_ok =
-            Cfg::kMx ? sm90::encode_codes_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kBK,
+        // the A operands: bf16 rows, or (MXFP8) E4M3 codes in 64-byte boxes and their scale planes
+        // (in sym_x / shared_h, unused by these builds)
+        bool a_ok = true;
+        if constexpr (Cfg::kMx)
+          a_ok = sm90::encode_scales_2d(&m.sym_x[r], p.local[r] + L.ring_x_scales, ring_rows, Cfg::kHidden / 128) ==
+                     CUDA_SUCCESS &&
+                 sm90::encode_scales_2d(&m.shared_h[r], p.local[r] + L.ring_h_scales, ring_rows, Cfg::kInter / 128) ==
+                     CUDA_SUCCESS;
+        a_ok = a_ok &&
+            (Cfg::kMx ? sm90::encode_codes_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kBK,
                                              Up::kABox) == CUDA_SUCCESS &&
                            sm90::encode_codes_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kBK,
                                                  Down::kABox) == CUDA_SUCCESS
                      : sm90::encode_map_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kABox,
                                            Up::kBK) == CUDA_SUCCESS &&
                            sm90::encode_map_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kABox,
-                                               Up::kBK) == CUDA_SUCCESS;
+                                               Up::kBK) == CUDA_SUCCESS);
         const bool ok =
             a_ok &&
             sm90::encode_map_2d(&m.w_gate[r], p.w_gate[r], uint64_t(e_loc) * Cfg::kInter, Cfg::kHidden, Up::kBBox, Up::kBK) == CUDA_SUCCESS &&

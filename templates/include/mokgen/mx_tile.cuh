@@ -7,7 +7,7 @@
 // 64. Per stage: A's 128 x 64 E4M3 codes (two 64-row TMA boxes, 64-byte rows, SWIZZLE_64B), B's
 // kBNB x 64 bf16 MX values (two boxes, 128-byte rows, SWIZZLE_128B; for a gated tile 128 w_gate
 // rows then 128 w_up rows), and the four E8M0 scales of the stage's k128 block for the 128 rows
-// (512 bytes by a bulk copy from A's blocked scale plane [K / 128, rows, 4]). Each consumer decodes
+// (512 bytes, a TMA box of A's blocked scale plane [K / 128, rows, 4]). Each consumer decodes
 // its rows' codes into the wgmma's register A fragments (mx_decode.cuh) and issues one
 // m64nkBNBk16 wgmma per 16 k, the previous one kept in flight.
 //
@@ -19,7 +19,6 @@
 // Clusters (multicast) and 32-wide k-blocks are not supported yet.
 #pragma once
 
-#include "bulk_copy.cuh"
 #include "hopper_gemm.cuh"
 #include "mx.cuh"
 #include "mx_decode.cuh"
@@ -27,12 +26,13 @@
 namespace mokgen {
 namespace sm90 {
 
-// An MX tile's A operand: the codes' tensor map, and the scales in the blocked layout [K / 128,
-// rows, 4] (the scales of A row r and k128 block b at scales + (b rows + r) 4).
+// An MX tile's A operand: the codes' tensor map, and the scales' map (encode_scales_2d): the
+// blocked layout [K / 128, rows, 4] as 4-byte words [K / 128, rows], a tile's 128 words of one
+// k128 block in one box. A TMA box, not a bulk copy: a tile's first row is any row of the ring
+// (expert segments are not padded there), and a bulk copy needs 16-byte aligned sources.
 struct MxA {
   const CUtensorMap* map;
-  const uint8_t* scales;
-  int rows;
+  const CUtensorMap* scales;
 };
 
 // Where a gated MX tile's epilogue puts h: codes(r) -> uint8_t* of row r's codes at column 0;
@@ -101,7 +101,7 @@ struct MxTile {
         cute::SM90_TMA_LOAD_2D::copy(a.map, full, 0, st + h * (kABox * kBK), k0, a_row0 + h * kABox);
         cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, st + kABytes + h * (kBBox * kBK * 2), k0, b_row);
       }
-      bulk::load(st + kABytes + kBBytes, a.scales + (size_t(k0 / 128) * a.rows + a_row0) * 4, kScaleBytes, full);
+      cute::SM90_TMA_LOAD_2D::copy(a.scales, full, 0, st + kABytes + kBBytes, a_row0, k0 / 128);
       pipe.advance();
     }
   }
@@ -231,6 +231,31 @@ struct MxTile {
     }
   }
 };
+
+// ---- host: the scales' map (MxA::scales): blocked scales [k_blocks, rows, 4] as 4-byte words
+// [k_blocks, rows], boxes of 128 rows of one k-block (512 bytes), no swizzle; rows past the end
+// read as zeros, as the codes' do.
+inline CUresult encode_scales_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t k_blocks) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+        qr != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  const cuuint64_t dims[2] = {rows, k_blocks};
+  const cuuint64_t strides[1] = {rows * 4};
+  const cuuint32_t box[2] = {128, 1};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
 
 // ---- host: 2-D uint8 tensor maps of E4M3 codes (row-major [rows, cols]) --------------------------
 // Boxes of box_rows x box_cols bytes, 128-byte swizzle for 128-byte box rows, else 64-byte (the MX
