@@ -688,14 +688,18 @@ def skewed_routing(spec: MoESpec, T: int, gen, hot_experts: int, device="cuda"):
     return ids, w / w.sum(-1, keepdim=True)
 
 
-def _remote_bytes(spec: MoESpec, ids_all: list[torch.Tensor], rank: int, world: int) -> int:
-    """Bytes of rows rank ``rank`` receives from OTHER ranks (= bytes it sends back in combine)."""
+def _remote_bytes(spec: MoESpec, ids_all: list[torch.Tensor], rank: int, world: int, numerics: str = "bf16") -> int:
+    """Bytes of rows rank ``rank`` receives from OTHER ranks (= bytes it sends back in combine, for
+    bf16): rows of ``plan.row_bytes(H, numerics)``, E4M3 codes plus scales for mxfp8."""
+    from mokgen.plan import row_bytes
+
     e_loc = spec.num_experts // world
     rows = sum(int((i.long().div(e_loc, rounding_mode="floor") == rank).sum()) for q, i in enumerate(ids_all) if q != rank)
-    return rows * spec.hidden_size * 2
+    return rows * row_bytes(spec.hidden_size, numerics)
 
 
-def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool = False) -> tuple[list[Row], dict]:
+def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool = False,
+             numerics: str = "bf16") -> tuple[list[Row], dict]:
     """Real expert parallelism, one process per GPU (run under torchrun; the NCCL process group
     must be initialized): mokgen.MoELayer over torch symmetric memory against NCCL all-to-all +
     grouped GEMMs (``torch_ep_pipeline``), same inputs, every rank timing its own launches; the
@@ -710,7 +714,9 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
     combine`` = the same bytes (each pulled remote row is pushed back) / the push window, from
     the first row block's pushes to the rank's done (pushes come from down-tile epilogues, so
     throttled by the GEMMs); ``nccl dispatch`` / ``nccl combine`` = the same bytes / the rows'
-    all_to_all_single time, each way."""
+    all_to_all_single time, each way. ``numerics="mxfp8"`` adds the MXFP8 megakernel (rows dispatched
+    as E4M3 codes plus scales): its row, its dispatch figure over its own remote bytes, and the
+    bytes crossing per token of both builds (``bytes per token``)."""
     import torch.distributed as dist
 
     from mokgen.ep import MoELayer
@@ -751,6 +757,16 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
         f"NCCL all-to-all + torch._grouped_mm (EP{world})": lambda i: torch_ep_pipeline(
             *inputs[i], wg, wu, wd, None, clamp),
     }
+    mx_layer = None
+    if numerics == "mxfp8":
+        mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), dist.group.WORLD, max_tokens=tokens_per_rank,
+                            device=torch.cuda.current_device())
+        with torch.no_grad():
+            mx_layer.w_gate.copy_(wg), mx_layer.w_up.copy_(wu), mx_layer.w_down.copy_(wd)
+        mx_layer.check_ids = False
+        impls[f"mokgen megakernel MXFP8 (EP{world})"] = lambda i: mx_layer(*inputs[i])
+    elif numerics != "bf16":
+        raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
     flops = routed_flops(spec, tokens_per_rank)  # per rank
     medians = {}
     with torch.no_grad():
@@ -763,6 +779,16 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
         st = layer.stats()
         link["mokgen dispatch (default ring)"] = (remote, st["pull_ms"])
         link["mokgen combine (push window, default ring)"] = (remote, st["push_ms"])
+        if mx_layer is not None:  # the same rows as codes plus scales; the kernel's own count of them
+            mx_layer(*inputs[0])
+            mst = mx_layer.stats()
+            from mokgen.plan import row_bytes
+
+            mx_remote = mst["rows_remote"] * row_bytes(spec.hidden_size, "mxfp8")
+            link["mokgen MXFP8 dispatch (default ring)"] = (mx_remote, mst["pull_ms"])
+            link["bytes per token: bf16 rows"] = (remote, None, remote / tokens_per_rank)
+            link["bytes per token: MXFP8 rows"] = (mx_remote, None, mx_remote / tokens_per_rank)
+            del mx_layer
         ring = max(1, -(-max(max_received) // layer.chunk_rows))
         del layer
         big = make_layer(ring_chunks=ring)
@@ -795,9 +821,11 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
         out.append(Row(f"ep{world} {tag}", spec.name, tokens_per_rank, name, ms, flops / ms / 1e9, times))
     figures = {}
     for name in link:
-        per_rank = [g[1][name] for g in gathered]  # (remote bytes, ms) per rank
+        per_rank = [g[1][name] for g in gathered]  # (remote bytes, ms[, bytes per token]) per rank
         busiest = max(range(world), key=lambda r: per_rank[r][0])  # the most loaded link
-        b, ms = per_rank[busiest]
+        b, ms = per_rank[busiest][:2]
         figures[name] = {"gbps": b / (ms * 1e6) if ms else None, "busiest_rank": busiest,
                          "remote_bytes_per_rank": [v[0] for v in per_rank], "ms_per_rank": [v[1] for v in per_rank]}
+        if len(per_rank[busiest]) > 2:  # bytes crossing per token (the busiest rank's remote bytes / its tokens)
+            figures[name]["bytes_per_token"] = per_rank[busiest][2]
     return out, figures

@@ -421,7 +421,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                 elif wl == "block":
                     rows += b.bench_block(spec, tokens or 4096, iters=iters, backward=backward)
                 elif wl == "ep":
-                    ep_rows, figures = b.bench_ep(spec, tokens or 2048, iters=iters, skew=skew)
+                    ep_rows, figures = b.bench_ep(spec, tokens or 2048, iters=iters, skew=skew, numerics=numerics)
                     rows += ep_rows
                     if figures:
                         links[f"{spec.name} {ep_rows[0].workload}"] = figures
@@ -445,6 +445,10 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
             for name, f in figures.items():
                 r = f["busiest_rank"]
                 ms, gbps = f["ms_per_rank"][r], f["gbps"]
+                if "bytes_per_token" in f:  # --numerics mxfp8: bytes crossing per token, no time
+                    lt.add_row(what, name, f"{f['remote_bytes_per_rank'][r] / 1e6:.1f}", "-",
+                               f"{f['bytes_per_token']:.0f} B / token")
+                    continue
                 lt.add_row(what, name, f"{f['remote_bytes_per_rank'][r] / 1e6:.1f}",
                            "-" if ms is None else f"{ms:.3f}", "-" if gbps is None else f"{gbps:.0f}")
         console.print(lt)

@@ -174,3 +174,17 @@ def test_abba_blocks_interleave_the_sides_and_block_ratio_is_reproducible():
     ratio, lo, hi = block_ratio(pairs)
     assert lo <= ratio <= hi and ratio == pytest.approx(1.1, abs=0.01)
     assert block_ratio(pairs) == (ratio, lo, hi)
+
+
+def test_remote_bytes_count_rows_as_their_numerics_carries_them():
+    """bench_ep's remote bytes: the rows a rank receives from the others, bf16 2 H bytes each, MXFP8
+    H codes plus H / 32 scales (0.516x)."""
+    from mokgen.bench import _remote_bytes
+    from mokgen.spec import load_spec
+
+    spec = load_spec("qwen3-30b-a3b")  # 128 experts: 64 per rank at W = 2
+    ids_all = [torch.tensor([[0, 64], [65, 1]]), torch.tensor([[0, 127], [2, 3]])]
+    # rank 0 receives from rank 1 the pairs of experts 0, 2, 3 (3 rows); its own are not remote
+    assert _remote_bytes(spec, ids_all, 0, 2) == 3 * 2 * 2048
+    assert _remote_bytes(spec, ids_all, 0, 2, "mxfp8") == 3 * (2048 + 64)
+    assert _remote_bytes(spec, ids_all, 1, 2) == 2 * 2 * 2048  # experts 64 and 65 of rank 0's tokens
