@@ -179,6 +179,7 @@ def test_abba_blocks_interleave_the_sides_and_block_ratio_is_reproducible():
 def test_remote_bytes_count_rows_as_their_numerics_carries_them():
     """bench_ep's remote bytes: the rows a rank receives from the others, bf16 2 H bytes each, MXFP8
     H codes plus H / 32 scales (0.516x)."""
+    torch = pytest.importorskip("torch")
     from mokgen.bench import _remote_bytes
     from mokgen.spec import load_spec
 
