@@ -85,3 +85,23 @@ def test_mx_megakernel_is_forward_only():
     xs, ids, ws, (wg, wu, wd) = _problem(spec, [64], seed=3)
     with pytest.raises(InputError, match="the MXFP8 megakernel is forward only"):
         virtual_ep_forward(spec, [xs[0].requires_grad_(True)], ids, ws, wg, wu, wd)
+
+
+def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_per_version():
+    """MoELayer on an MXFP8 spec (one rank, every expert) under no_grad: the same bits as
+    virtual_ep_forward on the same weights; the weights' MX values are converted again after an
+    in-place update (the tensor's version), and the output follows."""
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    xs, ids, ws, (wg, wu, wd) = _problem(spec, [500], seed=4)
+    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    with torch.no_grad():
+        layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+        first = layer(xs[0], ids[0], ws[0])
+        assert torch.equal(first, virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd)[0])
+        layer.w_down.mul_(2.0)  # exact in bf16 and in MX (scales move by one)
+        second = layer(xs[0], ids[0], ws[0])
+    assert not torch.equal(first, second)
+    rel = ((second.double() - 2 * first.double()).norm() / (2 * first.double()).norm()).item()
+    assert rel < 1e-2, rel  # y doubles exactly before the pushed rows' bf16 rounding
