@@ -10,17 +10,8 @@ from mokgen import bench, load_spec, mx_experts, mx_gemm
 
 
 def timed(fn, n=10):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    """Median ms of n CUDA-event timed calls after one warm-up (mokgen.bench.time_cuda)."""
+    return statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=n))
 
 
 for name in sys.argv[1:] or ["kimi-k2.5"]:

@@ -56,11 +56,16 @@ def test_row_tiles_list_each_segments_tiles():
         mx_gemm.row_tiles([100], "cpu")
 
 
-def test_quantized_weights_are_the_quantizer_s_in_the_blocked_layout():
-    gen = torch.Generator().manual_seed(0)
-    E, I, H = 2, 128, 256
+def _small_weights(seed: int, E: int = 2, I: int = 128, H: int = 256):
+    """bf16 w_gate, w_up [E, I, H] and w_down [E, H, I] drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
     wg, wu = (torch.randn(E, I, H, generator=gen).to(torch.bfloat16) for _ in range(2))
-    wd = torch.randn(E, H, I, generator=gen).to(torch.bfloat16)
+    return wg, wu, torch.randn(E, H, I, generator=gen).to(torch.bfloat16)
+
+
+def test_quantized_weights_are_the_quantizer_s_in_the_blocked_layout():
+    E, I, H = 2, 128, 256
+    wg, wu, wd = _small_weights(0, E, I, H)
     w = mx_experts.quantize_weights(wg, wu, wd)
     assert (w.num_experts, w.hidden, w.inter) == (E, H, I)
     codes, scales = mx.quantize(wu[1], dim=-1)
@@ -140,10 +145,8 @@ def test_bf16_math_weights_are_the_mx_values_permuted_within_16():
 
 
 def test_quantized_weights_hold_the_bf16_math_operands():
-    gen = torch.Generator().manual_seed(6)
-    E, I, H = 2, 128, 256
-    wg, wu = (torch.randn(E, I, H, generator=gen).to(torch.bfloat16) for _ in range(2))
-    wd = torch.randn(E, H, I, generator=gen).to(torch.bfloat16)
+    I = 128
+    wg, wu, wd = _small_weights(6, I=I)
     w = mx_experts.quantize_weights(wg, wu, wd, interleave=False)
     codes, scales = mx.quantize(wu[1], dim=-1)
     assert torch.equal(unpermute(w.gate_up_bf16[1, I:]), mx.dequantize(codes, scales).to(torch.bfloat16))

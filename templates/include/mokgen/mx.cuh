@@ -75,6 +75,19 @@ MOKGEN_HOST_DEVICE uint8_t quantize_block(const float (&v)[kBlock], uint8_t (&co
 }
 
 
+// A 32-element block of bf16 (16-byte aligned) as float32, four 16-byte loads (the row
+// quantizers' input, and the megakernel's publish).
+MOKGEN_DEVICE void load_bf16_block(const bf16* src, float (&v)[kBlock]) {
+  const uint4* p = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 w = p[i];
+    const bf16* e = reinterpret_cast<const bf16*>(&w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(e[j]);
+  }
+}
+
 // quantize_block on the GPU with the hardware conversion: the same scale, then each pair of
 // scaled values through cvt.rn.satfinite.e4m3x2.f32 (round to nearest even, E4M3 subnormals kept,
 // finite values beyond 448 saturated to +-448, the sign of zero kept): the bits of e4m3_encode for

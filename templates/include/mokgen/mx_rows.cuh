@@ -42,14 +42,7 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, const int* __re
   const int r = int(idx / nb), b = int(idx % nb), from = src[r];
   float v[mx::kBlock];
   if (from >= 0) {
-    const uint4* p = reinterpret_cast<const uint4*>(x + size_t(from) * h + b * mx::kBlock);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 w = p[i];
-      const bf16* e = reinterpret_cast<const bf16*>(&w);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(e[j]);
-    }
+    mx::load_bf16_block(x + size_t(from) * h + b * mx::kBlock, v);
   } else {
 #pragma unroll
     for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
@@ -199,15 +192,8 @@ __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int 
   if (idx >= (long long)experts * n_in * nb) return;
   const long long r = idx / nb;  // e n_in + row
   const int b = int(idx % nb), e = int(r / n_in), local = int(r % n_in), row = offset + local;
-  const uint4* p = reinterpret_cast<const uint4*>(x + size_t(r) * k + b * mx::kBlock);
   float v[mx::kBlock];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 w = p[i];
-    const bf16* h = reinterpret_cast<const bf16*>(&w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(h[j]);
-  }
+  mx::load_bf16_block(x + size_t(r) * k + b * mx::kBlock, v);
   uint8_t q[mx::kBlock];
   const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out_row = size_t(e) * n_out + row;
