@@ -371,15 +371,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         uint8_t* scales = at<uint8_t>(mine, S.x_scales);
         const int64_t blocks = int64_t(T) * (kH / 32);
         for (int64_t b = int64_t(cta) * kEpThreads + tid; b < blocks; b += int64_t(G) * kEpThreads) {
-          const uint4* src = reinterpret_cast<const uint4*>(p.x[g] + b * 32);
           float v[32];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const uint4 word = __ldg(src + i);
-            const bf16* e = reinterpret_cast<const bf16*>(&word);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(e[j]);
-          }
+          mx::load_bf16_block(p.x[g] + b * 32, v);
           uint8_t q[32];
           scales[b] = mx::quantize_block_hw(v, q);
           uint4 out[2];
