@@ -486,24 +486,42 @@ def cols_bf16_math(x):
     return out
 
 
-def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None):
+def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None, check_ranges: bool = False):
     """The weight gradients' GEMM on the bf16-math form: ``C[z] = A[:, r_z] B[:, r_z]^T`` for each
     k range ``r_z = kranges[z]`` (int32 ``[Z, 2]`` of (first k, length), multiples of 128; a zero
     length gives zeros): A MXFP8 ``[M, K]`` codes with blocked scales ``[K / 128, M, 4]`` (an
     operand quantized along K, here the token rows), B bf16 ``[N, K]`` (:func:`cols_bf16_math`).
-    Returns ``[Z, M, N]`` in float32 or bf16 (``out_dtype``), each sum in one fixed order."""
+    Returns ``[Z, M, N]`` in float32 or bf16 (``out_dtype``), each sum in one fixed order. The
+    ranges are trusted unless ``check_ranges`` (a host sync): a range outside ``[0, K]`` reads
+    out of bounds."""
     import torch
 
     out_dtype = torch.float32 if out_dtype is None else out_dtype
+    if not isinstance(a_codes, torch.Tensor) or a_codes.dtype not in (torch.float8_e4m3fn, torch.uint8) \
+            or a_codes.dim() != 2 or not a_codes.is_contiguous() or a_codes.device.type != "cuda":
+        raise InputError("ranged bf16-math GEMM: A codes must be a contiguous 2-d float8_e4m3fn (or uint8) CUDA tensor")
     M, K = a_codes.shape
-    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) \
+            or a_scales_blocked.dtype != torch.uint8 or not a_scales_blocked.is_contiguous() \
+            or a_scales_blocked.device != a_codes.device:
         raise InputError(f"ranged bf16-math GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
-                         f"and blocked scales [K / 128, M, 4]")
+                         f"and contiguous uint8 blocked scales [K / 128, M, 4] on its device")
     _check_bf16_b(b_bf16, K, stacked=False)
+    if b_bf16.device != a_codes.device:
+        raise InputError(f"ranged bf16-math GEMM: B is on {b_bf16.device}, A on {a_codes.device}")
     if kranges.dtype != torch.int32 or kranges.dim() != 2 or kranges.shape[1] != 2 or kranges.device != a_codes.device \
-            or not 0 < kranges.shape[0] <= 65535 or out_dtype not in (torch.float32, torch.bfloat16):
-        raise InputError("ranged bf16-math GEMM: kranges int32 [Z, 2] (1 <= Z <= 65535) on the operands' device, "
-                         "out_dtype float32 or bf16")
+            or not kranges.is_contiguous() or not 0 < kranges.shape[0] <= 65535 \
+            or out_dtype not in (torch.float32, torch.bfloat16):
+        raise InputError("ranged bf16-math GEMM: kranges contiguous int32 [Z, 2] (1 <= Z <= 65535) on the operands' "
+                         "device, out_dtype float32 or bf16")
+    # the ranges are read by the kernel (a bad one would read A's scales out of bounds); checking
+    # them on the host costs a sync, so only where the caller asks (the layer's own ranges are
+    # built from its segments and need none)
+    if check_ranges:
+        first, length = kranges[:, 0].cpu(), kranges[:, 1].cpu()
+        if bool(((first % BLOCK != 0) | (length % BLOCK != 0) | (first < 0) | (length < 0) | (first + length > K)).any()):
+            raise InputError(f"ranged bf16-math GEMM: every k range (first, length) must be multiples of {BLOCK} "
+                             f"within [0, {K}]")
     N = b_bf16.shape[0]
     c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
     _launch("mokgen_mx_bf16_math_ranged_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
