@@ -51,9 +51,10 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
         "grouped GEMM down (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles),
         "grouped GEMM down (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(hq, hs, mxw.down_bf16, tiles),
         "combine": lambda: mx_gemm.combine(y, row, w.contiguous()),
-        "down + combine (fused, k = 1)": lambda: mx_gemm.mx_bf16_math_combine1_gemm(
-            hq, hs, mxw.down_bf16, tiles, src, w.reshape(-1).float().contiguous()),
     }
+    if k == 1:  # the fused combine writes each token's row from its one pair (src: the token)
+        stages["down + combine (fused, k = 1)"] = lambda: mx_gemm.mx_bf16_math_combine1_gemm(
+            hq, hs, mxw.down_bf16, tiles, src, w.reshape(-1).float().contiguous())
     flops = {name: 2 * rows * 2 * I * H for name in stages if "gate|up" in name}  # padded rows
     flops.update({name: 2 * rows * H * I for name in stages if "GEMM down" in name or name.startswith("down +")})
     print(f"{spec.name}: {T} x {k} rows, {int(padded.sum())} padded ({rows} allocated), H {H}, I {I}")

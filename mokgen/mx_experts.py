@@ -316,8 +316,11 @@ def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor, padded: tor
     a_codes, a_scales = mx_gemm.quantize_cols(a_rows)
     start = torch.cumsum(padded, 0) - padded
     kranges = torch.stack([start, padded], 1).to(torch.int32)
+    # the kernel writes float32 or bf16; other weight dtypes (fp16, fp64) take float32 and the
+    # caller's cast
+    od = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
     return mx_gemm.mx_bf16_math_ranged_gemm(a_codes, mx_gemm.block_scales(a_scales), mx_gemm.cols_bf16_math(b_rows),
-                                            kranges, out_dtype=out_dtype)
+                                            kranges, out_dtype=od)
 
 
 def _ranged(form: str, t: torch.Tensor, n: int) -> bool:

@@ -67,7 +67,7 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
         lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
-        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, vp]
+        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, vp]
         lib.mokgen_mx_tile_test.restype = i
         lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_cols.restype = i
@@ -486,24 +486,42 @@ def cols_bf16_math(x):
     return out
 
 
-def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None):
+def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None, check_ranges: bool = False):
     """The weight gradients' GEMM on the bf16-math form: ``C[z] = A[:, r_z] B[:, r_z]^T`` for each
     k range ``r_z = kranges[z]`` (int32 ``[Z, 2]`` of (first k, length), multiples of 128; a zero
     length gives zeros): A MXFP8 ``[M, K]`` codes with blocked scales ``[K / 128, M, 4]`` (an
     operand quantized along K, here the token rows), B bf16 ``[N, K]`` (:func:`cols_bf16_math`).
-    Returns ``[Z, M, N]`` in float32 or bf16 (``out_dtype``), each sum in one fixed order."""
+    Returns ``[Z, M, N]`` in float32 or bf16 (``out_dtype``), each sum in one fixed order. The
+    ranges are trusted unless ``check_ranges`` (a host sync): a range outside ``[0, K]`` reads
+    out of bounds."""
     import torch
 
     out_dtype = torch.float32 if out_dtype is None else out_dtype
+    if not isinstance(a_codes, torch.Tensor) or a_codes.dtype not in (torch.float8_e4m3fn, torch.uint8) \
+            or a_codes.dim() != 2 or not a_codes.is_contiguous() or a_codes.device.type != "cuda":
+        raise InputError("ranged bf16-math GEMM: A codes must be a contiguous 2-d float8_e4m3fn (or uint8) CUDA tensor")
     M, K = a_codes.shape
-    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) \
+            or a_scales_blocked.dtype != torch.uint8 or not a_scales_blocked.is_contiguous() \
+            or a_scales_blocked.device != a_codes.device:
         raise InputError(f"ranged bf16-math GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
-                         f"and blocked scales [K / 128, M, 4]")
+                         f"and contiguous uint8 blocked scales [K / 128, M, 4] on its device")
     _check_bf16_b(b_bf16, K, stacked=False)
+    if b_bf16.device != a_codes.device:
+        raise InputError(f"ranged bf16-math GEMM: B is on {b_bf16.device}, A on {a_codes.device}")
     if kranges.dtype != torch.int32 or kranges.dim() != 2 or kranges.shape[1] != 2 or kranges.device != a_codes.device \
-            or not 0 < kranges.shape[0] <= 65535 or out_dtype not in (torch.float32, torch.bfloat16):
-        raise InputError("ranged bf16-math GEMM: kranges int32 [Z, 2] (1 <= Z <= 65535) on the operands' device, "
-                         "out_dtype float32 or bf16")
+            or not kranges.is_contiguous() or not 0 < kranges.shape[0] <= 65535 \
+            or out_dtype not in (torch.float32, torch.bfloat16):
+        raise InputError("ranged bf16-math GEMM: kranges contiguous int32 [Z, 2] (1 <= Z <= 65535) on the operands' "
+                         "device, out_dtype float32 or bf16")
+    # the ranges are read by the kernel (a bad one would read A's scales out of bounds); checking
+    # them on the host costs a sync, so only where the caller asks (the layer's own ranges are
+    # built from its segments and need none)
+    if check_ranges:
+        first, length = kranges[:, 0].cpu(), kranges[:, 1].cpu()
+        if bool(((first % BLOCK != 0) | (length % BLOCK != 0) | (first < 0) | (length < 0) | (first + length > K)).any()):
+            raise InputError(f"ranged bf16-math GEMM: every k range (first, length) must be multiples of {BLOCK} "
+                             f"within [0, {K}]")
     N = b_bf16.shape[0]
     c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
     _launch("mokgen_mx_bf16_math_ranged_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
@@ -547,26 +565,45 @@ def segments(ids, k: int, num_experts: int, order=None):
 TILE_TEST_SHAPES = {"down": (256, 512, 256), "gated": (256, 256, 512)}
 
 
-def _mx_tile_test(kind: str, a_codes, a_scales_blocked, b0, b1=None, clamp_limit: float | None = None):
+def _mx_tile_test(kind: str, a_codes, a_scales_blocked, b0, b1=None, clamp_limit: float | None = None, *,
+                  rows: int | None = None):
     """The MX tile alone (not yet the megakernel's): ``down`` -> bf16 ``A B0^T``; ``gated`` -> h =
     swiglu(A B0^T, A B1^T) quantized, ``(codes, blocked scales)``. A MXFP8 with blocked scales, B0
     and B1 bf16 MX values with k permuted (:func:`bf16_math_weights`), shapes
-    :data:`TILE_TEST_SHAPES`."""
+    :data:`TILE_TEST_SHAPES`. ``rows`` (default all): the tiles write output rows ``< rows`` only,
+    as the megakernel's partial tiles; the outputs start filled with a marker (NaN, codes and
+    scales 0xEE) so that rows left unwritten show."""
     import torch
 
     M, N, K = TILE_TEST_SHAPES[kind]  # B: N rows (the down tile's outputs; gate and up rows of h's N)
-    for t, shape in ((a_codes, (M, K)), (b0, (N, K))) + (((b1, (N, K)),) if kind == "gated" else ()):
-        if tuple(t.shape) != shape or not t.is_contiguous():
-            raise InputError(f"MX tile test ({kind}): operands of shapes A {(M, K)}, B {(N, K)}")
+    rows = M if rows is None else int(rows)
+    gated = kind == "gated"
+    for t, shape in ((a_codes, (M, K)), (b0, (N, K))) + (((b1, (N, K)),) if gated else ()):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_contiguous():
+            raise InputError(f"MX tile test ({kind}): contiguous operands of shapes A {(M, K)}, B {(N, K)}"
+                             f"{' (gate and up)' if gated else ''}")
+    if a_codes.dtype not in (torch.float8_e4m3fn, torch.uint8) or a_codes.device.type != "cuda":
+        raise InputError("MX tile test: A codes must be float8_e4m3fn (or uint8) on a CUDA device")
+    if a_scales_blocked.dtype != torch.uint8 or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) \
+            or not a_scales_blocked.is_contiguous():
+        raise InputError(f"MX tile test: A's scales must be contiguous uint8 blocked scales {(K // BLOCK, M, 4)}")
+    if any(t.dtype != torch.bfloat16 for t in ((b0, b1) if gated else (b0,))):
+        raise InputError("MX tile test: B must be bf16 MX values with k permuted (bf16_math_weights)")
+    if any(t.device != a_codes.device for t in (a_scales_blocked, b0) + ((b1,) if gated else ())):
+        raise InputError("MX tile test: every operand on A's device")
+    if clamp_limit is not None and not clamp_limit > 0:
+        raise InputError(f"MX tile test: clamp_limit must be positive, got {clamp_limit}")
+    if not 1 <= rows <= M:
+        raise InputError(f"MX tile test: rows must be in [1, {M}], got {rows}")
     dev = a_codes.device
     if kind == "down":
-        c = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=dev)
         _launch("mokgen_mx_tile_test", dev, 0, c.data_ptr(), None, None, a_codes.data_ptr(),
-                a_scales_blocked.data_ptr(), b0.data_ptr(), None, 0.0)
+                a_scales_blocked.data_ptr(), b0.data_ptr(), None, 0.0, rows)
         return c
-    codes = torch.empty(M, N, dtype=torch.float8_e4m3fn, device=dev)
-    scales = torch.empty(N // BLOCK, M, 4, dtype=torch.uint8, device=dev)
+    codes = torch.full((M, N), 0xEE, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    scales = torch.full((N // BLOCK, M, 4), 0xEE, dtype=torch.uint8, device=dev)
     _launch("mokgen_mx_tile_test", dev, 1 if clamp_limit is None else 2, None, codes.data_ptr(), scales.data_ptr(),
             a_codes.data_ptr(), a_scales_blocked.data_ptr(), b0.data_ptr(), b1.data_ptr(),
-            0.0 if clamp_limit is None else float(clamp_limit))
+            0.0 if clamp_limit is None else float(clamp_limit), rows)
     return codes, scales

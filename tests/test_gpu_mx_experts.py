@@ -196,3 +196,22 @@ def test_the_fused_combine_gives_the_unfused_bits(skew):
     assert torch.equal(fused, mx_gemm.combine(y, row, w.float().contiguous()))
     for _ in range(19):
         assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), fused)
+
+
+def test_the_backward_takes_any_float_weight_dtype():
+    """The weight gradients' launch writes float32 or bf16: weights held in fp16 get the float32
+    gradients cast once (the same values quantize to the same codes, so the gradients are those of
+    float32 weights rounded to fp16), not an error."""
+    T, H, I, E, k = 200, 256, 256, 3, 2
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=17, skew=False)
+    d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(4),
+                        device="cuda").to(torch.bfloat16)
+    grads = {}
+    for dtype in (torch.float32, torch.float16):
+        # fp16-exact values in both dtypes (bf16's tiniest values are fp16 subnormals)
+        leaves = [t.to(torch.float16).to(dtype).requires_grad_(True) for t in (wg, wu, wd)]
+        mx_experts.experts_forward_train(x, ids, w, *leaves, form="bf16").backward(d_out)
+        assert all(t.grad.dtype == dtype for t in leaves)
+        grads[dtype] = [t.grad for t in leaves]
+    for g32, g16 in zip(grads[torch.float32], grads[torch.float16]):
+        assert torch.equal(g16, g32.to(torch.float16))

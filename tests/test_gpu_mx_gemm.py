@@ -246,30 +246,46 @@ def test_fused_swiglu_gemm_is_the_gemm_then_swiglu_quantize(clamp):
     assert (scales == 255).any()  # the NaN row reached the check
 
 
-def test_the_megakernels_mx_down_tile_has_the_bf16_math_gemms_bits():
+@pytest.mark.parametrize("rows", [256, 77])
+def test_the_megakernels_mx_down_tile_has_the_bf16_math_gemms_bits(rows):
     """mx_tile.cuh's tile (the megakernel's MX path, run alone): the down tile's bf16 rows are the
-    dense bf16-math GEMM's float32 result rounded (the same k16 steps in the same order)."""
+    dense bf16-math GEMM's float32 result rounded (the same k16 steps in the same order). With 77
+    valid rows the first 128-row tile is partial and the second has none: only rows < 77 are
+    written (the rest keep the NaN marker)."""
     M, N, K = mx_gemm.TILE_TEST_SHAPES["down"]
     gen = torch.Generator(device="cuda").manual_seed(51)
     a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
     b, sb = mx.quantize(_blocks(N, K, gen, 10), dim=-1)
     b16 = mx_gemm.bf16_math_weights(b, sb)
-    got = mx_gemm._mx_tile_test("down", a, mx_gemm.block_scales(sa), b16)
-    assert torch.equal(got, mx_gemm.mx_bf16_math_gemm(a, sa, b16).to(torch.bfloat16))
+    got = mx_gemm._mx_tile_test("down", a, mx_gemm.block_scales(sa), b16, rows=rows)
+    want = mx_gemm.mx_bf16_math_gemm(a, sa, b16).to(torch.bfloat16)
+    assert torch.equal(got[:rows], want[:rows])
+    assert torch.isnan(got[rows:]).all()
 
 
-@pytest.mark.parametrize("clamp", [None, 3.0])
-def test_the_megakernels_mx_gated_tile_has_the_fused_swiglu_gemms_bits(clamp):
+@pytest.mark.parametrize("clamp, rows", [(None, 256), (3.0, 256), (None, 200)])
+def test_the_megakernels_mx_gated_tile_has_the_unfused_bits(clamp, rows):
     """The gated tile (gate and up from two weight tensors, as the megakernel loads them): h's
-    codes and scales are the bf16-math GEMM's with the fused SwiGLU epilogue (weights interleaved)."""
+    codes and scales are those of the unfused path, the grouped bf16-math GEMM then
+    swiglu_quantize (GPU-tested against the float64 oracle), and of the fused SwiGLU GEMM. A NaN
+    in row 130 gives that row NaN codes and the NaN scale; a partial tile (rows < 256) leaves the
+    rows past it unwritten (the 0xEE marker)."""
     M, I, K = mx_gemm.TILE_TEST_SHAPES["gated"]
     gen = torch.Generator(device="cuda").manual_seed(52)
-    a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+    x = _blocks(M, K, gen, 10)
+    x[130, 5] = float("nan")
+    a, sa = mx.quantize(x, dim=-1)
     wg, wu = ((torch.randn(1, I, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16) for _ in range(2))
     bg, bu = mx_gemm.expert_weights([wg]), mx_gemm.expert_weights([wu])
-    codes, scales = mx_gemm._mx_tile_test("gated", a, mx_gemm.block_scales(sa), bg[0], bu[0], clamp)
+    codes, scales = mx_gemm._mx_tile_test("gated", a, mx_gemm.block_scales(sa), bg[0], bu[0], clamp, rows=rows)
+    codes = codes.view(torch.uint8)
     tiles, _ = mx_gemm.row_tiles([M], "cuda")
-    want_codes, want_scales = mx_gemm.mx_bf16_math_swiglu_gemm(
+    gu = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), mx_gemm.expert_weights([wg, wu]), tiles)
+    want_codes, want_scales = mx_gemm.swiglu_quantize(gu, clamp)
+    fused_codes, fused_scales = mx_gemm.mx_bf16_math_swiglu_gemm(
         a, mx_gemm.block_scales(sa), mx_gemm.expert_weights([wg, wu], interleave=True), tiles, clamp)
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(scales, want_scales)
+    for wc, ws in ((want_codes, want_scales), (fused_codes, fused_scales)):
+        assert torch.equal(codes[:rows], wc.view(torch.uint8)[:rows])
+        assert torch.equal(scales[:, :rows], ws[:, :rows])
+    assert (scales[:, 130] == 255).all()  # the NaN row reached the check
+    assert (codes[rows:] == 0xEE).all() and (scales[:, rows:] == 0xEE).all()

@@ -145,7 +145,7 @@ def test_bf16_math_weights_are_the_mx_values_permuted_within_16():
 
 
 def test_quantized_weights_hold_the_bf16_math_operands():
-    I = 128
+    I = 256  # two 128-row groups, so the interleave moves rows (at I = 128 it is the identity)
     wg, wu, wd = _small_weights(6, I=I)
     w = mx_experts.quantize_weights(wg, wu, wd, interleave=False)
     codes, scales = mx.quantize(wu[1], dim=-1)
@@ -153,8 +153,11 @@ def test_quantized_weights_hold_the_bf16_math_operands():
     # interleaved (the default): rows 256 j .. 256 j + 127 gate's 128 j .., then up's
     fused = mx_experts.quantize_weights(wg, wu, wd)
     assert fused.interleaved and not w.interleaved and torch.equal(fused.gate_up, w.gate_up)
-    assert torch.equal(fused.gate_up_bf16[1, 128:256], w.gate_up_bf16[1, I:I + 128])
-    assert torch.equal(fused.gate_up_bf16[0, :128], w.gate_up_bf16[0, :128])
+    for e in range(2):
+        assert torch.equal(fused.gate_up_bf16[e, :128], w.gate_up_bf16[e, :128])             # gate 0..127
+        assert torch.equal(fused.gate_up_bf16[e, 128:256], w.gate_up_bf16[e, I:I + 128])     # up 0..127
+        assert torch.equal(fused.gate_up_bf16[e, 256:384], w.gate_up_bf16[e, 128:256])       # gate 128..255
+        assert torch.equal(fused.gate_up_bf16[e, 384:512], w.gate_up_bf16[e, I + 128:])      # up 128..255
     codes, scales = mx.quantize(wd[0], dim=-1)
     assert torch.equal(unpermute(w.down_bf16[0]), mx.dequantize(codes, scales).to(torch.bfloat16))
 
@@ -181,8 +184,9 @@ def test_one_pair_per_token_matches_the_mx_oracle(emulated):
 def test_the_fp8_form_without_codes_is_refused(emulated):
     x, ids, w, wg, wu, wd = _cpu_problem()
     weights = mx_experts.quantize_weights(wg, wu, wd)
-    bare = mx_experts.MXExpertWeights(None, None, None, None, weights.gate_up_bf16, weights.down_bf16)
-    assert bare.num_experts == 4 and bare.hidden == 256 and bare.inter == 128
+    bare = mx_experts.MXExpertWeights(None, None, None, None, weights.gate_up_bf16, weights.down_bf16,
+                                      interleaved=weights.interleaved)
+    assert bare.num_experts == 4 and bare.hidden == 256 and bare.inter == 256
     assert torch.equal(mx_experts.experts_forward(x, ids, w, bare), mx_experts.experts_forward(x, ids, w, weights))
     with pytest.raises(InputError, match=r"form 'quad' runs on the FP8 tensor core and needs the weights' codes"):
         mx_experts.experts_forward(x, ids, w, bare, form="quad")
@@ -269,7 +273,7 @@ def emulate_kernels(monkeypatch):
         monkeypatch.setattr(mx_gemm, name, fn)
 
 
-def _cpu_problem(T=96, H=256, I=128, E=4, k=2, seed=0, skew=False):
+def _cpu_problem(T=96, H=256, I=256, E=4, k=2, seed=0, skew=False):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     scores = torch.rand(T, E, generator=gen)
