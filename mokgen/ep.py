@@ -301,7 +301,7 @@ def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: i
     max_tokens x top_k rows, so that the backward can read every pair's x row in place; under
     "auto", the same where it takes at most AUTO_RING_GROWTH times ``ring_chunks`` and these
     were not given by the caller (``explicit``: the tuned entry's or the plan's are grown)."""
-    if bwd_ring == "gather" or world != 1:
+    if bwd_ring == "gather" or world != 1 or spec.target.numerics != "bf16":  # (MXFP8: forward only)
         return ring_chunks
     need = -(-max_tokens * spec.top_k // chunk_rows)
     if bwd_ring == "auto":
@@ -312,24 +312,46 @@ def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: i
     return max(ring_chunks, need)
 
 
-#: MXFP8 builds' weights as their MX values in bf16 with k permuted (mx_gemm.expert_weights), by
-#: the source tensor's storage, version and shape: converted again only after the weights change
-#: (an optimizer step bumps the version). A few entries: one per weight tensor of the live layers.
-_MX_WEIGHTS: dict = {}
-_MX_WEIGHTS_MAX = 12
+#: MXFP8 builds' weights as their MX values in bf16 with k permuted (mx_gemm.expert_weights), per
+#: source tensor, held weakly (an entry goes when its tensor does: no stale hit when a new tensor
+#: takes a freed one's address), with the version counter it was converted at: converted again
+#: after an in-place change (an optimizer step, ``copy_``, ``mul_``). Writes through ``.data``
+#: do not bump the counter: call refresh_mx_weights() after them. Inference tensors have no
+#: counter and are converted once.
+_MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
+#: conversions read by a captured CUDA graph: its replays read their memory, so they stay alive
+#: for the life of the process, whatever happens to the cache
+_MX_CAPTURED: dict = {}
+
+
+def refresh_mx_weights() -> None:
+    """Forget every converted MXFP8 weight: the next forward converts the weights again. Needed
+    after writing weights through ``.data`` (which does not bump the tensors' versions); in-place
+    updates (an optimizer step) and new tensors are seen without it. A captured CUDA graph keeps
+    reading the weights it was captured with: capture again after changing them."""
+    _MX_WEIGHTS.clear()
+
+
+def _capturing(w: torch.Tensor) -> bool:
+    """Whether ``w``'s device's current stream is capturing a CUDA graph."""
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _mx_operand(w: torch.Tensor) -> torch.Tensor:
-    key = (w.data_ptr(), tuple(w.shape), w.device)
-    hit = _MX_WEIGHTS.get(key)
-    if hit is not None and hit[0] == w._version:
+    version = None if w.is_inference() else w._version
+    hit = _MX_WEIGHTS.get(w)
+    capturing = _capturing(w)
+    if hit is not None and hit[0] == version:
+        if capturing:
+            _MX_CAPTURED[id(hit[1])] = hit[1]
         return hit[1]
+    if capturing:
+        raise InputError("an MXFP8 layer converts its weights outside CUDA graphs: run it once before the capture "
+                         "(and capture again after changing the weights)")
     from mokgen import mx_gemm
 
     out = mx_gemm.expert_weights([w.detach().contiguous()])
-    if len(_MX_WEIGHTS) >= _MX_WEIGHTS_MAX:
-        _MX_WEIGHTS.pop(next(iter(_MX_WEIGHTS)))
-    _MX_WEIGHTS[key] = (w._version, out)
+    _MX_WEIGHTS[w] = (version, out)
     return out
 
 
@@ -391,7 +413,16 @@ def _ring(spec: MoESpec, chunk_rows: int | None, ring_chunks: int | None) -> tup
         raise InputError(f"chunk_rows must be in 1..{1 << 20}, got {c}")
     if s < 1 or s > 1024:
         raise InputError(f"ring_chunks must be in 1..1024, got {s}")
+    if spec.target.numerics == "mxfp8" and (c * s) % MX_RING_ROWS_MULTIPLE:
+        # the ring's scale planes are read by TMA maps whose row stride (4 bytes per ring row)
+        # must be a multiple of 16 bytes
+        raise InputError(f"numerics mxfp8: chunk_rows x ring_chunks must be a multiple of {MX_RING_ROWS_MULTIPLE} "
+                         f"(the ring's scale planes), got {c} x {s}")
     return c, s
+
+
+#: an MXFP8 ring's rows (chunk_rows x ring_chunks) come in multiples of this (see _ring)
+MX_RING_ROWS_MULTIPLE = 4
 
 
 #: buffers of virtual_ep_forward / experts_forward, most recently used last; bounded, since one

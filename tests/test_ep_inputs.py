@@ -794,3 +794,58 @@ def test_mxfp8_builds_are_forward_only_and_bf16_builds_take_the_weights_as_given
     with pytest.raises(InputError, match="the MXFP8 megakernel is forward only") as info:
         ep._weights_for(mx, *w, (x,))
     assert "\n" not in str(info.value)
+
+
+def test_mxfp8_weight_conversions_follow_each_tensor_and_its_version(monkeypatch):
+    """mokgen.ep._mx_operand: one conversion per tensor object and version. A new tensor that
+    takes a freed one's address is converted anew (no stale hit); an in-place update converts
+    again; refresh_mx_weights forgets everything (for writes through .data, which keep the
+    version); inference tensors (no version counter) convert once; under a CUDA graph capture a
+    current conversion is used and kept alive, a missing one refused in one line."""
+    import gc
+
+    from mokgen import ep, mx_gemm
+
+    calls = []
+
+    def convert(parts):  # the GPU kernel's stand-in: a copy that records each call
+        calls.append(parts[0])
+        return parts[0].clone()
+
+    monkeypatch.setattr(mx_gemm, "expert_weights", convert)
+    monkeypatch.setattr(ep, "_MX_CAPTURED", {})
+    ep.refresh_mx_weights()
+    a = torch.ones(2, 128, 256)
+    first = ep._mx_operand(a)
+    assert ep._mx_operand(a) is first and len(calls) == 1
+    a.mul_(2)  # in place: a new version
+    assert torch.equal(ep._mx_operand(a), a) and len(calls) == 2
+    a.data.fill_(5)  # through .data: the version stays, the conversion too, until a refresh
+    assert ep._mx_operand(a)[0, 0, 0] == 2
+    ep.refresh_mx_weights()
+    assert ep._mx_operand(a)[0, 0, 0] == 5 and len(calls) == 3
+    del a, first
+    gc.collect()
+    assert len(ep._MX_WEIGHTS) == 0  # the entry went with its tensor
+    b = torch.full((2, 128, 256), 3.0)  # (the allocator may hand it the freed address)
+    assert ep._mx_operand(b)[0, 0, 0] == 3 and len(calls) == 4
+    with torch.inference_mode():
+        c = torch.full((2, 128, 256), 7.0)
+    assert ep._mx_operand(c)[0, 0, 0] == 7 and ep._mx_operand(c)[0, 0, 0] == 7 and len(calls) == 5
+    monkeypatch.setattr(ep, "_capturing", lambda w: True)
+    held = ep._mx_operand(b)
+    assert ep._MX_CAPTURED[id(held)] is held and len(calls) == 5
+    with pytest.raises(InputError, match="converts its weights outside CUDA graphs") as info:
+        ep._mx_operand(torch.zeros(2, 128, 256))
+    assert "\n" not in str(info.value)
+
+
+def test_an_mxfp8_ring_holds_a_multiple_of_four_rows():
+    from mokgen import ep
+
+    spec = load_spec(SMALL).with_target(numerics="mxfp8")
+    assert ep._ring(spec, 1000, 2) == (1000, 2)
+    with pytest.raises(InputError, match=r"chunk_rows x ring_chunks must be a multiple of 4.*got 1001 x 1"):
+        ep._ring(spec, 1001, 1)
+    assert ep._ring(load_spec(SMALL), 1001, 1) == (1001, 1)  # bf16 rings have no such bound
+    assert ep._ring_for_backward(spec, 1, 4096, 128, 4, "reuse") == 4  # forward only: no ring for a backward
