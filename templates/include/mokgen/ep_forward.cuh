@@ -1286,8 +1286,9 @@ struct EpLauncher {
       cache.device = device;
     }
     if (Cfg::kCluster == 2 && (p.ctas_per_rank % 2 || p.dispatch_ctas % 2)) return cudaErrorInvalidValue;
-    // saved pre-activations: the Hopper core's epilogue writes them, into every source's buffer
-    if (p.save_gu[0] != nullptr && (!Cfg::kWgmma || p.launch_ranks != p.world || p.rank_base != 0))
+    // saved pre-activations: the Hopper core's bf16 epilogue writes them, into every source's
+    // buffer (the MX tile does not: MXFP8 builds are forward only)
+    if (p.save_gu[0] != nullptr && (!Cfg::kWgmma || Cfg::kMx || p.launch_ranks != p.world || p.rank_base != 0))
       return cudaErrorInvalidValue;
     MapKey key;
     map_key(p, key);

@@ -1,7 +1,8 @@
 // The MXFP8 expert tile for the megakernel (issue 6; docs/architecture.md, "The megakernel's MXFP8
 // path"): hopper_gemm.cuh's HopperTile with A as MXFP8 rows, on the BF16 tensor core as the
-// bf16-math GEMM (mx_gemm.cuh, namespace bf16m). Not yet used by the megakernel: a standalone
-// kernel in templates/mx_gemm.cu runs it against the bf16-math GEMM (tests/test_gpu_mx_gemm.py).
+// bf16-math GEMM (mx_gemm.cuh, namespace bf16m). The megakernel's up and down tiles in MXFP8
+// builds (ep_forward.cuh, Cfg::kMx); a standalone kernel in templates/mx_gemm.cu also runs it
+// alone against the bf16-math GEMM (tests/test_gpu_mx_gemm.py).
 //
 // Tile: 128 rows (consumer warpgroup c owns rows 64 c .. 64 c + 63) x kBNB B rows, k-blocks of
 // 64. Per stage: A's 128 x 64 E4M3 codes (two 64-row TMA boxes, 64-byte rows, SWIZZLE_64B), B's
