@@ -1,12 +1,12 @@
 """Fill the build cache in parallel before a GPU run (device time is short and cold builds run one
 after another inside a bench or a test process): every bundled spec's default build and the
-bench's local stand-ins (EP8, deepseek-v3 at EP64), and the backward GEMM library. Usage:
+bench's local stand-ins (EP8, deepseek-v3 at EP64), the backward GEMM library and the MX GEMM library. Usage:
 python3 .ci/prewarm.py [JOBS]."""
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from mokgen import bench, build, bwd_gemm, load_spec
+from mokgen import bench, build, bwd_gemm, load_spec, mx_gemm
 from mokgen.spec import bundled_specs
 
 jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 8
@@ -24,7 +24,9 @@ if "mxfp8" in IMPLEMENTED_NUMERICS:
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)
+    mxg = pool.submit(mx_gemm.load_library)  # the MX GEMM library (the MX tests and the staged experts)
     for spec, res in zip(specs, pool.map(lambda s: build.build(s, publish_generated=False), specs)):
         print(f"{spec.name}: {'cached' if res.cached else 'built'} {res.seconds:.0f} s", flush=True)
     print(f"backward GEMMs: {bwd.result()}", flush=True)
+    print(f"MX GEMMs: {mxg.result()._name}", flush=True)
 print(f"prewarm: {len(specs)} builds in {time.perf_counter() - t0:.0f} s")
