@@ -20,7 +20,8 @@ from mokgen.plan import IMPLEMENTED_NUMERICS  # noqa: E402
 if "mxfp8" in IMPLEMENTED_NUMERICS:
     specs += [load_spec("qwen3-30b-a3b").with_target(numerics="mxfp8")]
     specs += [bench.local_spec(load_spec(n), 64 if n == "deepseek-v3" else 8)[0].with_target(numerics="mxfp8")
-              for n in ("kimi-k2.5", "deepseek-v3")]
+              for n in ("kimi-k2.5", "glm-5.2", "qwen3.5-397b-a17b", "deepseek-v4-pro", "deepseek-v3", "qwen3-30b-a3b",
+                        "qwen3.5-35b-a3b")]
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)
