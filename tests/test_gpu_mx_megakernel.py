@@ -105,3 +105,22 @@ def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_p
     # the MX values of w_down double exactly (codes kept, scales + 1), so y, its bf16 rounding and
     # the combine's fused multiply-adds all double exactly
     assert torch.equal(second, first * 2)
+
+
+def test_new_weights_at_a_freed_weights_address_are_converted_anew():
+    """The MX weight conversions are per tensor object: new weights that the caching allocator
+    places at freed weights' address (version 0 like theirs) are converted again, not served the
+    old conversion (v0.36 review: keyed by address, they were)."""
+    spec = _spec()
+    xs, ids, ws, (wg, wu, wd) = _problem(spec, [300], seed=6)
+    with torch.no_grad():
+        first = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd)[0]
+        shape, ptr = wd.shape, wd.data_ptr()
+        del wd
+        wd2 = (torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda")
+               * spec.moe_intermediate_size**-0.5).to(torch.bfloat16)
+        second = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd2)[0]
+        fresh = virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd2.clone())[0]  # another object: converted
+    assert torch.equal(second, fresh)
+    assert not torch.equal(second, first)
+    print(f"(the new weights {'took' if wd2.data_ptr() == ptr else 'did not take'} the freed address)")
