@@ -29,6 +29,8 @@ pytestmark = pytest.mark.multi_gpu
 
 SPECS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "qwen3.5-397b-a17b", "glm-5.2", "deepseek-v3", "kimi-k2.5",
          "deepseek-v4-pro")
+#: the megakernel's MXFP8 path across GPUs (issue 6): "spec:numerics" (see _load)
+MX_SPECS = ("qwen3-30b-a3b:mxfp8", "kimi-k2.5:mxfp8")
 TOKENS_PER_GPU = 2048
 DEADLINE_S = 900
 #: NVLink multicast stays off (it can take a shared host's GPUs out of service); set before init
@@ -43,10 +45,19 @@ RAGGED = (
 # ---- the global inputs, reproducible in every process -------------------------------------------
 
 
+def _load(name: str):
+    """The spec of ``name``, or of ``spec:numerics`` with that target numerics."""
+    from mokgen.spec import load_spec
+
+    base, _, numerics = name.partition(":")
+    spec = load_spec(base)
+    return spec.with_target(numerics=numerics) if numerics else spec
+
+
 def _calls(spec_name: str, world: int) -> list[tuple[str, list[int]]]:
     """(routing, tokens per rank) of each call on this spec."""
     calls = [("uniform", [TOKENS_PER_GPU] * world), ("skewed", [TOKENS_PER_GPU] * world)]
-    if spec_name == SPECS[0]:
+    if spec_name in (SPECS[0], MX_SPECS[0]):
         calls += [("uniform", list(t[:world])) for t in RAGGED]
     return calls
 
@@ -81,11 +92,19 @@ def _init_rank(rank: int, world: int, port: int):
 
 
 def _worker(rank: int, world: int, port: int, results) -> None:
+    _work(rank, world, port, results, SPECS)
+
+
+def _mx_worker(rank: int, world: int, port: int, results) -> None:
+    _work(rank, world, port, results, MX_SPECS)
+
+
+def _work(rank: int, world: int, port: int, results, specs) -> None:
     try:
         device = _init_rank(rank, world, port)
         reports = []
         try:
-            for name in SPECS:
+            for name in specs:
                 outs = _run_rank(name, rank, world, device)
                 if rank == 0:
                     reports.append(_compare_on_one_gpu(name, world, outs, device))
@@ -104,9 +123,8 @@ def _run_rank(name: str, rank: int, world: int, device):
     gathers every rank's outputs and stats (other ranks return None)."""
     import mokgen
     from mokgen.bench import expert_weights
-    from mokgen.spec import load_spec
 
-    spec = load_spec(name)
+    spec = _load(name)
     calls = _calls(name, world)
     max_tokens = max(max(t) for _, t in calls)
     layer = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=max_tokens, device=device)
@@ -142,9 +160,9 @@ def _compare_on_one_gpu(name: str, world: int, outs, device) -> str:
     import mokgen
     from mokgen import reference
     from mokgen.bench import expert_weights
-    from mokgen.spec import load_spec
 
-    spec = load_spec(name)
+    spec = _load(name)
+    mx = spec.target.numerics == "mxfp8"
     e_loc = spec.num_experts // world
     wg, wu, wd = expert_weights(spec, range(spec.num_experts), device)
     for call, ((routing, tokens), (got, stats)) in enumerate(zip(_calls(name, world), outs)):
@@ -166,13 +184,16 @@ def _compare_on_one_gpu(name: str, world: int, outs, device) -> str:
             assert st["rows_remote"] == want_remote, (what, r, st, want_remote)
         if routing == "skewed":
             assert stats[0]["rows_received"] > 1.5 * stats[-1]["rows_received"], (what, stats)
-        # and both agree with the PyTorch oracle (a shared mistake would pass the bitwise check)
-        if call == 0 or name == SPECS[0]:
+        # and both agree with the PyTorch oracle (a shared mistake would pass the bitwise check):
+        # for MXFP8 the float64 MX oracle (within the pushed rows' bf16 rounding, as on one GPU)
+        if call == 0 or name in (SPECS[0], MX_SPECS[0]):
             x, i, w = torch.cat(xs), torch.cat(ids), torch.cat(ws)
             if x.shape[0]:
-                ref = reference.experts_forward(x, i, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit)
-                err = ((torch.cat(got).float() - ref).norm() / ref.norm()).item()
-                assert err < 2e-2, f"{what}: relative error {err:.3e} against the reference"
+                oracle = reference.mx_experts_forward if mx else reference.experts_forward
+                kw = {"acc_dtype": torch.float64} if mx else {}
+                ref = oracle(x, i, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit, **kw)
+                err = ((torch.cat(got).double() - ref.double()).norm() / ref.double().norm()).item()
+                assert err < (1e-2 if mx else 2e-2), f"{what}: relative error {err:.3e} against the reference"
     del wg, wu, wd
     return f"{name}: {len(outs)} calls at W={world} bitwise equal to virtual ranks"
 
@@ -187,17 +208,22 @@ def _world() -> int:
     return max(w for w in range(1, n + 1) if all(load_spec(s).num_experts % w == 0 for s in SPECS))
 
 
-def run_world(world: int) -> list[str]:
+def run_world(world: int, mx: bool = False) -> list[str]:
     """Spawns ``world`` ranks and returns rank 0's report; raises AssertionError with every failing
-    rank's traceback. (Callable by hand, e.g. with world=1 on a single GPU.)"""
+    rank's traceback. ``mx``: the MXFP8 specs (MX_SPECS). (Callable by hand, e.g. with world=1 on
+    a single GPU.)"""
     from mokgen import build as build_mod
-    from mokgen.spec import load_spec
 
-    # build once here; the ranks load them with the JIT off (no W concurrent builds)
-    for name in SPECS:
-        build_mod.build(load_spec(name), publish_generated=False)
+    # build once here; the ranks load them with the JIT off (no W concurrent builds); MXFP8
+    # layers also convert their weights with the MX GEMM library
+    for name in MX_SPECS if mx else SPECS:
+        build_mod.build(_load(name), publish_generated=False)
+    if mx:
+        from mokgen import mx_gemm
+
+        mx_gemm.build_library()
     os.environ.update(NO_MULTICAST)  # inherited by the children, which set them again anyway
-    return run_ranks(_worker, world, DEADLINE_S, "ep-rank")[0]
+    return run_ranks(_mx_worker if mx else _worker, world, DEADLINE_S, "ep-rank")[0]
 
 
 def test_moe_layer_across_gpus_matches_virtual_ranks():
@@ -206,6 +232,17 @@ def test_moe_layer_across_gpus_matches_virtual_ranks():
     report = run_world(world)
     assert report == [f"{name}: {len(_calls(name, world))} calls at W={world} bitwise equal to virtual ranks"
                       for name in SPECS]
+
+
+def test_mx_moe_layer_across_gpus_matches_virtual_ranks():
+    """The megakernel's MXFP8 path (rows pulled over NVLink as E4M3 codes plus scales) across the
+    GPUs, under no_grad: the bits of W virtual ranks on one GPU, every row received once, and the
+    float64 MX oracle within 1e-2."""
+    world = _world()
+    assert world >= 2
+    report = run_world(world, mx=True)
+    assert report == [f"{name}: {len(_calls(name, world))} calls at W={world} bitwise equal to virtual ranks"
+                      for name in MX_SPECS]
 
 
 # ---- backward across GPUs ----------------------------------------------------------------------
