@@ -317,7 +317,8 @@ def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: i
 #: takes a freed one's address), with the version counter it was converted at: converted again
 #: after an in-place change (an optimizer step, ``copy_``, ``mul_``). Writes through ``.data``
 #: do not bump the counter: call refresh_mx_weights() after them. Inference tensors have no
-#: counter and are converted once.
+#: counter and are converted once. A conversion is a bf16 tensor of the weights' size: an MXFP8
+#: layer holds its weights' memory twice (refresh_mx_weights frees the copies until the next call).
 _MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
 #: conversions read by a captured CUDA graph: its replays read their memory, so they stay alive
 #: for the life of the process, whatever happens to the cache
