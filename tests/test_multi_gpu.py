@@ -189,6 +189,12 @@ def _compare_on_one_gpu(name: str, world: int, outs, device) -> str:
         if call == 0 or name in (SPECS[0], MX_SPECS[0]):
             x, i, w = torch.cat(xs), torch.cat(ids), torch.cat(ws)
             if x.shape[0]:
+                if mx:  # the virtual run's bf16 copy of the converted weights (34 GB on kimi-k2.5) goes
+                    # first: with the oracle's float32 copies it would not fit beside the weights
+                    from mokgen.ep import refresh_mx_weights
+
+                    refresh_mx_weights()
+                    torch.cuda.empty_cache()
                 oracle = reference.mx_experts_forward if mx else reference.experts_forward
                 # (the MX oracle copies the weights in its accumulation dtype: float64 where they
                 # fit, float32 for kimi-k2.5's 384 experts, 135 GB in float64)
