@@ -365,9 +365,14 @@ def _weights_for(kernel, w_gate, w_up, w_down, grad_inputs):
     if _records_grad(grad_inputs):
         raise InputError("the MXFP8 megakernel is forward only: run it under torch.no_grad(), or train through "
                          "mokgen.mx_experts.experts_forward_train")
-    if torch.compiler.is_compiling():
-        raise InputError("the MXFP8 megakernel does not run under torch.compile yet (its weights are converted "
-                         "and cached by the tensors' versions in eager mode)")
+    return _mx_operands(w_gate, w_up, w_down)
+
+
+@torch.compiler.disable
+def _mx_operands(w_gate, w_up, w_down):
+    """The three conversions, eager under torch.compile too (a graph break: the cache keys on the
+    tensors themselves and their versions, which a traced graph cannot); the compiled graph then
+    takes the converted weights as inputs."""
     return _mx_operand(w_gate), _mx_operand(w_up), _mx_operand(w_down)
 
 

@@ -794,6 +794,14 @@ def test_mxfp8_builds_are_forward_only_and_bf16_builds_take_the_weights_as_given
     with pytest.raises(InputError, match="the MXFP8 megakernel is forward only") as info:
         ep._weights_for(mx, *w, (x,))
     assert "\n" not in str(info.value)
+    # no refusal under torch.compile: the conversion runs eagerly there (a graph break)
+    from mokgen import mx_gemm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx_gemm, "expert_weights", lambda parts: parts[0] + 1)
+        mp.setattr(torch.compiler, "is_compiling", lambda: True)
+        got = ep._weights_for(mx, *w, (x.detach(),))
+    assert all(torch.equal(g, t + 1) for g, t in zip(got, w))
 
 
 def test_mxfp8_weight_conversions_follow_each_tensor_and_its_version(monkeypatch):

@@ -124,3 +124,21 @@ def test_new_weights_at_a_freed_weights_address_are_converted_anew():
     assert torch.equal(second, fresh)
     assert not torch.equal(second, first)
     print(f"(the new weights {'took' if wd2.data_ptr() == ptr else 'did not take'} the freed address)")
+
+
+def test_mx_moelayer_under_torch_compile_gives_the_eager_bits():
+    """torch.compile of an MXFP8 MoELayer (no_grad): the weights' conversion runs eagerly at a graph
+    break (its cache keys on the tensors and their versions), the op in the graph; the same bits
+    as eager, and an in-place weight update is seen by the compiled layer."""
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    xs, ids, ws, (wg, wu, wd) = _problem(spec, [400], seed=8)
+    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    compiled = torch.compile(layer)
+    with torch.no_grad():
+        layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+        eager = layer(xs[0], ids[0], ws[0])
+        assert torch.equal(compiled(xs[0], ids[0], ws[0]), eager)
+        layer.w_down.mul_(2.0)
+        assert torch.equal(compiled(xs[0], ids[0], ws[0]), eager * 2)
