@@ -309,9 +309,8 @@ def overlap_weight_launches(experts: int, hidden: int, inter: int, device, sched
     from mokgen import bwd_gemm
 
     tiles = bwd_gemm.weight_tiles(experts, hidden, inter) + 2 * bwd_gemm.weight_tiles(experts, inter, hidden)
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    return tiles <= torch.cuda.get_device_properties(device).multi_processor_count
+    return (tiles <= torch.cuda.get_device_properties(device).multi_processor_count
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def _side_stream(device) -> "torch.cuda.Stream":
@@ -438,8 +437,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
             # launches that leave most SMs idle run side by side (overlap_weight_launches)
             side = _side_stream(x.device) if overlap_weight_launches(E, x.shape[1], I, x.device, schedule) else None
-            main = torch.cuda.current_stream(x.device)
             if side is not None:
+                main = torch.cuda.current_stream(x.device)
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
