@@ -4,8 +4,9 @@ router (mokgen.router: compiled top-k selection, differentiable weights) -> rout
 (mokgen.ep.MoELayer: the megakernel; backward through its autograd registration) + shared
 expert(s): inside the megakernel as local work that overlaps the dispatch wait where the build
 fuses it (``MoELayer.fuses_shared``; its backward is a one-expert experts backward,
-mokgen.backward.shared_op_backward), else ``SharedExpertMLP`` in PyTorch. The same computation as ``mokgen.reference.moe_layer_forward``; the module a
-model's code swaps in for its MoE block (weights in the Hugging Face layout).
+mokgen.backward.shared_op_backward), else ``SharedExpertMLP`` in PyTorch. The same computation
+as ``mokgen.reference.moe_layer_forward``; the module a model's code swaps in for its MoE block
+(weights in the Hugging Face layout).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from mokgen.build import find_source_library
+from mokgen.build import build_source, find_source_library
 from mokgen.errors import InputError, KernelError
 
 ARCH = "sm_90a"
@@ -34,6 +34,13 @@ BLOCK = 128
 #: consumer warpgroups of 64 x 128 (331-345); ``inline`` has every consumer thread decode its own
 #: scales (v0.33's form, 257-270). The slower forms are kept to measure against.
 FORMS = {"inline": 0, "decoded": 1, "quad": 2}
+
+
+def build_library(*, force: bool = False) -> Path:
+    """Compile ``templates/mx_gemm.cu`` into the build cache once (or find it there): what a
+    process that runs with MOKGEN_DISABLE_JIT=1 (the ranks of a multi-GPU run) loads."""
+    return build_source(SOURCE, LIBRARY, cutlass=True, arch=ARCH, force=force)
+
 
 _by_env: dict = {}
 

@@ -484,3 +484,21 @@ def test_load_memo_tells_builds_with_other_nvcc_flags_apart(monkeypatch):
     assert flagged != plain
     monkeypatch.setattr(build_mod, "BASE_FLAGS", build_mod.BASE_FLAGS[:-1])
     assert load_mod.memo_key(spec, {}) == plain
+
+
+def test_every_source_library_has_the_build_entry_its_jit_off_error_names():
+    """find_source_library's error under MOKGEN_DISABLE_JIT=1 tells the user to run
+    ``<module>.build_library()`` first: every module that loads a source library has one."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    import mokgen
+
+    root = Path(mokgen.__file__).parent
+    users = [p.stem for p in root.glob("*.py") if "find_source_library(" in p.read_text() and p.stem != "build"]
+    assert users, "no module loads a source library"
+    for name in users:
+        module = importlib.import_module(f"mokgen.{name}")
+        assert callable(getattr(module, "build_library", None)), name
+        assert re.search(r"module=__name__", (root / f"{name}.py").read_text()), name

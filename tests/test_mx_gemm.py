@@ -21,6 +21,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     from mokgen.build import build_source, serialized_wgmma
 
     lib = build_source(mx_gemm.SOURCE, mx_gemm.LIBRARY, cutlass=True, arch=mx_gemm.ARCH)
+    assert mx_gemm.build_library() == lib  # the entry a run with the JIT off is told to call
     log = (lib.parent / "build.log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mx_gemm_kernel" in k for k in kernels) == len(mx_gemm.FORMS), kernels
