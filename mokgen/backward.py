@@ -375,7 +375,10 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     rows = ring_x if in_ring else None if inline_x else x.index_select(0, tok).contiguous()
     inline_dout = ours and not fused and dout_inline(K) and schedule == "split"
     dout = grad_out.to(torch.bfloat16).contiguous()
-    go = None if inline_dout else dout.index_select(0, tok).contiguous()
+    # ring_x being x itself says the token order is the expert-major order (the fused shared
+    # expert's one-expert backward, shared_op_backward): dOut's rows are then in order as well
+    in_order = in_ring and ring_x.data_ptr() == x.data_ptr() and ring_x.shape == x.shape
+    go = None if inline_dout else dout if in_order else dout.index_select(0, tok).contiguous()
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
@@ -435,21 +438,28 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     grads = None
     if need_weight_grads:
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
-            # launches that leave most SMs idle run side by side (overlap_weight_launches)
-            side = _side_stream(x.device) if overlap_weight_launches(E, x.shape[1], I, x.device, schedule) else None
-            if side is not None:
+            joint = env.bwd_weights_joint() and schedule == "split"  # x rows read once for both
+            # launches that leave most SMs idle run side by side (overlap_weight_launches, which
+            # asks for the joint launch)
+            side = None
+            if joint and overlap_weight_launches(E, x.shape[1], I, x.device, schedule):
+                side = _side_stream(x.device)
                 main = torch.cuda.current_stream(x.device)
                 side.wait_stream(main)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
-                           else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
-            if env.bwd_weights_joint() and schedule == "split":  # x rows read once for both
-                src, index = (x.contiguous(), tok) if inline_x else (rows, None)
-                grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
-                if side is not None:  # the inputs stay referenced until the main stream has waited
+            dw_down = None
+            try:
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
+                               else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
+                if joint:
+                    src, index = (x.contiguous(), tok) if inline_x else (rows, None)
+                    grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
+            finally:  # joined even if a launch raised: the inputs stay referenced until then
+                if side is not None:
                     main.wait_stream(side)
-                    dw_down.record_stream(main)
-            else:
+                    if dw_down is not None:
+                        dw_down.record_stream(main)
+            if not joint:
                 grads = [bwd_gemm.weight_grads(dg, rows, offs, schedule=schedule),
                          bwd_gemm.weight_grads(du, rows, offs, schedule=schedule), dw_down]
         else:
