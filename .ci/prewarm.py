@@ -1,7 +1,8 @@
 """Fill the build cache in parallel before a GPU run (device time is short and cold builds run one
 after another inside a bench or a test process): every bundled spec's default build and the
-bench's local stand-ins (EP8, deepseek-v3 at EP64), the backward GEMM library and the MX GEMM library. Usage:
-python3 .ci/prewarm.py [JOBS]."""
+bench's local stand-ins (EP8, deepseek-v3 at EP64), the backward GEMM library and the MX GEMM library.
+It builds and loads nothing onto a GPU, so it also runs on the CPU machine: `.ci/prebuild-cache` fills
+a cache there for the device runs to carry. Usage: python3 .ci/prewarm.py [JOBS]."""
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,9 @@ if "mxfp8" in IMPLEMENTED_NUMERICS:
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)
-    mxg = pool.submit(mx_gemm.load_library)  # the MX GEMM library (the MX tests and the staged experts)
+    mxg = pool.submit(mx_gemm.build_library)  # the MX GEMM library (the MX tests and the staged experts)
     for spec, res in zip(specs, pool.map(lambda s: build.build(s, publish_generated=False), specs)):
         print(f"{spec.name}: {'cached' if res.cached else 'built'} {res.seconds:.0f} s", flush=True)
     print(f"backward GEMMs: {bwd.result()}", flush=True)
-    print(f"MX GEMMs: {mxg.result()._name}", flush=True)
+    print(f"MX GEMMs: {mxg.result()}", flush=True)
 print(f"prewarm: {len(specs)} builds in {time.perf_counter() - t0:.0f} s")
