@@ -1,13 +1,15 @@
 """The staged MXFP8 experts' forward + backward (mokgen.mx_experts.experts_forward_train) against
 mokgen's BF16 forward + backward on the bench's local workloads (runs on an H200, not in CI;
 issue 6's backward ratio), median of 10 CUDA-event timings each, and the MXFP8 gradients' error
-against float64 autograd of the unquantized layer. Usage: python3 .ci/mx_backward_bench.py SPEC..."""
+against float64 autograd of the unquantized layer: the output's and each gradient's relative
+Frobenius error. Usage: python3 .ci/mx_backward_bench.py [SPEC...] (default: every bundled spec)."""
 import statistics
 import sys
 
 import torch
 
 from mokgen import bench, load_spec, mx_experts, mx_gemm, reference
+from mokgen.spec import bundled_specs
 
 
 def timed(fn, n=10):
@@ -15,7 +17,7 @@ def timed(fn, n=10):
     return statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=n))
 
 
-for name in sys.argv[1:] or ["kimi-k2.5", "deepseek-v3"]:
+for name in sys.argv[1:] or bundled_specs():
     ep = bench.LOCAL_EP.get(name, 8)
     spec, tokens = bench.local_spec(load_spec(name), ep)
     layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1, bench.local_layer_kwargs(load_spec(name), ep))
@@ -40,11 +42,17 @@ for name in sys.argv[1:] or ["kimi-k2.5", "deepseek-v3"]:
           f"MXFP8 staged fwd+bwd {ms_mx:.3f} ms ({flops / ms_mx / 1e9:.0f}; FP8 quad form {ms_quad:.3f} ms), "
           f"MXFP8 / BF16 speed {ms_bf16 / ms_mx:.2f}x; of which the weights' three quantizations {ms_wq:.3f} ms",
           flush=True)
-    mx_step()
+    for t in (x, w, wg, wu, wd):
+        t.grad = None
+    out = mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp)
+    out.backward(d_out)
     grads = [t.grad.double() for t in (x, w, wg, wu, wd)]
     ref = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
-    reference.experts_forward(ref[0], ids, ref[1], *ref[2:], clamp_limit=clamp,
-                              acc_dtype=torch.float64).backward(d_out.double())
-    errs = {n: ((g - r.grad).norm() / r.grad.norm()).item() for n, g, r in zip(("x", "w", "w_gate", "w_up", "w_down"),
-                                                                            grads, ref)}
-    print("  MXFP8 gradients against float64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+    ref_out = reference.experts_forward(ref[0], ids, ref[1], *ref[2:], clamp_limit=clamp, acc_dtype=torch.float64)
+    ref_out.backward(d_out.double())
+    errs = {"out": ((out.double() - ref_out.detach()).norm() / ref_out.detach().norm()).item()}
+    errs.update({n: ((g - r.grad).norm() / r.grad.norm()).item()
+                 for n, g, r in zip(("dx", "dw", "dw_gate", "dw_up", "dw_down"), grads, ref)})
+    print("  MXFP8 (bf16 math) against float64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+    del ref, ref_out, grads, layer, out
+    torch.cuda.empty_cache()

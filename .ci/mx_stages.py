@@ -37,18 +37,26 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
                                                                        check_ids=False),
         "weights quantized (3 tensors)": lambda: mx_experts.quantize_weights(wg, wu, wd, codes=False),
         "segments + tile list (device)": lambda: mx_experts._segments(flat, spec.num_experts, k, check_ids=False),
+        "segments after a stable sort": lambda: mx_gemm.segments(flat, k, spec.num_experts,
+                                                                  torch.sort(flat, stable=True).indices),
+        "  the stable sort alone": lambda: torch.sort(flat, stable=True),
         "the ids' range check (host sync)": lambda: bool(((flat < 0) | (flat >= spec.num_experts)).any()),
         "quantize_rows": lambda: mx_gemm.quantize_rows(x, src, rows),
         "grouped GEMM gate|up (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(xq, xs, mxw.gate_up, mxw.gate_up_scales,
                                                                           tiles),
         "grouped GEMM gate|up (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(xq, xs, mxw.gate_up_bf16, tiles),
         "swiglu_quantize": lambda: mx_gemm.swiglu_quantize(gu, clamp),
+        "gate|up + SwiGLU + quantize (fused)": lambda: mx_gemm.mx_bf16_math_swiglu_gemm(xq, xs, mxw.gate_up_bf16, tiles,
+                                                                                       clamp),
         "grouped GEMM down (FP8 quad)": lambda: mx_gemm.mx_grouped_gemm(hq, hs, mxw.down, mxw.down_scales, tiles),
         "grouped GEMM down (bf16 math)": lambda: mx_gemm.mx_bf16_math_grouped_gemm(hq, hs, mxw.down_bf16, tiles),
         "combine": lambda: mx_gemm.combine(y, row, w.contiguous()),
     }
-    flops = {name: 2 * rows * 2 * I * H for name in stages if "gate|up" in name}
-    flops.update({name: 2 * rows * H * I for name in stages if "GEMM down" in name})
+    if k == 1:  # the fused combine writes each token's row from its one pair (src: the token)
+        stages["down + combine (fused, k = 1)"] = lambda: mx_gemm.mx_bf16_math_combine1_gemm(
+            hq, hs, mxw.down_bf16, tiles, src, w.reshape(-1).float().contiguous())
+    flops = {name: 2 * rows * 2 * I * H for name in stages if "gate|up" in name}  # padded rows
+    flops.update({name: 2 * rows * H * I for name in stages if "GEMM down" in name or name.startswith("down +")})
     print(f"{spec.name}: {T} x {k} rows, {int(padded.sum())} padded ({rows} allocated), H {H}, I {I}")
     for stage, fn in stages.items():
         ms = timed(fn)

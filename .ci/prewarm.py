@@ -12,7 +12,8 @@ from mokgen.spec import bundled_specs
 jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 specs = [load_spec(n) for n in bundled_specs()]
 specs += [bench.local_spec(load_spec(n), 64 if n == "deepseek-v3" else 8)[0]
-          for n in ("kimi-k2.5", "glm-5.2", "qwen3.5-397b-a17b", "deepseek-v4-pro", "deepseek-v3")]
+          for n in ("kimi-k2.5", "glm-5.2", "qwen3.5-397b-a17b", "deepseek-v4-pro", "deepseek-v3", "qwen3-30b-a3b",
+                    "qwen3.5-35b-a3b")]
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)

@@ -56,7 +56,10 @@ class MXExpertWeights:
     (gate rows first, then up) and ``down`` codes ``[E, H, I]``, their E8M0 scales in the grouped
     kernel's blocked layout (``mx_gemm.block_expert_scales``), and the same MX values as bf16 with
     k permuted for the bf16-math form (``gate_up_bf16``, ``down_bf16``). The codes are None when
-    only the bf16-math form will run (``quantize_weights(..., codes=False)``)."""
+    only the bf16-math form will run (``quantize_weights(..., codes=False)``). With
+    ``interleaved``, ``gate_up_bf16``'s rows are gate and up interleaved in 128s (each 256 rows:
+    128 gate rows, then the same up rows), for the up projection with SwiGLU and h's quantization
+    fused (``mx_gemm.mx_bf16_math_swiglu_gemm``); the codes keep gate then up."""
 
     gate_up: torch.Tensor | None
     gate_up_scales: torch.Tensor | None
@@ -64,6 +67,7 @@ class MXExpertWeights:
     down_scales: torch.Tensor | None
     gate_up_bf16: torch.Tensor | None = None
     down_bf16: torch.Tensor | None = None
+    interleaved: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -85,12 +89,13 @@ def _decoded_stack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
-                     codes: bool = True) -> MXExpertWeights:
+                     codes: bool = True, interleave: bool = True) -> MXExpertWeights:
     """``w_gate`` / ``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` (mokgen's layout) ->
     MXFP8 along the dimension each GEMM reduces over. bf16 weights on a GPU take one kernel pass
     per tensor (``mx_gemm.expert_weights``); other dtypes or devices the PyTorch expression of
     ``mokgen.mx.quantize``, one expert at a time (the same bits). H and I must be multiples of
-    128 (the GEMM's tile). ``codes=False`` keeps only the bf16-math form's operands."""
+    128 (the GEMM's tile). ``codes=False`` keeps only the bf16-math form's operands;
+    ``interleave`` (the default) lays the bf16 gate | up rows out for the fused SwiGLU epilogue."""
     if w_gate.dim() != 3 or w_gate.shape != w_up.shape or w_down.dim() != 3 \
             or w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise InputError(f"expert weights must be w_gate / w_up [E, I, H] and w_down [E, H, I], got "
@@ -100,26 +105,33 @@ def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         raise InputError(f"MXFP8 experts need hidden and intermediate sizes that are multiples of "
                          f"{mx_gemm.BLOCK}, got H = {H}, I = {I}")
     if w_gate.is_cuda and all(w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down)):
-        gu = mx_gemm.expert_weights([w_gate.contiguous(), w_up.contiguous()], codes=codes)
+        gu = mx_gemm.expert_weights([w_gate.contiguous(), w_up.contiguous()], codes=codes, interleave=interleave)
         dn = mx_gemm.expert_weights([w_down.contiguous()], codes=codes)
         if not codes:
-            return MXExpertWeights(None, None, None, None, gu, dn)
-        return MXExpertWeights(gu[1], gu[2], dn[1], dn[2], gu[0], dn[0])
+            return MXExpertWeights(None, None, None, None, gu, dn, interleave)
+        return MXExpertWeights(gu[1], gu[2], dn[1], dn[2], gu[0], dn[0], interleave)
     gu_codes = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn, device=w_gate.device)
     gu_scales = torch.empty(E, 2 * I, H // 32, dtype=torch.uint8, device=w_gate.device)
     for e in range(E):
         gu_codes[e, :I], gu_scales[e, :I] = mx.quantize(w_gate[e], dim=-1)
         gu_codes[e, I:], gu_scales[e, I:] = mx.quantize(w_up[e], dim=-1)
     d_codes, d_scales = mx.quantize_experts(w_down)
+    gu_bf16 = _decoded_stack(gu_codes, gu_scales)
+    if interleave:  # [E, (gate, up), I / 128, 128, H] -> [E, I / 128, (gate, up), 128, H]
+        gu_bf16 = gu_bf16.view(E, 2, I // 128, 128, H).transpose(1, 2).reshape(E, 2 * I, H)
     return MXExpertWeights(gu_codes, mx_gemm.block_expert_scales(gu_scales), d_codes,
-                           mx_gemm.block_expert_scales(d_scales), _decoded_stack(gu_codes, gu_scales),
-                           _decoded_stack(d_codes, d_scales))
+                           mx_gemm.block_expert_scales(d_scales), gu_bf16, _decoded_stack(d_codes, d_scales),
+                           interleave)
 
 
-def _grouped(a, sa, b_bf16, b_codes, b_scales, tiles, form: str):
+def _grouped(a, sa, b_bf16, b_codes, b_scales, tiles, form: str, interleaved: bool = False):
     """The grouped GEMM in ``form``; the bf16-math form needs N a multiple of 256 and falls back to
     quad (the same MX product) otherwise, and so needs the codes then."""
     if form == "bf16" and b_bf16 is not None and b_bf16.shape[1] % mx_gemm.BF16_MATH_N == 0:
+        if interleaved:  # gate | up rows interleaved in 128s: C's columns likewise, put back in order
+            c = mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b_bf16, tiles)
+            rows, n = c.shape
+            return c.view(rows, n // 256, 2, 128).transpose(1, 2).reshape(rows, n)
         return mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b_bf16, tiles)
     if b_codes is None:
         why = (f"form {form!r} runs on the FP8 tensor core" if form != "bf16" else
@@ -148,15 +160,16 @@ def _segments(flat_ids: torch.Tensor, num_experts: int, k: int, check_ids: bool 
     padding), the row tiles of the grouped GEMM and the padded segment sizes (device). The tile
     list has a fixed length, ceil(n / 128) + E for n pairs, the bound of any routing; tiles past
     the segments' are (-1, 0), which the kernels skip, and the rows past them are zeros. On a GPU
-    the sort and one kernel (``mx_gemm.segments``); elsewhere the PyTorch expression below, its
-    reference. ``check_ids``: raise InputError for an id outside [0, E), at the cost of one host
+    one kernel (``mx_gemm.segments``, after a sort only past 1024 experts); elsewhere the PyTorch
+    expression below, its reference. ``check_ids``: raise InputError for an id outside [0, E), at the cost of one host
     sync."""
     E, n = num_experts, flat_ids.numel()
     if check_ids and bool(((flat_ids < 0) | (flat_ids >= E)).any()):
         raise InputError(f"topk_ids must lie in [0, {E})")
+    if flat_ids.is_cuda:  # one kernel; past its expert count, after a stable sort
+        order = None if E <= mx_gemm.SEGMENTS_MAX_UNSORTED else torch.sort(flat_ids, stable=True).indices
+        return mx_gemm.segments(flat_ids, k, E, order)
     order = torch.sort(flat_ids, stable=True).indices
-    if flat_ids.is_cuda:
-        return mx_gemm.segments(flat_ids, order, k, E)
     block = mx_gemm.BLOCK
     counts = torch.zeros(E, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids.clamp(0, E - 1), torch.ones_like(flat_ids))
@@ -195,11 +208,14 @@ class _Saved:
     row: torch.Tensor
     padded: torch.Tensor
     tiles: torch.Tensor
-    gu: torch.Tensor
-    y: torch.Tensor
+    gu: torch.Tensor | None  # None when the fused up projection ran (inference)
+    y: torch.Tensor | None  # None when the fused combine ran (inference, k = 1)
 
 
-def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str, check_ids: bool = True):
+def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, form: str, check_ids: bool = True,
+             keep_gu: bool = False):
+    """The staged forward; ``keep_gu``: also the float32 gate | up rows (the backward's), which
+    the fused up projection does not write."""
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
     row, src, tiles, padded = _segments(flat, weights.num_experts, k, check_ids)
@@ -207,10 +223,21 @@ def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, f
     # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
     #    the way): padded row r holds token src[r], or zeros
     xq, xs = mx_gemm.quantize_rows(x.contiguous(), src, rows)
-    # 2. gate and up
-    gu = _grouped(xq, xs, weights.gate_up_bf16, weights.gate_up, weights.gate_up_scales, tiles, form)
-    # 3. SwiGLU in float32 and h quantized along I, one pass
-    hq, hs = mx_gemm.swiglu_quantize(gu, clamp_limit)
+    if form == "bf16" and weights.interleaved and not keep_gu:
+        # 2-3. gate and up with SwiGLU and h's quantization in the GEMM's epilogue
+        gu = None
+        hq, hs = mx_gemm.mx_bf16_math_swiglu_gemm(xq, xs, weights.gate_up_bf16, tiles, clamp_limit)
+    else:
+        # 2. gate and up
+        gu = _grouped(xq, xs, weights.gate_up_bf16, weights.gate_up, weights.gate_up_scales, tiles, form,
+                      weights.interleaved)
+        # 3. SwiGLU in float32 and h quantized along I, one pass
+        hq, hs = mx_gemm.swiglu_quantize(gu, clamp_limit)
+    if k == 1 and form == "bf16" and not keep_gu and weights.hidden % mx_gemm.BF16_MATH_N == 0:
+        # 4-5. down with the combine of each token's one pair in the GEMM's epilogue (no float32 y)
+        out = mx_gemm.mx_bf16_math_combine1_gemm(hq, hs, weights.down_bf16, tiles, src,
+                                                 topk_weights.reshape(-1).to(torch.float32).contiguous())
+        return out, _Saved(row, padded, tiles, gu, None)
     # 4. down
     y = _grouped(hq, hs, weights.down_bf16, weights.down, weights.down_scales, tiles, form)
     # 5. combine in the fixed order j = 0..k-1
@@ -242,8 +269,9 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # float32 (the oracle's swiglu under autograd). The rows of an expert's segment start at a
 # multiple of 128 and its padding rows are zeros, so the 32-row blocks along n are the oracle's
 # (which pads each expert's rows with zeros to a multiple of 32). The dgrads run on the grouped
-# GEMM (the forward's form) with weights quantized in the transposed orientation, the wgrads on
-# the dense FP8 GEMM (quad), one launch per expert with rows (K = its padded segment). Staged like
+# GEMM (the forward's form) with weights quantized in the transposed orientation. The wgrads: on
+# the bf16-math form one launch over k ranges (each expert's padded segment, no host sync); on the
+# FP8 forms the dense GEMM per expert with rows (K = its segment, after a host sync). Staged like
 # the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
 # a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
 # training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
@@ -279,12 +307,32 @@ def _transposed_weights(parts, form: str, n: int):
     return _decoded_stack(codes, scales), codes, mx_gemm.block_expert_scales(scales)
 
 
+def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor, padded: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_weight_grads` on the bf16-math form in one launch and no host sync: ``out[e] =
+    q_n(a_e)^T q_n(b_e)`` for the token rows ``a_rows [R, M]`` (float32) and ``b_rows [R, N]``
+    (float32 or bf16), each expert's k range its padded segment (empty: zeros), ``[E, M, N]`` in
+    ``out_dtype``."""
+    a_codes, a_scales = mx_gemm.quantize_cols(a_rows)
+    start = torch.cumsum(padded, 0) - padded
+    kranges = torch.stack([start, padded], 1).to(torch.int32)
+    # the kernel writes float32 or bf16; other weight dtypes (fp16, fp64) take float32 and the
+    # caller's cast
+    od = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    return mx_gemm.mx_bf16_math_ranged_gemm(a_codes, mx_gemm.block_scales(a_scales), mx_gemm.cols_bf16_math(b_rows),
+                                            kranges, out_dtype=od)
+
+
+def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
+    return form == "bf16" and t.is_cuda and n % mx_gemm.BF16_MATH_N == 0
+
+
 class _MXExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form):
         E, I, H = w_gate.shape
-        weights = quantize_weights(w_gate, w_up, w_down, codes=_needs_codes(form, 2 * I, H))
-        out, saved = _forward(x, topk_ids, topk_weights, weights, clamp_limit, form)
+        weights = quantize_weights(w_gate, w_up, w_down, codes=_needs_codes(form, 2 * I, H), interleave=False)
+        out, saved = _forward(x, topk_ids, topk_weights, weights, clamp_limit, form, keep_gu=True)
         ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, saved.row, saved.tiles, saved.gu, saved.y)
         ctx.padded, ctx.clamp_limit, ctx.form = saved.padded, clamp_limit, form
         return out
@@ -319,11 +367,17 @@ class _MXExperts(torch.autograd.Function):
         dguq, dgus = mx_gemm.quantize_f32_rows(dgu)
         dx_rows = _grouped(dguq, dgus, *wgu_t, tiles, form)
         dx = dx_rows[row].view(T, k, H).sum(1)
-        # wgrads, per expert over its rows
-        d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)        # [E, H, I]
+        # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
+        if _ranged(form, dy, I):
+            d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
+        else:
+            d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
         x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
         x_rows[row] = x.repeat_interleave(k, dim=0)
-        d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)  # [E, 2I, H]
+        if _ranged(form, dgu, H) and w_gate.dtype == w_up.dtype:
+            d_wgu = _weight_grads_ranged(dgu, x_rows, padded, w_gate.dtype)                           # [E, 2I, H]
+        else:
+            d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wgu[:, :I].to(w_gate.dtype), d_wgu[:, I:].to(w_up.dtype),
                 d_wd.to(w_down.dtype), None, None, None)
 

@@ -68,8 +68,18 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_gemm.restype = i
         lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
-        lib.mokgen_mx_weight_rows.argtypes, lib.mokgen_mx_weight_rows.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
-        lib.mokgen_mx_weight_cols.argtypes, lib.mokgen_mx_weight_cols.restype = [vp, vp, vp, vp, i, i, i, i, i, vp], i
+        lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+        lib.mokgen_mx_weight_rows.restype = i
+        lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
+        lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
+        lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
+        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, vp]
+        lib.mokgen_mx_tile_test.restype = i
+        lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+        lib.mokgen_mx_weight_cols.restype = i
+        lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
         lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
         _by_env[key] = lib
     return lib
@@ -362,14 +372,72 @@ def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles):
     return c
 
 
-def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
+def mx_bf16_math_swiglu_gemm(a_codes, a_scales_blocked, b_interleaved, tiles, clamp_limit: float | None = None):
+    """The up projection with SwiGLU and h's quantization fused into the bf16-math GEMM's epilogue
+    (grouped): A ``[M, H]`` MXFP8 rows with blocked scales, B the gate | up weights from
+    :func:`expert_weights` with ``interleave`` (``[E, 2I, H]``), ``tiles`` as
+    :func:`mx_bf16_math_grouped_gemm`'s. Returns h as ``(codes [M, I], scales [I / 128, M, 4])``:
+    the bits of :func:`swiglu_quantize` of the unfused GEMM's gate | up, with no float32 gate | up
+    written. Rows outside every tile are not written."""
+    import torch
+
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"fused SwiGLU GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    _check_bf16_b(b_interleaved, K, stacked=True)
+    _check_tiles(tiles, a_codes.device, "fused SwiGLU GEMM")
+    E, N, _ = b_interleaved.shape
+    inter = N // 2
+    limit = 0.0 if clamp_limit is None else float(clamp_limit)
+    if clamp_limit is not None and not limit > 0:
+        raise InputError(f"clamp_limit must be positive, got {clamp_limit}")
+    codes = torch.empty(M, inter, dtype=torch.float8_e4m3fn, device=a_codes.device)
+    scales = torch.empty(inter // BLOCK, M, 4, dtype=torch.uint8, device=a_codes.device)
+    if tiles.shape[0]:
+        _launch("mokgen_mx_bf16_math_swiglu_gemm", a_codes.device, codes.data_ptr(), scales.data_ptr(),
+                a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_interleaved.data_ptr(), tiles.data_ptr(),
+                int(tiles.shape[0]), E, M, inter, K, limit, what="bf16 math, fused SwiGLU")
+    return codes, scales
+
+
+def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, weight):
+    """The down projection with the combine of one pair per token (k = 1) fused into the bf16-math
+    GEMM's epilogue (grouped): A ``[M, K]`` MXFP8 h rows with blocked scales, B bf16 ``[E, N, K]``,
+    ``tiles`` as :func:`mx_bf16_math_grouped_gemm`'s, ``src`` int32 ``[M]`` (each row's token,
+    -1 for padding; every token exactly once) and ``weight`` float32 ``[T]``. Returns ``out [T, N]``
+    bf16 with ``out[src[r]] = weight[src[r]] * (A B^T)[r]``: the bits of the GEMM then
+    :func:`combine` at k = 1, with no float32 C written."""
+    import torch
+
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"fused combine GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    _check_bf16_b(b_bf16, K, stacked=True)
+    _check_tiles(tiles, a_codes.device, "fused combine GEMM")
+    if src.dtype != torch.int32 or src.shape != (M,) or weight.dtype != torch.float32 or weight.dim() != 1 \
+            or not weight.is_contiguous() or src.device != a_codes.device or weight.device != a_codes.device:
+        raise InputError(f"fused combine GEMM: src int32 [{M}] and weight float32 [T] on the operands' device")
+    E, N, _ = b_bf16.shape
+    out = torch.empty(weight.shape[0], N, dtype=torch.bfloat16, device=a_codes.device)
+    if tiles.shape[0] and weight.shape[0]:
+        _launch("mokgen_mx_bf16_math_combine1_gemm", a_codes.device, out.data_ptr(), src.data_ptr(),
+                weight.data_ptr(), a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_bf16.data_ptr(),
+                tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K, what="bf16 math, fused combine")
+    return out
+
+
+def expert_weights(parts, *, transpose: bool = False, codes: bool = False, interleave: bool = False):
     """Stacked expert weights (bf16, mokgen's layout) quantized to MXFP8 on the GPU in one pass each,
     for the grouped GEMMs: ``parts`` are ``[E, n_i, K]`` tensors stacked along their rows (gate then
     up), quantized along K; with ``transpose`` the parts are ``[E, r_i, n]`` and the result is the
     transpose of their stack, ``[E, n, sum r_i]``, quantized along ``sum r_i`` (the dgrads'
     orientation). Returns the MX values as bf16 with k permuted for the bf16-math GEMM
     (:func:`bf16_math_weights`' bits), then with ``codes`` the E4M3 codes and the E8M0 scales in
-    ``block_expert_scales``' layout for the FP8 forms."""
+    ``block_expert_scales``' layout for the FP8 forms. ``interleave`` (two parts of equal rows, a
+    multiple of 128, along K): the bf16 values' rows interleaved in 128s, gate then up, as
+    :func:`mx_bf16_math_swiglu_gemm` reads them (the codes keep the parts' order)."""
     import torch
 
     parts = list(parts)
@@ -380,6 +448,9 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
     E, dev = first.shape[0], first.device
     sizes = [p.shape[1] for p in parts]
     total, inner = sum(sizes), first.shape[2]
+    if interleave and (transpose or len(parts) != 2 or sizes[0] != sizes[1] or sizes[0] % BLOCK):
+        raise InputError(f"interleave takes two parts of equal rows, a multiple of {BLOCK}, along K; got {sizes}"
+                         f"{' transposed' if transpose else ''}")
     if transpose:
         if total % BLOCK or any(r % 32 for r in sizes):
             raise InputError(f"transposed expert weights: the stacked rows {sizes} must be multiples of 32 summing to a "
@@ -397,26 +468,94 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False):
     for p, size in zip(parts, sizes):
         if transpose:
             _launch("mokgen_mx_weight_cols", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, N, K,
-                    offset)
+                    offset, 0)
         else:
             _launch("mokgen_mx_weight_rows", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, K, N,
-                    offset)
+                    offset, int(interleave))
         offset += size
     return (dec, cod, sc) if codes else dec
 
 
-def segments(ids, order, k: int, num_experts: int):
+def cols_bf16_math(x):
+    """Rows ``x [rows, n]`` (float32 or bf16 activations) quantized along the rows (32-row blocks,
+    ``mx.quantize(x.t(), dim=-1)``), transposed, as the bf16-math GEMM's B operand: ``[n, rows]``
+    bf16 MX values with k permuted (``bf16_math_weights``' bits). rows a multiple of 128."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() or x.shape[0] % BLOCK:
+        raise InputError(f"x must be contiguous float32 or bf16 [rows, n] with rows a multiple of {BLOCK}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    rows, n = x.shape
+    out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
+    if rows and n:
+        _launch("mokgen_mx_weight_cols", x.device, out.data_ptr(), None, None, x.data_ptr(), 1, rows, n, rows, 0,
+                int(x.dtype == torch.float32))
+    return out
+
+
+def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None, check_ranges: bool = False):
+    """The weight gradients' GEMM on the bf16-math form: ``C[z] = A[:, r_z] B[:, r_z]^T`` for each
+    k range ``r_z = kranges[z]`` (int32 ``[Z, 2]`` of (first k, length), multiples of 128; a zero
+    length gives zeros): A MXFP8 ``[M, K]`` codes with blocked scales ``[K / 128, M, 4]`` (an
+    operand quantized along K, here the token rows), B bf16 ``[N, K]`` (:func:`cols_bf16_math`).
+    Returns ``[Z, M, N]`` in float32 or bf16 (``out_dtype``), each sum in one fixed order. The
+    ranges are trusted unless ``check_ranges`` (a host sync): a range outside ``[0, K]`` reads
+    out of bounds."""
+    import torch
+
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    if not isinstance(a_codes, torch.Tensor) or a_codes.dtype not in (torch.float8_e4m3fn, torch.uint8) \
+            or a_codes.dim() != 2 or not a_codes.is_contiguous() or a_codes.device.type != "cuda":
+        raise InputError("ranged bf16-math GEMM: A codes must be a contiguous 2-d float8_e4m3fn (or uint8) CUDA tensor")
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) \
+            or a_scales_blocked.dtype != torch.uint8 or not a_scales_blocked.is_contiguous() \
+            or a_scales_blocked.device != a_codes.device:
+        raise InputError(f"ranged bf16-math GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and contiguous uint8 blocked scales [K / 128, M, 4] on its device")
+    _check_bf16_b(b_bf16, K, stacked=False)
+    if b_bf16.device != a_codes.device:
+        raise InputError(f"ranged bf16-math GEMM: B is on {b_bf16.device}, A on {a_codes.device}")
+    if kranges.dtype != torch.int32 or kranges.dim() != 2 or kranges.shape[1] != 2 or kranges.device != a_codes.device \
+            or not kranges.is_contiguous() or not 0 < kranges.shape[0] <= 65535 \
+            or out_dtype not in (torch.float32, torch.bfloat16):
+        raise InputError("ranged bf16-math GEMM: kranges contiguous int32 [Z, 2] (1 <= Z <= 65535) on the operands' "
+                         "device, out_dtype float32 or bf16")
+    # the ranges are read by the kernel (a bad one would read A's scales out of bounds); checking
+    # them on the host costs a sync, so only where the caller asks (the layer's own ranges are
+    # built from its segments and need none)
+    if check_ranges:
+        first, length = kranges[:, 0].cpu(), kranges[:, 1].cpu()
+        if bool(((first % BLOCK != 0) | (length % BLOCK != 0) | (first < 0) | (length < 0) | (first + length > K)).any()):
+            raise InputError(f"ranged bf16-math GEMM: every k range (first, length) must be multiples of {BLOCK} "
+                             f"within [0, {K}]")
+    N = b_bf16.shape[0]
+    c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
+    _launch("mokgen_mx_bf16_math_ranged_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
+            a_scales_blocked.data_ptr(), b_bf16.data_ptr(), kranges.data_ptr(), int(kranges.shape[0]), M, N, K,
+            int(out_dtype == torch.bfloat16), what="bf16 math, k ranges")
+    return c
+
+
+#: the most experts mx_gemm.segments ranks without a sort order (its shared memory)
+SEGMENTS_MAX_UNSORTED = 1024
+
+
+def segments(ids, k: int, num_experts: int, order=None):
     """The staged experts' segments on the GPU in one launch (``mx_experts._segments``'
-    semantics): the pairs' ids int64 ``[n]`` and their stable sort order -> ``(row int64 [n], src
-    int32 [128 n_tiles], tiles int32 [n_tiles, 2], padded int64 [E])`` with ``n_tiles = ceil(n /
-    128) + E``."""
+    semantics): the pairs' ids int64 ``[n]`` -> ``(row int64 [n], src int32 [128 n_tiles], tiles
+    int32 [n_tiles, 2], padded int64 [E])`` with ``n_tiles = ceil(n / 128) + E``. Given ``order``
+    (the ids' stable sort order, int64 ``[n]``) the kernel reads the ranks from it; without, it
+    ranks the pairs itself (at most :data:`SEGMENTS_MAX_UNSORTED` experts)."""
     import torch
 
     n, E = ids.numel(), num_experts
-    if ids.dtype != torch.int64 or order.dtype != torch.int64 or order.shape != ids.shape or ids.dim() != 1:
-        raise InputError("segments: ids and order must be int64 [n]")
-    if not 0 < E <= 8192:
-        raise InputError(f"segments: 1 to 8192 experts, got {E}")
+    if ids.dtype != torch.int64 or ids.dim() != 1 or (order is not None and (order.dtype != torch.int64
+                                                                             or order.shape != ids.shape)):
+        raise InputError("segments: ids (and order, when given) must be int64 [n]")
+    if not 0 < E <= (8192 if order is not None else SEGMENTS_MAX_UNSORTED):
+        raise InputError(f"segments: 1 to {8192 if order is not None else SEGMENTS_MAX_UNSORTED} experts "
+                         f"{'with' if order is not None else 'without'} a sort order, got {E}")
     n_tiles = -(-n // BLOCK) + E
     dev = ids.device
     row = torch.empty(n, dtype=torch.int64, device=dev)
@@ -424,5 +563,54 @@ def segments(ids, order, k: int, num_experts: int):
     tiles = torch.empty(n_tiles, 2, dtype=torch.int32, device=dev)
     padded = torch.empty(E, dtype=torch.int64, device=dev)
     _launch("mokgen_mx_segments", dev, row.data_ptr(), src.data_ptr(), tiles.data_ptr(), padded.data_ptr(),
-            ids.data_ptr(), order.data_ptr(), n, k, E, n_tiles)
+            ids.data_ptr(), None if order is None else order.data_ptr(), n, k, E, n_tiles)
     return row, src, tiles, padded
+
+
+#: the megakernel's MX tile run alone (templates/include/mokgen/mx_tile.cuh), fixed shapes per
+#: kind: (M, N out, K); the GPU test holds it to the bf16-math GEMM's bits
+TILE_TEST_SHAPES = {"down": (256, 512, 256), "gated": (256, 256, 512)}
+
+
+def _mx_tile_test(kind: str, a_codes, a_scales_blocked, b0, b1=None, clamp_limit: float | None = None, *,
+                  rows: int | None = None):
+    """The MX tile alone (not yet the megakernel's): ``down`` -> bf16 ``A B0^T``; ``gated`` -> h =
+    swiglu(A B0^T, A B1^T) quantized, ``(codes, blocked scales)``. A MXFP8 with blocked scales, B0
+    and B1 bf16 MX values with k permuted (:func:`bf16_math_weights`), shapes
+    :data:`TILE_TEST_SHAPES`. ``rows`` (default all): the tiles write output rows ``< rows`` only,
+    as the megakernel's partial tiles; the outputs start filled with a marker (NaN, codes and
+    scales 0xEE) so that rows left unwritten show."""
+    import torch
+
+    M, N, K = TILE_TEST_SHAPES[kind]  # B: N rows (the down tile's outputs; gate and up rows of h's N)
+    rows = M if rows is None else int(rows)
+    gated = kind == "gated"
+    for t, shape in ((a_codes, (M, K)), (b0, (N, K))) + (((b1, (N, K)),) if gated else ()):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_contiguous():
+            raise InputError(f"MX tile test ({kind}): contiguous operands of shapes A {(M, K)}, B {(N, K)}"
+                             f"{' (gate and up)' if gated else ''}")
+    if a_codes.dtype not in (torch.float8_e4m3fn, torch.uint8) or a_codes.device.type != "cuda":
+        raise InputError("MX tile test: A codes must be float8_e4m3fn (or uint8) on a CUDA device")
+    if a_scales_blocked.dtype != torch.uint8 or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4) \
+            or not a_scales_blocked.is_contiguous():
+        raise InputError(f"MX tile test: A's scales must be contiguous uint8 blocked scales {(K // BLOCK, M, 4)}")
+    if any(t.dtype != torch.bfloat16 for t in ((b0, b1) if gated else (b0,))):
+        raise InputError("MX tile test: B must be bf16 MX values with k permuted (bf16_math_weights)")
+    if any(t.device != a_codes.device for t in (a_scales_blocked, b0) + ((b1,) if gated else ())):
+        raise InputError("MX tile test: every operand on A's device")
+    if clamp_limit is not None and not clamp_limit > 0:
+        raise InputError(f"MX tile test: clamp_limit must be positive, got {clamp_limit}")
+    if not 1 <= rows <= M:
+        raise InputError(f"MX tile test: rows must be in [1, {M}], got {rows}")
+    dev = a_codes.device
+    if kind == "down":
+        c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=dev)
+        _launch("mokgen_mx_tile_test", dev, 0, c.data_ptr(), None, None, a_codes.data_ptr(),
+                a_scales_blocked.data_ptr(), b0.data_ptr(), None, 0.0, rows)
+        return c
+    codes = torch.full((M, N), 0xEE, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    scales = torch.full((N // BLOCK, M, 4), 0xEE, dtype=torch.uint8, device=dev)
+    _launch("mokgen_mx_tile_test", dev, 1 if clamp_limit is None else 2, None, codes.data_ptr(), scales.data_ptr(),
+            a_codes.data_ptr(), a_scales_blocked.data_ptr(), b0.data_ptr(), b1.data_ptr(),
+            0.0 if clamp_limit is None else float(clamp_limit), rows)
+    return codes, scales

@@ -29,6 +29,7 @@
 
 #include "mokgen/mx_gemm.cuh"
 #include "mokgen/mx_rows.cuh"
+#include "mokgen/mx_tile.cuh"
 
 namespace mokgen {
 namespace mxg {
@@ -100,28 +101,121 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // The bf16-math form: A MXFP8 [M, K] (codes, blocked scales [K / 128, M, 4]), B bf16 [E N, K]
 // (MX values, k permuted within each 16: mokgen.mx_gemm.bf16_math_weights), C [M, N] float32.
 // Dense (tiles null, E = 1) or grouped: n_tiles row tiles (expert, first row), (-1, 0) skipped.
-int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
-                     int M, int N, int K, void* stream) {
+// K-ranged (kranges given: n_ranges (first k, length) pairs, multiples of 128): C [n_ranges, M, N]
+// with slice z the product over its range only (the weight gradients), tiles null.
+// Fused epilogues (grouped only, no C): swi.codes not null, h = swiglu(gate, up) quantized to
+// MXFP8 (B's rows interleaved in 128s of gate then up: N = 2 inter); swi.out not null, the combine
+// of one pair per token.
+template <int kEpi>
+int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
+                         int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::EpiArgs swi,
+                         void* stream) {
   namespace bm = bf16m;
-  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
-      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535)
-    return int(cudaErrorInvalidValue);
-  if (n_tiles == 0) return 0;
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
   static bool attr = false;
   if (!attr) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(bm::gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bm::kSmemBytes));
+    const cudaError_t err = cudaFuncSetAttribute(bm::gemm_kernel<kEpi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 int(bm::kSmemBytes));
     if (err != cudaSuccess) return int(err);
     attr = true;
   }
-  bm::gemm_kernel<<<dim3(N / bm::kBN, n_tiles), bm::kThreads, bm::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
-      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, static_cast<const int2*>(tiles));
+  bm::gemm_kernel<kEpi><<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
+                          static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, static_cast<const int2*>(tiles),
+      static_cast<const int2*>(kranges), out_bf16, swi);
   return int(cudaGetLastError());
 }
+
+int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
+                     int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, void* stream,
+                     bf16m::EpiArgs swi = {}) {
+  namespace bm = bf16m;
+  if (M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 || E <= 0 ||
+      (tiles == nullptr && (E != 1 || n_tiles != M / bm::kBM)) || n_tiles < 0 || n_tiles > 65535 ||
+      n_ranges < 1 || n_ranges > 65535 || (kranges == nullptr && n_ranges != 1) ||
+      (kranges != nullptr && tiles != nullptr) ||
+      (swi.codes != nullptr && (swi.scales == nullptr || kranges != nullptr || 2 * swi.inter != N)) ||
+      (swi.out != nullptr && (swi.src == nullptr || swi.weight == nullptr || kranges != nullptr || swi.codes)))
+    return int(cudaErrorInvalidValue);
+  if (n_tiles == 0) return 0;
+  if (swi.out != nullptr)
+    return launch_bf16_math_epi<bm::kEpiCombine1>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0,
+                                                  swi, stream);
+  if (swi.codes == nullptr)
+    return launch_bf16_math_epi<bm::kEpiStore>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, out_bf16,
+                                               swi, stream);
+  if (swi.limit > 0.f)
+    return launch_bf16_math_epi<bm::kEpiSwigluClamp>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0,
+                                                     swi, stream);
+  return launch_bf16_math_epi<bm::kEpiSwiglu>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0, swi,
+                                              stream);
+}
+
+// ---- the megakernel's MX tile run alone (mx_tile.cuh; tests/test_gpu_mx_gemm.py) ----------------
+// Fixed shapes, one tile per CTA: the gated tile (up projection: I = 256 output columns of h from
+// 128-row gate and up tiles, K = H = 512) and the down tile (N = 512 bf16 columns, K = I = 256),
+// M = 256 rows.
+namespace mxt {
+constexpr int kM = 256, kStages = 4;
+using Gated = sm90::MxTile<256, 512, true, false, kStages, 256>;
+using GatedClamp = sm90::MxTile<256, 512, true, true, kStages, 256>;
+using Down = sm90::MxTile<512, 256, false, false, kStages, 256>;
+
+template <class Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    tile_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
+                const __grid_constant__ CUtensorMap map_b1, const uint8_t* __restrict__ a_scales, bf16* c,
+                uint8_t* h_codes, uint8_t* h_scales, float limit, int rows) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const auto s = Tile::carve(smem);
+  if (threadIdx.x == 0) Tile::init_barriers(s);
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  const int m0 = int(blockIdx.y) * Tile::kBM, nt = int(blockIdx.x);
+  typename Tile::Pipe pipe;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0)
+      Tile::produce(s, pipe, &map_a, m0, a_scales, kM, &map_b0, &map_b1, nt * (Tile::kBBox * (Tile::kBN == 128 ? 1 : 2)));
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int n0 = nt * Tile::kBN;
+  // the tile's valid rows (the megakernel's partial tiles): the epilogue writes rows < valid only
+  const int valid = rows - m0 < Tile::kBM ? rows - m0 : Tile::kBM;
+  if constexpr (Tile::kBN == 128) {  // gated
+    const sm90::MxRowsBlocked out{h_codes, h_scales, Tile::kNTiles * Tile::kBN, kM, m0};
+    Tile::consume(s, pipe, wg - 1, valid, n0, out, limit);
+  } else {
+    constexpr int kN = Tile::kNTiles * Tile::kBN;
+    const auto out = [&](int r) { return c + size_t(m0 + r) * kN; };
+    Tile::consume(s, pipe, wg - 1, valid, n0, out, limit);
+  }
+}
+
+template <class Tile>
+int launch_tile(void* c, void* h_codes, void* h_scales, const void* a, const void* sa, const void* b0, const void* b1,
+                float limit, int rows, void* stream) {
+  constexpr int kK = Tile::kKTiles * Tile::kBK, kRowsB = Tile::kBN == 128 ? Tile::kNTiles * 128 : Tile::kNTiles * 256;
+  CUtensorMap ma, mb0, mb1;
+  if (encode_codes(&ma, a, uint64_t(kM), uint64_t(kK), Tile::kBK, Tile::kABox) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&mb0, b0, uint64_t(kRowsB), uint64_t(kK), Tile::kBBox, Tile::kBK) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&mb1, b1 != nullptr ? b1 : b0, uint64_t(kRowsB), uint64_t(kK), Tile::kBBox, Tile::kBK) !=
+          CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);
+  const cudaError_t err =
+      cudaFuncSetAttribute(tile_kernel<Tile>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tile::kSmemBytes));
+  if (err != cudaSuccess) return int(err);
+  tile_kernel<Tile><<<dim3(Tile::kNTiles, kM / Tile::kBM), Tile::kThreads, Tile::kSmemBytes,
+                      static_cast<cudaStream_t>(stream)>>>(ma, mb0, mb1, static_cast<const uint8_t*>(sa),
+                                                           static_cast<bf16*>(c), static_cast<uint8_t*>(h_codes),
+                                                           static_cast<uint8_t*>(h_scales), limit, rows);
+  return int(cudaGetLastError());
+}
+}  // namespace mxt
 
 }  // namespace
 }  // namespace mxg
@@ -141,58 +235,138 @@ int mokgen_mx_gemm_form(int form, void* c, const void* a, const void* sa, const 
 // permuted within each 16 (the bf16-math form; M % 128, N % 256, K % 128).
 int mokgen_mx_bf16_math_gemm(void* c, const void* a, const void* sa, const void* b, int M, int N, int K,
                              void* stream) {
-  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, stream);
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, nullptr, 1, 0, stream);
 }
 
 // Grouped: row tile i = tiles[i] = (expert e, first row m0) of A's M rows times e's N rows of B
 // bf16 [E N, K] (permuted as above), into C [M, N]; (-1, 0) tiles skipped.
 int mokgen_mx_bf16_math_grouped_gemm(void* c, const void* a, const void* sa, const void* b, const void* tiles,
                                      int n_tiles, int E, int M, int N, int K, void* stream) {
-  return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, stream);
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream);
+}
+
+// The up projection with SwiGLU and h's quantization fused (grouped): A MXFP8 rows [M, K], B bf16
+// [E 2I, K] with each expert's gate and up rows interleaved in 128s (mx_gemm.expert_weights'
+// interleave), tiles as above -> h codes [M, I] and blocked scales [I / 128, M, 4] of
+// swiglu(gate, up) (limit > 0: clamped), the bits of the unfused GEMM then
+// mokgen_mx_swiglu_quantize; no float32 gate | up.
+int mokgen_mx_bf16_math_swiglu_gemm(void* h_codes, void* h_scales, const void* a, const void* sa, const void* b,
+                                    const void* tiles, int n_tiles, int E, int M, int inter, int K, float limit,
+                                    void* stream) {
+  if (h_codes == nullptr || h_scales == nullptr || inter <= 0) return int(cudaErrorInvalidValue);
+  mokgen::mxg::bf16m::EpiArgs swi{};
+  swi.codes = static_cast<uint8_t*>(h_codes);
+  swi.scales = static_cast<uint8_t*>(h_scales);
+  swi.inter = inter;
+  swi.limit = limit;
+  return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, 2 * inter, K, nullptr, 1, 0, stream,
+                                       swi);
+}
+
+// The down projection with the combine of one pair per token fused (grouped): A MXFP8 h rows
+// [M, K], B bf16 [E N, K], tiles as above -> out bf16 [T, N], out[src[r]] = w[src[r]] * (A B^T)[r]
+// (src int32 [M], -1 for padding; w float32 [T]): the bits of the GEMM then mokgen_mx_combine at
+// k = 1; no float32 C.
+int mokgen_mx_bf16_math_combine1_gemm(void* out, const void* src, const void* w, const void* a, const void* sa,
+                                      const void* b, const void* tiles, int n_tiles, int E, int M, int N, int K,
+                                      void* stream) {
+  if (out == nullptr || src == nullptr || w == nullptr) return int(cudaErrorInvalidValue);
+  mokgen::mxg::bf16m::EpiArgs epi{};
+  epi.out = static_cast<mokgen::bf16*>(out);
+  epi.src = static_cast<const int*>(src);
+  epi.weight = static_cast<const float*>(w);
+  return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream, epi);
+}
+
+// The megakernel's MX tile alone (fixed shapes, mxt above). kind 0: the down tile, c bf16 [256,
+// 512] = A [256, 256] B [512, 256]^T; kind 1 / 2: the gated tile without / with the clamp (limit),
+// h codes [256, 256] and blocked scales [2, 256, 4] of swiglu(A Bg^T, A Bu^T), A [256, 512], Bg and
+// Bu [256, 512]. A MXFP8 (codes, blocked scales [K / 128, 256, 4]); B bf16 MX values, k permuted.
+// Only rows < rows (1..256) of the output are written, as the megakernel's partial tiles.
+int mokgen_mx_tile_test(int kind, void* c, void* h_codes, void* h_scales, const void* a, const void* sa,
+                        const void* b0, const void* b1, float limit, int rows, void* stream) {
+  namespace t = mokgen::mxg::mxt;
+  if (rows < 1 || rows > t::kM) return int(cudaErrorInvalidValue);
+  switch (kind) {
+    case 0: return t::launch_tile<t::Down>(c, nullptr, nullptr, a, sa, b0, nullptr, 0.f, rows, stream);
+    case 1: return t::launch_tile<t::Gated>(nullptr, h_codes, h_scales, a, sa, b0, b1, 0.f, rows, stream);
+    case 2: return t::launch_tile<t::GatedClamp>(nullptr, h_codes, h_scales, a, sa, b0, b1, limit, rows, stream);
+    default: return int(cudaErrorInvalidValue);
+  }
+}
+
+// The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over
+// k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
+// (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
+int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, const void* b, const void* kranges,
+                                    int n_ranges, int M, int N, int K, int out_bf16, void* stream) {
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, kranges, n_ranges, out_bf16,
+                                       stream);
 }
 
 // Expert weights x bf16 [E, n_in, K] quantized along K into rows offset .. offset + n_in of each
-// expert's n_out: decoded bf16 [E, n_out, K] (k permuted for the bf16-math GEMM), and when codes is
-// not null codes [E, n_out, K] and scales [E, K / 128, n_out, 4]. K a multiple of 128.
+// expert's n_out: decoded bf16 [E, n_out, K] (k permuted for the bf16-math GEMM; with interleave,
+// two parts of n_in rows, a multiple of 128, interleaved in 128s), and when codes is not null
+// codes [E, n_out, K] and scales [E, K / 128, n_out, 4] (rows in order). K a multiple of 128.
 int mokgen_mx_weight_rows(void* decoded, void* codes, void* scales, const void* x, int E, int n_in, int k, int n_out,
-                          int offset, void* stream) {
+                          int offset, int interleave, void* stream) {
   using namespace mokgen;
   if (E < 0 || n_in < 0 || k <= 0 || k % 128 || offset < 0 || offset + n_in > n_out ||
-      (decoded == nullptr && codes == nullptr))
+      (decoded == nullptr && codes == nullptr) ||
+      (interleave && (n_in <= 0 || n_in % 128 || offset % n_in || 2 * n_in != n_out)))
     return int(cudaErrorInvalidValue);
+  // the decoded rows: as the codes', or gate | up interleaved in 128s (offset 0: gate, n_in: up)
+  const int dec_block = interleave ? 128 : (n_in > 0 ? n_in : 1), dec_stride = interleave ? 256 : 0;
+  const int dec_offset = interleave ? (offset ? 128 : 0) : offset;
   const long long n = (long long)E * n_in * (k / mx::kBlock);
   if (n == 0) return 0;
   mxg::weight_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), E, n_in, k, n_out, offset, static_cast<bf16*>(decoded),
+      static_cast<const bf16*>(x), E, n_in, k, n_out, offset, dec_block, dec_stride, dec_offset,
+      static_cast<bf16*>(decoded),
       static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }
 
-// Expert weights x bf16 [E, rows, n] quantized along the rows, transposed, into columns offset ..
-// offset + rows of each expert's [n, rows_out]: decoded bf16 (permuted), and when codes is not null
-// codes [E, n, rows_out] and scales [E, rows_out / 128, n, 4]. rows, offset multiples of 32,
-// rows_out of 128.
+// Expert weights x bf16 [E, rows, n] (float32 when is_f32: activations) quantized along the rows,
+// transposed, into columns offset .. offset + rows of each expert's [n, rows_out]: decoded bf16
+// (permuted), and when codes is not null codes [E, n, rows_out] and scales [E, rows_out / 128, n,
+// 4]. rows, offset multiples of 32, rows_out of 128.
 int mokgen_mx_weight_cols(void* decoded, void* codes, void* scales, const void* x, int E, int rows, int n,
-                          int rows_out, int offset, void* stream) {
+                          int rows_out, int offset, int is_f32, void* stream) {
   using namespace mokgen;
   if (E < 0 || rows < 0 || n <= 0 || rows % mx::kBlock || offset % mx::kBlock || rows_out % 128 || offset < 0 ||
       offset + rows > rows_out || (decoded == nullptr && codes == nullptr))
     return int(cudaErrorInvalidValue);
   const long long total = (long long)E * (rows / mx::kBlock) * n;
   if (total == 0) return 0;
-  mxg::weight_cols_kernel<<<unsigned((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), E, rows, n, rows_out, offset, static_cast<bf16*>(decoded),
-      static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  const unsigned grid = unsigned((total + 255) / 256);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (is_f32)
+    mxg::weight_cols_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), E, rows, n, rows_out, offset,
+                                                         static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                         static_cast<uint8_t*>(scales));
+  else
+    mxg::weight_cols_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), E, rows, n, rows_out, offset,
+                                                        static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                        static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }
 
 // The staged experts' segments from the pairs' ids (int64 [n]) and their stable sort order (int64
-// [n]): row int64 [n], src int32 [128 n_tiles], tiles int2 [n_tiles], padded int64 [E]. One CTA.
+// [n]; null: ranked in the kernel, E <= 1024): row int64 [n], src int32 [128 n_tiles], tiles int2
+// [n_tiles], padded int64 [E]. One CTA.
 int mokgen_mx_segments(void* row, void* src, void* tiles, void* padded, const void* ids, const void* order, int n,
                        int k, int E, int n_tiles, void* stream) {
   using namespace mokgen;
-  if (n < 0 || k <= 0 || E <= 0 || E > 8192 || n_tiles < 0) return int(cudaErrorInvalidValue);
-  mxg::segments_kernel<<<1, mxg::kSegThreads, 4 * E * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+  if (n < 0 || k <= 0 || E <= 0 || E > 8192 || n_tiles < 0 || (order == nullptr && E > mxg::kSegMaxUnsorted))
+    return int(cudaErrorInvalidValue);
+  const size_t smem = mxg::segments_smem_bytes(E, order != nullptr);
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(mxg::segments_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return int(err);
+  }
+  mxg::segments_kernel<<<1, mxg::kSegThreads, smem, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const long long*>(ids), static_cast<const long long*>(order), n, k, E, n_tiles,
       static_cast<long long*>(row), static_cast<int*>(src), static_cast<int2*>(tiles),
       static_cast<long long*>(padded));

@@ -161,7 +161,57 @@ def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form):
     for name, got, want in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), leaves, ref_leaves):
         rel = ((got.grad.double() - want.grad).norm() / want.grad.norm()).item()
         assert rel < 6e-3, (name, rel)
-    again = [t.detach().clone().requires_grad_(True) for t in leaves]
-    mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp, form=form).backward(d_out)
-    for got, twice in zip(leaves, again):
-        assert torch.equal(got.grad, twice.grad)  # the same bits again
+    for _ in range(19):  # the same bits 20 times
+        again = [t.detach().clone().requires_grad_(True) for t in leaves]
+        mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=clamp, form=form).backward(d_out)
+        for got, twice in zip(leaves, again):
+            assert torch.equal(got.grad, twice.grad)
+
+
+@pytest.mark.parametrize("clamp", [None, 10.0])
+def test_the_fused_up_projection_gives_the_unfused_bits(clamp):
+    """experts_forward with the gate | up weights interleaved (SwiGLU and h's quantization in the
+    GEMM's epilogue, the default) and without (the GEMM, then swiglu_quantize): the same bits."""
+    x, ids, w, wg, wu, wd = _problem(300, 512, 256, 6, 2, seed=17, skew=True)
+    fused = mx_experts.quantize_weights(wg, wu, wd)
+    plain = mx_experts.quantize_weights(wg, wu, wd, interleave=False)
+    assert fused.interleaved and not plain.interleaved
+    assert torch.equal(mx_experts.experts_forward(x, ids, w, fused, clamp_limit=clamp),
+                       mx_experts.experts_forward(x, ids, w, plain, clamp_limit=clamp))
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_the_fused_combine_gives_the_unfused_bits(skew):
+    """k = 1: the down projection with the combine in its epilogue (the default) against the same
+    forward on the FP8 path's order of stages (down GEMM, then the combine kernel), the same
+    bf16-math GEMM in both: the same bits; and the same bits 20 times."""
+    x, ids, w, wg, wu, wd = _problem(1000, 512, 256, 6, 1, seed=19, skew=skew)
+    weights = mx_experts.quantize_weights(wg, wu, wd)
+    fused = mx_experts.experts_forward(x, ids, w, weights)
+    flat = ids.reshape(-1).long()
+    row, src, tiles, padded = mx_experts._segments(flat, 6, 1)
+    xq, xs = mx_gemm.quantize_rows(x, src, src.numel())
+    hq, hs = mx_gemm.mx_bf16_math_swiglu_gemm(xq, xs, weights.gate_up_bf16, tiles)
+    y = mx_gemm.mx_bf16_math_grouped_gemm(hq, hs, weights.down_bf16, tiles)
+    assert torch.equal(fused, mx_gemm.combine(y, row, w.float().contiguous()))
+    for _ in range(19):
+        assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), fused)
+
+
+def test_the_backward_takes_any_float_weight_dtype():
+    """The weight gradients' launch writes float32 or bf16: weights held in fp16 get the float32
+    gradients cast once (the same values quantize to the same codes, so the gradients are those of
+    float32 weights rounded to fp16), not an error."""
+    T, H, I, E, k = 200, 256, 256, 3, 2
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=17, skew=False)
+    d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(4),
+                        device="cuda").to(torch.bfloat16)
+    grads = {}
+    for dtype in (torch.float32, torch.float16):
+        # fp16-exact values in both dtypes (bf16's tiniest values are fp16 subnormals)
+        leaves = [t.to(torch.float16).to(dtype).requires_grad_(True) for t in (wg, wu, wd)]
+        mx_experts.experts_forward_train(x, ids, w, *leaves, form="bf16").backward(d_out)
+        assert all(t.grad.dtype == dtype for t in leaves)
+        grads[dtype] = [t.grad for t in leaves]
+    for g32, g16 in zip(grads[torch.float32], grads[torch.float16]):
+        assert torch.equal(g16, g32.to(torch.float16))

@@ -167,7 +167,7 @@ def test_expert_weights_are_the_quantizer_s_values_codes_and_scales(transpose):
     assert torch.equal(alone.view(torch.int16), dec.view(torch.int16))
 
 
-@pytest.mark.parametrize("E, n", [(1, 1), (3, 300), (48, 16384), (384, 20000), (8, 0)])
+@pytest.mark.parametrize("E, n", [(1, 1), (3, 300), (48, 16384), (384, 20000), (8, 0), (1024, 3000), (2, 131072)])
 def test_segments_kernel_is_the_pytorch_expression(E, n):
     """mx_gemm.segments (one CTA) against mx_experts._segments' PyTorch expression on the CPU:
     rows, sources, tiles and padded sizes, on random and skewed routings."""
@@ -180,6 +180,112 @@ def test_segments_kernel_is_the_pytorch_expression(E, n):
             ids[: n // 2] = 0
         k = 2 if n % 2 == 0 and n else 1
         want = mx_experts._segments(ids, E, k)
-        got = mx_experts._segments(ids.cuda(), E, k)
-        for name, g, w in zip(("row", "src", "tiles", "padded"), got, want):
-            assert torch.equal(g.cpu(), w), name
+        dev = ids.cuda()
+        unsorted = mx_experts._segments(dev, E, k)  # the kernel ranks the pairs itself
+        sorted_ = mx_gemm.segments(dev, k, E, torch.sort(dev, stable=True).indices)
+        for got in (unsorted, sorted_):
+            for name, g, w in zip(("row", "src", "tiles", "padded"), got, want):
+                assert torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cols_bf16_math_is_the_transposed_quantizer_s_values(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    x = (torch.randn(384, 512, generator=gen, device="cuda") *
+         torch.exp2(torch.randint(-30, 30, (384, 1), generator=gen, device="cuda").float())).to(dtype)
+    codes, scales = mx.quantize(x.t().contiguous(), dim=-1)
+    want = mx_gemm.bf16_math_weights(codes, scales)
+    assert torch.equal(mx_gemm.cols_bf16_math(x).view(torch.int16), want.view(torch.int16))
+
+
+def test_ranged_gemm_is_the_dense_gemm_over_each_range():
+    """The weight gradients' launch: slice z over its k range has the dense bf16-math GEMM's bits
+    on the operands sliced to that range; an empty range gives zeros; bf16 output is the float32
+    output rounded."""
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    M, N, K = 256, 512, 1024
+    a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+    b, sb = mx.quantize(_blocks(N, K, gen, 10), dim=-1)
+    b16 = mx_gemm.bf16_math_weights(b, sb)
+    ranges = [(0, 384), (384, 0), (384, 128), (512, 512)]
+    kr = torch.tensor(ranges, dtype=torch.int32, device="cuda")
+    got = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr)
+    for z, (first, length) in enumerate(ranges):
+        if length == 0:
+            assert (got[z] == 0).all()
+            continue
+        cols, blocks = slice(first, first + length), slice(first // 32, (first + length) // 32)
+        want = mx_gemm.mx_bf16_math_gemm(a[:, cols].contiguous(), sa[:, blocks].contiguous(),
+                                         b16[:, cols].contiguous())
+        assert torch.equal(got[z], want), z
+    low = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=torch.bfloat16)
+    assert torch.equal(low, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("clamp", [None, 7.0])
+def test_fused_swiglu_gemm_is_the_gemm_then_swiglu_quantize(clamp):
+    """The up projection with SwiGLU and h's quantization in the epilogue (B interleaved in 128s)
+    has the bits of the unfused grouped GEMM followed by swiglu_quantize, over every tile of the
+    segments; skipped (-1, 0) tiles write nothing. Rows scaled over a wide range, a NaN row."""
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    E, I, K = 3, 256, 384
+    padded = [256, 0, 128]
+    x = _blocks(sum(padded), K, gen, 12)
+    x[130, 5] = float("nan")  # its h row: the NaN scale and codes where the product meets it
+    a, sa = mx.quantize(x, dim=-1)
+    wg, wu = ((torch.randn(E, I, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16) for _ in range(2))
+    plain = mx_gemm.expert_weights([wg, wu])
+    fused = mx_gemm.expert_weights([wg, wu], interleave=True)
+    tiles, n = mx_gemm.row_tiles(padded, "cuda")
+    tiles = torch.cat([tiles, torch.tensor([[-1, 0]], dtype=torch.int32, device="cuda")])
+    gu = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), plain, tiles)
+    want_codes, want_scales = mx_gemm.swiglu_quantize(gu, clamp)
+    codes, scales = mx_gemm.mx_bf16_math_swiglu_gemm(a, mx_gemm.block_scales(sa), fused, tiles, clamp)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert (scales == 255).any()  # the NaN row reached the check
+
+
+@pytest.mark.parametrize("rows", [256, 77])
+def test_the_megakernels_mx_down_tile_has_the_bf16_math_gemms_bits(rows):
+    """mx_tile.cuh's tile (the megakernel's MX path, run alone): the down tile's bf16 rows are the
+    dense bf16-math GEMM's float32 result rounded (the same k16 steps in the same order). With 77
+    valid rows the first 128-row tile is partial and the second has none: only rows < 77 are
+    written (the rest keep the NaN marker)."""
+    M, N, K = mx_gemm.TILE_TEST_SHAPES["down"]
+    gen = torch.Generator(device="cuda").manual_seed(51)
+    a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+    b, sb = mx.quantize(_blocks(N, K, gen, 10), dim=-1)
+    b16 = mx_gemm.bf16_math_weights(b, sb)
+    got = mx_gemm._mx_tile_test("down", a, mx_gemm.block_scales(sa), b16, rows=rows)
+    want = mx_gemm.mx_bf16_math_gemm(a, sa, b16).to(torch.bfloat16)
+    assert torch.equal(got[:rows], want[:rows])
+    assert torch.isnan(got[rows:]).all()
+
+
+@pytest.mark.parametrize("clamp, rows", [(None, 256), (3.0, 256), (None, 200)])
+def test_the_megakernels_mx_gated_tile_has_the_unfused_bits(clamp, rows):
+    """The gated tile (gate and up from two weight tensors, as the megakernel loads them): h's
+    codes and scales are those of the unfused path, the grouped bf16-math GEMM then
+    swiglu_quantize (GPU-tested against the float64 oracle), and of the fused SwiGLU GEMM. A NaN
+    in row 130 gives that row NaN codes and the NaN scale; a partial tile (rows < 256) leaves the
+    rows past it unwritten (the 0xEE marker)."""
+    M, I, K = mx_gemm.TILE_TEST_SHAPES["gated"]
+    gen = torch.Generator(device="cuda").manual_seed(52)
+    x = _blocks(M, K, gen, 10)
+    x[130, 5] = float("nan")
+    a, sa = mx.quantize(x, dim=-1)
+    wg, wu = ((torch.randn(1, I, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16) for _ in range(2))
+    bg, bu = mx_gemm.expert_weights([wg]), mx_gemm.expert_weights([wu])
+    codes, scales = mx_gemm._mx_tile_test("gated", a, mx_gemm.block_scales(sa), bg[0], bu[0], clamp, rows=rows)
+    codes = codes.view(torch.uint8)
+    tiles, _ = mx_gemm.row_tiles([M], "cuda")
+    gu = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), mx_gemm.expert_weights([wg, wu]), tiles)
+    want_codes, want_scales = mx_gemm.swiglu_quantize(gu, clamp)
+    fused_codes, fused_scales = mx_gemm.mx_bf16_math_swiglu_gemm(
+        a, mx_gemm.block_scales(sa), mx_gemm.expert_weights([wg, wu], interleave=True), tiles, clamp)
+    for wc, ws in ((want_codes, want_scales), (fused_codes, fused_scales)):
+        assert torch.equal(codes[:rows], wc.view(torch.uint8)[:rows])
+        assert torch.equal(scales[:, :rows], ws[:, :rows])
+    assert (scales[:, 130] == 255).all()  # the NaN row reached the check
+    assert (codes[rows:] == 0xEE).all() and (scales[:, rows:] == 0xEE).all()

@@ -113,6 +113,26 @@ def test_device_quantizer_matches_the_oracle_bit_for_bit(tmp_path, host_check):
     assert bad.numel() == 0, [(x[i, j].item(), codes[i, j].item(), want_codes[i, j].item()) for i, j in bad[:5].tolist()]
 
 
+@pytest.mark.gpu
+def test_the_gpu_quantizers_match_the_oracle_on_the_edge_blocks():
+    """The kernels' quantizer on the hardware conversion (mx::quantize_block_hw,
+    cvt.rn.satfinite.e4m3x2) on the hand-made edges above (float32 subnormals, signed zeros,
+    ties in every binade, saturation, inf and NaN): along rows (mx_gemm.quantize_f32_rows, 128 k
+    per row) and transposed (mx_gemm.quantize_cols), bit for bit the oracle's."""
+    from mokgen import mx_gemm
+
+    x = _device_blocks()
+    x = torch.cat([x, torch.zeros(-x.shape[0] % 4, 32)])  # whole 128-wide rows
+    want_codes, want_scales = R.mx_quantize(x, dim=-1)
+    rows = x.view(-1, 128)
+    codes, scales = mx_gemm.quantize_f32_rows(rows.cuda())
+    assert torch.equal(scales.cpu().view(-1, 4), want_scales.view(-1, 4))
+    assert torch.equal(codes.cpu().view(torch.uint8).view(-1, 32), want_codes)
+    codes, scales = mx_gemm.quantize_cols(x.t().contiguous().cuda())
+    assert torch.equal(scales.cpu().view(-1), want_scales.view(-1))
+    assert torch.equal(codes.cpu().view(torch.uint8), want_codes)
+
+
 def test_dequantize_in_float64_is_exact_past_float32s_range():
     """Blocks scaled near 2^127 exceed float32 (inf there); float64 holds them exactly, and for
     ordinary scales the two agree bit for bit."""

@@ -145,11 +145,19 @@ def test_bf16_math_weights_are_the_mx_values_permuted_within_16():
 
 
 def test_quantized_weights_hold_the_bf16_math_operands():
-    I = 128
+    I = 256  # two 128-row groups, so the interleave moves rows (at I = 128 it is the identity)
     wg, wu, wd = _small_weights(6, I=I)
-    w = mx_experts.quantize_weights(wg, wu, wd)
+    w = mx_experts.quantize_weights(wg, wu, wd, interleave=False)
     codes, scales = mx.quantize(wu[1], dim=-1)
     assert torch.equal(unpermute(w.gate_up_bf16[1, I:]), mx.dequantize(codes, scales).to(torch.bfloat16))
+    # interleaved (the default): rows 256 j .. 256 j + 127 gate's 128 j .., then up's
+    fused = mx_experts.quantize_weights(wg, wu, wd)
+    assert fused.interleaved and not w.interleaved and torch.equal(fused.gate_up, w.gate_up)
+    for e in range(2):
+        assert torch.equal(fused.gate_up_bf16[e, :128], w.gate_up_bf16[e, :128])             # gate 0..127
+        assert torch.equal(fused.gate_up_bf16[e, 128:256], w.gate_up_bf16[e, I:I + 128])     # up 0..127
+        assert torch.equal(fused.gate_up_bf16[e, 256:384], w.gate_up_bf16[e, 128:256])       # gate 128..255
+        assert torch.equal(fused.gate_up_bf16[e, 384:512], w.gate_up_bf16[e, I + 128:])      # up 128..255
     codes, scales = mx.quantize(wd[0], dim=-1)
     assert torch.equal(unpermute(w.down_bf16[0]), mx.dequantize(codes, scales).to(torch.bfloat16))
 
@@ -162,11 +170,23 @@ def test_an_unknown_form_is_refused():
         mx_experts.experts_forward(x, ids, wts, w, form="fp8")
 
 
+def test_one_pair_per_token_matches_the_mx_oracle(emulated):
+    """k = 1 (the local work): the down projection's epilogue combines (emulated here); every
+    token's row written, against the oracle."""
+    from mokgen import reference as R
+
+    x, ids, w, wg, wu, wd = _cpu_problem(k=1)
+    out = mx_experts.experts_forward(x, ids, w, mx_experts.quantize_weights(wg, wu, wd))
+    oracle = R.mx_experts_forward(x, ids, w, wg, wu, wd, acc_dtype=torch.float64)
+    assert torch.isfinite(out).all() and _rel(out, oracle) < 4e-3
+
+
 def test_the_fp8_form_without_codes_is_refused(emulated):
     x, ids, w, wg, wu, wd = _cpu_problem()
     weights = mx_experts.quantize_weights(wg, wu, wd)
-    bare = mx_experts.MXExpertWeights(None, None, None, None, weights.gate_up_bf16, weights.down_bf16)
-    assert bare.num_experts == 4 and bare.hidden == 256 and bare.inter == 128
+    bare = mx_experts.MXExpertWeights(None, None, None, None, weights.gate_up_bf16, weights.down_bf16,
+                                      interleaved=weights.interleaved)
+    assert bare.num_experts == 4 and bare.hidden == 256 and bare.inter == 256
     assert torch.equal(mx_experts.experts_forward(x, ids, w, bare), mx_experts.experts_forward(x, ids, w, weights))
     with pytest.raises(InputError, match=r"form 'quad' runs on the FP8 tensor core and needs the weights' codes"):
         mx_experts.experts_forward(x, ids, w, bare, form="quad")
@@ -232,13 +252,28 @@ def emulate_kernels(monkeypatch):
                 c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
         return c
 
-    for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped), ("quantize_rows", quantize_rows),
+    def swiglu_gemm(a, sa, b_interleaved, tiles, clamp_limit=None):
+        gu = bf16_grouped(a, sa, b_interleaved, tiles)  # columns interleaved in 128s, as B's rows
+        rows, n = gu.shape
+        gu = gu.view(rows, n // 256, 2, 128).transpose(1, 2).reshape(rows, n)
+        return swiglu_quantize(torch.nan_to_num(gu), clamp_limit)  # rows outside the tiles: unwritten
+
+    def combine1_gemm(a, sa, b_bf16, tiles, src, weight):
+        y = bf16_grouped(a, sa, b_bf16, tiles)
+        out = torch.full((weight.shape[0], b_bf16.shape[1]), float("nan"), dtype=torch.bfloat16)
+        valid = src >= 0
+        t = src[valid].long()
+        out[t] = (weight[t][:, None] * y[valid]).to(torch.bfloat16)
+        return out
+
+    for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped),
+                     ("mx_bf16_math_swiglu_gemm", swiglu_gemm), ("mx_bf16_math_combine1_gemm", combine1_gemm), ("quantize_rows", quantize_rows),
                      ("swiglu_quantize", swiglu_quantize), ("combine", combine),
                      ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols)):
         monkeypatch.setattr(mx_gemm, name, fn)
 
 
-def _cpu_problem(T=96, H=256, I=128, E=4, k=2, seed=0, skew=False):
+def _cpu_problem(T=96, H=256, I=256, E=4, k=2, seed=0, skew=False):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     scores = torch.rand(T, E, generator=gen)

@@ -17,6 +17,8 @@
 
 #include "bulk_copy.cuh"
 #include "hopper_gemm.cuh"
+#include "mx.cuh"
+#include "mx_decode.cuh"
 
 namespace mokgen {
 namespace mxg {
@@ -353,45 +355,91 @@ constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 +
 constexpr int kAcc = kBN / 2;                       // m64n256: 128 float32 per consumer thread
 constexpr int kThreads = 384;
 
-using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-
 template <size_t... Is>
 __device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t db, float (&d)[kAcc], bool accumulate,
-                                      std::index_sequence<Is...>) {
-  Wgmma::fma(a[0], a[1], a[2], a[3], db, d[Is]...,
-             accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+                                      std::index_sequence<Is...> seq) {
+  mxd::wgmma_rs<kBN>(a, db, d, accumulate, seq);
 }
 
-__device__ __forceinline__ void fence_a(uint32_t (&a)[4]) {
+using mxd::decode2;
+using mxd::fence_a;
+using mxd::multipliers;
+
+// The fused up-projection epilogue (kEpi = kEpiSwiglu, kEpiSwigluClamp): B's rows interleaved in
+// 128s (n-tile j = gate rows 128 j .. 128 j + 127, then the same up rows: expert_weights with
+// interleave), so a thread holds gate and up of the same column (accumulators i and i + 16); it
+// computes h = swiglu(gate, up) (common.cuh's, the megakernel's) and quantizes h to MXFP8 along I
+// in place of storing C: a 32-block of a row lies with the four threads q = 0..3 of a quad (8
+// values each), which agree on the block's amax by two shuffles. The codes go to h [M, I], the
+// scales to [I / 128, M, 4]: the bits of mx_gemm.swiglu_quantize of the float32 gate | up.
+//
+// The fused combine of one pair per token (kEpi = kEpiCombine1; the local work's k = 1): the
+// down projection's row r is token src[r]'s only pair (src < 0: padding), so the epilogue writes
+// out[src[r]] = bf16(w[src[r]] * y) itself, the bits of mokgen_mx_combine at k = 1 (one product,
+// rounded once), with no float32 y written.
+struct EpiArgs {
+  uint8_t* codes;       // swiglu: h codes [M, inter]
+  uint8_t* scales;      // swiglu: h scales [inter / 128, M, 4]
+  int inter;
+  float limit;          // swiglu: > 0 clamps
+  bf16* out;            // combine: [T, N]
+  const int* src;       // combine: [M] the token of each row, -1 for padding
+  const float* weight;  // combine: [T] the pair's routing weight
+};
+constexpr int kEpiStore = 0, kEpiSwiglu = 1, kEpiSwigluClamp = 2, kEpiCombine1 = 3;
+
+template <bool kHasClamp>
+__device__ __forceinline__ void swiglu_quantize_epilogue(const float (&acc)[kAcc], const EpiArgs& out, int M,
+                                                         int row, int n0, int q) {
+  const int j0 = (n0 / kBN) * (kBN / 2);  // this tile's first column of h
 #pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+  for (int half = 0; half < 2; ++half) {  // rows row and row + 8
+    const int r = row + 8 * half;
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb) {  // the tile's four 32-blocks of h
+      float h[8];
+      uint32_t amax = 0;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = 4 * bb + u;  // gate accumulators i, up i + 16
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = swiglu<kHasClamp>(acc[4 * i + 2 * half + e], acc[4 * (i + 16) + 2 * half + e], out.limit);
+          h[2 * u + e] = v;
+          const uint32_t a = mx::float_bits(v) & 0x7fffffffu;
+          amax = a > amax ? a : amax;
+        }
+      }
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      // mx::quantize_block's scale and codes (non-finite: NaN scale and codes)
+      const bool finite = amax < 0x7f800000u;
+      const int exp_field = int(amax >> 23);
+      int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
+      sc = sc < -127 ? -127 : sc;
+      const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
+      const int j = j0 + 32 * bb + 2 * q;  // this thread's first column of the block; then + 8 u
+      uint8_t* dst = out.codes + size_t(r) * out.inter + j;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        uint16_t pair;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(h[2 * u + 1] * inv), "f"(h[2 * u] * inv));
+        if (!finite) pair = uint16_t(mx::kE4M3Nan | (mx::kE4M3Nan << 8));
+        *reinterpret_cast<uint16_t*>(dst + 8 * u) = pair;
+      }
+      if (q == 0) {
+        const int b = j / 32;  // the block along I
+        out.scales[(size_t(b >> 2) * M + r) * 4 + (b & 3)] = finite ? uint8_t(sc + 127) : mx::kE8M0Nan;
+      }
+    }
+  }
 }
 
-// Two E4M3 codes (the low 16 bits of w) -> bf16x2 of their values times 2^(s - 127), given
-// m1 = 2^(min(s, 142) - 15) and m2 = 2^(max(s, 142) - 142) as bf16x2 (m1 NaN for the NaN scale).
-// cvt gives the exact f16x2; its bits shifted right by 3 (sign kept) read as bf16 are the value
-// times 2^-112 (zero stays zero), and the two exact multiplications put back 2^(112 + s - 127).
-__device__ __forceinline__ uint32_t decode2(uint32_t w, uint32_t m1, uint32_t m2) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(w & 0xffffu)));
-  uint32_t t = ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
-  asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(t) : "r"(m1));
-  asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(t) : "r"(m2));
-  return t;
-}
-
-__device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& m2) {
-  const uint32_t lo = s < 142u ? s : 142u, hi = s > 142u ? s : 142u;
-  const uint32_t b1 = s == 255u ? 0x7fc0u : (lo + 112u) << 7;  // 2^(lo - 15)
-  const uint32_t b2 = (hi - 142u + 127u) << 7;                  // 2^(hi - 142)
-  m1 = b1 | (b1 << 16);
-  m2 = b2 | (b2 << 16);
-}
-
+template <int kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
-                const int2* __restrict__ tiles) {
+                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
@@ -403,7 +451,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // [E N, K]; (-1, 0) tiles (past the segments of a fixed-length list) are skipped
   const int2 tile = tiles != nullptr ? tiles[blockIdx.y] : make_int2(0, int(blockIdx.y) * kBM);
   if (tile.x < 0) return;
-  const int m0 = tile.y, n0 = blockIdx.x * kBN, b0 = tile.x * N + n0, n_k = K / kBK;
+  const int m0 = tile.y, n0 = blockIdx.x * kBN, b0 = tile.x * N + n0;
+  // k-ranged (kranges given, the weight gradients): output z = blockIdx.z reduces k in
+  // [first, first + length) of its range (first a multiple of 128; length 0 writes zeros) into
+  // its own [M, N] slice of C
+  const int2 kr = kranges != nullptr ? kranges[blockIdx.z] : make_int2(0, K);
+  const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
+  const size_t z_off = size_t(blockIdx.z) * M * N;  // elements of C (float32 or bf16) before slice z
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -420,9 +474,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
         unsigned char* st = stages + size_t(s) * kStageStride;
         sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, kb * kBK, b0);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, kb * kBK, m0);
-        bulk::load(st + kBBytes + kABytes, sa + (size_t(kb / 2) * M + m0) * 4, kScaleBytes, &full[s]);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, (kb0 + kb) * kBK, b0);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, (kb0 + kb) * kBK, m0);
+        bulk::load(st + kBBytes + kABytes, sa + (size_t((kb0 + kb) / 2) * M + m0) * 4, kScaleBytes, &full[s]);
       }
     }
     return;
@@ -431,6 +485,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
   const int r0 = 64 * c_wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
   float acc[kAcc];
+  if (n_k == 0) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  }
   uint32_t a[2][4];
   int prev = -1;
   for (int kb = 0; kb < n_k; ++kb) {
@@ -470,11 +528,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   cute::warpgroup_wait<0>();
   sm90::fence_operands(acc);
   const int row = m0 + r0;
+  if constexpr (kEpi == kEpiSwiglu || kEpi == kEpiSwigluClamp) {
+    swiglu_quantize_epilogue<kEpi == kEpiSwigluClamp>(acc, swi, M, row, n0, q);
+    return;
+  }
+  if constexpr (kEpi == kEpiCombine1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = swi.src[row + 8 * half];
+      if (t < 0) continue;
+      const float wt = swi.weight[t];
+      bf16* o = swi.out + size_t(t) * N;
+#pragma unroll
+      for (int i = 0; i < kAcc / 4; ++i) {
+        const int col = n0 + 8 * i + 2 * q;
+        *reinterpret_cast<__nv_bfloat162*>(o + col) = __floats2bfloat162_rn(
+            __fmul_rn(wt, acc[4 * i + 2 * half]), __fmul_rn(wt, acc[4 * i + 2 * half + 1]));
+      }
+    }
+    return;
+  }
+  if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
+    bf16* cb = reinterpret_cast<bf16*>(c) + z_off;
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const int col = n0 + 8 * i + 2 * q;
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * N + col) = __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row + 8) * N + col) =
+          __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+    return;
+  }
+  float* cf = c + z_off;
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i) {
     const int col = n0 + 8 * i + 2 * q;
-    *reinterpret_cast<float2*>(c + size_t(row) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<float2*>(c + size_t(row + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    *reinterpret_cast<float2*>(cf + size_t(row) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(cf + size_t(row + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
   }
 }
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 #include "mx.cuh"
 
@@ -12,7 +14,7 @@ namespace mokgen {
 namespace mxg {
 
 // ---- the staged MXFP8 experts' quantizers (mokgen.mx_experts): one thread per 32-element block,
-// mx.cuh's quantize_block (bit for bit the oracle), the scales written straight into the GEMM's
+// mx.cuh's quantize_block_hw (bit for bit the oracle), the scales written straight into the GEMM's
 // blocked layout [K / 128, rows, 4] -------------------------------------------------------------
 
 // A block's 32 codes as two 16-byte stores (dst 16-byte aligned).
@@ -40,20 +42,13 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, const int* __re
   const int r = int(idx / nb), b = int(idx % nb), from = src[r];
   float v[mx::kBlock];
   if (from >= 0) {
-    const uint4* p = reinterpret_cast<const uint4*>(x + size_t(from) * h + b * mx::kBlock);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 w = p[i];
-      const bf16* e = reinterpret_cast<const bf16*>(&w);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(e[j]);
-    }
+    mx::load_bf16_block(x + size_t(from) * h + b * mx::kBlock, v);
   } else {
 #pragma unroll
     for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_block(q, scale, codes, scales, r, b, rows, h);
 }
 
@@ -78,7 +73,7 @@ __global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, i
     v[4 * i + 3] = swiglu<kHasClamp>(gv.w, uv.w, limit);
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_block(q, scale, codes, scales, r, b, rows, inter);
 }
 
@@ -124,7 +119,7 @@ __global__ void quantize_f32_rows_kernel(const float* __restrict__ x, int rows, 
     v[4 * i + 3] = f.w;
   }
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_block(q, scale, codes, scales, r, b, rows, k);
 }
 
@@ -143,26 +138,18 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 #pragma unroll
   for (int i = 0; i < mx::kBlock; ++i) v[i] = float(x[size_t(b * mx::kBlock + i) * n + c]);
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   store_codes(q, codes + size_t(c) * rows + b * mx::kBlock);
   scales[size_t(c) * nb + b] = scale;
 }
 
 
-// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights) ------------------------
-// Each 32-element block quantized (quantize_block, the oracle's bits) and its MX values written as
+// ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights, cols_bf16_math) ---------
+// Each 32-element block quantized (quantize_block_hw, the oracle's bits) and its MX values written as
 // bf16 (E4M3 value times 2^(s - 127) in float32, then rounded: mx.dequantize(...).to(bf16), exact
 // unless the scale is near 2^-127 or 2^127), k permuted within each 16 as the GEMM's register
 // fragments read A (bf16m: position 2q + (i & 1) + 8 (i >> 1) holds k 4q + i); optionally the codes
 // and the scales too, in the grouped kernels' layout [E, K / 128, N, 4].
-
-MOKGEN_DEVICE float e4m3_value(uint8_t c) {
-  const uint32_t e = (c >> 3) & 15u, m = c & 7u;
-  const float mag = (c & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000)
-                    : e == 0           ? float(m) * 0.001953125f                     // m 2^-9
-                                       : __int_as_float(int(((e + 120u) << 23) | (m << 20)));  // (1 + m/8) 2^(e-7)
-  return (c & 0x80u) ? -mag : mag;
-}
 
 MOKGEN_DEVICE float e8m0_factor(uint8_t s) {  // 2^(s - 127); 2^-127 is a float32 subnormal
   return s == 0xffu ? __int_as_float(0x7fc00000) : s == 0 ? __int_as_float(0x00400000) : __int_as_float(int(s) << 23);
@@ -177,59 +164,67 @@ MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, 
   const float f = e8m0_factor(scale);
   alignas(16) bf16 out[mx::kBlock];
 #pragma unroll
-  for (int j = 0; j < mx::kBlock; ++j) out[bf16m_pos(j)] = __float2bfloat16_rn(e4m3_value(q[j]) * f);
+  for (int j = 0; j < mx::kBlock; j += 2) {
+    // two codes -> their exact values as f16x2 (every E4M3 value is an f16 value), then float32:
+    // one conversion per pair
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(q[j] | (q[j + 1] << 8))));
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    out[bf16m_pos(j)] = __float2bfloat16_rn(pair.x * f);
+    out[bf16m_pos(j + 1)] = __float2bfloat16_rn(pair.y * f);
+  }
   const uint4* src = reinterpret_cast<const uint4*>(out);
   uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] = src[i];
 }
 
-// x [E, n_in, K] bf16 along K -> rows offset .. offset + n_in of each expert's n_out rows: decoded
-// [E, n_out, K] bf16 (permuted); codes [E, n_out, K] and scales [E, K / 128, n_out, 4] when given.
+// x [E, n_in, K] bf16 along K -> rows offset .. offset + n_in of each expert's n_out rows: codes
+// [E, n_out, K] and scales [E, K / 128, n_out, 4] when given; decoded [E, n_out, K] bf16 (permuted)
+// at row (r / dec_block) dec_stride + dec_offset + r % dec_block of the expert's (dec_block =
+// n_in, dec_offset = offset: the codes' rows; dec_block = 128, dec_stride = 256, dec_offset = 0
+// or 128: gate and up interleaved in 128s for the fused SwiGLU epilogue).
 __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int n_in, int k, int n_out, int offset,
-                                   bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
-                                   uint8_t* __restrict__ scales) {
+                                   int dec_block, int dec_stride, int dec_offset, bf16* __restrict__ decoded,
+                                   uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
   const int nb = k / mx::kBlock;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)experts * n_in * nb) return;
   const long long r = idx / nb;  // e n_in + row
-  const int b = int(idx % nb), e = int(r / n_in), row = offset + int(r % n_in);
-  const uint4* p = reinterpret_cast<const uint4*>(x + size_t(r) * k + b * mx::kBlock);
+  const int b = int(idx % nb), e = int(r / n_in), local = int(r % n_in), row = offset + local;
   float v[mx::kBlock];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 w = p[i];
-    const bf16* h = reinterpret_cast<const bf16*>(&w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[8 * i + j] = __bfloat162float(h[j]);
-  }
+  mx::load_bf16_block(x + size_t(r) * k + b * mx::kBlock, v);
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out_row = size_t(e) * n_out + row;
-  if (decoded != nullptr) store_decoded(q, scale, decoded + out_row * k + b * mx::kBlock);
+  if (decoded != nullptr) {
+    const size_t dec_row = size_t(e) * n_out + (local / dec_block) * dec_stride + dec_offset + local % dec_block;
+    store_decoded(q, scale, decoded + dec_row * k + b * mx::kBlock);
+  }
   if (codes != nullptr) {
     store_codes(q, codes + out_row * k + b * mx::kBlock);
     scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
   }
 }
 
-// x [E, rows, n] bf16 along its rows, transposed: expert e's [n, rows_out] with the rows at columns
+// x [E, rows, n] (bf16, or float32 for activations) along its rows, transposed: expert e's [n, rows_out] with the rows at columns
 // offset .. offset + rows (the dgrads' weights: W_down^T along H, [W_gate; W_up]^T along 2 I):
 // decoded bf16 (permuted); codes and scales [E, rows_out / 128, n, 4] when given. A warp's threads
 // take 32 consecutive columns of one 32-row block.
-__global__ void weight_cols_kernel(const bf16* __restrict__ x, int experts, int rows, int n, int rows_out, int offset,
+template <class T>
+__global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int rows, int n, int rows_out, int offset,
                                    bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
                                    uint8_t* __restrict__ scales) {
   const int nb = rows / mx::kBlock;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)experts * nb * n) return;
   const int c = int(idx % n), b = int((idx / n) % nb), e = int(idx / ((long long)n * nb));
-  const bf16* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
+  const T* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
   float v[mx::kBlock];
 #pragma unroll
-  for (int i = 0; i < mx::kBlock; ++i) v[i] = __bfloat162float(src[size_t(i) * n]);
+  for (int i = 0; i < mx::kBlock; ++i) v[i] = float(src[size_t(i) * n]);
   uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block(v, q);
+  const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out = (size_t(e) * n + c) * rows_out + offset + b * mx::kBlock;
   if (decoded != nullptr) store_decoded(q, scale, decoded + out);
   if (codes != nullptr) {
@@ -240,18 +235,28 @@ __global__ void weight_cols_kernel(const bf16* __restrict__ x, int experts, int 
 }
 
 // ---- the staged experts' segments on the device, one CTA (mx_experts._segments) -----------------
-// From the pairs' expert ids (flat, n = T k) and their stable sort order: each pair's row in the
-// padded layout (segments in expert order, each a multiple of 128 rows), the source token of
+// From the pairs' expert ids (flat, n = T k), and their stable sort order or none: each pair's row
+// in the padded layout (segments in expert order, each a multiple of 128 rows), the source token of
 // every padded row (-1: padding), the fixed-length tile list (n_tiles = ceil(n / 128) + E entries,
 // (-1, 0) past the segments) and the padded sizes. Ids outside [0, E) are clamped, as the
 // PyTorch expression did (experts_forward checks them first unless told not to).
+//
+// Without the order (E <= kSegMaxUnsorted), the kernel ranks the pairs itself, in the sort's
+// order: chunks of 1024 pairs in turn; within a warp, the lanes holding one expert find each other
+// (__match_any_sync) and count the lanes before them; across the chunk's 32 warps, a warp's base
+// for expert e is the pairs of e in the warps before it (hist [32][E] in shared memory, turned
+// into exclusive prefixes by a thread per expert), plus the pairs of e in the chunks before.
 constexpr int kSegThreads = 1024;
+constexpr int kSegMaxUnsorted = 1024;  // 4 E + 32 E ints of shared memory: 144 KB at 1024
+
+inline size_t segments_smem_bytes(int E, bool sorted) { return size_t(sorted ? 4 : 36) * E * sizeof(int); }
 
 __global__ void __launch_bounds__(kSegThreads, 1)
     segments_kernel(const long long* __restrict__ ids, const long long* __restrict__ order, int n, int k, int E,
                     int n_tiles, long long* __restrict__ row, int* __restrict__ src, int2* __restrict__ tiles,
                     long long* __restrict__ padded_out) {
-  extern __shared__ int seg_smem[];  // counts, pairs before, segment starts, tile ends: 4 E ints
+  extern __shared__ int seg_smem[];  // counts, pairs before, segment starts, tile ends: 4 E ints;
+                                     // unsorted: then hist [32][E]
   int* counts = seg_smem;
   int* before = counts + E;
   int* start = before + E;
@@ -278,13 +283,47 @@ __global__ void __launch_bounds__(kSegThreads, 1)
     }
   }
   __syncthreads();
-  // the p-th pair in sorted order (by id, stable) is its expert's (p - before[e])-th row
-  for (int p = tid; p < n; p += kSegThreads) {
-    const long long i = order[p];
-    const int e = expert_of(ids[i]);
-    const int r = start[e] + (p - before[e]);
-    row[i] = r;
-    src[r] = int(i / k);
+  if (order != nullptr) {
+    // the p-th pair in sorted order (by id, stable) is its expert's (p - before[e])-th row
+    for (int p = tid; p < n; p += kSegThreads) {
+      const long long i = order[p];
+      const int e = expert_of(ids[i]);
+      const int r = start[e] + (p - before[e]);
+      row[i] = r;
+      src[r] = int(i / k);
+    }
+  } else {
+    int* hist = tile_end + E;  // [32][E]
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int i = tid; i < 32 * E; i += kSegThreads) hist[i] = 0;
+    for (int e = tid; e < E; e += kSegThreads) before[e] = 0;  // now: pairs of e in the chunks before
+    __syncthreads();
+    for (int chunk = 0; chunk < n; chunk += kSegThreads) {
+      const int p = chunk + tid;
+      const int e = p < n ? expert_of(ids[p]) : E;  // E: no pair
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int lanes_before = __popc(peers & ((1u << lane) - 1u));
+      if (e < E && lanes_before == 0) hist[warp * E + e] = __popc(peers);
+      __syncthreads();
+      for (int x = tid; x < E; x += kSegThreads) {  // hist[., x] -> exclusive prefixes, chunk base added
+        int acc = before[x];
+        for (int w = 0; w < 32; ++w) {
+          const int c = hist[w * E + x];
+          hist[w * E + x] = acc;
+          acc += c;
+        }
+        before[x] = acc;
+      }
+      __syncthreads();
+      if (e < E) {
+        const int r = start[e] + hist[warp * E + e] + lanes_before;
+        row[p] = r;
+        src[r] = p / k;
+      }
+      __syncthreads();
+      for (int i = tid; i < 32 * E; i += kSegThreads) hist[i] = 0;
+      __syncthreads();
+    }
   }
   for (int i = tid; i < n_tiles; i += kSegThreads) {
     int lo = 0, hi = E;  // the first expert whose tiles end past i

@@ -1,0 +1,226 @@
+// The MXFP8 expert tile for the megakernel (issue 6; docs/architecture.md, "The megakernel's MXFP8
+// path"): hopper_gemm.cuh's HopperTile with A as MXFP8 rows, on the BF16 tensor core as the
+// bf16-math GEMM (mx_gemm.cuh, namespace bf16m). Not yet used by the megakernel: a standalone
+// kernel in templates/mx_gemm.cu runs it against the bf16-math GEMM (tests/test_gpu_mx_gemm.py).
+//
+// Tile: 128 rows (consumer warpgroup c owns rows 64 c .. 64 c + 63) x kBNB B rows, k-blocks of
+// 64. Per stage: A's 128 x 64 E4M3 codes (two 64-row TMA boxes, 64-byte rows, SWIZZLE_64B), B's
+// kBNB x 64 bf16 MX values (two boxes, 128-byte rows, SWIZZLE_128B; for a gated tile 128 w_gate
+// rows then 128 w_up rows), and the four E8M0 scales of the stage's k128 block for the 128 rows
+// (512 bytes by a bulk copy from A's blocked scale plane [K / 128, rows, 4]). Each consumer decodes
+// its rows' codes into the wgmma's register A fragments (mx_decode.cuh) and issues one
+// m64nkBNBk16 wgmma per 16 k, the previous one kept in flight.
+//
+// Epilogues: the down tile (not gated) writes bf16 rows as HopperTile's does. The gated tile
+// computes h = swiglu(gate, up) and quantizes it to MXFP8 in place of bf16 h: each of its 32-column
+// blocks of a row is one MX block, held by the four lanes of a quad (8 values each), which agree
+// on its amax by two shuffles; the codes are exchanged so that each lane stores 8 contiguous codes
+// and lane 0 of the quad the block's scale (mx::quantize_block's bits).
+// Clusters (multicast) and 32-wide k-blocks are not supported yet.
+#pragma once
+
+#include "bulk_copy.cuh"
+#include "hopper_gemm.cuh"
+#include "mx.cuh"
+#include "mx_decode.cuh"
+
+namespace mokgen {
+namespace sm90 {
+
+// Where a gated MX tile's epilogue puts h: codes(r) -> uint8_t* of row r's codes at column 0;
+// scale(r, b, s): E8M0 scale s of row r's 32-block b (b counted from column 0).
+struct MxRowsBlocked {
+  uint8_t* codes_base;  // [rows_total, n] E4M3 codes
+  uint8_t* scales;      // [n / 128, rows_total, 4] blocked E8M0 scales
+  int n;
+  int rows_total;
+  int row0;  // the tile's first row in rows_total
+  MOKGEN_DEVICE uint8_t* codes(int r) const { return codes_base + size_t(row0 + r) * n; }
+  MOKGEN_DEVICE void scale(int r, int b, uint8_t s) const {
+    scales[(size_t(b >> 2) * rows_total + row0 + r) * 4 + (b & 3)] = s;
+  }
+};
+
+template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0>
+struct MxTile {
+  static constexpr int kBM = 128;
+  static constexpr int kBK = 64;
+  static constexpr int kBN = kGated ? kBNB / 2 : kBNB;  // output columns per tile
+  static constexpr int kAcc = kBNB / 2;                  // fp32 accumulators per consumer thread
+  static constexpr int kABytes = kBM * kBK;              // E4M3 codes
+  static constexpr int kBBytes = kBNB * kBK * 2;         // bf16 MX values
+  static constexpr int kScaleBytes = kBM * 4;            // the k128 block's four scales per row
+  static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
+  static constexpr int kStageStride = kStride ? kStride : (kStageBytes + 1023) / 1024 * 1024;
+  static_assert(kStageStride >= kStageBytes && kStageStride % 1024 == 0, "stage stride");
+  static constexpr int kKTiles = kK / kBK;
+  static constexpr int kNTiles = kN / kBN;
+  static constexpr int kThreads = 384;
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
+  static_assert(kK % 128 == 0, "K must be a multiple of the scales' k128 block");
+  static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
+  static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
+  static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
+  static constexpr int kABox = kBM / 2;
+  static constexpr int kBBox = kBNB / 2;
+
+  // HopperTile's stride-free parts: the barriers' carve and init, the stage release, the quad
+  // exchange (its own stage sizes are bf16 A's and play no part here)
+  using Base = HopperTile<kN, kK, kGated, kHasClamp, kStages, kBNB>;
+  using Smem = typename Base::Smem;
+  using Pipe = PipeState<kStages>;
+
+  MOKGEN_DEVICE static Smem carve(unsigned char* raw) { return Base::carve(raw); }
+  MOKGEN_DEVICE static void init_barriers(const Smem& s) { Base::init_barriers(s); }
+
+  // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate, and the
+  // row of A's blocked scale plane a_scales [K / 128, a_rows, 4]); b_row0: first B row of map_b0
+  // and map_b1 (gate and up rows of a gated tile) or of map_b0 alone (both halves).
+  MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const CUtensorMap* map_a, int a_row0,
+                                    const uint8_t* a_scales, int a_rows, const CUtensorMap* map_b0,
+                                    const CUtensorMap* map_b1, int b_row0) {
+    for (int kb = 0; kb < kKTiles; ++kb) {
+      mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
+      unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
+      uint64_t* full = &s.full[pipe.stage];
+      mbar_arrive_expect_tx(full, kStageBytes);
+      const int k0 = kb * kBK;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const CUtensorMap* mb = kGated && h ? map_b1 : map_b0;
+        const int b_row = kGated ? b_row0 : b_row0 + h * kBBox;
+        cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, st + h * (kABox * kBK), k0, a_row0 + h * kABox);
+        cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, st + kABytes + h * (kBBox * kBK * 2), k0, b_row);
+      }
+      bulk::load(st + kABytes + kBBytes, a_scales + (size_t(k0 / 128) * a_rows + a_row0) * 4, kScaleBytes, full);
+      pipe.advance();
+    }
+  }
+
+  // Consumer warpgroup wg (0/1): all k-blocks of one tile, then the epilogue for rows
+  // [64 wg, 64 wg + 64) of the tile that are < rows. Down tiles: out(r) -> bf16* of output row r at
+  // column 0 (as HopperTile). Gated tiles: out is an MxRowsBlocked-like object (codes, scale).
+  template <class Out>
+  MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, const Out& out,
+                                    float clamp_limit, const volatile int* abort_flag = nullptr) {
+    float acc[kAcc];
+    const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
+    const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
+    uint32_t a[2][4];
+    int prev_stage = -1;
+    for (int kb = 0; kb < kKTiles; ++kb) {
+      mbar_wait(&s.full[pipe.stage], pipe.phase);
+      const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
+      const unsigned char* sb = st + kABytes;
+      const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kABytes + kBBytes);
+      const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) {
+        const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
+        uint32_t m1a, m2a, m1b, m2b;
+        mxd::multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
+        mxd::multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
+        // the k16 chunk of rows r0 and r0 + 8 (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
+        const uint32_t c0 = *reinterpret_cast<const uint32_t*>(st + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
+        const uint32_t c1 =
+            *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
+        uint32_t(&f)[4] = a[k16 & 1];
+        f[0] = mxd::decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
+        f[1] = mxd::decode2(c1, m1b, m2b);        // row r0 + 8
+        f[2] = mxd::decode2(c0 >> 16, m1a, m2a);  // row r0, slots 2q + 8, 2q + 9
+        f[3] = mxd::decode2(c1 >> 16, m1b, m2b);
+        mxd::fence_a(f);
+        fence_operands(acc);
+        cute::warpgroup_arrive();
+        mxd::wgmma_rs<kBNB>(f, smem_desc_k<128>(sb + k16 * 32), acc, kb > 0 || k16 > 0,
+                            std::make_index_sequence<kAcc>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
+        mxd::fence_a(f);
+      }
+      fence_operands(acc);
+      if (prev_stage >= 0) Base::release(s, prev_stage, t);  // its last wgmma retired above
+      prev_stage = pipe.stage;
+      pipe.advance();
+    }
+    cute::warpgroup_wait<0>();
+    fence_operands(acc);
+    Base::release(s, prev_stage, t);
+    if (abort_flag != nullptr && *abort_flag) rows = 0;
+    if constexpr (kGated) {
+      quantize_h(acc, rows, r0, n0, q, out, clamp_limit);
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + 8 * half;
+        const bool valid = r < rows;  // the same for the 4 lanes of a quad
+        bf16* o = valid ? out(r) + n0 : nullptr;
+#pragma unroll
+        for (int b = 0; b < kAcc / 16; ++b) {
+          uint32_t word[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int i = 4 * b + u;
+            word[u] = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+          }
+          const uint4 v = Base::quad_transpose(word, q);
+          if (valid) *reinterpret_cast<uint4*>(o + 8 * (4 * b + q)) = v;
+        }
+      }
+    }
+  }
+
+  // The gated epilogue: h = swiglu(gate, up) for the tile's kBN columns, quantized per 32-block.
+  // Lane q of a quad holds columns 8u + 2q, +1 (u = 0..3) of block b; after quad_transpose on the
+  // 16-bit code pairs it holds the 8 codes of group q (columns 8q .. 8q + 7), one 8-byte store.
+  template <class Out>
+  MOKGEN_DEVICE static void quantize_h(const float (&acc)[kAcc], int rows, int r0, int n0, int q, const Out& out,
+                                       float clamp_limit) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half;
+      const bool valid = r < rows;  // the same for the 4 lanes of a quad
+#pragma unroll
+      for (int b = 0; b < kBN / 32; ++b) {
+        float h[8];
+        uint32_t amax = 0;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = 4 * b + u;  // gate accumulators i, up i + 16
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float v =
+                swiglu<kHasClamp>(acc[4 * i + 2 * half + e], acc[4 * (i + 16) + 2 * half + e], clamp_limit);
+            h[2 * u + e] = v;
+            const uint32_t m = mx::float_bits(v) & 0x7fffffffu;
+            amax = m > amax ? m : amax;
+          }
+        }
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const bool finite = amax < 0x7f800000u;  // mx::quantize_block's scale rule
+        const int exp_field = int(amax >> 23);
+        int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
+        sc = sc < -127 ? -127 : sc;
+        const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
+        uint32_t word[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          uint16_t pair;
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(h[2 * u + 1] * inv), "f"(h[2 * u] * inv));
+          word[u] = finite ? pair : uint32_t(mx::kE4M3Nan | (mx::kE4M3Nan << 8));
+        }
+        const uint4 v = Base::quad_transpose(word, q);  // lanes 0..3's pairs of group q
+        if (valid) {
+          const int col = n0 + 32 * b + 8 * q;
+          *reinterpret_cast<uint2*>(out.codes(r) + col) =
+              make_uint2(v.x | (v.y << 16), v.z | (v.w << 16));
+          if (q == 0) out.scale(r, (n0 + 32 * b) / 32, finite ? uint8_t(sc + 127) : mx::kE8M0Nan);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace mokgen
