@@ -48,6 +48,7 @@ projection's pre-activations, are either
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -290,6 +291,36 @@ def _split(schedule: str | None) -> bool:
     return (schedule or env.bwd_weights()) in ("split", "auto")
 
 
+#: a second stream per device for overlap_weight_launches (created once: a stream per call would
+#: cost as much as the overlap saves)
+_SIDE_STREAMS: dict = {}
+
+
+def overlap_weight_launches(experts: int, hidden: int, inter: int, device, schedule: str) -> bool:
+    """Whether an experts backward runs its dW_down launch on a second stream beside the joint
+    dW_gate / dW_up launch (MOKGEN_BWD_OVERLAP ``auto``, the default): on the split ``schedule``
+    with the joint launch, outside CUDA graph capture, where the two launches' tiles (one CTA
+    each) fit on the device's SMs together. A one-expert backward, such as the fused shared
+    expert's (``shared_op_backward``), has few output tiles, each walking every token's row:
+    qwen3.5-35b-a3b's shared expert has 32 dW_down and 64 dW_gate / dW_up tiles for 132 SMs,
+    so one after the other each launch leaves most SMs idle. The same bits either way."""
+    if env.bwd_overlap() == "0" or schedule != "split" or not env.bwd_weights_joint():
+        return False
+    from mokgen import bwd_gemm
+
+    tiles = bwd_gemm.weight_tiles(experts, hidden, inter) + 2 * bwd_gemm.weight_tiles(experts, inter, hidden)
+    return (tiles <= torch.cuda.get_device_properties(device).multi_processor_count
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def fused_applies(saved: bool, top_k: int, schedule: str | None = None) -> bool:
     """Whether mokgen's backward takes the fused launch (bwd_gemm.fused_backward) on its GEMMs:
     MOKGEN_BWD_FUSED=1 (off by default), the save policy (``saved``: g and u from the forward),
@@ -344,7 +375,10 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     rows = ring_x if in_ring else None if inline_x else x.index_select(0, tok).contiguous()
     inline_dout = ours and not fused and dout_inline(K) and schedule == "split"
     dout = grad_out.to(torch.bfloat16).contiguous()
-    go = None if inline_dout else dout.index_select(0, tok).contiguous()
+    # ring_x being x itself says the token order is the expert-major order (the fused shared
+    # expert's one-expert backward, shared_op_backward): dOut's rows are then in order as well
+    in_order = in_ring and ring_x.data_ptr() == x.data_ptr() and ring_x.shape == x.shape
+    go = None if inline_dout else dout if in_order else dout.index_select(0, tok).contiguous()
     if ours:
         w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     # dOut back through the down projection (unweighted), then g and u (saved, or recomputed:
@@ -404,12 +438,28 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     grads = None
     if need_weight_grads:
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
-            dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
-                       else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
-            if env.bwd_weights_joint() and schedule == "split":  # x rows read once for both
-                src, index = (x.contiguous(), tok) if inline_x else (rows, None)
-                grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
-            else:
+            joint = env.bwd_weights_joint() and schedule == "split"  # x rows read once for both
+            # launches that leave most SMs idle run side by side (overlap_weight_launches, which
+            # asks for the joint launch)
+            side = None
+            if joint and overlap_weight_launches(E, x.shape[1], I, x.device, schedule):
+                side = _side_stream(x.device)
+                main = torch.cuda.current_stream(x.device)
+                side.wait_stream(main)
+            dw_down = None
+            try:
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
+                               else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
+                if joint:
+                    src, index = (x.contiguous(), tok) if inline_x else (rows, None)
+                    grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
+            finally:  # joined even if a launch raised: the inputs stay referenced until then
+                if side is not None:
+                    main.wait_stream(side)
+                    if dw_down is not None:
+                        dw_down.record_stream(main)
+            if not joint:
                 grads = [bwd_gemm.weight_grads(dg, rows, offs, schedule=schedule),
                          bwd_gemm.weight_grads(du, rows, offs, schedule=schedule), dw_down]
         else:
@@ -498,14 +548,19 @@ def shared_op_backward(xs, w_gate, w_up, w_down, scale, grads_out):
     layer with top-1 and weight scale[t], so experts_backward_op computes it (no clamp, as the
     reference's shared expert). Returns (per-rank dx lists, (d gate, d up, d down, d scale))."""
     sizes = [x.shape[0] for x in xs]
-    x = torch.cat(list(xs))
-    g = torch.cat([go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)])
+    gos = [go if go is not None else torch.zeros_like(x_) for go, x_ in zip(grads_out, xs)]
+    # one rank: its own tensors (torch.cat of one copies)
+    x = xs[0].contiguous() if len(xs) == 1 else torch.cat(list(xs))
+    g = gos[0].contiguous() if len(gos) == 1 else torch.cat(gos)
     T = x.shape[0]
     ids = torch.zeros(T, 1, dtype=torch.int64, device=x.device)
     wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = (scale.to(wdt) if scale is not None else torch.ones(T, dtype=wdt, device=x.device)).reshape(T, 1)
+    # every token is a row of the one expert, in token order: x itself is the expert-major rows
+    # (ring_x), which the kernels then read in place instead of gathering a copy
+    ring = x if x.dtype == torch.bfloat16 else None
     dx, dw, dg, du, dd = experts_backward_op(x, ids, w, w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0),
-                                             g.contiguous(), None)
+                                             g, None, None, ring)
     d_scale = dw.reshape(T).to(scale.dtype) if scale is not None else None
     return list(dx.split(sizes)), (dg[0], du[0], dd[0], d_scale)
 

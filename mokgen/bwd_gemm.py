@@ -652,6 +652,15 @@ def _weight_experts(fn: str, M: int, N: int, offs, device) -> int:
     return E
 
 
+def weight_tiles(experts: int, M: int, N: int, schedule: str = "split") -> int:
+    """Output tiles of a weight-gradient launch over ``experts`` experts' ``[M, N]`` gradients
+    (128 x 256 tiles on the split schedule, 128 x 128 on the ping-pong): its busy CTAs, one tile
+    each where there are no more tiles than CTAs."""
+    if schedule not in WEIGHT_SCHEDULES:
+        raise InputError(f"schedule must be one of {', '.join(WEIGHT_SCHEDULES)}, got {schedule!r}")
+    return experts * (M // BLOCK_M) * (N // (BLOCK_N if schedule == "split" else BLOCK_N // 2))
+
+
 def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None = None, a_index=None,
                  tail: str | None = None):
     """``out [E, M, N] bf16``, ``out[e] = A[rows of e]^T @ B[rows of e]`` (fp32 accumulation in

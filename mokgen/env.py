@@ -34,6 +34,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_WEIGHTS": "auto (default), split or pingpong: the backward's weight-gradient GEMMs in 128 x 256 tiles split between the two consumer warpgroups, or in 128 x 128 tiles, each one warpgroup's, the two taking turns; auto: the split, except under MOKGEN_BWD_TAIL=zero the ping-pong where the experts' mean rows are at most 384 and no operand is read through the token index (the same bits)",
     "MOKGEN_BWD_TAIL": "auto (default), tma, steps or zero: how the backward's weight-gradient GEMMs keep the next expert's rows out of a tile's short last k-block: per-expert copies of the operands' tensor maps that end at the expert's last row, so the TMA loads zeros past it and the k-block runs as a full one (tma), the same maps with the split tiles' k-block running only its 16-row steps that hold expert rows, peeled with no drain (steps), or the consumers zero those rows in shared memory and run the k-block alone, drained (zero); auto: steps for the split tiles, zero for the ping-pong (measured, bwd_gemm.TAIL_AUTO). The same bits",
     "MOKGEN_BWD_WEIGHTS_JOINT": "1 (default) or 0: the gate's and up's weight gradients (both over the x rows) in one launch whose tiles walk an expert's x rows together so they are read from memory once, or in two launches (split schedule only; the same bits)",
+    "MOKGEN_BWD_OVERLAP": "auto (default) or 0: an experts backward runs its dW_down launch on a second stream beside the joint dW_gate / dW_up launch where the two launches' tiles fit on the SMs together (a one-expert backward such as the fused shared expert's), or always one after the other (0). The same bits",
     "MOKGEN_BWD_STAGGER": "0 to 3 (default 3): the lead in k-blocks of the backward GEMMs' first consumer warpgroup over the second (its epilogue overlaps the other's wgmma); 0: lockstep. For the ping-pong weight gradients: how many k-blocks before its last one a warpgroup hands the turn over. The same bits at every value",
     "MOKGEN_BWD_DX_PAIRS": "bf16 (default) or fp32: where a token has several pairs, mokgen's backward GEMMs write each pair's dx row rounded to bf16 (as the forward's combine slots and the rows that come back across GPUs) or in fp32, before the fixed-order fp32 sum over the token's slots",
     "MOKGEN_BWD_DH": "bf16 (default) or fp32: under the save policy, mokgen's dh GEMM (dOut through the down projection) writes its rows rounded to bf16, as torch._grouped_mm's would be, or in fp32, for SwiGLU's backward to read",
@@ -226,6 +227,15 @@ def bwd_weights_joint() -> bool:
     (bwd_gemm.weight_grads_joint; the default, the same bits, 0.2% faster fwd+bwd in v0.21) or
     in two (0)."""
     return _choice("MOKGEN_BWD_WEIGHTS_JOINT", ("1", "0")) == "1"
+
+
+def bwd_overlap() -> str:
+    """MOKGEN_BWD_OVERLAP: ``auto`` (default) runs an experts backward's dW_down launch on a second
+    stream beside its joint dW_gate / dW_up launch where the two launches' tiles fit on the GPU's
+    SMs together (a one-expert backward such as the fused shared expert's: 32 + 64 tiles of 132
+    SMs on qwen3.5-35b-a3b), instead of one after the other; ``0`` never. The same bits
+    (mokgen.backward.overlap_weight_launches)."""
+    return _choice("MOKGEN_BWD_OVERLAP", ("auto", "0"))
 
 
 def bwd_dh() -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mokgen.backward import ep_op_backward, experts_backward
-from mokgen.reference import experts_forward
+from mokgen.reference import experts_forward, swiglu
 
 F64 = torch.float64
 
@@ -660,3 +660,62 @@ def test_entry_without_a_graph_is_the_binding_itself(monkeypatch):
     assert not ep_mod._records_grad((a, None))
     with torch.no_grad():
         assert not ep_mod._records_grad((a, b))
+
+
+def test_weight_launches_overlap_only_where_both_fit_on_the_sms(monkeypatch):
+    """MOKGEN_BWD_OVERLAP auto: dW_down beside the joint dW_gate / dW_up launch only on the split
+    schedule with the joint launch, outside graph capture, and where the two launches' tiles fit
+    on the SMs together (qwen3.5-35b-a3b's shared expert: 32 + 64 tiles of 132; its routed
+    experts, or kimi-k2.5's shared expert, far more); 0: never; anything else refused."""
+    import types
+
+    from mokgen import backward, bwd_gemm
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for name in ("MOKGEN_BWD_OVERLAP", "MOKGEN_BWD_WEIGHTS_JOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert bwd_gemm.weight_tiles(1, 2048, 512) == 32 and bwd_gemm.weight_tiles(1, 512, 2048) == 8 * 4
+    assert bwd_gemm.weight_tiles(1, 512, 2048, "pingpong") == 64
+    fits = lambda E, H, I, schedule="split": backward.overlap_weight_launches(E, H, I, "cuda:0", schedule)  # noqa: E731
+    assert fits(1, 2048, 512)            # 32 + 64 tiles
+    assert not fits(2, 2048, 512)        # 64 + 128
+    assert not fits(1, 7168, 2048)       # kimi-k2.5's shared expert: 448 + 896
+    assert not fits(1, 2048, 512, "pingpong")
+    monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", "0")
+    assert not fits(1, 2048, 512)
+    monkeypatch.delenv("MOKGEN_BWD_WEIGHTS_JOINT")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not fits(1, 2048, 512)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("MOKGEN_BWD_OVERLAP", "0")
+    assert not fits(1, 2048, 512)
+    monkeypatch.setenv("MOKGEN_BWD_OVERLAP", "1")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_OVERLAP must be auto or 0"):
+        fits(1, 2048, 512)
+
+
+def test_shared_op_backward_is_a_one_expert_layer_of_the_scaled_tokens():
+    """The fused shared expert's backward (fp64 on the CPU, the per-expert loop): dx per rank, the
+    three weight gradients and d scale are autograd's through scale[t] * shared_expert(x[t]), for
+    one rank and for two virtual ranks (their tokens concatenated in order)."""
+    from mokgen.backward import shared_op_backward
+
+    gen = torch.Generator().manual_seed(21)
+    H, I = 64, 32
+    wg, wu = (torch.randn(I, H, generator=gen, dtype=torch.float64) * H**-0.5 for _ in range(2))
+    wd = torch.randn(H, I, generator=gen, dtype=torch.float64) * I**-0.5
+    for sizes in ([7], [5, 9]):
+        xs = [torch.randn(n, H, generator=gen, dtype=torch.float64) for n in sizes]
+        gs = [torch.randn(n, H, generator=gen, dtype=torch.float64) for n in sizes]
+        scale = torch.rand(sum(sizes), generator=gen, dtype=torch.float64)
+        dxs, (dg, du, dd, ds) = shared_op_backward(xs, wg, wu, wd, scale, gs)
+        leaves = [t.clone().requires_grad_(True) for t in (*xs, wg, wu, wd, scale)]
+        x = torch.cat(leaves[: len(xs)])
+        lg, lu, ld, ls = leaves[len(xs):]
+        y = ls[:, None] * (swiglu(x @ lg.T, x @ lu.T) @ ld.T)
+        y.backward(torch.cat(gs))
+        for got, leaf in zip([*dxs, dg, du, dd, ds], leaves):
+            assert torch.allclose(got, leaf.grad, rtol=1e-10, atol=1e-12)

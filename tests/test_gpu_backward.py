@@ -527,3 +527,40 @@ def test_fused_shared_expert_with_saved_pre_activations():
         got[pol] = [x.grad, w.grad, sc.grad, *(t.grad for t in sh), *(p_.grad.clone() for p_ in layer.parameters())]
     for i, (a, b) in enumerate(zip(got["save"], got["recompute"])):
         assert a is not None and _rel(a, b) < 1e-2, f"gradient {i}: save vs recompute {_rel(a, b):.3e}"
+
+
+@pytest.mark.parametrize("T", [2048, 3000])
+def test_the_shared_experts_backward_overlapped_and_in_place_gives_the_serial_bits(monkeypatch, T):
+    """The fused shared expert's backward (backward.shared_op_backward) at qwen3.5-35b-a3b's shared
+    size (H 2048, I 512): x read in place as the one expert's rows and dW_down launched beside
+    the joint dW_gate / dW_up launch (MOKGEN_BWD_OVERLAP auto: 32 + 64 tiles fit on the SMs)
+    give the bits of the one-expert backward with its rows gathered and the launches one after
+    the other; and the same bits on 20 runs (the two streams share no output)."""
+    from mokgen import backward, bwd_gemm
+
+    monkeypatch.delenv("MOKGEN_BWD_OVERLAP", raising=False)
+    sides = []  # the side stream's uses: the overlap has to run, not only be allowed
+    side_stream = backward._side_stream
+    monkeypatch.setattr(backward, "_side_stream", lambda device: sides.append(device) or side_stream(device))
+    H, I = 2048, 512
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    g = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    wg, wu = ((torch.randn(I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    wd = (torch.randn(H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16)
+    scale = torch.rand(T, generator=gen, device="cuda")
+    assert bwd_gemm.usable(H, I, x.device)  # mokgen's GEMMs, where the overlap and the in-place rows live
+    assert backward.overlap_weight_launches(1, H, I, x.device, "split")
+    with bwd_gemm.forced(True):
+        (dx,), grads = backward.shared_op_backward([x], wg, wu, wd, scale, [g])
+        assert len(sides) == 1
+        for _ in range(19):
+            (dx2,), grads2 = backward.shared_op_backward([x], wg, wu, wd, scale, [g])
+            assert torch.equal(dx, dx2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+        monkeypatch.setenv("MOKGEN_BWD_OVERLAP", "0")
+        ids = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
+        want = backward.experts_backward_op(x, ids, scale.reshape(T, 1), wg[None], wu[None], wd[None], g, None)
+    assert len(sides) == 20  # none for the serial reference
+    assert torch.equal(dx, want[0])
+    for got, ref in zip(grads, (want[2][0], want[3][0], want[4][0], want[1].reshape(T))):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
