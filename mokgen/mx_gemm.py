@@ -323,6 +323,16 @@ def bf16_math_weights(b_codes, b_scales):
     return values[:, idx].contiguous()
 
 
+def _check_blocked_a(a_codes, a_scales_blocked, what: str) -> tuple[int, int]:
+    """``(M, K)`` of an MXFP8 A operand with blocked scales ``[K / 128, M, 4]`` (M and K multiples
+    of BLOCK), or InputError naming ``what``."""
+    M, K = a_codes.shape
+    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
+        raise InputError(f"{what}: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
+                         f"and blocked scales [K / 128, M, 4]")
+    return M, K
+
+
 def _check_bf16_b(b_bf16, K: int, stacked: bool):
     import torch
 
@@ -356,10 +366,7 @@ def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles):
     outside every tile are not written."""
     import torch
 
-    M, K = a_codes.shape
-    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
-        raise InputError(f"grouped bf16-math GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
-                         f"and blocked scales [K / 128, M, 4]")
+    M, K = _check_blocked_a(a_codes, a_scales_blocked, "grouped bf16-math GEMM")
     _check_bf16_b(b_bf16, K, stacked=True)
     E, N, _ = b_bf16.shape
     _check_tiles(tiles, a_codes.device, "grouped bf16-math GEMM")
@@ -381,10 +388,7 @@ def mx_bf16_math_swiglu_gemm(a_codes, a_scales_blocked, b_interleaved, tiles, cl
     written. Rows outside every tile are not written."""
     import torch
 
-    M, K = a_codes.shape
-    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
-        raise InputError(f"fused SwiGLU GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
-                         f"and blocked scales [K / 128, M, 4]")
+    M, K = _check_blocked_a(a_codes, a_scales_blocked, "fused SwiGLU GEMM")
     _check_bf16_b(b_interleaved, K, stacked=True)
     _check_tiles(tiles, a_codes.device, "fused SwiGLU GEMM")
     E, N, _ = b_interleaved.shape
@@ -410,10 +414,7 @@ def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, we
     :func:`combine` at k = 1, with no float32 C written."""
     import torch
 
-    M, K = a_codes.shape
-    if M % BLOCK or K % BLOCK or tuple(a_scales_blocked.shape) != (K // BLOCK, M, 4):
-        raise InputError(f"fused combine GEMM: A {tuple(a_codes.shape)} must have M, K multiples of {BLOCK} "
-                         f"and blocked scales [K / 128, M, 4]")
+    M, K = _check_blocked_a(a_codes, a_scales_blocked, "fused combine GEMM")
     _check_bf16_b(b_bf16, K, stacked=True)
     _check_tiles(tiles, a_codes.device, "fused combine GEMM")
     if src.dtype != torch.int32 or src.shape != (M,) or weight.dtype != torch.float32 or weight.dim() != 1 \
