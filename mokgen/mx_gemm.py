@@ -74,7 +74,7 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
         lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
-        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, vp]
+        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, i, vp]
         lib.mokgen_mx_tile_test.restype = i
         lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_cols.restype = i
@@ -574,13 +574,15 @@ TILE_TEST_SHAPES = {"down": (256, 512, 256), "gated": (256, 256, 512)}
 
 
 def _mx_tile_test(kind: str, a_codes, a_scales_blocked, b0, b1=None, clamp_limit: float | None = None, *,
-                  rows: int | None = None):
+                  rows: int | None = None, first_row: int = 0):
     """The MX tile alone (not yet the megakernel's): ``down`` -> bf16 ``A B0^T``; ``gated`` -> h =
     swiglu(A B0^T, A B1^T) quantized, ``(codes, blocked scales)``. A MXFP8 with blocked scales, B0
     and B1 bf16 MX values with k permuted (:func:`bf16_math_weights`), shapes
     :data:`TILE_TEST_SHAPES`. ``rows`` (default all): the tiles write output rows ``< rows`` only,
     as the megakernel's partial tiles; the outputs start filled with a marker (NaN, codes and
-    scales 0xEE) so that rows left unwritten show."""
+    scales 0xEE) so that rows left unwritten show. ``first_row`` (0..127): output row ``i`` is A's
+    row ``first_row + i`` (rows past A's end read as zeros), as the megakernel's tiles start at any
+    row of its ring (the scales' TMA box then starts below the tile, mx_tile.cuh kScaleBoxRows)."""
     import torch
 
     M, N, K = TILE_TEST_SHAPES[kind]  # B: N rows (the down tile's outputs; gate and up rows of h's N)
@@ -603,15 +605,17 @@ def _mx_tile_test(kind: str, a_codes, a_scales_blocked, b0, b1=None, clamp_limit
         raise InputError(f"MX tile test: clamp_limit must be positive, got {clamp_limit}")
     if not 1 <= rows <= M:
         raise InputError(f"MX tile test: rows must be in [1, {M}], got {rows}")
+    if not 0 <= int(first_row) <= 127:
+        raise InputError(f"MX tile test: first_row must be in [0, 127], got {first_row}")
     dev = a_codes.device
     if kind == "down":
         c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=dev)
         _launch("mokgen_mx_tile_test", dev, 0, c.data_ptr(), None, None, a_codes.data_ptr(),
-                a_scales_blocked.data_ptr(), b0.data_ptr(), None, 0.0, rows)
+                a_scales_blocked.data_ptr(), b0.data_ptr(), None, 0.0, rows, int(first_row))
         return c
     codes = torch.full((M, N), 0xEE, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
     scales = torch.full((N // BLOCK, M, 4), 0xEE, dtype=torch.uint8, device=dev)
     _launch("mokgen_mx_tile_test", dev, 1 if clamp_limit is None else 2, None, codes.data_ptr(), scales.data_ptr(),
             a_codes.data_ptr(), a_scales_blocked.data_ptr(), b0.data_ptr(), b1.data_ptr(),
-            0.0 if clamp_limit is None else float(clamp_limit), rows)
+            0.0 if clamp_limit is None else float(clamp_limit), rows, int(first_row))
     return codes, scales

@@ -148,7 +148,7 @@ template <class Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     tile_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_s,
                 const __grid_constant__ CUtensorMap map_b0, const __grid_constant__ CUtensorMap map_b1, bf16* c,
-                uint8_t* h_codes, uint8_t* h_scales, float limit, int rows) {
+                uint8_t* h_codes, uint8_t* h_scales, float limit, int rows, int first_row) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const auto s = Tile::carve(smem);
   if (threadIdx.x == 0) Tile::init_barriers(s);
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0)
-      Tile::produce(s, pipe, sm90::MxA{&map_a, &map_s}, m0, &map_b0, &map_b1,
+      Tile::produce(s, pipe, sm90::MxA{&map_a, &map_s}, m0 + first_row, &map_b0, &map_b1,
                     nt * (Tile::kBBox * (Tile::kBN == 128 ? 1 : 2)));
     return;
   }
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
 template <class Tile>
 int launch_tile(void* c, void* h_codes, void* h_scales, const void* a, const void* sa, const void* b0, const void* b1,
-                float limit, int rows, void* stream) {
+                float limit, int rows, int first_row, void* stream) {
   constexpr int kK = Tile::kKTiles * Tile::kBK, kRowsB = Tile::kBN == 128 ? Tile::kNTiles * 128 : Tile::kNTiles * 256;
   CUtensorMap ma, ms, mb0, mb1;
   if (encode_codes(&ma, a, uint64_t(kM), uint64_t(kK), Tile::kBK, Tile::kABox) != CUDA_SUCCESS ||
@@ -194,7 +194,8 @@ int launch_tile(void* c, void* h_codes, void* h_scales, const void* a, const voi
   tile_kernel<Tile><<<dim3(Tile::kNTiles, kM / Tile::kBM), Tile::kThreads, Tile::kSmemBytes,
                       static_cast<cudaStream_t>(stream)>>>(ma, ms, mb0, mb1, static_cast<bf16*>(c),
                                                            static_cast<uint8_t*>(h_codes),
-                                                           static_cast<uint8_t*>(h_scales), limit, rows);
+                                                           static_cast<uint8_t*>(h_scales), limit, rows,
+                                                           first_row);
   return int(cudaGetLastError());
 }
 }  // namespace mxt
@@ -264,15 +265,19 @@ int mokgen_mx_bf16_math_combine1_gemm(void* out, const void* src, const void* w,
 // 512] = A [256, 256] B [512, 256]^T; kind 1 / 2: the gated tile without / with the clamp (limit),
 // h codes [256, 256] and blocked scales [2, 256, 4] of swiglu(A Bg^T, A Bu^T), A [256, 512], Bg and
 // Bu [256, 512]. A MXFP8 (codes, blocked scales [K / 128, 256, 4]); B bf16 MX values, k permuted.
-// Only rows < rows (1..256) of the output are written, as the megakernel's partial tiles.
+// Only rows < rows (1..256) of the output are written, as the megakernel's partial tiles. Output
+// row i is A's row first_row + i (0..127; rows past A's end read as zeros), as the megakernel's
+// tiles start at any row of the ring.
 int mokgen_mx_tile_test(int kind, void* c, void* h_codes, void* h_scales, const void* a, const void* sa,
-                        const void* b0, const void* b1, float limit, int rows, void* stream) {
+                        const void* b0, const void* b1, float limit, int rows, int first_row, void* stream) {
   namespace t = mokgen::mxg::mxt;
-  if (rows < 1 || rows > t::kM) return int(cudaErrorInvalidValue);
+  if (rows < 1 || rows > t::kM || first_row < 0 || first_row > 127) return int(cudaErrorInvalidValue);
   switch (kind) {
-    case 0: return t::launch_tile<t::Down>(c, nullptr, nullptr, a, sa, b0, nullptr, 0.f, rows, stream);
-    case 1: return t::launch_tile<t::Gated>(nullptr, h_codes, h_scales, a, sa, b0, b1, 0.f, rows, stream);
-    case 2: return t::launch_tile<t::GatedClamp>(nullptr, h_codes, h_scales, a, sa, b0, b1, limit, rows, stream);
+    case 0: return t::launch_tile<t::Down>(c, nullptr, nullptr, a, sa, b0, nullptr, 0.f, rows, first_row, stream);
+    case 1:
+      return t::launch_tile<t::Gated>(nullptr, h_codes, h_scales, a, sa, b0, b1, 0.f, rows, first_row, stream);
+    case 2:
+      return t::launch_tile<t::GatedClamp>(nullptr, h_codes, h_scales, a, sa, b0, b1, limit, rows, first_row, stream);
     default: return int(cudaErrorInvalidValue);
   }
 }

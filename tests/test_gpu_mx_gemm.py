@@ -293,3 +293,33 @@ def test_the_megakernels_mx_gated_tile_has_the_unfused_bits(clamp, rows):
     # the NaN row reached the check (under the clamp a NaN becomes the limit: finite scales)
     assert (scales[:, 130] == 255).all() if clamp is None else (scales[:, 130] != 255).all()
     assert (codes[rows:] == 0xEE).all() and (scales[:, rows:] == 0xEE).all()
+
+
+@pytest.mark.parametrize("first_row", [1, 2, 3, 6])
+def test_the_megakernels_mx_tiles_start_at_any_row(first_row):
+    """The megakernel's tiles start at any row of its ring (expert segments are not padded there),
+    and a TMA load whose innermost coordinate is not 16-byte aligned is an illegal instruction: the
+    scales' box starts at the 4-aligned row below the tile (mx_tile.cuh, kScaleBoxRows; v0.38).
+    Tiles from row first_row on give the rows of the tiles from row 0, shifted: the down tile's
+    bf16 rows and the gated tile's h codes and scales, bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(53)
+    M, N, K = mx_gemm.TILE_TEST_SHAPES["down"]
+    a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+    b, sb = mx.quantize(_blocks(N, K, gen, 10), dim=-1)
+    b16 = mx_gemm.bf16_math_weights(b, sb)
+    n = M - first_row
+    want = mx_gemm._mx_tile_test("down", a, mx_gemm.block_scales(sa), b16)
+    got = mx_gemm._mx_tile_test("down", a, mx_gemm.block_scales(sa), b16, rows=n, first_row=first_row)
+    assert torch.equal(got[:n], want[first_row:])
+    assert torch.isnan(got[n:]).all()
+
+    M, I, K = mx_gemm.TILE_TEST_SHAPES["gated"]
+    a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+    wg, wu = ((torch.randn(1, I, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16) for _ in range(2))
+    bg, bu = mx_gemm.expert_weights([wg]), mx_gemm.expert_weights([wu])
+    want_codes, want_scales = mx_gemm._mx_tile_test("gated", a, mx_gemm.block_scales(sa), bg[0], bu[0])
+    n = M - first_row
+    codes, scales = mx_gemm._mx_tile_test("gated", a, mx_gemm.block_scales(sa), bg[0], bu[0], rows=n,
+                                          first_row=first_row)
+    assert torch.equal(codes.view(torch.uint8)[:n], want_codes.view(torch.uint8)[first_row:])
+    assert torch.equal(scales[:, :n], want_scales[:, first_row:])

@@ -8,9 +8,10 @@
 // 64. Per stage: A's 128 x 64 E4M3 codes (two 64-row TMA boxes, 64-byte rows, SWIZZLE_64B), B's
 // kBNB x 64 bf16 MX values (two boxes, 128-byte rows, SWIZZLE_128B; for a gated tile 128 w_gate
 // rows then 128 w_up rows), and the four E8M0 scales of the stage's k128 block for the 128 rows
-// (512 bytes, a TMA box of A's blocked scale plane [K / 128, rows, 4]). Each consumer decodes
-// its rows' codes into the wgmma's register A fragments (mx_decode.cuh) and issues one
-// m64nkBNBk16 wgmma per 16 k, the previous one kept in flight.
+// (a TMA box of A's blocked scale plane [K / 128, rows, 4]; see kScaleBoxRows for why it is 132
+// rows from the 4-aligned row at or below the tile's first). Each consumer decodes its rows'
+// codes into the wgmma's register A fragments (mx_decode.cuh) and issues one m64nkBNBk16 wgmma
+// per 16 k, the previous one kept in flight.
 //
 // Epilogues: the down tile (not gated) writes bf16 rows as HopperTile's does. The gated tile
 // computes h = swiglu(gate, up) and quantizes it to MXFP8 in place of bf16 h: each of its 32-column
@@ -28,9 +29,18 @@ namespace mokgen {
 namespace sm90 {
 
 // An MX tile's A operand: the codes' tensor map, and the scales' map (encode_scales_2d): the
-// blocked layout [K / 128, rows, 4] as 4-byte words [K / 128, rows], a tile's 128 words of one
-// k128 block in one box. A TMA box, not a bulk copy: a tile's first row is any row of the ring
-// (expert segments are not padded there), and a bulk copy needs 16-byte aligned sources.
+// blocked layout [K / 128, rows, 4] as 4-byte words [K / 128, rows], a tile's words of one k128
+// block in one box. A TMA box, not a bulk copy: a tile's first row is any row of the ring (expert
+// segments are not padded there), and a bulk copy needs 16-byte aligned sources.
+//
+// The box's first coordinate must be 16-byte aligned too: a TMA load whose innermost coordinate
+// is not (here: a first row that is not a multiple of 4 words) stops the kernel with
+// cudaErrorIllegalInstruction (v0.38: the megakernel's first MXFP8 launch, located with
+// compute-sanitizer; the harness's tiles start at multiples of 128 and never showed it). So the
+// box starts at the 4-aligned row at or below the tile's first, a_row0 & ~3, and is 4 rows longer
+// than the tile; the consumers read it from a_row0 & 3 on, which the producer stores in the stage
+// beside the box (kShiftOffset).
+constexpr int kScaleBoxRows = 128 + 4;
 struct MxA {
   const CUtensorMap* map;
   const CUtensorMap* scales;
@@ -58,10 +68,12 @@ struct MxTile {
   static constexpr int kAcc = kBNB / 2;                  // fp32 accumulators per consumer thread
   static constexpr int kABytes = kBM * kBK;              // E4M3 codes
   static constexpr int kBBytes = kBNB * kBK * 2;         // bf16 MX values
-  static constexpr int kScaleBytes = kBM * 4;            // the k128 block's four scales per row
-  static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
-  static constexpr int kStageStride = kStride ? kStride : (kStageBytes + 1023) / 1024 * 1024;
-  static_assert(kStageStride >= kStageBytes && kStageStride % 1024 == 0, "stage stride");
+  static constexpr int kScaleBytes = kScaleBoxRows * 4;  // the k128 block's four scales per row (kScaleBoxRows)
+  static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;  // bytes the TMA delivers per stage
+  static constexpr int kShiftOffset = kStageBytes;  // int: a_row0 & 3, the tile's first row in the scales' box
+  static constexpr int kStageStride = kStride ? kStride : (kStageBytes + 16 + 1023) / 1024 * 1024;
+  static_assert(kStageStride >= kStageBytes + 16 && kStageStride % 1024 == 0, "stage stride");
+  static_assert(kBM <= kScaleBoxRows - 3 && kScaleBytes % 16 == 0, "the scales' box covers a tile from a 4-aligned row");
   static constexpr int kKTiles = kK / kBK;
   static constexpr int kNTiles = kN / kBN;
   static constexpr int kThreads = 384;
@@ -93,6 +105,9 @@ struct MxTile {
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       uint64_t* full = &s.full[pipe.stage];
+      // the scales' shift, a plain store that the arrival below releases to the consumers (their
+      // wait on full acquires it); the stage's previous readers are done (the empty wait)
+      *reinterpret_cast<int*>(st + kShiftOffset) = a_row0 & 3;
       mbar_arrive_expect_tx(full, kStageBytes);
       const int k0 = kb * kBK;
 #pragma unroll
@@ -102,7 +117,7 @@ struct MxTile {
         cute::SM90_TMA_LOAD_2D::copy(a.map, full, 0, st + h * (kABox * kBK), k0, a_row0 + h * kABox);
         cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, st + kABytes + h * (kBBox * kBK * 2), k0, b_row);
       }
-      cute::SM90_TMA_LOAD_2D::copy(a.scales, full, 0, st + kABytes + kBBytes, a_row0, k0 / 128);
+      cute::SM90_TMA_LOAD_2D::copy(a.scales, full, 0, st + kABytes + kBBytes, a_row0 & ~3, k0 / 128);
       pipe.advance();
     }
   }
@@ -123,7 +138,8 @@ struct MxTile {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sb = st + kABytes;
-      const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kABytes + kBBytes);
+      const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kABytes + kBBytes) +
+                           *reinterpret_cast<const int*>(st + kShiftOffset);
       const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16) {
@@ -234,8 +250,8 @@ struct MxTile {
 };
 
 // ---- host: the scales' map (MxA::scales): blocked scales [k_blocks, rows, 4] as 4-byte words
-// [k_blocks, rows], boxes of 128 rows of one k-block (512 bytes), no swizzle; rows past the end
-// read as zeros, as the codes' do.
+// [k_blocks, rows], boxes of kScaleBoxRows rows of one k-block (528 bytes), no swizzle; rows past
+// the end read as zeros, as the codes' do.
 inline CUresult encode_scales_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t k_blocks) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -251,7 +267,7 @@ inline CUresult encode_scales_2d(CUtensorMap* map, const void* base, uint64_t ro
   if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
   const cuuint64_t dims[2] = {rows, k_blocks};
   const cuuint64_t strides[1] = {rows * 4};
-  const cuuint32_t box[2] = {128, 1};
+  const cuuint32_t box[2] = {kScaleBoxRows, 1};
   const cuuint32_t elem_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
