@@ -230,7 +230,8 @@ def smem_bytes(plan: Plan) -> int:
     it (ep_forward.cuh, hopper_gemm.cuh, grouped_gemm.cuh): the GEMM stage ring (both tile kinds
     step through one ring with the larger stage) or the routing prologue's histograms."""
     if plan.gemm_core == "wgmma" and plan.numerics == "mxfp8":  # E4M3 A, bf16 B, the k128 block's A scales
-        stride = (128 * 64 + max(256, plan.gemm_block_n_down) * 64 * 2 + 512 + 1023) // 1024 * 1024
+        # the scales' box of 132 rows (mx_tile.cuh kScaleBoxRows) and the shift word's 16 bytes
+        stride = (128 * 64 + max(256, plan.gemm_block_n_down) * 64 * 2 + 132 * 4 + 16 + 1023) // 1024 * 1024
         gemm, threads = plan.gemm_stages * stride + 2 * plan.gemm_stages * 8 + 1024, 384
     elif plan.gemm_core == "wgmma":
         stride = (128 + max(256, plan.gemm_block_n_down)) * plan.gemm_block_k * 2

@@ -70,9 +70,12 @@ struct MxTile {
   static constexpr int kBBytes = kBNB * kBK * 2;         // bf16 MX values
   static constexpr int kScaleBytes = kScaleBoxRows * 4;  // the k128 block's four scales per row (kScaleBoxRows)
   static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;  // bytes the TMA delivers per stage
-  static constexpr int kShiftOffset = kStageBytes;  // int: a_row0 & 3, the tile's first row in the scales' box
   static constexpr int kStageStride = kStride ? kStride : (kStageBytes + 16 + 1023) / 1024 * 1024;
   static_assert(kStageStride >= kStageBytes + 16 && kStageStride % 1024 == 0, "stage stride");
+  // int: a_row0 & 3, the tile's first row in the scales' box. At the stride's end, past every TMA
+  // box of both tile kinds that share the stride (up and down), so that no byte is written by
+  // the producer's plain store in one use of a stage and by the TMA in another.
+  static constexpr int kShiftOffset = kStageStride - 16;
   static_assert(kBM <= kScaleBoxRows - 3 && kScaleBytes % 16 == 0, "the scales' box covers a tile from a 4-aligned row");
   static constexpr int kKTiles = kK / kBK;
   static constexpr int kNTiles = kN / kBN;
