@@ -253,9 +253,9 @@ struct EpHopperTiles {
 // MX values, the k128 block's A scales), under the flow schedule without clusters
 template <class Cfg>
 struct EpHopperTiles<Cfg, true> {
+  // the gated tile's own stride: B tiles are 128 or 256 rows, so its 256 rows make the larger stage
   static constexpr int kStride =
-      (128 * 64 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN) * 64 * 2 + sm90::kScaleBoxRows * 4 + 16 + 1023) /
-      1024 * 1024;
+      sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256>::kStageStride;
   using Up = sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride>;
   using Down = sm90::MxTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride>;
   static_assert(Cfg::kFlow && Cfg::kCluster == 1 && !Cfg::kFuseShared && Cfg::kBlockK == 64 && !Cfg::kPullBulk,
