@@ -410,7 +410,8 @@ def local_expert_rows(name: str, ep: int = 8, seed: int = 3):
 
 
 def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2,
-                         workload: str = "layer", layer_kwargs: dict | None = None) -> list[Row]:
+                         workload: str = "layer", layer_kwargs: dict | None = None,
+                         numerics: str = "bf16") -> list[Row]:
     """Forward + backward of the routed experts on one GPU: mokgen (the megakernel forward, then
     its autograd backward, mokgen/backward.py: on torch._grouped_mm with g and u recomputed, and
     on mokgen's backward GEMMs with g and u recomputed or saved by the forward) against the
@@ -421,7 +422,12 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     default, so neither side pays for adding into an existing ``.grad`` (v0.7 and earlier
     accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides).
     ``layer_kwargs``: MoELayer arguments (a local stand-in's tuned entry, local_layer_kwargs, as
-    the forward bench's local rows take it; v0.21)."""
+    the forward bench's local rows take it; v0.21). ``numerics="mxfp8"`` adds the MXFP8
+    megakernel under autograd (its backward recomputes the staged MXFP8 experts, mokgen.ep's
+    _MXTraining) and the staged MXFP8 experts' own fwd+bwd (mx_experts.experts_forward_train),
+    the weights quantized on every step in both, as a training step's change."""
+    if numerics not in ("bf16", "mxfp8"):
+        raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
     layer, (wg, wu, wd), inputs = backward_problem(spec, tokens, n_inputs, layer_kwargs)
     clamp = spec.activation.clamp_limit
 
@@ -467,6 +473,27 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
                     ring_layer(x, ids, w).backward(g)
                 impls[RING_ROW] = ring_run
     impls["torch._grouped_mm autograd"] = peer
+    if numerics == "mxfp8":
+        from mokgen import mx_experts
+        from mokgen.ep import MoELayer
+
+        mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda")
+        with torch.no_grad():
+            mx_layer.w_gate.copy_(wg), mx_layer.w_up.copy_(wu), mx_layer.w_down.copy_(wd)
+        mx_layer.check_ids = False
+
+        def mx_mega(i):
+            x, ids, w, g = inputs[i]
+            fresh(x, w, *mx_layer.parameters())
+            mx_layer(x, ids, w).backward(g)
+
+        def mx_staged(i):
+            x, ids, w, g = inputs[i]
+            fresh(x, w, wg, wu, wd)
+            mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp).backward(g)
+
+        impls[MX_MEGA_BWD_ROW] = mx_mega
+        impls[MX_BWD_ROW] = mx_staged
     rows = []
     flops = 3 * routed_flops(spec, tokens)
     for name, fn in impls.items():
@@ -484,6 +511,11 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     return rows
 
 
+#: the fwd+bwd bench's MXFP8 rows (``--numerics mxfp8 --backward``): the MXFP8 megakernel under
+#: autograd (its backward: the staged experts' recomputed forward and MXFP8 backward), and the
+#: staged experts alone
+MX_MEGA_BWD_ROW = "mokgen megakernel MXFP8 + staged MXFP8 backward (W=1)"
+MX_BWD_ROW = "mokgen MXFP8 experts, staged fwd+bwd (bf16 math)"
 #: the fwd+bwd bench's row of a layer whose ring is sized to hold every pair (bwd_ring "reuse")
 RING_ROW = "mokgen megakernel + mokgen backward, save, ring reused (W=1)"
 

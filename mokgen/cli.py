@@ -367,8 +367,9 @@ def bench_table(rows, ceiling: float, gpu: str) -> Table:
 @click.option("--backward", is_flag=True,
               help="layer/local/block: time forward + backward (autograd) instead of forward")
 @click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default="bf16", show_default=True,
-              help="mxfp8: the layer and local workloads add the MXFP8 experts, with each mokgen row's error "
-                   "against the float64 layer")
+              help="mxfp8: the layer and local workloads add the MXFP8 megakernel and staged experts (forward: "
+                   "with each mokgen row's error against the float64 layer; --backward: their fwd+bwd), ep the "
+                   "MXFP8 megakernel across GPUs")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
 def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, numerics, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
@@ -382,9 +383,11 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         raise InputError("name at least one SPEC, or pass --all")
     specs = [_spec(r) for r in refs]
     workloads = workload or ("layer", "virtual")
-    if numerics == "mxfp8" and (backward or not set(workloads) <= {"layer", "local"}):
-        raise InputError("--numerics mxfp8 times the forward of the layer and local workloads (pass --workload layer "
-                         "or local, without --backward)")
+    if numerics == "mxfp8" and not set(workloads) <= {"layer", "local", "ep"}:
+        raise InputError("--numerics mxfp8 times the layer, local and ep workloads (pass --workload layer, local or ep)")
+    if numerics == "mxfp8" and backward and not set(workloads) <= {"layer", "local"}:
+        raise InputError("--numerics mxfp8 --backward times the layer and local workloads (pass --workload layer or "
+                         "local)")
     if backward and not set(workloads) <= {"layer", "local", "block"}:
         raise InputError("--backward times the layer, local and block workloads only (pass --workload layer, local "
                          "or block)")
@@ -407,14 +410,15 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
             start, first = time.perf_counter(), len(rows)
             with err_console.status(f"{wl}: {spec.name} ...", spinner="dots"):
                 if wl == "layer" and backward:
-                    rows += b.bench_layer_backward(spec, tokens or 4096, iters=iters)
+                    rows += b.bench_layer_backward(spec, tokens or 4096, iters=iters, numerics=numerics)
                 elif wl == "layer":
                     rows += b.bench_layer(spec, tokens or 4096, iters=iters, loop=not no_loop, numerics=numerics)
                 elif wl == "local" and backward:
                     ep = b.LOCAL_EP.get(spec.name, 8)
                     local, local_rows = b.local_spec(spec, ep, tokens or 2048)
                     rows += b.bench_layer_backward(local, local_rows, iters=iters, workload=f"local EP{ep}",
-                                                   layer_kwargs=b.local_layer_kwargs(spec, ep, tokens or 2048))
+                                                   layer_kwargs=b.local_layer_kwargs(spec, ep, tokens or 2048),
+                                                   numerics=numerics)
                 elif wl == "local":
                     rows += b.bench_local(spec, tokens_per_gpu=tokens or 2048, iters=iters, loop=not no_loop,
                                           numerics=numerics)

@@ -301,7 +301,8 @@ def _ring_for_backward(spec: MoESpec, world: int, max_tokens: int, chunk_rows: i
     max_tokens x top_k rows, so that the backward can read every pair's x row in place; under
     "auto", the same where it takes at most AUTO_RING_GROWTH times ``ring_chunks`` and these
     were not given by the caller (``explicit``: the tuned entry's or the plan's are grown)."""
-    if bwd_ring == "gather" or world != 1 or spec.target.numerics != "bf16":  # (MXFP8: forward only)
+    # (an MXFP8 layer's backward recomputes through the staged experts: it reads no ring)
+    if bwd_ring == "gather" or world != 1 or spec.target.numerics != "bf16":
         return ring_chunks
     need = -(-max_tokens * spec.top_k // chunk_rows)
     if bwd_ring == "auto":
@@ -356,16 +357,74 @@ def _mx_operand(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _weights_for(kernel, w_gate, w_up, w_down, grad_inputs):
+def _weights_for(kernel, w_gate, w_up, w_down):
     """The expert weights as ``kernel`` takes them: as given (bf16 builds), or for an MXFP8 build
-    their MX values (``_mx_operand``). MXFP8 builds are forward only: a call that autograd would
-    record raises."""
+    their MX values (``_mx_operand``)."""
     if getattr(kernel, "NUMERICS", "bf16") != "mxfp8":
         return w_gate, w_up, w_down
-    if _records_grad(grad_inputs):
-        raise InputError("the MXFP8 megakernel is forward only: run it under torch.no_grad(), or train through "
-                         "mokgen.mx_experts.experts_forward_train")
     return _mx_operands(w_gate, w_up, w_down)
+
+
+def _mx_training(kernel, grad_inputs) -> bool:
+    """Whether this launch is an MXFP8 build's under autograd (``_MXTraining`` then records it)."""
+    return getattr(kernel, "NUMERICS", "bf16") == "mxfp8" and _records_grad(grad_inputs)
+
+
+class _MXTraining(torch.autograd.Function):
+    """An MXFP8 megakernel launch under autograd (issue 6; docs/architecture.md, the MXFP8
+    megakernel's "Training through the layer"). The forward is the launch itself, run without a graph of its
+    own (``launch``), so the outputs are the bits of the same call under ``torch.no_grad``. The
+    backward recomputes the staged MXFP8 experts' forward (``mokgen.mx_experts``) on the launch's
+    tokens, every rank's concatenated in rank order, with the full expert weights, and returns
+    the gradients of their MXFP8 backward: each backward GEMM's operands quantized along its own
+    reduction dimension, straight-through to the unquantized inputs. Those are the gradients of
+    the staged forward, which differs from the megakernel's by its rounding of each expert
+    output row to bf16 before the combine (relative 6e-3 at most in the GPU tests)."""
+
+    @staticmethod
+    def forward(ctx, launch, clamp_limit, n, *tensors):
+        # tensors: xs (n), topk_weights (n), w_gate, w_up, w_down, topk_ids (n)
+        with torch.no_grad():
+            outs = launch()
+        ctx.n, ctx.clamp_limit = n, clamp_limit
+        ctx.save_for_backward(*tensors)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from mokgen import mx_experts
+
+        n, t = ctx.n, ctx.saved_tensors
+        xs, ws, weights, ids = t[:n], t[n:2 * n], t[2 * n:2 * n + 3], t[2 * n + 3:]
+        sizes = [x.shape[0] for x in xs]
+        gos = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+
+        def cat(ts):
+            return ts[0] if len(ts) == 1 else torch.cat(list(ts))
+
+        if sum(sizes) == 0:  # no token on any rank: nothing flows back
+            d_weights = [torch.zeros_like(w) for w in weights]
+            return (None, None, None, *[torch.zeros_like(x) for x in xs], *[torch.zeros_like(w) for w in ws],
+                    *d_weights, *[None] * n)
+        w_dtype = ws[0].dtype if all(w.dtype == ws[0].dtype for w in ws) else torch.float32
+        with torch.enable_grad():
+            x = cat(xs).detach().requires_grad_(True)
+            w = cat([w_.to(w_dtype) for w_ in ws]).detach().requires_grad_(True)
+            wts = [p.detach().requires_grad_(True) for p in weights]
+            out = mx_experts.experts_forward_train(x, cat(ids), w, *wts, ctx.clamp_limit)
+            dx, dw, *d_weights = torch.autograd.grad(out, (x, w, *wts), cat(gos))
+        return (None, None, None, *dx.split(sizes), *[g.to(w_.dtype) for g, w_ in zip(dw.split(sizes), ws)],
+                *d_weights, *[None] * n)
+
+
+@torch.compiler.disable
+def _mx_train(kernel, launch, xs, topk_ids, topk_weights, w_gate, w_up, w_down) -> list:
+    """``launch()`` (an MXFP8 build's, every rank of it in this process, holding the experts
+    ``w_gate`` / ``w_up`` / ``w_down`` [E, ...] between them) recorded for autograd by
+    ``_MXTraining``; eager under torch.compile (a graph break)."""
+    n = len(xs)
+    return list(_MXTraining.apply(launch, getattr(kernel, "CLAMP_LIMIT", None), n, *xs, *topk_weights, w_gate, w_up,
+                                  w_down, *topk_ids))
 
 
 @torch.compiler.disable
@@ -540,17 +599,25 @@ def virtual_ep_forward(
         e_loc = spec.num_experts // W
         grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, policy, True, (), grad_inputs)
-        w_gate, w_up, w_down = _weights_for(kernel, w_gate, w_up, w_down, grad_inputs)
-        outs = _op(kernel, _records_grad(grad_inputs))(
-            list(xs),
-            [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids],
-            [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
-            [w_gate[r * e_loc : (r + 1) * e_loc] for r in range(W)],
-            [w_up[r * e_loc : (r + 1) * e_loc] for r in range(W)],
-            [w_down[r * e_loc : (r + 1) * e_loc] for r in range(W)],
-            *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
-            int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank), *tail,
-        )
+        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
+        mx_training = _mx_training(kernel, grad_inputs)
+        ids32 = [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids]
+
+        def launch():
+            return _op(kernel, _records_grad(grad_inputs) and not mx_training)(
+                list(xs), ids32,
+                [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
+                [wg[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+                [wu[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+                [wd[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+                *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
+                int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank), *tail,
+            )
+
+        if mx_training:
+            outs = _mx_train(kernel, launch, xs, ids32, topk_weights, w_gate, w_up, w_down)
+        else:
+            outs = launch()
         outs = outs[:W]  # without the saved pre-activations (autograd keeps them)
         if _can_sync():
             err = bufs.read_error()
@@ -576,15 +643,23 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
         ctas, dispatch = _ctas(kernel, 1)
         grad_inputs = (x, topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, env.bwd_policy(), True, (), grad_inputs)
-        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down, grad_inputs)
-        out = _op(kernel, _records_grad(grad_inputs))(
-            [x],
-            [topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)],
-            [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
-            [wg], [wu], [wd],
-            *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6), -1,
-            *tail,
-        )[0]
+        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
+        mx_training = _mx_training(kernel, grad_inputs)
+        ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+
+        def launch():
+            return _op(kernel, _records_grad(grad_inputs) and not mx_training)(
+                [x], [ids32],
+                [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
+                [wg], [wu], [wd],
+                *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6),
+                -1, *tail,
+            )
+
+        if mx_training:
+            out = _mx_train(kernel, launch, [x], [ids32], [topk_weights], w_gate, w_up, w_down)[0]
+        else:
+            out = launch()[0]
         if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
             bufs.watch()
     return out
@@ -843,15 +918,27 @@ class MoELayer(torch.nn.Module):
             bufs.ring_key, bufs.ring_untracked = None, True
         else:
             bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
-        wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down, grad_inputs)
-        out = _op(self._kernel, _records_grad(grad_inputs))(
-            [x],
-            [ids32],
-            [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
-            [wg], [wu], [wd],
-            *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
-            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
-        )[0]
+        wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down)
+        mx_training = _mx_training(self._kernel, grad_inputs)
+        if mx_training and self.world != 1:
+            raise InputError("MXFP8 training needs every expert on this GPU (the backward runs the staged MXFP8 "
+                             "experts on one GPU): a multi-GPU MXFP8 layer is forward only, run it under "
+                             "torch.no_grad()")
+
+        def launch():
+            return _op(self._kernel, _records_grad(grad_inputs) and not mx_training)(
+                [x], [ids32],
+                [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
+                [wg], [wu], [wd],
+                *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
+                self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
+            )
+
+        if mx_training:
+            out = _mx_train(self._kernel, launch, [x], [ids32], [topk_weights], self.w_gate, self.w_up,
+                            self.w_down)[0]
+        else:
+            out = launch()[0]
         if not compiling and not capturing:
             bufs.watch()
         return out
@@ -865,7 +952,8 @@ class MoELayer(torch.nn.Module):
 
 class MoEExperts(MoELayer):
     """All E routed experts of a spec on one GPU (a single-rank MoELayer), weights in the
-    Hugging Face layout: w_gate/w_up [E, I, H], w_down [E, H, I]. Forward only for now."""
+    Hugging Face layout: w_gate/w_up [E, I, H], w_down [E, H, I]; forward and backward as
+    MoELayer's."""
 
     def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16,
                  max_tokens: int | None = None):

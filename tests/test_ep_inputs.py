@@ -762,12 +762,16 @@ def test_cli_bench_unknown_spec_before_the_gpu_check(invoke):
     assert "no-such-model" in line and "CUDA" not in line
 
 
-def test_cli_bench_mxfp8_only_for_the_layer_and_local_forward(invoke):
-    for extra in (("--workload", "virtual"), ("--workload", "local", "--backward")):
+def test_cli_bench_mxfp8_only_for_the_layer_local_and_ep_workloads(invoke):
+    cases = ((("--workload", "virtual"), "error: --numerics mxfp8 times the layer, local and ep workloads (pass "
+              "--workload layer, local or ep)"),
+             (("--workload", "block", "--backward"), "error: --numerics mxfp8 times the layer, local and ep workloads "
+              "(pass --workload layer, local or ep)"),
+             (("--workload", "ep", "--backward"), "error: --numerics mxfp8 --backward times the layer and local "
+              "workloads (pass --workload layer or local)"))
+    for extra, want in cases:
         code, out, err, leftovers = invoke("bench", SMALL, "--numerics", "mxfp8", *extra)
-        line = _one_error_line(code, out, err)
-        assert line == ("error: --numerics mxfp8 times the forward of the layer and local workloads (pass --workload "
-                        "layer or local, without --backward)")
+        assert _one_error_line(code, out, err) == want, extra
         assert leftovers == []
 
 
@@ -779,28 +783,29 @@ def test_cli_bench_backward_only_for_layer_local_and_block(invoke):
     assert leftovers == []
 
 
-def test_mxfp8_builds_are_forward_only_and_bf16_builds_take_the_weights_as_given():
-    """mokgen.ep._weights_for: an MXFP8 build refuses a call autograd would record (one line);
-    a bf16 build gets the weight tensors themselves."""
+def test_mxfp8_builds_take_converted_weights_and_train_through_their_own_node():
+    """mokgen.ep._weights_for: a bf16 build gets the weight tensors themselves, an MXFP8 build
+    their conversions (eagerly, also under torch.compile: a graph break); _mx_training: only an
+    MXFP8 build's call that autograd would record goes through the MXFP8 training node."""
     import types
 
-    from mokgen import ep
+    from mokgen import ep, mx_gemm
 
     w = [torch.zeros(2, 128, 256, dtype=torch.bfloat16) for _ in range(3)]
     bf16 = types.SimpleNamespace(NUMERICS="bf16")
-    assert all(a is b for a, b in zip(ep._weights_for(bf16, *w, (w[0],)), w))
+    assert all(a is b for a, b in zip(ep._weights_for(bf16, *w), w))
     mx = types.SimpleNamespace(NUMERICS="mxfp8")
     x = torch.zeros(4, 256, requires_grad=True)
-    with pytest.raises(InputError, match="the MXFP8 megakernel is forward only") as info:
-        ep._weights_for(mx, *w, (x,))
-    assert "\n" not in str(info.value)
-    # no refusal under torch.compile: the conversion runs eagerly there (a graph break)
-    from mokgen import mx_gemm
-
+    assert ep._mx_training(mx, (x,)) and not ep._mx_training(mx, (x.detach(),))
+    assert not ep._mx_training(bf16, (x,))
+    with torch.no_grad():
+        assert not ep._mx_training(mx, (x,))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx_gemm, "expert_weights", lambda parts: parts[0] + 1)
         mp.setattr(torch.compiler, "is_compiling", lambda: True)
-        got = ep._weights_for(mx, *w, (x.detach(),))
+        ep.refresh_mx_weights()
+        got = ep._weights_for(mx, *w)
+    ep.refresh_mx_weights()
     assert all(torch.equal(g, t + 1) for g, t in zip(got, w))
 
 

@@ -9,6 +9,7 @@ Oracles:
 - the float64 MX oracle (mokgen.reference.mx_experts_forward);
 - itself: every virtual rank count W and ring size gives the same bits (rows are independent and
   the combine order is fixed), and repeats give the same bits.
+Under autograd a launch's gradients are the staged experts' MXFP8 backward's (mokgen.ep._MXTraining).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ torch = pytest.importorskip("torch")
 from mokgen import mx_experts  # noqa: E402
 from mokgen import reference as R  # noqa: E402
 from mokgen.ep import virtual_ep_forward  # noqa: E402
-from mokgen.errors import InputError  # noqa: E402
 from mokgen.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
@@ -80,11 +80,69 @@ def test_mx_megakernel_gives_the_same_bits_for_every_w_and_ring():
             assert all(torch.equal(a, b) for a, b in zip(four, again))
 
 
-def test_mx_megakernel_is_forward_only():
+def _staged_grads(spec, xs, ids, ws, weights, d_outs):
+    """experts_forward_train's gradients (x, topk_weights, w_gate, w_up, w_down) on the ranks'
+    tokens concatenated in rank order: what an MXFP8 launch's backward returns."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (torch.cat(xs), torch.cat(ws), *weights)]
+    out = mx_experts.experts_forward_train(leaves[0], torch.cat(ids), *leaves[1:], spec.activation.clamp_limit)
+    out.backward(torch.cat(d_outs))
+    return [t.grad for t in leaves]
+
+
+def test_mx_moelayer_trains_with_the_staged_experts_gradients_the_same_bits_20_times():
+    """MoELayer on an MXFP8 spec under autograd: the forward is the launch's bits under no_grad,
+    the gradients (tokens, routing weights, the layer's three weights) are experts_forward_train's
+    bit for bit, and 20 repeats give the same bits."""
+    from mokgen.ep import MoELayer
+
     spec = _spec()
-    xs, ids, ws, (wg, wu, wd) = _problem(spec, [64], seed=3)
-    with pytest.raises(InputError, match="the MXFP8 megakernel is forward only"):
-        virtual_ep_forward(spec, [xs[0].requires_grad_(True)], ids, ws, wg, wu, wd)
+    xs, ids, ws, weights = _problem(spec, [384], seed=9, skew=True)
+    d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(10),
+                        device="cuda").to(torch.bfloat16)
+    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    with torch.no_grad():
+        for p, v in zip((layer.w_gate, layer.w_up, layer.w_down), weights):
+            p.copy_(v)
+        want_out = layer(xs[0], ids[0], ws[0])
+    want = _staged_grads(spec, xs, ids, ws, weights, [d_out])
+    first = None
+    for _ in range(20):
+        x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        out = layer(x, ids[0], w)
+        assert torch.equal(out, want_out)
+        out.backward(d_out)
+        got = [x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
+        for name, g, v in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got, want):
+            assert g.dtype == v.dtype and torch.equal(g, v), name
+        if first is None:
+            first = got
+        assert all(torch.equal(a, b) for a, b in zip(got, first))
+
+
+def test_virtual_mx_launch_trains_like_the_staged_experts_on_every_ranks_tokens():
+    """virtual_ep_forward with W = 4 MXFP8 ranks (one without tokens, skewed routing) under
+    autograd: each rank's output is the no_grad launch's, and the gradients are
+    experts_forward_train's on the ranks' tokens in rank order, bit for bit; a rank's unused
+    output counts as a zero gradient."""
+    spec = _spec()
+    xs, ids, ws, weights = _problem(spec, [300, 0, 200, 250], seed=11, skew=True)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    d_outs = [torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for x in xs]
+    d_outs[3].zero_()  # rank 3's output is left out of the backward below
+    with torch.no_grad():
+        want_outs = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
+    want = _staged_grads(spec, xs, ids, ws, weights, d_outs)
+    lx = [x.clone().requires_grad_(True) for x in xs]
+    lw = [w.clone().requires_grad_(True) for w in ws]
+    lweights = [t.clone().requires_grad_(True) for t in weights]
+    outs = virtual_ep_forward(spec, lx, ids, lw, *lweights, chunk_rows=256, ring_chunks=3)
+    assert all(torch.equal(o, v) for o, v in zip(outs, want_outs))
+    torch.autograd.backward(outs[:3], d_outs[:3])
+    assert torch.equal(torch.cat([t.grad for t in lx]), want[0])
+    assert torch.equal(torch.cat([t.grad for t in lw]), want[1])
+    for name, g, v in zip(("w_gate", "w_up", "w_down"), lweights, want[2:]):
+        assert torch.equal(g.grad, v), name
 
 
 def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_per_version():

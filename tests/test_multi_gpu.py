@@ -150,6 +150,15 @@ def _run_rank(name: str, rank: int, world: int, device):
         dist.gather_object(stats, all_stats if rank == 0 else None, dst=0)
         if rank == 0:
             gathered.append(([b[: tokens[r]] for r, b in enumerate(bufs)], all_stats))
+    if spec.target.numerics == "mxfp8" and world > 1:
+        # training across GPUs is refused on every rank, before any launch, in one line (the MXFP8
+        # backward runs the staged experts, every expert on one GPU)
+        from mokgen.errors import InputError
+
+        routing, tokens = calls[0]
+        x, ids, w = _rank_inputs(spec, 0, routing, tokens[rank], rank, world, device)
+        with pytest.raises(InputError, match="MXFP8 training needs every expert on this GPU"):
+            layer(x, ids, w.clone().requires_grad_(True))
     torch.cuda.synchronize(device)
     del layer
     return gathered if rank == 0 else None

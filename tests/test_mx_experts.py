@@ -328,3 +328,50 @@ def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, skew, 
     # a skewed routing leaves the last expert without rows: its weight gradients are zeros
     if skew:
         assert not leaves[2].grad[-1].any() and not leaves[4].grad[-1].any()
+
+
+def test_the_mx_megakernels_autograd_node_returns_the_staged_experts_gradients(emulated):
+    """mokgen.ep._MXTraining, the node an MXFP8 megakernel launch gets under autograd: its outputs
+    are the launch's own (called once, under no_grad), and its backward gives, for every rank,
+    the gradients experts_forward_train gives on the ranks' tokens concatenated in rank order,
+    bit for bit (the kernels emulated), with an empty rank, an output without a gradient and
+    bf16 routing weights; a launch without tokens gets zero gradients."""
+    from mokgen import ep
+
+    x, ids, w, wg, wu, wd = _cpu_problem(T=120, seed=3)
+    w = w.to(torch.bfloat16)
+    sizes = [50, 0, 70]
+    xs, idss, ws = (list(t.split(sizes)) for t in (x, ids, w))
+    d_outs = [torch.randn(n, x.shape[1], generator=torch.Generator().manual_seed(4 + i)).to(torch.bfloat16)
+              for i, n in enumerate(sizes)]
+    calls = []
+
+    def launch():  # the megakernel's stand-in: any per-rank outputs, recorded
+        calls.append(torch.is_grad_enabled())
+        return [torch.full((n, x.shape[1]), float(i + 1), dtype=torch.bfloat16) for i, n in enumerate(sizes)]
+
+    leaves = [[t.clone().requires_grad_(True) for t in ts] for ts in (xs, ws)]
+    wts = [t.clone().requires_grad_(True) for t in (wg, wu, wd)]
+    kernel = type("K", (), {"CLAMP_LIMIT": 1.5})
+    outs = ep._mx_train(kernel, launch, leaves[0], idss, leaves[1], *wts)
+    assert calls == [False]
+    assert all(torch.equal(o, e) for o, e in zip(outs, launch()))
+    # rank 2's output unused: its gradient is None, taken as zeros
+    torch.autograd.backward(outs[:2], d_outs[:2])
+
+    ref = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    out = mx_experts.experts_forward_train(ref[0], ids, ref[1], *ref[2:], clamp_limit=1.5)
+    out.backward(torch.cat([d_outs[0], d_outs[1], torch.zeros_like(d_outs[2])]))
+    assert torch.equal(torch.cat([t.grad for t in leaves[0]]), ref[0].grad)
+    assert all(t.grad.dtype == torch.bfloat16 for t in leaves[1])
+    assert torch.equal(torch.cat([t.grad for t in leaves[1]]), ref[1].grad)
+    for got, want in zip(wts, ref[2:]):
+        assert torch.equal(got.grad, want.grad)
+
+    # no token on any rank: zero gradients, no staged call
+    empty = [torch.zeros(0, x.shape[1], dtype=torch.bfloat16, requires_grad=True)]
+    wts = [t.clone().requires_grad_(True) for t in (wg, wu, wd)]
+    out = ep._mx_train(kernel, lambda: [torch.zeros(0, x.shape[1], dtype=torch.bfloat16)], empty,
+                       [ids[:0]], [w[:0].clone().requires_grad_(True)], *wts)[0]
+    out.sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in wts)

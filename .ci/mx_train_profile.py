@@ -1,0 +1,64 @@
+"""Where an MXFP8 training step's time goes (runs on an H200, not in CI; docs/perf-notes.md v0.39):
+the staged MXFP8 experts' forward + backward (mokgen.mx_experts.experts_forward_train) on the
+bench's local workload of each named spec, under torch.profiler after two warm-up steps. Prints
+the step's GPU time and the kernels by total GPU time (name, calls, total ms, share), and the
+same for the MXFP8 megakernel layer under autograd (its backward recomputes the staged forward).
+v0.37 measured kimi-k2.5's step at 27.2 ms, of which 6.8 ms went to the weights' quantizations;
+this says where the other 20 go. Usage: python3 .ci/mx_train_profile.py [SPEC ...] (default kimi-k2.5)."""
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mokgen import bench, load_spec, mx_experts
+from mokgen.ep import MoELayer
+
+TOP = 25
+
+
+def kernel_table(step, label: str) -> None:
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals, calls = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name] += ev.device_time_total / 1e3  # us -> ms
+            calls[ev.name] += 1
+    total = sum(totals.values())
+    print(f"{label}: {total:.3f} ms of GPU time in {sum(calls.values())} kernels and copies", flush=True)
+    for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:TOP]:
+        print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}% x{calls[name]:<4d} {name[:150]}")
+
+
+for name in sys.argv[1:] or ["kimi-k2.5"]:
+    ep = bench.LOCAL_EP.get(name, 8)
+    spec, tokens = bench.local_spec(load_spec(name), ep)
+    layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1)
+    del layer
+    x, ids, w, d_out = inputs[0]
+    clamp = spec.activation.clamp_limit
+
+    def staged():
+        for t in (x, w, wg, wu, wd):
+            t.grad = None
+        mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp).backward(d_out)
+
+    kernel_table(staged, f"{spec.name} staged MXFP8 fwd+bwd")
+    mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda")
+    with torch.no_grad():
+        mx_layer.w_gate.copy_(wg), mx_layer.w_up.copy_(wu), mx_layer.w_down.copy_(wd)
+    mx_layer.check_ids = False
+
+    def mega():
+        for t in (x, w, *mx_layer.parameters()):
+            t.grad = None
+        mx_layer(x, ids, w).backward(d_out)
+
+    kernel_table(mega, f"{spec.name} MXFP8 megakernel layer fwd+bwd")
+    del mx_layer
+    torch.cuda.empty_cache()
