@@ -1,6 +1,7 @@
 """Fill the build cache in parallel before a GPU run (device time is short and cold builds run one
 after another inside a bench or a test process): every bundled spec's default build and the
-bench's local stand-ins (EP8, deepseek-v3 at EP64), the backward GEMM library and the MX GEMM library.
+bench's local stand-ins (EP8, deepseek-v3 at EP64), the training example's block, the backward GEMM
+library and the MX GEMM library.
 It builds and loads nothing onto a GPU, so it also runs on the CPU machine: `.ci/prebuild-cache` fills
 a cache there for the device runs to carry. Usage: python3 .ci/prewarm.py [JOBS]."""
 import sys
@@ -23,6 +24,9 @@ if "mxfp8" in IMPLEMENTED_NUMERICS:
     specs += [bench.local_spec(load_spec(n), 64 if n == "deepseek-v3" else 8)[0].with_target(numerics="mxfp8")
               for n in ("kimi-k2.5", "glm-5.2", "qwen3.5-397b-a17b", "deepseek-v4-pro", "deepseek-v3", "qwen3-30b-a3b",
                         "qwen3.5-35b-a3b")]
+# the training example's block (tests/test_gpu_block.py), in BF16 and, where built, MXFP8
+tiny = load_spec("examples/tiny-moe.yaml")
+specs += [tiny] + ([tiny.with_target(numerics="mxfp8")] if "mxfp8" in IMPLEMENTED_NUMERICS else [])
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)

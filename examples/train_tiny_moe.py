@@ -4,9 +4,11 @@ The model below is written here (no downloads): token embedding, a few pre-norm 
 (causal self-attention + MoE block), a tied output head; a synthetic next-token task (copy the
 token from 3 positions back). The same initial weights train twice, once with mokgen's block
 and once with the reference block (mokgen.reference, fp32 PyTorch), on the same batches; the
-two loss curves are printed side by side. Needs one H100/H200.
+two loss curves are printed side by side. ``--numerics mxfp8`` trains mokgen's block with the
+MXFP8 megakernel (its backward: the staged MXFP8 experts', mokgen.ep) against the same fp32
+reference block. Needs one H100/H200.
 
-    python examples/train_tiny_moe.py [--steps 30] [--spec examples/tiny-moe.yaml]
+    python examples/train_tiny_moe.py [--steps 30] [--spec examples/tiny-moe.yaml] [--numerics bf16|mxfp8]
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ def main(argv=None) -> tuple[list[float], list[float]]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--numerics", choices=("bf16", "mxfp8"), default="bf16")
     args = ap.parse_args(argv)
-    spec = mokgen.load_spec(args.spec)
+    spec = mokgen.load_spec(args.spec).with_target(numerics=args.numerics)
     torch.manual_seed(0)
     model = TinyMoEModel(spec)
     twin = TinyMoEModel(spec)  # the same initial weights (each MoELayer keeps its own kernel buffers)
