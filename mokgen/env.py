@@ -45,6 +45,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_FUSED": "1: the save policy's experts backward (dh, SwiGLU's backward, dx and the three weight gradients) as one persistent launch (bwd_gemm.fused_backward, v0.23) instead of five; 0 (default): the separate launches. The same bits. Reads a gathered copy of dOut's rows (MOKGEN_BWD_DOUT does not apply)",
     "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
     "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
+    "MOKGEN_MX_QUANT": "v1 (default) or v2: the kernels that quantize MXFP8 weights along their rows or columns (mokgen.mx_gemm.expert_weights, cols_bf16_math): one thread per 32-element block (v0.35), or v0.39's (codes four to a word, no index division, two columns per thread). The same bits",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -208,6 +209,10 @@ def bwd_gemm_enabled() -> bool:
 def bwd_policy() -> str:
     """MOKGEN_BWD_POLICY: ``save`` (default) or ``recompute`` (mokgen.backward, "Save or recompute")."""
     return _choice("MOKGEN_BWD_POLICY", ("save", "recompute"))
+
+
+def mx_quant() -> str:
+    return _choice("MOKGEN_MX_QUANT", ("v1", "v2"))
 
 
 def bwd_dx_pairs() -> str:

@@ -20,6 +20,7 @@ import ctypes
 import os
 from pathlib import Path
 
+from mokgen import env
 from mokgen.build import build_source, find_source_library
 from mokgen.errors import InputError, KernelError
 
@@ -78,6 +79,8 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_tile_test.restype = i
         lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_cols.restype = i
+        for v2 in (lib.mokgen_mx_weight_rows2, lib.mokgen_mx_weight_cols2):  # MOKGEN_MX_QUANT=v2
+            v2.argtypes, v2.restype = [vp, vp, vp, vp, i, i, i, i, i, i, vp], i
         lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
         lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
@@ -429,6 +432,14 @@ def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, we
     return out
 
 
+def _quant_entry(entry: str, n: int | None = None) -> str:
+    """The weights' quantizer ``entry`` (mokgen_mx_weight_rows or _cols), or its v0.39 version
+    (the same arguments and bits) under MOKGEN_MX_QUANT=v2, where it applies (columns: n even)."""
+    if env.mx_quant() == "v2" and (n is None or n % 2 == 0):
+        return entry + "2"
+    return entry
+
+
 def expert_weights(parts, *, transpose: bool = False, codes: bool = False, interleave: bool = False):
     """Stacked expert weights (bf16, mokgen's layout) quantized to MXFP8 on the GPU in one pass each,
     for the grouped GEMMs: ``parts`` are ``[E, n_i, K]`` tensors stacked along their rows (gate then
@@ -468,11 +479,11 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False, inter
     offset = 0
     for p, size in zip(parts, sizes):
         if transpose:
-            _launch("mokgen_mx_weight_cols", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, N, K,
-                    offset, 0)
+            _launch(_quant_entry("mokgen_mx_weight_cols", N), dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E,
+                    size, N, K, offset, 0)
         else:
-            _launch("mokgen_mx_weight_rows", dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size, K, N,
-                    offset, int(interleave))
+            _launch(_quant_entry("mokgen_mx_weight_rows"), dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size,
+                    K, N, offset, int(interleave))
         offset += size
     return (dec, cod, sc) if codes else dec
 
@@ -489,8 +500,8 @@ def cols_bf16_math(x):
     rows, n = x.shape
     out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
     if rows and n:
-        _launch("mokgen_mx_weight_cols", x.device, out.data_ptr(), None, None, x.data_ptr(), 1, rows, n, rows, 0,
-                int(x.dtype == torch.float32))
+        _launch(_quant_entry("mokgen_mx_weight_cols", n), x.device, out.data_ptr(), None, None, x.data_ptr(), 1, rows,
+                n, rows, 0, int(x.dtype == torch.float32))
     return out
 
 

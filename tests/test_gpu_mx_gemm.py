@@ -143,11 +143,13 @@ def test_bf16_math_grouped_gemm_equals_the_dense_form_per_expert():
         start += rows
 
 
+@pytest.mark.parametrize("quant", ["v1", "v2"])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_expert_weights_are_the_quantizer_s_values_codes_and_scales(transpose):
-    """mx_gemm.expert_weights' kernels against mokgen.mx.quantize of the stacked (or stacked and
-    transposed) weights: the bf16-math values (bf16_math_weights' bits), the codes and the
-    blocked scales; rows scaled over a wide range, one NaN."""
+def test_expert_weights_are_the_quantizer_s_values_codes_and_scales(transpose, quant, monkeypatch):
+    """mx_gemm.expert_weights' kernels (both versions, MOKGEN_MX_QUANT) against mokgen.mx.quantize
+    of the stacked (or stacked and transposed) weights: the bf16-math values (bf16_math_weights'
+    bits), the codes and the blocked scales; rows scaled over a wide range, one NaN."""
+    monkeypatch.setenv("MOKGEN_MX_QUANT", quant)
     gen = torch.Generator(device="cuda").manual_seed(22 + transpose)
     E, R, C = 3, 256, 384
     parts = [(torch.randn(E, R, C, generator=gen, device="cuda") *
@@ -188,8 +190,10 @@ def test_segments_kernel_is_the_pytorch_expression(E, n):
                 assert torch.equal(g.cpu(), w), name
 
 
+@pytest.mark.parametrize("quant", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cols_bf16_math_is_the_transposed_quantizer_s_values(dtype):
+def test_cols_bf16_math_is_the_transposed_quantizer_s_values(dtype, quant, monkeypatch):
+    monkeypatch.setenv("MOKGEN_MX_QUANT", quant)
     gen = torch.Generator(device="cuda").manual_seed(31)
     x = (torch.randn(384, 512, generator=gen, device="cuda") *
          torch.exp2(torch.randint(-30, 30, (384, 1), generator=gen, device="cuda").float())).to(dtype)
@@ -220,6 +224,47 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range():
         assert torch.equal(got[z], want), z
     low = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=torch.bfloat16)
     assert torch.equal(low, got.to(torch.bfloat16))
+
+
+def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
+    """MOKGEN_MX_QUANT v1 and v2 on blocks that reach every case of the quantizer: zeros, float32
+    subnormals, values past E4M3's largest after scaling, an infinity, a NaN, scales from 2^-135
+    to 2^120 (bf16 weights by rows, interleaved and by columns; float32 and bf16 activations by
+    column), partial CTAs in every grid dimension, and an odd column count (v1's kernel then)."""
+    gen = torch.Generator(device="cuda").manual_seed(51)
+    E, R, C = 3, 1280, 3200  # C / 32 = 100 blocks: a partial CTA of 32 along the rows' K
+    w = torch.randn(E, R, C, generator=gen, device="cuda") * torch.exp2(
+        torch.randint(-135, 120, (E, R, C // 32, 1), generator=gen, device="cuda").float()).repeat_interleave(
+        32, dim=2).view(E, R, C)
+    w[0, 0, :32] = 0.0
+    w[0, 1, :32] = 1e-40  # float32 subnormals (zero in bf16)
+    w[1, 2, :32] = 448.0 * 2.0 ** 20
+    w[1, 2, 5] = 500.0 * 2.0 ** 20  # past the largest E4M3 after scaling: saturates
+    w[2, 3, 64 + 7] = float("inf")
+    w[2, 4, 96 + 1] = float("nan")
+    wb = w.to(torch.bfloat16)
+    halves = [t.contiguous() for t in wb.split([R // 2, R // 2], dim=1)]  # 640 rows each (interleave)
+    ragged = [wb[:, :100].contiguous(), wb[:, 100:136].contiguous()]  # rows: partial CTAs of 8 rows
+    thirds = [wb[:, :96].contiguous(), wb[:, 96:256].contiguous()]  # columns: 3 and 5 blocks of 32 rows
+    acts = [w[0].contiguous(), wb[1].contiguous()]
+
+    def run(quant):
+        monkeypatch.setenv("MOKGEN_MX_QUANT", quant)
+        out = []
+        for transpose in (False, True):
+            out += list(mx_gemm.expert_weights(halves, transpose=transpose, codes=True))
+        out.append(mx_gemm.expert_weights(halves, interleave=True))
+        out += list(mx_gemm.expert_weights(ragged, codes=True))
+        out += list(mx_gemm.expert_weights(thirds, transpose=True, codes=True))
+        out += [mx_gemm.cols_bf16_math(a) for a in acts]
+        out += [mx_gemm.cols_bf16_math(a[:, :C - 2].contiguous()) for a in acts]  # a partial CTA of 32 pairs
+        out.append(mx_gemm.cols_bf16_math(acts[1][:, :C - 1].contiguous()))  # odd n
+        return [t.view(torch.uint8) for t in out]
+
+    one, two = run("v1"), run("v2")
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert torch.equal(a, b), i
+    assert (one[2] == 0xFF).any()  # the rows' scales: the NaN and infinity blocks reached the NaN scale
 
 
 @pytest.mark.parametrize("clamp", [None, 7.0])

@@ -234,6 +234,154 @@ __global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int row
   }
 }
 
+// ---- v0.39's weight quantizers (MOKGEN_MX_QUANT=v2; the bits of weight_rows_kernel and
+// weight_cols_kernel): v0.37 measured the weights' three quantizations of a kimi-k2.5 local
+// training step at 6.8 ms, about half of the memory's rate, and the kernels above spend about 19
+// instructions per element: a 64-bit index division per thread, the non-finite test per element,
+// and the codes taken apart into bytes and put back together for the stores and the decode.
+// These keep the codes four to a word from the conversion to the stores, test amax alone
+// (non-finite exactly when amax's bits reach the infinity's), and take their indices from a
+// 3-D grid. Along the columns a thread quantizes two neighbouring columns, so each warp load is a
+// whole 128-byte (bf16) or 256-byte (float32) row segment.
+
+// quantize_block_hw with the codes four to a word (code 4 i + j in byte j of word i: the byte
+// order of store_codes): the same scale and codes.
+__device__ __forceinline__ uint8_t quantize_block_words(const float (&v)[mx::kBlock], uint32_t (&w)[mx::kBlock / 4]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
+  uint8_t q[mx::kBlock];
+  const uint8_t scale = mx::quantize_block(v, q);
+  memcpy(w, q, sizeof(q));
+  return scale;
+#else
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < mx::kBlock; ++i) {
+    const uint32_t a = mx::float_bits(v[i]) & 0x7fffffffu;
+    amax = a > amax ? a : amax;
+  }
+  if (amax >= 0x7f800000u) {  // a NaN or an infinity in the block: the NaN scale and NaN codes
+#pragma unroll
+    for (int i = 0; i < mx::kBlock / 4; ++i) w[i] = 0x7f7f7f7fu;
+    return mx::kE8M0Nan;
+  }
+  const int exp_field = int(amax >> 23);
+  int s = exp_field == 0 ? -127 : exp_field - 127 - 8;
+  s = s < -127 ? -127 : s;
+  const float inv = mx::bits_float(uint32_t(127 - s) << 23);
+#pragma unroll
+  for (int i = 0; i < mx::kBlock / 4; ++i) {
+    // cvt d, a, b puts b's code in d's low byte
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(w[i])
+        : "f"(v[4 * i] * inv), "f"(v[4 * i + 1] * inv), "f"(v[4 * i + 2] * inv), "f"(v[4 * i + 3] * inv));
+  }
+  return uint8_t(s + 127);
+#endif
+}
+
+// store_decoded from the codes four to a word: the same values at the same positions.
+MOKGEN_DEVICE void store_decoded_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t scale, bf16* dst) {
+  const float f = e8m0_factor(scale);
+  alignas(16) bf16 out[mx::kBlock];
+#pragma unroll
+  for (int j = 0; j < mx::kBlock; j += 2) {
+    const uint16_t two = uint16_t(w[j >> 2] >> (8 * (j & 2)));  // codes j, j + 1
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    out[bf16m_pos(j)] = __float2bfloat16_rn(pair.x * f);
+    out[bf16m_pos(j + 1)] = __float2bfloat16_rn(pair.y * f);
+  }
+  const uint4* src = reinterpret_cast<const uint4*>(out);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = src[i];
+}
+
+MOKGEN_DEVICE void store_code_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t* dst) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+constexpr int kQuantBlocksX = 32;  // the v2 kernels' CTA: 32 x 8 threads
+constexpr int kQuantBlocksY = 8;
+
+// weight_rows_kernel's work, thread (b, local row, expert) of the grid (ceil(K / 32 / 32),
+// ceil(n_in / 8), E) and CTA (32, 8); interleave: the decoded rows of gate | up in 128s (the part
+// at offset 0 or n_in), else at the codes' rows.
+__global__ void __launch_bounds__(kQuantBlocksX * kQuantBlocksY)
+    weight_rows2_kernel(const bf16* __restrict__ x, int n_in, int k, int n_out, int offset, int interleave,
+                        bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+  const int nb = k / mx::kBlock;
+  const int b = blockIdx.x * kQuantBlocksX + threadIdx.x, local = blockIdx.y * kQuantBlocksY + threadIdx.y;
+  const int e = blockIdx.z;
+  if (b >= nb || local >= n_in) return;
+  float v[mx::kBlock];
+  mx::load_bf16_block(x + (size_t(e) * n_in + local) * k + b * mx::kBlock, v);
+  uint32_t w[mx::kBlock / 4];
+  const uint8_t scale = quantize_block_words(v, w);
+  const int row = offset + local;
+  if (decoded != nullptr) {
+    const int dec = interleave ? (local >> 7) * 256 + (offset ? 128 : 0) + (local & 127) : row;
+    store_decoded_words(w, scale, decoded + (size_t(e) * n_out + dec) * k + b * mx::kBlock);
+  }
+  if (codes != nullptr) {
+    store_code_words(w, codes + (size_t(e) * n_out + row) * k + b * mx::kBlock);
+    scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
+  }
+}
+
+template <class T>
+struct Pair2;
+template <>
+struct Pair2<bf16> {
+  using type = __nv_bfloat162;
+  MOKGEN_DEVICE static float2 get(type p) { return __bfloat1622float2(p); }
+};
+template <>
+struct Pair2<float> {
+  using type = float2;
+  MOKGEN_DEVICE static float2 get(type p) { return p; }
+};
+
+// weight_cols_kernel's work for columns c and c + 1 (n even) of a 32-row block: thread (column
+// pair, block b, expert) of the grid (ceil(n / 64), ceil(rows / 32 / 8), E) and CTA (32, 8).
+template <class T>
+__global__ void __launch_bounds__(kQuantBlocksX * kQuantBlocksY)
+    weight_cols2_kernel(const T* __restrict__ x, int rows, int n, int rows_out, int offset,
+                        bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+  using P = Pair2<T>;
+  const int nb = rows / mx::kBlock;
+  const int c = 2 * (blockIdx.x * kQuantBlocksX + threadIdx.x), b = blockIdx.y * kQuantBlocksY + threadIdx.y;
+  const int e = blockIdx.z;
+  if (c >= n || b >= nb) return;
+  const auto* src = reinterpret_cast<const typename P::type*>(x + (size_t(e) * rows + size_t(b) * mx::kBlock) * n + c);
+  float v0[mx::kBlock], v1[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock; ++i) {
+    const float2 p = P::get(src[size_t(i) * (n / 2)]);
+    v0[i] = p.x;
+    v1[i] = p.y;
+  }
+  const int kb = offset / mx::kBlock + b;  // the 32-block along rows_out
+  auto emit = [&](const float(&v)[mx::kBlock], int col) {
+    uint32_t w[mx::kBlock / 4];
+    const uint8_t scale = quantize_block_words(v, w);
+    const size_t out = (size_t(e) * n + col) * rows_out + offset + b * mx::kBlock;
+    if (decoded != nullptr) store_decoded_words(w, scale, decoded + out);
+    if (codes != nullptr) {
+      store_code_words(w, codes + out);
+      scales[((size_t(e) * (rows_out / 128) + (kb >> 2)) * n + col) * 4 + (kb & 3)] = scale;
+    }
+  };
+  emit(v0, c);
+  emit(v1, c + 1);
+}
+
 // ---- the staged experts' segments on the device, one CTA (mx_experts._segments) -----------------
 // From the pairs' expert ids (flat, n = T k), and their stable sort order or none: each pair's row
 // in the padded layout (segments in expert order, each a multiple of 128 rows), the source token of
