@@ -270,13 +270,10 @@ __device__ __forceinline__ uint8_t quantize_block_words(const float (&v)[mx::kBl
   const float inv = mx::bits_float(uint32_t(127 - s) << 23);
 #pragma unroll
   for (int i = 0; i < mx::kBlock / 4; ++i) {
-    // cvt d, a, b puts b's code in d's low byte
-    asm("{\n\t.reg .b16 lo, hi;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
-        "mov.b32 %0, {lo, hi};\n\t}"
-        : "=r"(w[i])
-        : "f"(v[4 * i] * inv), "f"(v[4 * i + 1] * inv), "f"(v[4 * i + 2] * inv), "f"(v[4 * i + 3] * inv));
+    uint16_t lo, hi;  // quantize_block_hw's conversion: the second operand's code in the low byte
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[4 * i + 1] * inv), "f"(v[4 * i] * inv));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[4 * i + 3] * inv), "f"(v[4 * i + 2] * inv));
+    w[i] = uint32_t(lo) | (uint32_t(hi) << 16);
   }
   return uint8_t(s + 127);
 #endif
