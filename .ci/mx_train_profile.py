@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mokgen import bench, load_spec, mx_experts
-from mokgen.ep import MoELayer
+from mokgen.ep import MoELayer, refresh_mx_weights
 
 TOP = 25
 
@@ -57,8 +57,9 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
     def mega():
         for t in (x, w, *mx_layer.parameters()):
             t.grad = None
+        refresh_mx_weights()  # new weights each step, as after an optimizer step: converted again
         mx_layer(x, ids, w).backward(d_out)
 
     kernel_table(mega, f"{spec.name} MXFP8 megakernel layer fwd+bwd")
-    del mx_layer
+    mx_layer = None  # its weights and buffers go before the next spec
     torch.cuda.empty_cache()

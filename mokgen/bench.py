@@ -475,7 +475,7 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     impls["torch._grouped_mm autograd"] = peer
     if numerics == "mxfp8":
         from mokgen import mx_experts
-        from mokgen.ep import MoELayer
+        from mokgen.ep import MoELayer, refresh_mx_weights
 
         mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda")
         with torch.no_grad():
@@ -485,6 +485,7 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         def mx_mega(i):
             x, ids, w, g = inputs[i]
             fresh(x, w, *mx_layer.parameters())
+            refresh_mx_weights()  # a training step's weights are new: the forward converts them again
             mx_layer(x, ids, w).backward(g)
 
         def mx_staged(i):

@@ -908,6 +908,11 @@ class MoELayer(torch.nn.Module):
                 self.check_errors(block=False)
         g = bufs.geometry
         grad_inputs = (x, topk_weights, self.w_gate, self.w_up, self.w_down, *shared_args)
+        mx_training = _mx_training(self._kernel, grad_inputs)
+        if mx_training and self.world != 1:  # before any launch (the weights' conversion included)
+            raise InputError("MXFP8 training needs every expert on this GPU (the backward runs the staged MXFP8 "
+                             "experts on one GPU): a multi-GPU MXFP8 layer is forward only, run it under "
+                             "torch.no_grad()")
         tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args, grad_inputs)
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         # what this launch leaves in the ring, for the backward (ring_rows_of): known in eager
@@ -919,11 +924,6 @@ class MoELayer(torch.nn.Module):
         else:
             bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
         wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down)
-        mx_training = _mx_training(self._kernel, grad_inputs)
-        if mx_training and self.world != 1:
-            raise InputError("MXFP8 training needs every expert on this GPU (the backward runs the staged MXFP8 "
-                             "experts on one GPU): a multi-GPU MXFP8 layer is forward only, run it under "
-                             "torch.no_grad()")
 
         def launch():
             return _op(self._kernel, _records_grad(grad_inputs) and not mx_training)(

@@ -432,12 +432,20 @@ def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, we
     return out
 
 
-def _quant_entry(entry: str, n: int | None = None) -> str:
-    """The weights' quantizer ``entry`` (mokgen_mx_weight_rows or _cols), or its v0.39 version
-    (the same arguments and bits) under MOKGEN_MX_QUANT=v2, where it applies (columns: n even)."""
-    if env.mx_quant() == "v2" and (n is None or n % 2 == 0):
-        return entry + "2"
-    return entry
+#: the v2 quantizers' grid: 8 rows (or 32-row blocks) per CTA in y, at most 65535 CTAs in y and z
+_V2_ROWS_PER_CTA, _V2_GRID_MAX = 8, 65535
+
+
+def _quant_entry(entry: str, x, experts: int, units: int, n: int | None = None) -> str:
+    """The weights' quantizer ``entry`` (mokgen_mx_weight_rows or _cols) for input ``x``, or its
+    v0.39 version (the same arguments and bits) under MOKGEN_MX_QUANT=v2 where that applies:
+    ``experts`` and ``units`` (rows, or 32-row blocks along the columns) within its grid, and for
+    the columns an even ``n`` and ``x`` aligned to two elements (it loads column pairs)."""
+    if env.mx_quant() != "v2" or experts > _V2_GRID_MAX or -(-units // _V2_ROWS_PER_CTA) > _V2_GRID_MAX:
+        return entry
+    if n is not None and (n % 2 or x.data_ptr() % (2 * x.element_size())):
+        return entry
+    return entry + "2"
 
 
 def expert_weights(parts, *, transpose: bool = False, codes: bool = False, interleave: bool = False):
@@ -479,11 +487,11 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False, inter
     offset = 0
     for p, size in zip(parts, sizes):
         if transpose:
-            _launch(_quant_entry("mokgen_mx_weight_cols", N), dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E,
-                    size, N, K, offset, 0)
+            _launch(_quant_entry("mokgen_mx_weight_cols", p, E, size // 32, N), dev, dec.data_ptr(), ptr(cod), ptr(sc),
+                    p.data_ptr(), E, size, N, K, offset, 0)
         else:
-            _launch(_quant_entry("mokgen_mx_weight_rows"), dev, dec.data_ptr(), ptr(cod), ptr(sc), p.data_ptr(), E, size,
-                    K, N, offset, int(interleave))
+            _launch(_quant_entry("mokgen_mx_weight_rows", p, E, size), dev, dec.data_ptr(), ptr(cod), ptr(sc),
+                    p.data_ptr(), E, size, K, N, offset, int(interleave))
         offset += size
     return (dec, cod, sc) if codes else dec
 
@@ -500,8 +508,8 @@ def cols_bf16_math(x):
     rows, n = x.shape
     out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
     if rows and n:
-        _launch(_quant_entry("mokgen_mx_weight_cols", n), x.device, out.data_ptr(), None, None, x.data_ptr(), 1, rows,
-                n, rows, 0, int(x.dtype == torch.float32))
+        _launch(_quant_entry("mokgen_mx_weight_cols", x, 1, rows // 32, n), x.device, out.data_ptr(), None, None,
+                x.data_ptr(), 1, rows, n, rows, 0, int(x.dtype == torch.float32))
     return out
 
 

@@ -861,4 +861,5 @@ def test_an_mxfp8_ring_holds_a_multiple_of_four_rows():
     with pytest.raises(InputError, match=r"chunk_rows x ring_chunks must be a multiple of 4.*got 1001 x 1"):
         ep._ring(spec, 1001, 1)
     assert ep._ring(load_spec(SMALL), 1001, 1) == (1001, 1)  # bf16 rings have no such bound
-    assert ep._ring_for_backward(spec, 1, 4096, 128, 4, "reuse") == 4  # forward only: no ring for a backward
+    # an MXFP8 layer's backward recomputes through the staged experts: it reads no ring
+    assert ep._ring_for_backward(spec, 1, 4096, 128, 4, "reuse") == 4

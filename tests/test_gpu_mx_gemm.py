@@ -237,7 +237,7 @@ def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
         torch.randint(-135, 120, (E, R, C // 32, 1), generator=gen, device="cuda").float()).repeat_interleave(
         32, dim=2).view(E, R, C)
     w[0, 0, :32] = 0.0
-    w[0, 1, :32] = 1e-40  # float32 subnormals (zero in bf16)
+    w[0, 1, :32] = 1e-40  # subnormals (in float32 and in bf16)
     w[1, 2, :32] = 448.0 * 2.0 ** 20
     w[1, 2, 5] = 500.0 * 2.0 ** 20  # past the largest E4M3 after scaling: saturates
     w[2, 3, 64 + 7] = float("inf")

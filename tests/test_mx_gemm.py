@@ -125,3 +125,26 @@ def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(monkeypatch):
     returns["mokgen_mx_combine"] = 1
     with pytest.raises(KernelError, match=r"^mokgen_mx_combine failed: CUDA error 1$"):
         mx_gemm.combine(y, row, w)
+
+
+def test_the_v2_weight_quantizers_are_taken_only_where_they_apply(monkeypatch):
+    """mx_gemm._quant_entry: v1's entry by default; under MOKGEN_MX_QUANT=v2 the v2 entry, except
+    past its grid (65535 CTAs of 8 units in y, 65535 experts) and, along the columns, for an odd
+    column count or a base not aligned to two elements (v1's kernel then: the same bits)."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    rows, cols = "mokgen_mx_weight_rows", "mokgen_mx_weight_cols"
+    monkeypatch.delenv("MOKGEN_MX_QUANT", raising=False)
+    assert mx_gemm._quant_entry(rows, x, 1, 4) == rows and mx_gemm._quant_entry(cols, x, 1, 4, 64) == cols
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v2")
+    assert mx_gemm._quant_entry(rows, x, 1, 4) == rows + "2"
+    assert mx_gemm._quant_entry(cols, x, 1, 4, 64) == cols + "2"
+    assert mx_gemm._quant_entry(cols, x, 1, 4, 63) == cols  # odd n
+    assert mx_gemm._quant_entry(cols, x.view(-1)[1:], 1, 4, 64) == cols  # base one element off
+    assert mx_gemm._quant_entry(rows, x, 65536, 4) == rows  # experts past gridDim.z
+    assert mx_gemm._quant_entry(rows, x, 1, 8 * 65535) == rows + "2"
+    assert mx_gemm._quant_entry(rows, x, 1, 8 * 65535 + 1) == rows  # rows past gridDim.y
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v3")
+    from mokgen.errors import ToolchainError
+
+    with pytest.raises(ToolchainError, match="MOKGEN_MX_QUANT must be v1 or v2"):
+        mx_gemm._quant_entry(rows, x, 1, 4)
