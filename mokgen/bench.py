@@ -52,6 +52,9 @@ class Row:
     # ``--numerics mxfp8`` rows: relative Frobenius error of the row's output on the first input
     # set against the float64 layer (mokgen.reference.experts_forward)
     error: float | None = None
+    # virtual-rank megakernel rows: bytes of rows dispatched between ranks per token, counted by
+    # the kernel (every rank's rows pulled from another rank, times the row's bytes in its numerics)
+    bytes_per_token: float | None = None
 
 
 PHASES = ("pull_start_ms", "pull_ms", "push_ms", "done_ms")
@@ -602,10 +605,17 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
 
 
 def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2,
-                  loop: bool = False) -> list[Row]:
+                  loop: bool = False, numerics: str = "bf16") -> list[Row]:
     """The megakernel with ``world`` virtual ranks on one GPU against the PyTorch pipeline on the
-    same global tokens without any transfer, and (``loop``) the per-expert PyTorch loop."""
+    same global tokens without any transfer, and (``loop``) the per-expert PyTorch loop. The
+    megakernel rows carry the bytes dispatched between ranks per token as the kernel counted them
+    (``bytes_per_token``). ``numerics="mxfp8"`` adds the MXFP8 megakernel (rows dispatched as E4M3
+    codes plus scales: issue 6's bytes per token against BF16's, on one GPU)."""
     from mokgen.ep import virtual_ep_forward
+    from mokgen.plan import row_bytes
+
+    if numerics not in ("bf16", "mxfp8"):
+        raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
 
     wg, wu, wd = _weights(spec)
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -616,21 +626,35 @@ def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters:
         ids, w = _routing(spec, T, gen)
         inputs.append((x, ids, w, list(x.split(tokens_per_rank)), list(ids.split(tokens_per_rank)), list(w.split(tokens_per_rank))))
     clamp = spec.activation.clamp_limit
-    impls = {
-        f"mokgen megakernel (W={world} virtual)": lambda i: virtual_ep_forward(
-            spec, *inputs[i][3:], wg, wu, wd, check_ids=False),
-        "torch._grouped_mm (no transfer)": lambda i: torch_grouped_mm_pipeline(*inputs[i][:3], wg, wu, wd, clamp),
-    }
+    megakernels = {f"mokgen megakernel (W={world} virtual)": spec}
+    if numerics == "mxfp8":
+        megakernels[f"mokgen megakernel MXFP8 (W={world} virtual)"] = spec.with_target(numerics="mxfp8")
+    impls = {name: (lambda i, s=s: virtual_ep_forward(s, *inputs[i][3:], wg, wu, wd, check_ids=False))
+             for name, s in megakernels.items()}
+    impls["torch._grouped_mm (no transfer)"] = lambda i: torch_grouped_mm_pipeline(*inputs[i][:3], wg, wu, wd, clamp)
     if loop:
         impls["torch per-expert loop (no transfer)"] = lambda i: torch_loop(*inputs[i][:3], wg, wu, wd, clamp)
     rows = []
-    flops = routed_flops(spec, tokens_per_rank * world)
+    T = tokens_per_rank * world
+    flops = routed_flops(spec, T)
     with torch.no_grad():
         for name, fn in impls.items():
             times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
             ms = statistics.median(times)
-            rows.append(Row("virtual", spec.name, tokens_per_rank * world, name, ms, flops / ms / 1e9, times))
+            rows.append(Row("virtual", spec.name, T, name, ms, flops / ms / 1e9, times))
+            s = megakernels.get(name)
+            if s is not None:  # the rows the kernel pulled from other ranks, on input set 0
+                stats = virtual_ep_forward(s, *inputs[0][3:], wg, wu, wd, check_ids=False, return_stats=True)[1]
+                remote = sum(st["rows_remote"] for st in stats)
+                rows[-1].bytes_per_token = remote * row_bytes(spec.hidden_size, s.target.numerics) / T
     return rows
+
+
+def bytes_line(row: Row) -> str | None:
+    """One line of a virtual-rank megakernel row's bytes dispatched between ranks per token, or None."""
+    if row.bytes_per_token is None:
+        return None
+    return f"{row.spec} {row.impl}: {row.bytes_per_token:.0f} B dispatched between ranks per token (kernel count)"
 
 
 def write_results(rows: list[Row], ceiling: float, out_dir: Path, extra: dict | None = None) -> tuple[Path, Path | None]:

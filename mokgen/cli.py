@@ -368,8 +368,8 @@ def bench_table(rows, ceiling: float, gpu: str) -> Table:
               help="layer/local/block: time forward + backward (autograd) instead of forward")
 @click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default="bf16", show_default=True,
               help="mxfp8: the layer and local workloads add the MXFP8 megakernel and staged experts (forward: "
-                   "with each mokgen row's error against the float64 layer; --backward: their fwd+bwd), ep the "
-                   "MXFP8 megakernel across GPUs")
+                   "with each mokgen row's error against the float64 layer; --backward: their fwd+bwd), virtual "
+                   "and ep the MXFP8 megakernel with the bytes dispatched between ranks per token")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
 def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, numerics, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
@@ -383,8 +383,9 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         raise InputError("name at least one SPEC, or pass --all")
     specs = [_spec(r) for r in refs]
     workloads = workload or ("layer", "virtual")
-    if numerics == "mxfp8" and not set(workloads) <= {"layer", "local", "ep"}:
-        raise InputError("--numerics mxfp8 times the layer, local and ep workloads (pass --workload layer, local or ep)")
+    if numerics == "mxfp8" and not set(workloads) <= {"layer", "local", "virtual", "ep"}:
+        raise InputError("--numerics mxfp8 times the layer, local, virtual and ep workloads (pass --workload layer, "
+                         "local, virtual or ep)")
     if numerics == "mxfp8" and backward and not set(workloads) <= {"layer", "local"}:
         raise InputError("--numerics mxfp8 --backward times the layer and local workloads (pass --workload layer or "
                          "local)")
@@ -430,7 +431,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
                     if figures:
                         links[f"{spec.name} {ep_rows[0].workload}"] = figures
                 elif spec.num_experts % 8 == 0:
-                    rows += b.bench_virtual(spec, tokens or 2048, iters=iters, loop=not no_loop)
+                    rows += b.bench_virtual(spec, tokens or 2048, iters=iters, loop=not no_loop, numerics=numerics)
             if main_rank and len(rows) > first:  # progress in logs too (the table comes at the end)
                 err_console.print(f"{wl} {spec.name}: " + ", ".join(f"{r.impl} {r.ms:.3f} ms" for r in rows[first:])
                                   + f" ({time.perf_counter() - start:.0f} s)", highlight=False)
@@ -438,9 +439,9 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         return
     console.print(bench_table(rows, ceiling, torch.cuda.get_device_name()))
     for r in rows:
-        line = b.phase_line(r)
-        if line:
-            click.echo(line)
+        for line in (b.phase_line(r), b.bytes_line(r)):
+            if line:
+                click.echo(line)
     if links:
         lt = Table(title="expert-parallel links: GB/s per GPU per direction, remote bytes only, busiest rank")
         for col in ("spec / workload", "transfer", "remote MB (busiest rank)", "ms", "GB/s"):

@@ -108,6 +108,16 @@ def test_phase_line_from_kernel_statistics():
     assert phase_line(row) is None
 
 
+def test_bytes_line_from_the_kernels_count():
+    from mokgen.bench import Row, bytes_line
+
+    row = Row("virtual", "kimi-k2.5", 16384, "mokgen megakernel MXFP8 (W=8 virtual)", 3.0, 400.0)
+    assert bytes_line(row) is None  # a peer row, or no count read
+    row.bytes_per_token = 51_999.6
+    assert bytes_line(row) == ("kimi-k2.5 mokgen megakernel MXFP8 (W=8 virtual): 52000 B dispatched between ranks "
+                               "per token (kernel count)")
+
+
 def test_bench_table_speedups_and_peak_memory_column():
     """The table compares each peer with the best mokgen row of its group; fwd+bwd rows add a
     peak-memory column (rows without a figure leave it blank), forward rows alone have none."""

@@ -762,11 +762,11 @@ def test_cli_bench_unknown_spec_before_the_gpu_check(invoke):
     assert "no-such-model" in line and "CUDA" not in line
 
 
-def test_cli_bench_mxfp8_only_for_the_layer_local_and_ep_workloads(invoke):
-    cases = ((("--workload", "virtual"), "error: --numerics mxfp8 times the layer, local and ep workloads (pass "
-              "--workload layer, local or ep)"),
-             (("--workload", "block", "--backward"), "error: --numerics mxfp8 times the layer, local and ep workloads "
-              "(pass --workload layer, local or ep)"),
+def test_cli_bench_mxfp8_only_for_the_layer_local_virtual_and_ep_workloads(invoke):
+    cases = ((("--workload", "block"), "error: --numerics mxfp8 times the layer, local, virtual and ep workloads "
+              "(pass --workload layer, local, virtual or ep)"),
+             (("--workload", "block", "--backward"), "error: --numerics mxfp8 times the layer, local, virtual and ep "
+              "workloads (pass --workload layer, local, virtual or ep)"),
              (("--workload", "ep", "--backward"), "error: --numerics mxfp8 --backward times the layer and local "
               "workloads (pass --workload layer or local)"))
     for extra, want in cases:
