@@ -308,19 +308,19 @@ def _transposed_weights(parts, form: str, n: int):
 
 
 def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor, padded: torch.Tensor,
-                         out_dtype: torch.dtype) -> torch.Tensor:
+                         out_dtype: torch.dtype, b_bf16: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_weight_grads` on the bf16-math form in one launch and no host sync: ``out[e] =
     q_n(a_e)^T q_n(b_e)`` for the token rows ``a_rows [R, M]`` (float32) and ``b_rows [R, N]``
     (float32 or bf16), each expert's k range its padded segment (empty: zeros), ``[E, M, N]`` in
-    ``out_dtype``."""
-    a_codes, a_scales = mx_gemm.quantize_cols(a_rows)
+    ``out_dtype``. ``b_bf16``: ``mx_gemm.cols_bf16_math(b_rows)`` when the caller has it."""
+    a_codes, a_scales = mx_gemm.quantize_cols(a_rows.contiguous())
     start = torch.cumsum(padded, 0) - padded
     kranges = torch.stack([start, padded], 1).to(torch.int32)
     # the kernel writes float32 or bf16; other weight dtypes (fp16, fp64) take float32 and the
     # caller's cast
     od = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-    return mx_gemm.mx_bf16_math_ranged_gemm(a_codes, mx_gemm.block_scales(a_scales), mx_gemm.cols_bf16_math(b_rows),
-                                            kranges, out_dtype=od)
+    b = mx_gemm.cols_bf16_math(b_rows) if b_bf16 is None else b_bf16
+    return mx_gemm.mx_bf16_math_ranged_gemm(a_codes, mx_gemm.block_scales(a_scales), b, kranges, out_dtype=od)
 
 
 def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
@@ -374,11 +374,18 @@ class _MXExperts(torch.autograd.Function):
             d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
         x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
         x_rows[row] = x.repeat_interleave(k, dim=0)
-        if _ranged(form, dgu, H) and w_gate.dtype == w_up.dtype:
-            d_wgu = _weight_grads_ranged(dgu, x_rows, padded, w_gate.dtype)                           # [E, 2I, H]
+        if _ranged(form, dgu, H):
+            # gate's and up's gradients as two launches over the same B (x's rows, quantized once):
+            # each lands contiguous, where slices of one [E, 2 I, H] result would be copied again
+            # by autograd into the weights' layout (2.8 GB read and written on kimi-k2.5 local).
+            # Quantizing along the rows is per column, so dg's and du's codes are dgu's halves.
+            xb = mx_gemm.cols_bf16_math(x_rows)
+            d_wg = _weight_grads_ranged(dg, x_rows, padded, w_gate.dtype, b_bf16=xb)                  # [E, I, H]
+            d_wu = _weight_grads_ranged(du, x_rows, padded, w_up.dtype, b_bf16=xb)
         else:
             d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
-        return (dx.to(x.dtype), d_w.to(w.dtype), d_wgu[:, :I].to(w_gate.dtype), d_wgu[:, I:].to(w_up.dtype),
+            d_wg, d_wu = d_wgu[:, :I], d_wgu[:, I:]
+        return (dx.to(x.dtype), d_w.to(w.dtype), d_wg.to(w_gate.dtype), d_wu.to(w_up.dtype),
                 d_wd.to(w_down.dtype), None, None, None)
 
 

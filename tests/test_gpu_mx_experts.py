@@ -198,6 +198,23 @@ def test_the_fused_combine_gives_the_unfused_bits(skew):
         assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), fused)
 
 
+def test_gate_and_up_weight_gradients_apart_are_the_joint_launchs_halves():
+    """The backward's dW_gate and dW_up as two k-ranged launches over one B (each contiguous, no
+    copy into the weights' layout) against one launch over [dg | du]: the same bits, since the
+    quantization along the rows is per column and each output element's k-loop is the same."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    R, I, H = 6 * 128, 256, 512
+    padded = torch.tensor([256, 0, 384, 128], device="cuda")
+    dg, du = (torch.randn(R, I, generator=gen, device="cuda") for _ in range(2))
+    x_rows = torch.randn(R, H, generator=gen, device="cuda").to(torch.bfloat16)
+    joint = mx_experts._weight_grads_ranged(torch.cat([dg, du], dim=1), x_rows, padded, torch.bfloat16)
+    xb = mx_gemm.cols_bf16_math(x_rows)
+    apart = [mx_experts._weight_grads_ranged(t, x_rows, padded, torch.bfloat16, b_bf16=xb) for t in (dg, du)]
+    assert all(t.is_contiguous() for t in apart)
+    assert torch.equal(apart[0], joint[:, :I]) and torch.equal(apart[1], joint[:, I:])
+    assert not apart[0][1].any()  # the expert without rows
+
+
 def test_the_backward_takes_any_float_weight_dtype():
     """The weight gradients' launch writes float32 or bf16: weights held in fp16 get the float32
     gradients cast once (the same values quantize to the same codes, so the gradients are those of
