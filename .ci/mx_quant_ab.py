@@ -21,7 +21,7 @@ def timed(fn, n=5):
     return statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=n))
 
 
-for name in sys.argv[1:] or ["kimi-k2.5"]:
+def ab(name: str) -> None:
     spec, tokens = bench.local_spec(load_spec(name), bench.LOCAL_EP.get(name, 8))
     wg, wu, wd = bench._weights(spec)
     rows = -(-tokens * spec.top_k // 128) * 128 + 128 * spec.num_experts  # the padded rows' bound
@@ -53,5 +53,8 @@ for name in sys.argv[1:] or ["kimi-k2.5"]:
               f"({nbytes / b / 1e6:.0f} GB/s), v2 / v1 {statistics.mean(ratios):.4f} "
               f"[{min(ratios):.4f}, {max(ratios):.4f}], same bits: {same}", flush=True)
     os.environ.pop("MOKGEN_MX_QUANT", None)
-    del wg, wu, wd, acts
+
+
+for spec_name in sys.argv[1:] or ["kimi-k2.5"]:
+    ab(spec_name)  # its tensors go when it returns
     torch.cuda.empty_cache()
