@@ -427,6 +427,15 @@ def _mx_train(kernel, launch, xs, topk_ids, topk_weights, w_gate, w_up, w_down) 
                                   w_down, *topk_ids))
 
 
+def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple) -> list:
+    """The megakernel op on ``args`` (``_op``'s form for ``grad_inputs``); an MXFP8 build's call
+    that autograd records goes through ``_mx_train`` with ``mx_inputs`` (xs, topk_ids,
+    topk_weights, w_gate, w_up, w_down: the caller's, unconverted)."""
+    if _mx_training(kernel, grad_inputs):
+        return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs)
+    return _op(kernel, _records_grad(grad_inputs))(*args)
+
+
 @torch.compiler.disable
 def _mx_operands(w_gate, w_up, w_down):
     """The three conversions, eager under torch.compile too (a graph break: the cache keys on the
@@ -600,24 +609,16 @@ def virtual_ep_forward(
         grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, policy, True, (), grad_inputs)
         wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
-        mx_training = _mx_training(kernel, grad_inputs)
         ids32 = [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids]
-
-        def launch():
-            return _op(kernel, _records_grad(grad_inputs) and not mx_training)(
-                list(xs), ids32,
-                [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
-                [wg[r * e_loc : (r + 1) * e_loc] for r in range(W)],
-                [wu[r * e_loc : (r + 1) * e_loc] for r in range(W)],
-                [wd[r * e_loc : (r + 1) * e_loc] for r in range(W)],
-                *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
-                int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank), *tail,
-            )
-
-        if mx_training:
-            outs = _mx_train(kernel, launch, xs, ids32, topk_weights, w_gate, w_up, w_down)
-        else:
-            outs = launch()
+        outs = _call_op(kernel, grad_inputs, (
+            list(xs), ids32,
+            [w if w.dtype == torch.float32 else w.float() for w in topk_weights],
+            [wg[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+            [wu[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+            [wd[r * e_loc : (r + 1) * e_loc] for r in range(W)],
+            *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
+            int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank), *tail,
+        ), (xs, ids32, topk_weights, w_gate, w_up, w_down))
         outs = outs[:W]  # without the saved pre-activations (autograd keeps them)
         if _can_sync():
             err = bufs.read_error()
@@ -644,22 +645,14 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
         grad_inputs = (x, topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, env.bwd_policy(), True, (), grad_inputs)
         wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
-        mx_training = _mx_training(kernel, grad_inputs)
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-
-        def launch():
-            return _op(kernel, _records_grad(grad_inputs) and not mx_training)(
-                [x], [ids32],
-                [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
-                [wg], [wu], [wd],
-                *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6),
-                -1, *tail,
-            )
-
-        if mx_training:
-            out = _mx_train(kernel, launch, [x], [ids32], [topk_weights], w_gate, w_up, w_down)[0]
-        else:
-            out = launch()[0]
+        out = _call_op(kernel, grad_inputs, (
+            [x], [ids32],
+            [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
+            [wg], [wu], [wd],
+            *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6), -1,
+            *tail,
+        ), ([x], [ids32], [topk_weights], w_gate, w_up, w_down))[0]
         if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
             bufs.watch()
     return out
@@ -908,8 +901,7 @@ class MoELayer(torch.nn.Module):
                 self.check_errors(block=False)
         g = bufs.geometry
         grad_inputs = (x, topk_weights, self.w_gate, self.w_up, self.w_down, *shared_args)
-        mx_training = _mx_training(self._kernel, grad_inputs)
-        if mx_training and self.world != 1:  # before any launch (the weights' conversion included)
+        if self.world != 1 and _mx_training(self._kernel, grad_inputs):  # before any launch or conversion
             raise InputError("MXFP8 training needs every expert on this GPU (the backward runs the staged MXFP8 "
                              "experts on one GPU): a multi-GPU MXFP8 layer is forward only, run it under "
                              "torch.no_grad()")
@@ -924,21 +916,13 @@ class MoELayer(torch.nn.Module):
         else:
             bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
         wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down)
-
-        def launch():
-            return _op(self._kernel, _records_grad(grad_inputs) and not mx_training)(
-                [x], [ids32],
-                [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
-                [wg], [wu], [wd],
-                *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
-                self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
-            )
-
-        if mx_training:
-            out = _mx_train(self._kernel, launch, [x], [ids32], [topk_weights], self.w_gate, self.w_up,
-                            self.w_down)[0]
-        else:
-            out = launch()[0]
+        out = _call_op(self._kernel, grad_inputs, (
+            [x], [ids32],
+            [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
+            [wg], [wu], [wd],
+            *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
+            self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
+        ), ([x], [ids32], [topk_weights], self.w_gate, self.w_up, self.w_down))[0]
         if not compiling and not capturing:
             bufs.watch()
         return out
