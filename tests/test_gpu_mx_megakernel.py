@@ -200,3 +200,22 @@ def test_mx_moelayer_under_torch_compile_gives_the_eager_bits():
         assert torch.equal(compiled(xs[0], ids[0], ws[0]), eager)
         layer.w_down.mul_(2.0)
         assert torch.equal(compiled(xs[0], ids[0], ws[0]), eager * 2)
+
+
+def test_the_virtual_bench_counts_the_same_rows_in_both_numerics():
+    """Issue 6's bytes between ranks per token on one GPU (mokgen.bench.bench_virtual, numerics
+    mxfp8, W = 8): the BF16 and MXFP8 megakernels pull the same rows from other ranks for the same
+    routing (the kernels' own count), so their bytes per token differ by the row sizes alone,
+    (H + H / 32) / 2 H."""
+    from mokgen import bench
+    from mokgen.plan import row_bytes
+
+    spec = load_spec(SMALL)
+    rows = bench.bench_virtual(spec, 64, 8, iters=3, numerics="mxfp8")
+    counted = {r.impl: r.bytes_per_token for r in rows if r.bytes_per_token is not None}
+    bf16 = counted["mokgen megakernel (W=8 virtual)"]
+    mx = counted["mokgen megakernel MXFP8 (W=8 virtual)"]
+    H = spec.hidden_size
+    assert bf16 > 0
+    assert mx / bf16 == pytest.approx(row_bytes(H, "mxfp8") / row_bytes(H, "bf16"), rel=1e-12)
+    print(f"(bytes between ranks per token: bf16 {bf16:.0f}, mxfp8 {mx:.0f})")
