@@ -219,3 +219,14 @@ def test_the_virtual_bench_counts_the_same_rows_in_both_numerics():
     assert bf16 > 0
     assert mx / bf16 == pytest.approx(row_bytes(H, "mxfp8") / row_bytes(H, "bf16"), rel=1e-12)
     print(f"(bytes between ranks per token: bf16 {bf16:.0f}, mxfp8 {mx:.0f})")
+
+
+def test_the_fwd_bwd_bench_times_the_mxfp8_rows():
+    """mokgen bench --backward --numerics mxfp8's rows (bench_layer_backward) on a small local
+    workload: the MXFP8 layer under autograd and the staged experts, beside the BF16 rows."""
+    from mokgen import bench
+
+    local, rows = bench.local_spec(load_spec(SMALL), 8, tokens_per_gpu=64)
+    got = {r.impl: r for r in bench.bench_layer_backward(local, rows, iters=2, n_inputs=1, numerics="mxfp8")}
+    for name in (bench.MX_MEGA_BWD_ROW, bench.MX_BWD_ROW, "torch._grouped_mm autograd"):
+        assert name in got and got[name].ms > 0 and got[name].peak_gib is not None, name
