@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mokgen import mx, mx_gemm, reference
+from mokgen import mx, mx_gemm
 from mokgen.errors import InputError
 from mokgen.plan import row_bytes
 
@@ -275,6 +275,9 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
 # a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
 # training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
+# The elementwise stages are fused: mx_gemm.combine_backward (dy, its codes along H and d w in
+# one pass) and mx_gemm.swiglu_backward (dg, du, h and [dg | du]'s codes along 2 I in one pass);
+# dx is the combine kernel's with unit weights, at k = 1 the dgrad GEMM's combine epilogue.
 
 
 def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, form: str) -> torch.Tensor:
@@ -344,29 +347,27 @@ class _MXExperts(torch.autograd.Function):
         T, k = w.shape
         E, I, H = w_gate.shape
         rows = gu.shape[0]
-        g_out = d_out.to(torch.float32)
-        # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row
-        yk = y[row].view(T, k, H)
-        d_w = (g_out.unsqueeze(1) * yk).sum(-1)
-        dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
-        dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
+        # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row,
+        # quantized along H for the dgrad below, in one pass (zeros on padding rows)
+        pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+        pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
+        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out.to(torch.bfloat16).contiguous(), y, pair,
+                                                       w.to(torch.float32).contiguous())
         # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
         wd_t = _transposed_weights([w_down], form, I)
-        dyq, dys = mx_gemm.quantize_f32_rows(dy)
         dh = _grouped(dyq, dys, *wd_t, tiles, form)
-        # SwiGLU backward in float32, as the oracle's swiglu under autograd
-        with torch.enable_grad():
-            g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
-            h = reference.swiglu(g, u, clamp_limit)
-            dg, du = torch.autograd.grad(h, (g, u), dh)
-        h = h.detach()
-        dgu = torch.cat([dg, du], dim=1)
+        # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
+        # quantized along 2 I for the dgrad below, in one pass
+        dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit)
         # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
-        # then dx[t] = sum_j dx_rows[t, j]
+        # then dx[t] = sum_j dx_rows[t, j] in the order j = 0..k-1, rounded once to bf16 (the
+        # combine's kernel with unit weights; at k = 1 the GEMM's epilogue writes it)
         wgu_t = _transposed_weights([w_gate, w_up], form, H)
-        dguq, dgus = mx_gemm.quantize_f32_rows(dgu)
-        dx_rows = _grouped(dguq, dgus, *wgu_t, tiles, form)
-        dx = dx_rows[row].view(T, k, H).sum(1)
+        ones = torch.ones(T, k, dtype=torch.float32, device=x.device)
+        if k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
+            dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair, ones.view(T))
+        else:
+            dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row, ones)
         # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
         if _ranged(form, dy, I):
             d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
@@ -374,7 +375,7 @@ class _MXExperts(torch.autograd.Function):
             d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
         x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
         x_rows[row] = x.repeat_interleave(k, dim=0)
-        if _ranged(form, dgu, H):
+        if _ranged(form, dg, H):
             # gate's and up's gradients as two launches over the same B (x's rows, quantized once):
             # each lands contiguous, where slices of one [E, 2 I, H] result would be copied again
             # by autograd into the weights' layout (2.8 GB read and written on kimi-k2.5 local).
@@ -383,6 +384,7 @@ class _MXExperts(torch.autograd.Function):
             d_wg = _weight_grads_ranged(dg, x_rows, padded, w_gate.dtype, b_bf16=xb)                  # [E, I, H]
             d_wu = _weight_grads_ranged(du, x_rows, padded, w_up.dtype, b_bf16=xb)
         else:
+            dgu = torch.cat([dg, du], dim=1)
             d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
             d_wg, d_wu = d_wgu[:, :I], d_wgu[:, I:]
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wg.to(w_gate.dtype), d_wu.to(w_up.dtype),

@@ -65,6 +65,10 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
         lib.mokgen_mx_quantize_f32_rows.restype = i
         lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
+        lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, vp]
+        lib.mokgen_mx_combine_backward.restype = i
+        lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
+        lib.mokgen_mx_swiglu_backward.restype = i
         lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
         lib.mokgen_mx_bf16_math_gemm.restype = i
         lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -298,6 +302,61 @@ def quantize_cols(x):
     _launch("mokgen_mx_quantize_cols", x.device, codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
             int(x.dtype == torch.bfloat16), rows, n)
     return codes, scales
+
+
+def combine_backward(d_out, y, pair, weights):
+    """The combine's backward in one pass (the MXFP8 backward's, ``mx_experts``): for each padded
+    row r with pair ``p = pair[r]`` (int32 ``[rows]``, -1 for a padding row) of ``weights``
+    (float32 ``[T, k]``), ``dy[r] = weights[p] * d_out[p // k]`` in float32 (zeros for padding: the
+    bits of that PyTorch product), dy quantized along H (``quantize_f32_rows``' bits) and
+    ``d_w[p] = <d_out[p // k], y[r]>`` (float32, summed in a fixed order, not PyTorch's). ``d_out``
+    bf16 ``[T, H]``, ``y`` float32 ``[rows, H]``. Returns ``(dy, (codes, scales), d_w [T, k])``."""
+    import torch
+
+    T, k = weights.shape
+    rows = pair.shape[0] if pair.dim() == 1 else -1
+    if d_out.dtype != torch.bfloat16 or d_out.dim() != 2 or d_out.shape[0] != T or not d_out.is_contiguous() \
+            or d_out.shape[1] % BLOCK:
+        raise InputError(f"d_out must be contiguous bf16 [{T}, H] with H a multiple of {BLOCK}, got {d_out.dtype} "
+                         f"{tuple(d_out.shape)}")
+    H = d_out.shape[1]
+    if y.dtype != torch.float32 or y.shape != (rows, H) or not y.is_contiguous() or pair.dtype != torch.int32 \
+            or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise InputError(f"combine_backward: y float32 [rows, {H}], pair int32 [rows], weights float32 [T, k], got "
+                         f"{y.dtype} {tuple(y.shape)}, {pair.dtype} {tuple(pair.shape)}, {weights.dtype}")
+    dy = torch.empty(rows, H, dtype=torch.float32, device=y.device)
+    codes = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=y.device)
+    scales = torch.empty(H // BLOCK, rows, 4, dtype=torch.uint8, device=y.device)
+    d_w = torch.zeros(T, k, dtype=torch.float32, device=y.device)  # pairs without a row stay 0 (none in a segment list)
+    _launch("mokgen_mx_combine_backward", y.device, dy.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+            d_w.data_ptr(), d_out.data_ptr(), y.data_ptr(), pair.data_ptr(), weights.data_ptr(), rows, k, H)
+    return dy, (codes, scales), d_w
+
+
+def swiglu_backward(gu, dh, clamp_limit: float | None = None):
+    """SwiGLU's backward in one pass (the MXFP8 backward's): from the float32 gate | up rows ``gu
+    [rows, 2 I]`` and ``dh [rows, I]``, PyTorch's expressions of ``reference.swiglu`` under
+    autograd (each operation rounded on its own: within an ulp or two of PyTorch's kernels, whose
+    contractions are theirs) -> ``(dg, du, h)`` float32 ``[rows, I]`` each and ``[dg | du]``
+    quantized along 2 I ``(codes [rows, 2 I], scales [2 I / 128, rows, 4])`` (the bits of
+    ``quantize_f32_rows`` of ``cat([dg, du], 1)``)."""
+    import torch
+
+    if gu.dtype != torch.float32 or gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % (2 * BLOCK):
+        raise InputError(f"gu must be contiguous float32 [rows, 2 I] with I a multiple of {BLOCK}, got {gu.dtype} "
+                         f"{tuple(gu.shape)}")
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    if dh.dtype != torch.float32 or dh.shape != (rows, inter) or not dh.is_contiguous():
+        raise InputError(f"dh must be contiguous float32 [{rows}, {inter}], got {dh.dtype} {tuple(dh.shape)}")
+    limit = 0.0 if clamp_limit is None else float(clamp_limit)
+    if clamp_limit is not None and not limit > 0:
+        raise InputError(f"clamp_limit must be positive, got {clamp_limit}")
+    dg, du, h = (torch.empty(rows, inter, dtype=torch.float32, device=gu.device) for _ in range(3))
+    codes = torch.empty(rows, 2 * inter, dtype=torch.float8_e4m3fn, device=gu.device)
+    scales = torch.empty(2 * inter // BLOCK, rows, 4, dtype=torch.uint8, device=gu.device)
+    _launch("mokgen_mx_swiglu_backward", gu.device, dg.data_ptr(), du.data_ptr(), h.data_ptr(), codes.data_ptr(),
+            scales.data_ptr(), gu.data_ptr(), dh.data_ptr(), rows, inter, limit)
+    return dg, du, h, (codes, scales)
 
 
 # ---- the bf16-math form (docs/architecture.md "Which MXFP8 next"; v0.35: 653 TFLOP/s against quad's

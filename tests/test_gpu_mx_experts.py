@@ -101,6 +101,67 @@ def test_swiglu_quantize_against_the_quantized_reference_swiglu(clamp):
     assert (scales == mx_gemm.block_scales(want_scales)).float().mean().item() > 0.999
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_combine_backward_against_the_pytorch_expressions(k):
+    """mx_gemm.combine_backward: dy the PyTorch product's bits (zeros on padding rows), its codes
+    quantize_f32_rows' bits, d w within float32 summation order of the PyTorch sum (the kernel's
+    order is fixed: the same bits 20 times)."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    T, H, rows = 90, 640, 384
+    d_out = (torch.randn(T, H, generator=gen, device="cuda") *
+             torch.exp2(torch.randint(-20, 20, (T, 1), generator=gen, device="cuda").float())).to(torch.bfloat16)
+    y = torch.randn(rows, H, generator=gen, device="cuda")
+    w = torch.rand(T, k, generator=gen, device="cuda")
+    row = torch.randperm(rows, generator=gen, device="cuda")[:T * k]
+    pair = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    pair[row] = torch.arange(T * k, dtype=torch.int32, device="cuda")
+    dy, (codes, scales), d_w = mx_gemm.combine_backward(d_out, y, pair, w)
+    g = d_out.float()
+    want = torch.zeros(rows, H, device="cuda")
+    want[row] = (w.unsqueeze(-1) * g.unsqueeze(1)).reshape(T * k, H)
+    assert torch.equal(dy, want)
+    want_codes, want_scales = mx_gemm.quantize_f32_rows(want)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+    want_dw = (g.unsqueeze(1) * y[row].view(T, k, H)).sum(-1)
+    assert torch.allclose(d_w, want_dw, rtol=1e-5, atol=1e-5 * want_dw.abs().max().item())
+    for _ in range(19):
+        assert torch.equal(mx_gemm.combine_backward(d_out, y, pair, w)[2], d_w)
+
+
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_swiglu_backward_against_pytorch_autograd(clamp):
+    """mx_gemm.swiglu_backward against reference.swiglu under autograd: dg, du and h within an ulp
+    or two (PyTorch's kernels contract some products; the kernel rounds each operation), NaN where
+    PyTorch has NaN, the clamp's masks exactly, and the codes quantize_f32_rows' of [dg | du]
+    bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    rows, I = 256, 384
+    gu = torch.randn(rows, 2 * I, generator=gen, device="cuda") * 4
+    gu[3, 5] = float("nan")           # a gate NaN
+    gu[4, I + 7] = float("nan")       # an up NaN
+    gu[5, 9] = -100.0                 # exp(-g) overflows to inf: s = 0, silu = -0
+    if clamp is not None:
+        gu[6, :16] = clamp            # at the limit: the gradient passes (g <= L)
+        gu[6, I:I + 16] = -clamp
+    dh = torch.randn(rows, I, generator=gen, device="cuda")
+    dg, du, h, (codes, scales) = mx_gemm.swiglu_backward(gu, dh, clamp)
+    with torch.enable_grad():
+        g, u = (t.detach().clone().requires_grad_(True) for t in (gu[:, :I], gu[:, I:]))
+        ref_h = R.swiglu(g, u, clamp)
+        ref_dg, ref_du = torch.autograd.grad(ref_h, (g, u), dh)
+    # each within a few float32 roundings of its terms' size (dg: |dh u| (1 + |g|); near silu's
+    # stationary point its sum cancels, so not relative to dg itself)
+    gc, uc = (gu[:, :I], gu[:, I:]) if clamp is None else (gu[:, :I].clamp(max=clamp), gu[:, I:].clamp(-clamp, clamp))
+    sizes = ((dh * uc).abs() * (1 + gc.abs()), (dh * gc).abs(), (gc * uc).abs())
+    for got, want, size in zip((dg, du, h), (ref_dg, ref_du, ref_h.detach()), sizes):
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(got[ok] == 0, want[ok] == 0)  # the clamp's masks
+        assert ((got[ok] - want[ok]).abs() <= 1e-6 * size[ok] + 1e-30).all()
+    want_codes, want_scales = mx_gemm.quantize_f32_rows(torch.cat([dg, du], 1))
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
 def test_grouped_gemm_skips_the_tiles_past_the_segments():
     """(-1, 0) entries (the fixed-length tile list of mx_experts._segments) write nothing."""
     gen = torch.Generator(device="cuda").manual_seed(12)
@@ -140,14 +201,16 @@ def test_mx_experts_give_the_same_bits_20_times(form):
         assert torch.equal(mx_experts.experts_forward(x, ids, w, weights, form=form), first)
 
 
-@pytest.mark.parametrize("skew, clamp, form", [(False, None, "bf16"), (True, 10.0, "bf16"), (True, 10.0, "quad")])
-def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form):
+@pytest.mark.parametrize("skew, clamp, form, k", [(False, None, "bf16", 2), (True, 10.0, "bf16", 2),
+                                                  (True, 10.0, "quad", 2), (False, 10.0, "bf16", 1),
+                                                  (True, None, "bf16", 3)])
+def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form, k):
     """experts_forward_train's gradients (x, the routing weights, the three expert weights) against
     the float64 MX oracle's autograd. Beyond the bf16 rounding of dx and the weight gradients, the
     bound covers E4M3
     roundings that move one step where the FP8 tensor core's 32-wide sums move a value across a
     rounding boundary (as the forward's 6e-3)."""
-    T, H, I, E, k = 300, 512, 256, 6, 2
+    T, H, I, E = 300, 512, 256, 6
     x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=13, skew=skew)
     d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(3),
                         device="cuda").to(torch.bfloat16)

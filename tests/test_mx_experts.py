@@ -266,10 +266,30 @@ def emulate_kernels(monkeypatch):
         out[t] = (weight[t][:, None] * y[valid]).to(torch.bfloat16)
         return out
 
+    def combine_backward(d_out, y, pair, w):  # the PyTorch expressions the kernel replaces
+        T, k = w.shape
+        valid = pair >= 0
+        p = pair[valid].long()
+        g = d_out.to(torch.float32)
+        dy = torch.zeros(y.shape, dtype=torch.float32)
+        dy[valid] = w.reshape(-1)[p][:, None] * g[p // k]
+        d_w = torch.zeros(T * k)
+        d_w[p] = (g[p // k] * y[valid]).sum(-1)
+        return dy, quantize_f32_rows(dy), d_w.view(T, k)
+
+    def swiglu_backward(gu, dh, clamp_limit=None):
+        inter = gu.shape[1] // 2
+        with torch.enable_grad():
+            g, u = (t.detach().requires_grad_(True) for t in (gu[:, :inter], gu[:, inter:]))
+            h = R.swiglu(g, u, clamp_limit)
+            dg, du = torch.autograd.grad(h, (g, u), dh)
+        return dg, du, h.detach(), quantize_f32_rows(torch.cat([dg, du], 1))
+
     for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped),
                      ("mx_bf16_math_swiglu_gemm", swiglu_gemm), ("mx_bf16_math_combine1_gemm", combine1_gemm), ("quantize_rows", quantize_rows),
                      ("swiglu_quantize", swiglu_quantize), ("combine", combine),
-                     ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols)):
+                     ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols),
+                     ("combine_backward", combine_backward), ("swiglu_backward", swiglu_backward)):
         monkeypatch.setattr(mx_gemm, name, fn)
 
 
@@ -302,14 +322,15 @@ def test_forward_orchestration_matches_the_mx_oracle(emulated, skew, clamp):
     assert out.dtype == torch.bfloat16 and _rel(out, oracle) < 4e-3  # the bf16 output's rounding
 
 
-@pytest.mark.parametrize("skew, clamp", [(False, None), (True, 1.5)])
-def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, skew, clamp):
+@pytest.mark.parametrize("skew, clamp, k", [(False, None, 2), (True, 1.5, 2), (False, 1.5, 1), (False, None, 3)])
+def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, skew, clamp, k):
     """Every gradient of experts_forward_train (the kernels emulated exactly) against the float64 MX
     oracle's autograd: the transposed quantizations, the SwiGLU backward, the per-expert row
-    blocks of the weight gradients and the combine's gradients all have to agree."""
+    blocks of the weight gradients and the combine's gradients all have to agree. k = 1 takes
+    dx from the dgrad GEMM's combine epilogue, k > 1 from the combine kernel."""
     from mokgen import reference as R
 
-    x, ids, w, wg, wu, wd = _cpu_problem(skew=skew, seed=1)
+    x, ids, w, wg, wu, wd = _cpu_problem(skew=skew, seed=1, k=k)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
     out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=clamp)

@@ -26,6 +26,8 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mx_gemm_kernel" in k for k in kernels) == len(mx_gemm.FORMS), kernels
     assert any("quantize_rows_kernel" in k for k in kernels) and any("swiglu_quantize_kernel" in k for k in kernels)
+    assert any("combine_backward_kernel" in k for k in kernels)
+    assert sum("swiglu_backward_kernel" in k for k in kernels) == 2  # with and without the clamp
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(kernels), spills
     assert serialized_wgmma(lib.parent) == []
@@ -148,3 +150,51 @@ def test_the_v2_weight_quantizers_are_taken_only_where_they_apply(monkeypatch):
 
     with pytest.raises(ToolchainError, match="MOKGEN_MX_QUANT must be v1 or v2"):
         mx_gemm._quant_entry(rows, x, 1, 4)
+
+
+def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(monkeypatch):
+    """combine_backward and swiglu_backward: one-line errors for bad operands before any launch,
+    and the C entries' argument order (outputs, inputs, sizes, stream) with the outputs shaped
+    as documented."""
+    import contextlib
+    import types
+
+    calls = []
+
+    class Fake:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or 0
+
+    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=5))
+    T, k, H, rows = 3, 2, 256, 128
+    d_out, y = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(rows, H)
+    pair, w = torch.full((rows,), -1, dtype=torch.int32), torch.ones(T, k)
+    dy, (codes, scales), d_w = mx_gemm.combine_backward(d_out, y, pair, w)
+    name, args = calls[-1]
+    assert name == "mokgen_mx_combine_backward" and len(args) == 12 and args[8:] == (rows, k, H, 5)
+    assert args[:4] == (dy.data_ptr(), codes.data_ptr(), scales.data_ptr(), d_w.data_ptr())
+    assert dy.shape == (rows, H) and codes.shape == (rows, H) and scales.shape == (H // 128, rows, 4)
+    assert d_w.shape == (T, k) and d_w.dtype == torch.float32
+    with pytest.raises(InputError, match=r"d_out must be contiguous bf16 \[3, H\] with H a multiple of 128"):
+        mx_gemm.combine_backward(d_out.float(), y, pair, w)
+    with pytest.raises(InputError, match=r"combine_backward: y float32 \[rows, 256\], pair int32 \[rows\]"):
+        mx_gemm.combine_backward(d_out, y[:, :128].contiguous(), pair, w)
+    with pytest.raises(InputError, match=r"combine_backward: y float32"):
+        mx_gemm.combine_backward(d_out, y, pair.long(), w)
+
+    I = 128
+    gu, dh = torch.zeros(rows, 2 * I), torch.zeros(rows, I)
+    dg, du, h, (codes, scales) = mx_gemm.swiglu_backward(gu, dh, 7.0)
+    name, args = calls[-1]
+    assert name == "mokgen_mx_swiglu_backward" and len(args) == 11 and args[7:] == (rows, I, 7.0, 5)
+    assert all(t.shape == (rows, I) for t in (dg, du, h)) and codes.shape == (rows, 2 * I)
+    assert scales.shape == (2 * I // 128, rows, 4)
+    assert mx_gemm.swiglu_backward(gu, dh)[0].shape == (rows, I) and calls[-1][1][9] == 0.0  # no clamp: limit 0
+    with pytest.raises(InputError, match=r"gu must be contiguous float32 \[rows, 2 I\]"):
+        mx_gemm.swiglu_backward(gu[:, :64].contiguous(), dh)
+    with pytest.raises(InputError, match=r"dh must be contiguous float32 \[128, 128\]"):
+        mx_gemm.swiglu_backward(gu, dh.t())
+    with pytest.raises(InputError, match="clamp_limit must be positive, got -1"):
+        mx_gemm.swiglu_backward(gu, dh, -1)

@@ -144,6 +144,123 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 }
 
 
+// ---- the MXFP8 backward's elementwise stages, fused (v0.40; mx_gemm.combine_backward,
+// mx_gemm.swiglu_backward). They replace PyTorch expressions over float32 [rows, H] and
+// [rows, I] tensors, each a pass of its own (about 11 GB of traffic on a kimi-k2.5 local step).
+
+// The combine's backward, one CTA per padded row r (pair p = pair[r], -1 for a padding row):
+// dy[r] = w[p] * dOut[p / k] in float32 (one product, rounded once: the PyTorch expression's bits),
+// dy's row r quantized along H (the dgrad's A), and d w[p] = <dOut[p / k], y[r]>, summed in a
+// fixed order: each thread along its own blocks (32 products in order, then block after block),
+// then the CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). H a multiple
+// of 128, kThreads threads.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) combine_backward_kernel(
+    const bf16* __restrict__ d_out, const float* __restrict__ y, const int* __restrict__ pair,
+    const float* __restrict__ w, int rows, int k, int h, float* __restrict__ dy, uint8_t* __restrict__ codes,
+    uint8_t* __restrict__ scales, float* __restrict__ d_w) {
+  __shared__ float partial[kThreads];
+  const int r = blockIdx.x, p = pair[r], nb = h / mx::kBlock;
+  const float wp = p >= 0 ? w[p] : 0.f;
+  const bf16* g = p >= 0 ? d_out + size_t(p / k) * h : nullptr;
+  float dot = 0.f;
+  for (int b = threadIdx.x; b < nb; b += kThreads) {
+    float v[mx::kBlock];
+    if (p >= 0) {
+      float d[mx::kBlock];
+      mx::load_bf16_block(g + b * mx::kBlock, d);
+      const float4* yp = reinterpret_cast<const float4*>(y + size_t(r) * h + b * mx::kBlock);
+#pragma unroll
+      for (int i = 0; i < mx::kBlock / 4; ++i) {
+        const float4 yv = yp[i];
+        dot = __fadd_rn(dot, __fmul_rn(d[4 * i], yv.x));
+        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 1], yv.y));
+        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 2], yv.z));
+        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 3], yv.w));
+      }
+#pragma unroll
+      for (int i = 0; i < mx::kBlock; ++i) v[i] = __fmul_rn(wp, d[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
+    }
+    float4* o = reinterpret_cast<float4*>(dy + size_t(r) * h + b * mx::kBlock);
+#pragma unroll
+    for (int i = 0; i < mx::kBlock / 4; ++i) o[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    uint8_t q[mx::kBlock];
+    const uint8_t scale = mx::quantize_block_hw(v, q);
+    store_block(q, scale, codes, scales, r, b, rows, h);
+  }
+  if (p < 0) return;  // the whole CTA: p is the row's
+  partial[threadIdx.x] = dot;
+  __syncthreads();
+#pragma unroll
+  for (int s = kThreads / 2; s > 0; s /= 2) {  // a fixed tree: the same sums in the same order every run
+    if (threadIdx.x < s) partial[threadIdx.x] = __fadd_rn(partial[threadIdx.x], partial[threadIdx.x + s]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) d_w[p] = partial[0];
+}
+
+// SwiGLU's backward, one thread per (row, 32-block of I), from the float32 gate | up rows gu
+// [rows, 2 I] and dh [rows, I]: PyTorch's expressions of silu(gate) * up under autograd (and of
+// the clamp: gate <= L, -L <= up <= L, a NaN kept; the gradient passes where the input lies in
+// the range), each operation rounded on its own with the accurate exp:
+//   s = 1 / (1 + exp(-g)), silu = g / (1 + exp(-g)), h = silu * u,
+//   du = dh * silu, dg = (dh * u) * s * (1 + g * (1 - s)).
+// Writes dg, du and h (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row
+// quantized along 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]).
+template <bool kHasClamp>
+__global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float* __restrict__ dh, int rows, int inter,
+                                       float limit, float* __restrict__ dg, float* __restrict__ du,
+                                       float* __restrict__ h, uint8_t* __restrict__ codes,
+                                       uint8_t* __restrict__ scales) {
+  const int nb = inter / mx::kBlock;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)rows * nb) return;
+  const int r = int(idx / nb), b = int(idx % nb);
+  const size_t at = size_t(r) * inter + b * mx::kBlock;
+  const float* gp = gu + size_t(r) * 2 * inter + b * mx::kBlock;
+  float vg[mx::kBlock], vu[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock / 4; ++i) {
+    const float4 g4 = reinterpret_cast<const float4*>(gp)[i], u4 = reinterpret_cast<const float4*>(gp + inter)[i];
+    const float4 d4 = reinterpret_cast<const float4*>(dh + at)[i];
+    const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
+    float hv[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float g = gs[j], u = us[j];
+      bool g_in = true, u_in = true;
+      if constexpr (kHasClamp) {
+        g_in = g <= limit;                   // false for a NaN, as PyTorch's mask
+        u_in = u >= -limit && u <= limit;
+        g = g > limit ? limit : g;           // clamp(max=L): a NaN stays NaN
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+      }
+      const float e1 = __fadd_rn(1.f, expf(-g));
+      const float s = __fdiv_rn(1.f, e1), silu = __fdiv_rn(g, e1);
+      hv[j] = __fmul_rn(silu, u);
+      const float dgv = __fmul_rn(__fmul_rn(__fmul_rn(ds[j], u), s), __fadd_rn(1.f, __fmul_rn(g, __fsub_rn(1.f, s))));
+      vg[4 * i + j] = g_in ? dgv : 0.f;
+      vu[4 * i + j] = u_in ? __fmul_rn(ds[j], silu) : 0.f;
+    }
+    reinterpret_cast<float4*>(h + at)[i] = make_float4(hv[0], hv[1], hv[2], hv[3]);
+  }
+  float4* og = reinterpret_cast<float4*>(dg + at);
+  float4* ou = reinterpret_cast<float4*>(du + at);
+#pragma unroll
+  for (int i = 0; i < mx::kBlock / 4; ++i) {
+    og[i] = make_float4(vg[4 * i], vg[4 * i + 1], vg[4 * i + 2], vg[4 * i + 3]);
+    ou[i] = make_float4(vu[4 * i], vu[4 * i + 1], vu[4 * i + 2], vu[4 * i + 3]);
+  }
+  uint8_t q[mx::kBlock];
+  uint8_t scale = mx::quantize_block_hw(vg, q);
+  store_block(q, scale, codes, scales, r, b, rows, 2 * inter);
+  scale = mx::quantize_block_hw(vu, q);
+  store_block(q, scale, codes, scales, r, nb + b, rows, 2 * inter);
+}
+
 // ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights, cols_bf16_math) ---------
 // Each 32-element block quantized (quantize_block_hw, the oracle's bits) and its MX values written as
 // bf16 (E4M3 value times 2^(s - 127) in float32, then rounded: mx.dequantize(...).to(bf16), exact
