@@ -357,6 +357,14 @@ def _mx_operand(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _mx_cached(w: torch.Tensor):
+    """``w``'s conversion if the cache holds one at ``w``'s current version, else None (no
+    conversion made)."""
+    hit = _MX_WEIGHTS.get(w)
+    version = None if w.is_inference() else w._version
+    return hit[1] if hit is not None and hit[0] == version else None
+
+
 def _weights_for(kernel, w_gate, w_up, w_down):
     """The expert weights as ``kernel`` takes them: as given (bf16 builds), or for an MXFP8 build
     their MX values (``_mx_operand``)."""
@@ -379,7 +387,8 @@ class _MXTraining(torch.autograd.Function):
     the gradients of their MXFP8 backward: each backward GEMM's operands quantized along its own
     reduction dimension, straight-through to the unquantized inputs. Those are the gradients of
     the staged forward, which differs from the megakernel's by its rounding of each expert
-    output row to bf16 before the combine (relative 6e-3 at most in the GPU tests)."""
+    output row to bf16 before the combine (relative 6e-3 at most in the GPU tests). The recompute
+    takes the weights' MX values from the launch's conversions where the cache still holds them."""
 
     @staticmethod
     def forward(ctx, launch, clamp_limit, n, *tensors):
@@ -411,7 +420,11 @@ class _MXTraining(torch.autograd.Function):
             x = cat(xs).detach().requires_grad_(True)
             w = cat([w_.to(w_dtype) for w_ in ws]).detach().requires_grad_(True)
             wts = [p.detach().requires_grad_(True) for p in weights]
-            out = mx_experts.experts_forward_train(x, cat(ids), w, *wts, ctx.clamp_limit)
+            # the launch's conversions of the weights, still cached (no step between the forward
+            # and this backward), spare the recompute one quantization of every weight
+            converted = [_mx_cached(p) for p in weights]
+            out = mx_experts._train(x, cat(ids), w, *wts, ctx.clamp_limit,
+                                    converted=tuple(converted) if all(c is not None for c in converted) else None)
             dx, dw, *d_weights = torch.autograd.grad(out, (x, w, *wts), cat(gos))
         return (None, None, None, *dx.split(sizes), *[g.to(w_.dtype) for g, w_ in zip(dw.split(sizes), ws)],
                 *d_weights, *[None] * n)

@@ -332,9 +332,15 @@ def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
 
 class _MXExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form):
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted=None):
         E, I, H = w_gate.shape
-        weights = quantize_weights(w_gate, w_up, w_down, codes=_needs_codes(form, 2 * I, H), interleave=False)
+        if converted is not None and not _needs_codes(form, 2 * I, H):
+            # the weights' MX values as a caller already holds them (the MXFP8 layer's conversions,
+            # mokgen.ep): gate | up stacked as quantize_weights lays them out, the same bits
+            cg, cu, cd = converted
+            weights = MXExpertWeights(None, None, None, None, torch.cat([cg, cu], dim=1), cd, False)
+        else:
+            weights = quantize_weights(w_gate, w_up, w_down, codes=_needs_codes(form, 2 * I, H), interleave=False)
         out, saved = _forward(x, topk_ids, topk_weights, weights, clamp_limit, form, keep_gu=True)
         ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, saved.row, saved.tiles, saved.gu, saved.y)
         ctx.padded, ctx.clamp_limit, ctx.form = saved.padded, clamp_limit, form
@@ -388,7 +394,7 @@ class _MXExperts(torch.autograd.Function):
             d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
             d_wg, d_wu = d_wgu[:, :I], d_wgu[:, I:]
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wg.to(w_gate.dtype), d_wu.to(w_up.dtype),
-                d_wd.to(w_down.dtype), None, None, None)
+                d_wd.to(w_down.dtype), None, None, None, None)
 
 
 def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
@@ -398,8 +404,15 @@ def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     weights (mokgen's layout, unquantized: quantized on every call, as a training step's weights
     change), the MXFP8 backward above. Straight-through: the gradients are of the unquantized
     inputs, as the oracle's (``mokgen.reference.mx_experts_forward``)."""
+    return _train(x, topk_ids, topk_weights, w_gate, w_up, w_down, clamp_limit, form)
+
+
+def _train(x, topk_ids, topk_weights, w_gate, w_up, w_down, clamp_limit, form: str = "bf16", converted=None):
+    """:func:`experts_forward_train`; ``converted``: the three weights' bf16 MX values with k
+    permuted (``mx_gemm.expert_weights`` of each, as the MXFP8 layer caches them), used in place of
+    quantizing the weights again where the form needs no codes (the same bits)."""
     _check_inputs(x, topk_ids, topk_weights, w_gate.shape[2] if w_gate.dim() == 3 else -1)
     _check_form(form)
     if x.shape[0] == 0:
         raise InputError("experts_forward_train needs at least one token")
-    return _MXExperts.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form)
+    return _MXExperts.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted)

@@ -396,3 +396,43 @@ def test_the_mx_megakernels_autograd_node_returns_the_staged_experts_gradients(e
                        [ids[:0]], [w[:0].clone().requires_grad_(True)], *wts)[0]
     out.sum().backward()
     assert all(t.grad is not None and not t.grad.any() for t in wts)
+
+
+def test_the_mx_node_recomputes_with_the_layers_cached_conversions(emulated, monkeypatch):
+    """The node's recompute takes the weights' MX values from the MXFP8 layer's cache
+    (mokgen.ep._MX_WEIGHTS) where it holds them at the weights' current versions, instead of
+    quantizing the weights again: the same gradients bit for bit; after an in-place change the
+    cache is stale and the weights are quantized again."""
+    from mokgen import ep
+
+    x, ids, w, wg, wu, wd = _cpu_problem(T=64, seed=5)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    kernel = type("K", (), {"CLAMP_LIMIT": None})
+    quantized = []
+    real = mx_experts.quantize_weights
+    monkeypatch.setattr(mx_experts, "quantize_weights", lambda *a, **kw: quantized.append(1) or real(*a, **kw))
+
+    def grads(wts):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = ep._mx_train(kernel, lambda: [torch.zeros_like(x)], [xl], [ids], [wl], *wts)[0]
+        out.backward(d_out)
+        return [xl.grad, wl.grad, *(t.grad for t in wts)]
+
+    wts = [t.clone().requires_grad_(True) for t in (wg, wu, wd)]
+    want = grads(wts)
+    assert quantized == [1]  # nothing cached: the recompute quantized the weights
+    try:
+        for t in wts:  # what the layer's launch leaves in the cache (the emulated conversion)
+            ep._MX_WEIGHTS[t] = (t._version, mx_experts._decoded_stack(*mx.quantize_experts(t.detach())))
+        for t in wts:
+            t.grad = None
+        got = grads(wts)
+        assert quantized == [1]  # taken from the cache
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with torch.no_grad():
+            wts[2].mul_(1.0)  # an in-place change: a new version, the entry is stale
+        for t in wts:
+            t.grad = None
+        assert all(torch.equal(a, b) for a, b in zip(grads(wts), want)) and quantized == [1, 1]
+    finally:
+        ep.refresh_mx_weights()
