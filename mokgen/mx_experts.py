@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mokgen import mx, mx_gemm
+from mokgen import env, mx, mx_gemm, reference
 from mokgen.errors import InputError
 from mokgen.plan import row_bytes
 
@@ -275,9 +275,10 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
 # a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
 # training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
-# The elementwise stages are fused: mx_gemm.combine_backward (dy, its codes along H and d w in
-# one pass) and mx_gemm.swiglu_backward (dg, du, h and [dg | du]'s codes along 2 I in one pass);
-# dx is the combine kernel's with unit weights, at k = 1 the dgrad GEMM's combine epilogue.
+# The elementwise stages: PyTorch expressions and the quantizers apart (MOKGEN_MX_BWD_STAGES=torch,
+# the default), or fused (=fused, v0.40): mx_gemm.combine_backward (dy, its codes along H and d w in
+# one pass) and mx_gemm.swiglu_backward (dg, du, h and [dg | du]'s codes along 2 I in one pass),
+# dx the combine kernel's with unit weights, at k = 1 the dgrad GEMM's combine epilogue.
 
 
 def _weight_grads(a_t: torch.Tensor, b_t: torch.Tensor, padded: torch.Tensor, form: str) -> torch.Tensor:
@@ -353,27 +354,46 @@ class _MXExperts(torch.autograd.Function):
         T, k = w.shape
         E, I, H = w_gate.shape
         rows = gu.shape[0]
-        # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row,
-        # quantized along H for the dgrad below, in one pass (zeros on padding rows)
-        pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-        pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
-        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out.to(torch.bfloat16).contiguous(), y, pair,
-                                                       w.to(torch.float32).contiguous())
+        fused = env.mx_bwd_stages() == "fused"
+        # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row
+        # (zeros on padding rows), quantized along H for the dgrad below
+        if fused:  # one pass, over each padded row's pair (-1: padding)
+            pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+            pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
+            dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out.to(torch.bfloat16).contiguous(), y, pair,
+                                                           w.to(torch.float32).contiguous())
+        else:
+            g_out = d_out.to(torch.float32)
+            d_w = (g_out.unsqueeze(1) * y[row].view(T, k, H)).sum(-1)
+            dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
+            dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
+            dyq, dys = mx_gemm.quantize_f32_rows(dy)
         # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
         wd_t = _transposed_weights([w_down], form, I)
         dh = _grouped(dyq, dys, *wd_t, tiles, form)
         # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
-        # quantized along 2 I for the dgrad below, in one pass
-        dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit)
-        # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
-        # then dx[t] = sum_j dx_rows[t, j] in the order j = 0..k-1, rounded once to bf16 (the
-        # combine's kernel with unit weights; at k = 1 the GEMM's epilogue writes it)
-        wgu_t = _transposed_weights([w_gate, w_up], form, H)
-        ones = torch.ones(T, k, dtype=torch.float32, device=x.device)
-        if k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
-            dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair, ones.view(T))
+        # quantized along 2 I for the dgrad below
+        if fused:  # one pass
+            dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit)
         else:
-            dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row, ones)
+            with torch.enable_grad():
+                g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
+                h = reference.swiglu(g, u, clamp_limit)
+                dg, du = torch.autograd.grad(h, (g, u), dh)
+            h = h.detach()
+            dguq, dgus = mx_gemm.quantize_f32_rows(torch.cat([dg, du], dim=1))
+        # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
+        # then dx[t] = sum_j dx_rows[t, j]: fused, in the order j = 0..k-1 and rounded once to bf16
+        # by the combine kernel with unit weights (at k = 1 the GEMM's epilogue writes it)
+        wgu_t = _transposed_weights([w_gate, w_up], form, H)
+        if fused and k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
+            dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair,
+                                                    torch.ones(T, dtype=torch.float32, device=x.device))
+        elif fused:
+            dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row,
+                                 torch.ones(T, k, dtype=torch.float32, device=x.device))
+        else:
+            dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
         # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
         if _ranged(form, dy, I):
             d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]

@@ -201,15 +201,17 @@ def test_mx_experts_give_the_same_bits_20_times(form):
         assert torch.equal(mx_experts.experts_forward(x, ids, w, weights, form=form), first)
 
 
+@pytest.mark.parametrize("stages", ["torch", "fused"])
 @pytest.mark.parametrize("skew, clamp, form, k", [(False, None, "bf16", 2), (True, 10.0, "bf16", 2),
                                                   (True, 10.0, "quad", 2), (False, 10.0, "bf16", 1),
                                                   (True, None, "bf16", 3)])
-def test_mx_backward_matches_the_float64_mx_oracle_gradients(skew, clamp, form, k):
+def test_mx_backward_matches_the_float64_mx_oracle_gradients(monkeypatch, skew, clamp, form, k, stages):
     """experts_forward_train's gradients (x, the routing weights, the three expert weights) against
     the float64 MX oracle's autograd. Beyond the bf16 rounding of dx and the weight gradients, the
     bound covers E4M3
     roundings that move one step where the FP8 tensor core's 32-wide sums move a value across a
     rounding boundary (as the forward's 6e-3)."""
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
     T, H, I, E = 300, 512, 256, 6
     x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=13, skew=skew)
     d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(3),

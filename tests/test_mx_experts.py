@@ -322,14 +322,17 @@ def test_forward_orchestration_matches_the_mx_oracle(emulated, skew, clamp):
     assert out.dtype == torch.bfloat16 and _rel(out, oracle) < 4e-3  # the bf16 output's rounding
 
 
+@pytest.mark.parametrize("stages", ["torch", "fused"])
 @pytest.mark.parametrize("skew, clamp, k", [(False, None, 2), (True, 1.5, 2), (False, 1.5, 1), (False, None, 3)])
-def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, skew, clamp, k):
+def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, monkeypatch, skew, clamp, k, stages):
     """Every gradient of experts_forward_train (the kernels emulated exactly) against the float64 MX
     oracle's autograd: the transposed quantizations, the SwiGLU backward, the per-expert row
-    blocks of the weight gradients and the combine's gradients all have to agree. k = 1 takes
-    dx from the dgrad GEMM's combine epilogue, k > 1 from the combine kernel."""
+    blocks of the weight gradients and the combine's gradients all have to agree. Both forms of
+    the elementwise stages (MOKGEN_MX_BWD_STAGES); fused, k = 1 takes dx from the dgrad GEMM's
+    combine epilogue, k > 1 from the combine kernel."""
     from mokgen import reference as R
 
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
     x, ids, w, wg, wu, wd = _cpu_problem(skew=skew, seed=1, k=k)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
