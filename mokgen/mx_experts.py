@@ -311,12 +311,13 @@ def _transposed_weights(parts, form: str, n: int):
     return _decoded_stack(codes, scales), codes, mx_gemm.block_expert_scales(scales)
 
 
-def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor, padded: torch.Tensor,
+def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor | None, padded: torch.Tensor,
                          out_dtype: torch.dtype, b_bf16: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_weight_grads` on the bf16-math form in one launch and no host sync: ``out[e] =
     q_n(a_e)^T q_n(b_e)`` for the token rows ``a_rows [R, M]`` (float32) and ``b_rows [R, N]``
     (float32 or bf16), each expert's k range its padded segment (empty: zeros), ``[E, M, N]`` in
-    ``out_dtype``. ``b_bf16``: ``mx_gemm.cols_bf16_math(b_rows)`` when the caller has it."""
+    ``out_dtype``. ``b_bf16``: ``mx_gemm.cols_bf16_math(b_rows)`` when the caller has it (then
+    ``b_rows`` may be None)."""
     a_codes, a_scales = mx_gemm.quantize_cols(a_rows.contiguous())
     start = torch.cumsum(padded, 0) - padded
     kranges = torch.stack([start, padded], 1).to(torch.int32)
@@ -399,17 +400,21 @@ class _MXExperts(torch.autograd.Function):
             d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
         else:
             d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
-        x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
-        x_rows[row] = x.repeat_interleave(k, dim=0)
         if _ranged(form, dg, H):
             # gate's and up's gradients as two launches over the same B (x's rows, quantized once):
             # each lands contiguous, where slices of one [E, 2 I, H] result would be copied again
             # by autograd into the weights' layout (2.8 GB read and written on kimi-k2.5 local).
             # Quantizing along the rows is per column, so dg's and du's codes are dgu's halves.
-            xb = mx_gemm.cols_bf16_math(x_rows)
-            d_wg = _weight_grads_ranged(dg, x_rows, padded, w_gate.dtype, b_bf16=xb)                  # [E, I, H]
-            d_wu = _weight_grads_ranged(du, x_rows, padded, w_up.dtype, b_bf16=xb)
+            # x's rows are gathered by the quantizer (row r: token src[r], zeros on padding rows),
+            # with no copy of them written.
+            src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+            src[row] = torch.arange(T * k, device=x.device).div(k, rounding_mode="floor").to(torch.int32)
+            xb = mx_gemm.cols_bf16_math(x.contiguous(), src=src)
+            d_wg = _weight_grads_ranged(dg, None, padded, w_gate.dtype, b_bf16=xb)                    # [E, I, H]
+            d_wu = _weight_grads_ranged(du, None, padded, w_up.dtype, b_bf16=xb)
         else:
+            x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
+            x_rows[row] = x.repeat_interleave(k, dim=0)
             dgu = torch.cat([dg, du], dim=1)
             d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
             d_wg, d_wu = d_wgu[:, :I], d_wgu[:, I:]

@@ -85,6 +85,7 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_weight_cols.restype = i
         for v2 in (lib.mokgen_mx_weight_rows2, lib.mokgen_mx_weight_cols2):  # MOKGEN_MX_QUANT=v2
             v2.argtypes, v2.restype = [vp, vp, vp, vp, i, i, i, i, i, i, vp], i
+        lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
         lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
         lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
@@ -555,16 +556,33 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False, inter
     return (dec, cod, sc) if codes else dec
 
 
-def cols_bf16_math(x):
+def cols_bf16_math(x, src=None):
     """Rows ``x [rows, n]`` (float32 or bf16 activations) quantized along the rows (32-row blocks,
     ``mx.quantize(x.t(), dim=-1)``), transposed, as the bf16-math GEMM's B operand: ``[n, rows]``
-    bf16 MX values with k permuted (``bf16_math_weights``' bits). rows a multiple of 128."""
+    bf16 MX values with k permuted (``bf16_math_weights``' bits). rows a multiple of 128. With
+    ``src`` (int32 ``[rows]`` on x's device): the rows gathered on the way, row r being
+    ``x[src[r]]`` or zeros where ``src[r] < 0`` (``x [T, n]``; the bits of the gathered copy's,
+    which is never written)."""
     import torch
 
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() or x.shape[0] % BLOCK:
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() \
+            or (src is None and x.shape[0] % BLOCK):
         raise InputError(f"x must be contiguous float32 or bf16 [rows, n] with rows a multiple of {BLOCK}, got "
                          f"{x.dtype} {tuple(x.shape)}")
-    rows, n = x.shape
+    n = x.shape[1]
+    if src is not None:
+        if src.dtype != torch.int32 or src.dim() != 1 or src.shape[0] % BLOCK or src.device != x.device \
+                or not src.is_contiguous():
+            raise InputError(f"src must be contiguous int32 [rows] on {x.device} with rows a multiple of {BLOCK}, got "
+                             f"{src.dtype} {tuple(src.shape)}")
+        rows = src.shape[0]
+        out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
+        if rows and n:
+            version = 2 if _quant_entry("mokgen_mx_weight_cols", x, 1, rows // 32, n).endswith("2") else 1
+            _launch("mokgen_mx_gather_cols", x.device, out.data_ptr(), x.data_ptr(), src.data_ptr(), rows, n,
+                    int(x.dtype == torch.float32), version)
+        return out
+    rows = x.shape[0]
     out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
     if rows and n:
         _launch(_quant_entry("mokgen_mx_weight_cols", x, 1, rows // 32, n), x.device, out.data_ptr(), None, None,

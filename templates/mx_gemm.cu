@@ -385,6 +385,44 @@ int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void*
   return int(cudaGetLastError());
 }
 
+// x's rows gathered (row r: x's row gather[r], zeros where gather[r] < 0; x [tokens, n] bf16, or
+// float32 when is_f32), quantized along the rows, transposed: decoded bf16 [n, rows] (permuted),
+// the B operand of the wgrads (mx_gemm.cols_bf16_math with src). version 2: weight_cols2_kernel
+// (n even, x 4-byte aligned), else weight_cols_kernel; the same bits. rows a multiple of 128.
+int mokgen_mx_gather_cols(void* decoded, const void* x, const void* gather, int rows, int n, int is_f32, int version,
+                          void* stream) {
+  using namespace mokgen;
+  if (decoded == nullptr || gather == nullptr || rows < 0 || rows % 128 || n <= 0 || (version == 2 && n % 2))
+    return int(cudaErrorInvalidValue);
+  if (rows == 0) return 0;
+  auto st = static_cast<cudaStream_t>(stream);
+  bf16* dec = static_cast<bf16*>(decoded);
+  const int* g = static_cast<const int*>(gather);
+  const int nb = rows / mx::kBlock;
+  if (version == 2) {
+    const dim3 grid(unsigned((n / 2 + mxg::kQuantBlocksX - 1) / mxg::kQuantBlocksX),
+                    unsigned((nb + mxg::kQuantBlocksY - 1) / mxg::kQuantBlocksY), 1u);
+    if (grid.y > 65535) return int(cudaErrorInvalidValue);
+    const dim3 cta(mxg::kQuantBlocksX, mxg::kQuantBlocksY);
+    if (is_f32)
+      mxg::weight_cols2_kernel<float><<<grid, cta, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec, nullptr,
+                                                            nullptr, g);
+    else
+      mxg::weight_cols2_kernel<bf16><<<grid, cta, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec, nullptr,
+                                                           nullptr, g);
+    return int(cudaGetLastError());
+  }
+  const long long total = (long long)nb * n;
+  const unsigned grid = unsigned((total + 255) / 256);
+  if (is_f32)
+    mxg::weight_cols_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), 1, rows, n, rows, 0, dec, nullptr,
+                                                         nullptr, g);
+  else
+    mxg::weight_cols_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), 1, rows, n, rows, 0, dec, nullptr,
+                                                        nullptr, g);
+  return int(cudaGetLastError());
+}
+
 // The staged experts' segments from the pairs' ids (int64 [n]) and their stable sort order (int64
 // [n]; null: ranked in the kernel, E <= 1024): row int64 [n], src int32 [128 n_tiles], tiles int2
 // [n_tiles], padded int64 [E]. One CTA.

@@ -202,6 +202,28 @@ def test_cols_bf16_math_is_the_transposed_quantizer_s_values(dtype, quant, monke
     assert torch.equal(mx_gemm.cols_bf16_math(x).view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("quant", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monkeypatch):
+    """cols_bf16_math(x, src=...) (the wgrads' x rows, v0.40): the bits of cols_bf16_math of the
+    gathered copy (row r = x[src[r]], zeros where src[r] < 0), repeated tokens and padding rows
+    in 32-row blocks of their own and mixed with tokens, under both quantizer versions."""
+    monkeypatch.setenv("MOKGEN_MX_QUANT", quant)
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    T, n, rows = 100, 320, 384
+    x = (torch.randn(T, n, generator=gen, device="cuda") *
+         torch.exp2(torch.randint(-30, 30, (T, 1), generator=gen, device="cuda").float())).to(dtype)
+    x[7, 11] = float("nan")
+    src = torch.randint(0, T, (rows,), generator=gen, device="cuda", dtype=torch.int32)
+    src[64:96] = -1           # a whole 32-row block of padding
+    src[130:140] = -1         # padding inside a block
+    src[300:] = -1            # a segment's tail
+    copy = torch.where((src >= 0)[:, None], x[src.clamp(min=0).long()], torch.zeros(rows, n, dtype=dtype, device="cuda"))
+    want = mx_gemm.cols_bf16_math(copy)
+    got = mx_gemm.cols_bf16_math(x, src=src)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_ranged_gemm_is_the_dense_gemm_over_each_range():
     """The weight gradients' launch: slice z over its k range has the dense bf16-math GEMM's bits
     on the operands sliced to that range; an empty range gives zeros; bf16 output is the float32

@@ -198,3 +198,34 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(m
         mx_gemm.swiglu_backward(gu, dh.t())
     with pytest.raises(InputError, match="clamp_limit must be positive, got -1"):
         mx_gemm.swiglu_backward(gu, dh, -1)
+
+
+def test_cols_bf16_math_with_src_gathers_through_its_own_entry(monkeypatch):
+    """cols_bf16_math(x, src=...): one-line errors for a bad src before any launch, then
+    mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v1 where
+    v2 does not apply: an odd n) and the stream last."""
+    import contextlib
+    import types
+
+    calls = []
+
+    class Fake:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or 0
+
+    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=9))
+    x, src = torch.zeros(10, 64, dtype=torch.bfloat16), torch.full((256,), -1, dtype=torch.int32)
+    out = mx_gemm.cols_bf16_math(x, src=src)
+    name, args = calls[-1]
+    assert name == "mokgen_mx_gather_cols" and out.shape == (64, 256) and out.dtype == torch.bfloat16
+    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 1, 9)
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v2")
+    mx_gemm.cols_bf16_math(x.float(), src=src)
+    assert calls[-1][1][5:7] == (1, 2)  # float32, v2
+    mx_gemm.cols_bf16_math(torch.zeros(10, 63), src=src)
+    assert calls[-1][1][6] == 1  # an odd n: v1
+    for bad in (src.long(), src[:100], src.view(2, 128)):
+        with pytest.raises(InputError, match=r"src must be contiguous int32 \[rows\] on cpu with rows a multiple of 128"):
+            mx_gemm.cols_bf16_math(x, src=bad)

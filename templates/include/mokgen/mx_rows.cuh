@@ -328,18 +328,28 @@ __global__ void weight_rows_kernel(const bf16* __restrict__ x, int experts, int 
 // offset .. offset + rows (the dgrads' weights: W_down^T along H, [W_gate; W_up]^T along 2 I):
 // decoded bf16 (permuted); codes and scales [E, rows_out / 128, n, 4] when given. A warp's threads
 // take 32 consecutive columns of one 32-row block.
+// gather (one expert only; v0.40, the wgrads' x rows): row r of x is x's row gather[r], or zeros
+// where gather[r] < 0 (a padding row), so the gathered rows are never written out.
 template <class T>
 __global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int rows, int n, int rows_out, int offset,
                                    bf16* __restrict__ decoded, uint8_t* __restrict__ codes,
-                                   uint8_t* __restrict__ scales) {
+                                   uint8_t* __restrict__ scales, const int* __restrict__ gather = nullptr) {
   const int nb = rows / mx::kBlock;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)experts * nb * n) return;
   const int c = int(idx % n), b = int((idx / n) % nb), e = int(idx / ((long long)n * nb));
-  const T* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
   float v[mx::kBlock];
+  if (gather != nullptr) {
 #pragma unroll
-  for (int i = 0; i < mx::kBlock; ++i) v[i] = float(src[size_t(i) * n]);
+    for (int i = 0; i < mx::kBlock; ++i) {
+      const int from = gather[b * mx::kBlock + i];
+      v[i] = from >= 0 ? float(x[size_t(from) * n + c]) : 0.f;
+    }
+  } else {
+    const T* src = x + size_t(e) * rows * n + size_t(b) * mx::kBlock * n + c;
+#pragma unroll
+    for (int i = 0; i < mx::kBlock; ++i) v[i] = float(src[size_t(i) * n]);
+  }
   uint8_t q[mx::kBlock];
   const uint8_t scale = mx::quantize_block_hw(v, q);
   const size_t out = (size_t(e) * n + c) * rows_out + offset + b * mx::kBlock;
@@ -467,19 +477,32 @@ struct Pair2<float> {
 template <class T>
 __global__ void __launch_bounds__(kQuantBlocksX * kQuantBlocksY)
     weight_cols2_kernel(const T* __restrict__ x, int rows, int n, int rows_out, int offset,
-                        bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+                        bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
+                        const int* __restrict__ gather = nullptr) {
   using P = Pair2<T>;
   const int nb = rows / mx::kBlock;
   const int c = 2 * (blockIdx.x * kQuantBlocksX + threadIdx.x), b = blockIdx.y * kQuantBlocksY + threadIdx.y;
   const int e = blockIdx.z;
   if (c >= n || b >= nb) return;
-  const auto* src = reinterpret_cast<const typename P::type*>(x + (size_t(e) * rows + size_t(b) * mx::kBlock) * n + c);
   float v0[mx::kBlock], v1[mx::kBlock];
+  if (gather != nullptr) {  // as weight_cols_kernel's (one expert)
 #pragma unroll
-  for (int i = 0; i < mx::kBlock; ++i) {
-    const float2 p = P::get(src[size_t(i) * (n / 2)]);
-    v0[i] = p.x;
-    v1[i] = p.y;
+    for (int i = 0; i < mx::kBlock; ++i) {
+      const int from = gather[b * mx::kBlock + i];
+      const float2 p = from >= 0 ? P::get(*reinterpret_cast<const typename P::type*>(x + size_t(from) * n + c))
+                                 : make_float2(0.f, 0.f);
+      v0[i] = p.x;
+      v1[i] = p.y;
+    }
+  } else {
+    const auto* src =
+        reinterpret_cast<const typename P::type*>(x + (size_t(e) * rows + size_t(b) * mx::kBlock) * n + c);
+#pragma unroll
+    for (int i = 0; i < mx::kBlock; ++i) {
+      const float2 p = P::get(src[size_t(i) * (n / 2)]);
+      v0[i] = p.x;
+      v1[i] = p.y;
+    }
   }
   const int kb = offset / mx::kBlock + b;  // the 32-block along rows_out
   auto emit = [&](const float(&v)[mx::kBlock], int col) {
