@@ -59,7 +59,10 @@ class MXExpertWeights:
     only the bf16-math form will run (``quantize_weights(..., codes=False)``). With
     ``interleaved``, ``gate_up_bf16``'s rows are gate and up interleaved in 128s (each 256 rows:
     128 gate rows, then the same up rows), for the up projection with SwiGLU and h's quantization
-    fused (``mx_gemm.mx_bf16_math_swiglu_gemm``); the codes keep gate then up."""
+    fused (``mx_gemm.mx_bf16_math_swiglu_gemm``); the codes keep gate then up. ``gate_up_parts``
+    (in place of ``gate_up_bf16``, training only): gate's and up's bf16 MX values ``[E, I, H]``
+    apart, as the MXFP8 layer's cache holds them; the gate | up GEMM then runs as two launches
+    into the halves of one float32 gate | up."""
 
     gate_up: torch.Tensor | None
     gate_up_scales: torch.Tensor | None
@@ -68,14 +71,21 @@ class MXExpertWeights:
     gate_up_bf16: torch.Tensor | None = None
     down_bf16: torch.Tensor | None = None
     interleaved: bool = False
+    gate_up_parts: tuple | None = None
+
+    def _gate_up_any(self) -> torch.Tensor:
+        for t in (self.gate_up, self.gate_up_bf16):
+            if t is not None:
+                return t
+        return self.gate_up_parts[0]
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up_bf16.shape[0] if self.gate_up is None else self.gate_up.shape[0]
+        return self._gate_up_any().shape[0]
 
     @property
     def hidden(self) -> int:
-        return self.gate_up_bf16.shape[2] if self.gate_up is None else self.gate_up.shape[2]
+        return self._gate_up_any().shape[2]
 
     @property
     def inter(self) -> int:
@@ -223,7 +233,16 @@ def _forward(x, topk_ids, topk_weights, weights: MXExpertWeights, clamp_limit, f
     # 1. the rows gathered and quantized in one pass (the megakernel's dispatch will do this on
     #    the way): padded row r holds token src[r], or zeros
     xq, xs = mx_gemm.quantize_rows(x.contiguous(), src, rows)
-    if form == "bf16" and weights.interleaved and not keep_gu:
+    if weights.gate_up_parts is not None:
+        # 2. gate and up from weights held apart, each GEMM into its half of gu (training: the
+        #    forward keeps gu; the same bits as the stacked weights' single GEMM)
+        inter = weights.inter
+        gu = torch.empty(rows, 2 * inter, dtype=torch.float32, device=x.device)
+        for half, part in enumerate(weights.gate_up_parts):
+            mx_gemm.mx_bf16_math_grouped_gemm(xq, xs, part, tiles, out=gu[:, half * inter:(half + 1) * inter])
+        # 3. SwiGLU in float32 and h quantized along I, one pass
+        hq, hs = mx_gemm.swiglu_quantize(gu, clamp_limit)
+    elif form == "bf16" and weights.interleaved and not keep_gu:
         # 2-3. gate and up with SwiGLU and h's quantization in the GEMM's epilogue
         gu = None
         hq, hs = mx_gemm.mx_bf16_math_swiglu_gemm(xq, xs, weights.gate_up_bf16, tiles, clamp_limit)
@@ -336,9 +355,13 @@ class _MXExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted=None):
         E, I, H = w_gate.shape
-        if converted is not None and not _needs_codes(form, 2 * I, H):
+        if converted is not None and not _needs_codes(form, I, H):
             # the weights' MX values as a caller already holds them (the MXFP8 layer's conversions,
-            # mokgen.ep): gate | up stacked as quantize_weights lays them out, the same bits
+            # mokgen.ep), gate and up apart (two GEMMs into gu's halves): the same bits
+            cg, cu, cd = converted
+            weights = MXExpertWeights(None, None, None, None, None, cd, False, gate_up_parts=(cg, cu))
+        elif converted is not None and not _needs_codes(form, 2 * I, H):
+            # I not a multiple of 256 (the bf16-math tile's N): gate | up stacked by one copy
             cg, cu, cd = converted
             weights = MXExpertWeights(None, None, None, None, torch.cat([cg, cu], dim=1), cd, False)
         else:

@@ -73,6 +73,8 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_bf16_math_gemm.restype = i
         lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
+        lib.mokgen_mx_bf16_math_grouped_gemm_ld.argtypes = [vp, i, vp, vp, vp, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_grouped_gemm_ld.restype = i
         lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_rows.restype = i
         lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
@@ -422,23 +424,37 @@ def mx_bf16_math_gemm(a_codes, a_scales, b_bf16):
     return out
 
 
-def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles):
+def mx_bf16_math_grouped_gemm(a_codes, a_scales_blocked, b_bf16, tiles, *, out=None):
     """:func:`mx_grouped_gemm` on the bf16-math form: A ``[M, K]`` codes with blocked scales,
     B bf16 ``[E, N, K]`` from :func:`expert_weights` (MX values, k permuted), ``tiles`` int32
     ``[n, 2]`` of (expert, first row), (-1, 0) entries skipped. Returns C ``[M, N]`` float32; rows
-    outside every tile are not written."""
+    outside every tile are not written. ``out``: C's memory, a float32 ``[M, N]`` view whose rows
+    may lie further apart (a column block of a wider matrix, e.g. one half of ``[M, 2 N]``)."""
     import torch
 
     M, K = _check_blocked_a(a_codes, a_scales_blocked, "grouped bf16-math GEMM")
     _check_bf16_b(b_bf16, K, stacked=True)
     E, N, _ = b_bf16.shape
     _check_tiles(tiles, a_codes.device, "grouped bf16-math GEMM")
-    c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    if out is None:
+        c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+    else:
+        if out.dtype != torch.float32 or out.shape != (M, N) or out.device != a_codes.device or out.stride(1) != 1 \
+                or out.stride(0) < N or out.stride(0) % 2 or out.data_ptr() % 8:
+            raise InputError(f"grouped bf16-math GEMM: out must be float32 [{M}, {N}] on {a_codes.device} with unit "
+                             f"column stride and an even row stride of at least {N}, 8-byte aligned, got {out.dtype} "
+                             f"{tuple(out.shape)} strides {out.stride()}")
+        c = out
     if tiles.shape[0] == 0:
         return c
-    _launch("mokgen_mx_bf16_math_grouped_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
-            a_scales_blocked.data_ptr(), b_bf16.data_ptr(), tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K,
-            what="bf16 math")
+    if out is None:
+        _launch("mokgen_mx_bf16_math_grouped_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
+                a_scales_blocked.data_ptr(), b_bf16.data_ptr(), tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K,
+                what="bf16 math")
+    else:
+        _launch("mokgen_mx_bf16_math_grouped_gemm_ld", a_codes.device, c.data_ptr(), int(c.stride(0)),
+                a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_bf16.data_ptr(), tiles.data_ptr(),
+                int(tiles.shape[0]), E, M, N, K, what="bf16 math, strided C")
     return c
 
 

@@ -118,7 +118,8 @@ int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, cons
       n_ranges < 1 || n_ranges > 65535 || (kranges == nullptr && n_ranges != 1) ||
       (kranges != nullptr && tiles != nullptr) ||
       (swi.codes != nullptr && (swi.scales == nullptr || kranges != nullptr || 2 * swi.inter != N)) ||
-      (swi.out != nullptr && (swi.src == nullptr || swi.weight == nullptr || kranges != nullptr || swi.codes)))
+      (swi.out != nullptr && (swi.src == nullptr || swi.weight == nullptr || kranges != nullptr || swi.codes)) ||
+      (swi.ldc != 0 && (swi.ldc < N || swi.ldc % 2 || swi.codes != nullptr || swi.out != nullptr)))
     return int(cudaErrorInvalidValue);
   if (n_tiles == 0) return 0;
   if (swi.out != nullptr)
@@ -226,6 +227,17 @@ int mokgen_mx_bf16_math_gemm(void* c, const void* a, const void* sa, const void*
 int mokgen_mx_bf16_math_grouped_gemm(void* c, const void* a, const void* sa, const void* b, const void* tiles,
                                      int n_tiles, int E, int M, int N, int K, void* stream) {
   return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream);
+}
+
+// The grouped GEMM into a column block of a wider float32 matrix: C's rows ldc elements apart
+// (ldc >= N, even; c 8-byte aligned), e.g. gate and up from weights held apart into the halves of
+// one [M, 2 I] gate | up.
+int mokgen_mx_bf16_math_grouped_gemm_ld(void* c, int ldc, const void* a, const void* sa, const void* b,
+                                        const void* tiles, int n_tiles, int E, int M, int N, int K, void* stream) {
+  if (ldc <= 0) return int(cudaErrorInvalidValue);
+  mokgen::mxg::bf16m::EpiArgs st{};
+  st.ldc = ldc;
+  return mokgen::mxg::launch_bf16_math(c, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream, st);
 }
 
 // The up projection with SwiGLU and h's quantization fused (grouped): A MXFP8 rows [M, K], B bf16

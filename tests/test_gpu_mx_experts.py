@@ -263,6 +263,24 @@ def test_the_fused_combine_gives_the_unfused_bits(skew):
         assert torch.equal(mx_experts.experts_forward(x, ids, w, weights), fused)
 
 
+def test_gate_and_up_gemms_into_gus_halves_are_the_stacked_gemms_bits():
+    """The staged forward with gate and up held apart (the MXFP8 layer's cached conversions, v0.40):
+    two grouped GEMMs, each into its half of one float32 gate | up (a row stride of 2 I), give the
+    stacked weights' single GEMM's bits, and leave the other half alone."""
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    E, I, H, rows = 3, 256, 384, 5 * 128
+    a, sa = mx.quantize(torch.randn(rows, H, generator=gen, device="cuda").to(torch.bfloat16), dim=-1)
+    sa = mx_gemm.block_scales(sa)
+    wg, wu = ((torch.randn(E, I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    tiles, _ = mx_gemm.row_tiles([256, 0, 384], "cuda")
+    stacked = mx_gemm.mx_bf16_math_grouped_gemm(a, sa, mx_gemm.expert_weights([wg, wu]), tiles)
+    gu = torch.full((rows, 2 * I), 7.0, device="cuda")
+    mx_gemm.mx_bf16_math_grouped_gemm(a, sa, mx_gemm.expert_weights([wg]), tiles, out=gu[:, :I])
+    assert torch.equal(gu[:, :I], stacked[:, :I]) and (gu[:, I:] == 7.0).all()
+    mx_gemm.mx_bf16_math_grouped_gemm(a, sa, mx_gemm.expert_weights([wu]), tiles, out=gu[:, I:])
+    assert torch.equal(gu, stacked)
+
+
 def test_gate_and_up_weight_gradients_apart_are_the_joint_launchs_halves():
     """The backward's dW_gate and dW_up as two k-ranged launches over one B (each contiguous, no
     copy into the weights' layout) against one launch over [dg | du]: the same bits, since the

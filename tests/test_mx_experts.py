@@ -243,13 +243,16 @@ def emulate_kernels(monkeypatch):
     def quantize_cols(x):
         return mx.quantize(x.t().contiguous(), dim=-1)
 
-    def bf16_grouped(a, sa, b_bf16, tiles):
+    def bf16_grouped(a, sa, b_bf16, tiles, out=None):
         A = mx.dequantize(a, _unblock(sa), out_dtype=f64)
         B = unpermute(b_bf16).double()
         c = torch.full((a.shape[0], b_bf16.shape[1]), float("nan"))
         for e, m0 in tiles.tolist():
             if e >= 0:
                 c[m0:m0 + 128] = (A[m0:m0 + 128] @ B[e].T).float()
+        if out is not None:  # C's memory given (a column block of a wider matrix)
+            out.copy_(c)
+            return out
         return c
 
     def swiglu_gemm(a, sa, b_interleaved, tiles, clamp_limit=None):
@@ -401,14 +404,20 @@ def test_the_mx_megakernels_autograd_node_returns_the_staged_experts_gradients(e
     assert all(t.grad is not None and not t.grad.any() for t in wts)
 
 
-def test_the_mx_node_recomputes_with_the_layers_cached_conversions(emulated, monkeypatch):
+@pytest.mark.parametrize("inter", [256, 128])
+def test_the_mx_node_recomputes_with_the_layers_cached_conversions(emulated, monkeypatch, inter):
     """The node's recompute takes the weights' MX values from the MXFP8 layer's cache
     (mokgen.ep._MX_WEIGHTS) where it holds them at the weights' current versions, instead of
-    quantizing the weights again: the same gradients bit for bit; after an in-place change the
-    cache is stale and the weights are quantized again."""
+    quantizing the weights again: the same gradients bit for bit (I = 256: gate and up apart,
+    two GEMMs into gu's halves; I = 128: stacked by a copy); after an in-place change the cache is
+    stale and the weights are quantized again."""
     from mokgen import ep
 
-    x, ids, w, wg, wu, wd = _cpu_problem(T=64, seed=5)
+    x, ids, w, wg, wu, wd = _cpu_problem(T=64, I=inter, seed=5)
+    parts = []
+    real_grouped = mx_gemm.mx_bf16_math_grouped_gemm
+    monkeypatch.setattr(mx_gemm, "mx_bf16_math_grouped_gemm",
+                        lambda *a, out=None: parts.append(out is not None) or real_grouped(*a, out=out))
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     kernel = type("K", (), {"CLAMP_LIMIT": None})
     quantized = []
@@ -429,8 +438,10 @@ def test_the_mx_node_recomputes_with_the_layers_cached_conversions(emulated, mon
             ep._MX_WEIGHTS[t] = (t._version, mx_experts._decoded_stack(*mx.quantize_experts(t.detach())))
         for t in wts:
             t.grad = None
+        parts.clear()
         got = grads(wts)
         assert quantized == [1]  # taken from the cache
+        assert parts.count(True) == (2 if inter == 256 else 0)  # gate and up apart, into gu's halves
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         with torch.no_grad():
             wts[2].mul_(1.0)  # an in-place change: a new version, the entry is stale

@@ -229,3 +229,35 @@ def test_cols_bf16_math_with_src_gathers_through_its_own_entry(monkeypatch):
     for bad in (src.long(), src[:100], src.view(2, 128)):
         with pytest.raises(InputError, match=r"src must be contiguous int32 \[rows\] on cpu with rows a multiple of 128"):
             mx_gemm.cols_bf16_math(x, src=bad)
+
+
+def test_the_grouped_bf16_math_gemm_writes_into_a_given_column_block(monkeypatch):
+    """mx_bf16_math_grouped_gemm(..., out=...): C's memory a column block of a wider float32 matrix
+    (mokgen_mx_bf16_math_grouped_gemm_ld with its row stride), checked in one line first."""
+    import contextlib
+    import types
+
+    calls = []
+
+    class Fake:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or 0
+
+    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=3))
+    a = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    sa = torch.zeros(1, 256, 4, dtype=torch.uint8)
+    b = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
+    tiles, _ = mx_gemm.row_tiles([128, 128], "cpu")
+    gu = torch.zeros(256, 512)
+    got = mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b, tiles, out=gu[:, 256:])
+    name, args = calls[-1]
+    assert got.data_ptr() == gu[:, 256:].data_ptr()
+    assert name == "mokgen_mx_bf16_math_grouped_gemm_ld" and args[:2] == (gu.data_ptr() + 256 * 4, 512)
+    assert args[6:] == (2, 2, 256, 256, 128, 3)  # n_tiles, E, M, N, K, stream
+    mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b, tiles)
+    assert calls[-1][0] == "mokgen_mx_bf16_math_grouped_gemm"
+    for bad in (gu[:, 1:257], torch.zeros(256, 256, dtype=torch.float64), gu[:128, :256], gu.t()[:256, :256]):
+        with pytest.raises(InputError, match=r"grouped bf16-math GEMM: out must be float32 \[256, 256\]"):
+            mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b, tiles, out=bad)

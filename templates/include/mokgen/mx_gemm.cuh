@@ -385,6 +385,7 @@ struct EpiArgs {
   bf16* out;            // combine: [T, N]
   const int* src;       // combine: [M] the token of each row, -1 for padding
   const float* weight;  // combine: [T] the pair's routing weight
+  int ldc;              // store: C's row stride in elements (0: N), C a column block of a wider matrix
 };
 constexpr int kEpiStore = 0, kEpiSwiglu = 1, kEpiSwigluClamp = 2, kEpiCombine1 = 3;
 
@@ -457,7 +458,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // its own [M, N] slice of C
   const int2 kr = kranges != nullptr ? kranges[blockIdx.z] : make_int2(0, K);
   const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
-  const size_t z_off = size_t(blockIdx.z) * M * N;  // elements of C (float32 or bf16) before slice z
+  const size_t ldc = swi.ldc > 0 ? size_t(swi.ldc) : size_t(N);  // C's row stride (kEpiStore)
+  const size_t z_off = size_t(blockIdx.z) * M * ldc;  // elements of C (float32 or bf16) before slice z
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
@@ -553,8 +555,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kAcc / 4; ++i) {
       const int col = n0 + 8 * i + 2 * q;
-      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * N + col) = __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
-      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row + 8) * N + col) =
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * ldc + col) =
+          __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row + 8) * ldc + col) =
           __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
     }
     return;
@@ -563,8 +566,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i) {
     const int col = n0 + 8 * i + 2 * q;
-    *reinterpret_cast<float2*>(cf + size_t(row) * N + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<float2*>(cf + size_t(row + 8) * N + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    *reinterpret_cast<float2*>(cf + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(cf + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
   }
 }
 
