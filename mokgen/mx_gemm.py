@@ -90,6 +90,8 @@ def load_library() -> ctypes.CDLL:
         lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
         lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
         lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
+        lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
+        lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
         lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
         _by_env[key] = lib
     return lib
@@ -644,7 +646,9 @@ def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_
                              f"within [0, {K}]")
     N = b_bf16.shape[0]
     c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
-    _launch("mokgen_mx_bf16_math_ranged_gemm", a_codes.device, c.data_ptr(), a_codes.data_ptr(),
+    # MOKGEN_MX_RANGED: a CTA per tile (v0.35), or v0.40's persistent walk; the same bits
+    entry = "mokgen_mx_bf16_math_ranged_gemm" + ("_persistent" if env.mx_ranged() == "persistent" else "")
+    _launch(entry, a_codes.device, c.data_ptr(), a_codes.data_ptr(),
             a_scales_blocked.data_ptr(), b_bf16.data_ptr(), kranges.data_ptr(), int(kranges.shape[0]), M, N, K,
             int(out_dtype == torch.bfloat16), what="bf16 math, k ranges")
     return c

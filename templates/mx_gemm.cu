@@ -303,6 +303,39 @@ int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, cons
                                        stream);
 }
 
+// mokgen_mx_bf16_math_ranged_gemm on the persistent kernel (bf16m::ranged_kernel, v0.40;
+// MOKGEN_MX_RANGED=persistent): one CTA per SM walks the tiles, the producer filling the next
+// tile's stages during a tile's epilogue. The same arguments and bits.
+int mokgen_mx_bf16_math_ranged_gemm_persistent(void* c, const void* a, const void* sa, const void* b,
+                                               const void* kranges, int n_ranges, int M, int N, int K, int out_bf16,
+                                               void* stream) {
+  namespace bm = mokgen::mxg::bf16m;
+  if (c == nullptr || kranges == nullptr || M % bm::kBM || N % bm::kBN || K % 128 || M <= 0 || N <= 0 || K <= 0 ||
+      n_ranges < 1)
+    return int(cudaErrorInvalidValue);
+  CUtensorMap ma, mb;
+  if (mokgen::mxg::encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
+      mokgen::sm90::encode_map_2d(&mb, b, uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);
+  static bool attr = false;
+  if (!attr) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(bm::ranged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bm::kSmemBytes));
+    if (err != cudaSuccess) return int(err);
+    attr = true;
+  }
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) !=
+                                                cudaSuccess)
+    return int(cudaErrorInvalidValue);
+  const long long n_tiles = (long long)(N / bm::kBN) * (M / bm::kBM) * n_ranges;
+  const unsigned grid = unsigned(n_tiles < sms ? n_tiles : sms);
+  bm::ranged_kernel<<<grid, bm::kThreads, bm::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, static_cast<const int2*>(kranges),
+      n_ranges, out_bf16);
+  return int(cudaGetLastError());
+}
+
 // Expert weights x bf16 [E, n_in, K] quantized along K into rows offset .. offset + n_in of each
 // expert's n_out: decoded bf16 [E, n_out, K] (k permuted for the bf16-math GEMM; with interleave,
 // two parts of n_in rows, a multiple of 128, interleaved in 128s), and when codes is not null

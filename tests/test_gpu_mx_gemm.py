@@ -224,10 +224,12 @@ def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monk
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_ranged_gemm_is_the_dense_gemm_over_each_range():
-    """The weight gradients' launch: slice z over its k range has the dense bf16-math GEMM's bits
-    on the operands sliced to that range; an empty range gives zeros; bf16 output is the float32
-    output rounded."""
+@pytest.mark.parametrize("ranged", ["tiles", "persistent"])
+def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
+    """The weight gradients' launch, both kernels (MOKGEN_MX_RANGED): slice z over its k range has
+    the dense bf16-math GEMM's bits on the operands sliced to that range; an empty range gives
+    zeros; bf16 output is the float32 output rounded."""
+    monkeypatch.setenv("MOKGEN_MX_RANGED", ranged)
     gen = torch.Generator(device="cuda").manual_seed(32)
     M, N, K = 256, 512, 1024
     a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
@@ -246,6 +248,29 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range():
         assert torch.equal(got[z], want), z
     low = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=torch.bfloat16)
     assert torch.equal(low, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monkeypatch):
+    """MOKGEN_MX_RANGED=persistent against tiles on a wgrad-shaped launch with more tiles than SMs
+    (each CTA walks several, its stage counter running on across tiles of different k lengths,
+    empty ranges among them), and on one with fewer tiles than SMs; the same bits 3 times."""
+    gen = torch.Generator(device="cuda").manual_seed(34)
+    for M, N, lengths in ((1024, 1024, [384, 0, 128, 640, 256, 0, 896, 128, 384, 512]), (256, 256, [512, 128])):
+        K = sum(lengths)
+        first = [sum(lengths[:i]) for i in range(len(lengths))]
+        a, sa = mx.quantize(_blocks(M, K, gen, 10), dim=-1)
+        b, sb = mx.quantize(_blocks(N, K, gen, 10), dim=-1)
+        b16 = mx_gemm.bf16_math_weights(b, sb)
+        kr = torch.tensor(list(zip(first, lengths)), dtype=torch.int32, device="cuda")
+        got = {}
+        for ranged in ("tiles", "persistent"):
+            monkeypatch.setenv("MOKGEN_MX_RANGED", ranged)
+            got[ranged] = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=out_dtype)
+        assert torch.equal(got["persistent"], got["tiles"]), (M, N)
+        for _ in range(2):
+            again = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=out_dtype)
+            assert torch.equal(again, got["persistent"])
 
 
 def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):

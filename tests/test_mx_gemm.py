@@ -28,6 +28,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert any("quantize_rows_kernel" in k for k in kernels) and any("swiglu_quantize_kernel" in k for k in kernels)
     assert any("combine_backward_kernel" in k for k in kernels)
     assert sum("swiglu_backward_kernel" in k for k in kernels) == 2  # with and without the clamp
+    assert any("ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(kernels), spills
     assert serialized_wgmma(lib.parent) == []
@@ -261,3 +262,37 @@ def test_the_grouped_bf16_math_gemm_writes_into_a_given_column_block(monkeypatch
     for bad in (gu[:, 1:257], torch.zeros(256, 256, dtype=torch.float64), gu[:128, :256], gu.t()[:256, :256]):
         with pytest.raises(InputError, match=r"grouped bf16-math GEMM: out must be float32 \[256, 256\]"):
             mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b, tiles, out=bad)
+
+
+def test_the_ranged_gemm_switch_picks_the_entry(monkeypatch):
+    """MOKGEN_MX_RANGED picks the ranged GEMM's entry (the same arguments), and refuses other values."""
+    import contextlib
+    import types
+
+    from mokgen.errors import ToolchainError
+
+    calls = []
+
+    class Fake:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or 0
+
+    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=4))
+    # CPU tensors posing as CUDA ones (the wrapper checks the device, then allocates C there)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: real_empty(*a, **kw))
+    a = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    sa = torch.zeros(2, 128, 4, dtype=torch.uint8)
+    b = torch.zeros(256, 256, dtype=torch.bfloat16)
+    kr = torch.tensor([[0, 128], [128, 128]], dtype=torch.int32)
+    mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
+    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm"
+    monkeypatch.setenv("MOKGEN_MX_RANGED", "persistent")
+    mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
+    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm_persistent" and calls[-1][1] == calls[-2][1]
+    monkeypatch.setenv("MOKGEN_MX_RANGED", "fast")
+    with pytest.raises(ToolchainError, match="MOKGEN_MX_RANGED must be tiles or persistent, got 'fast'"):
+        mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)

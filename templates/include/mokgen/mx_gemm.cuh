@@ -436,16 +436,107 @@ __device__ __forceinline__ void swiglu_quantize_epilogue(const float (&acc)[kAcc
   }
 }
 
+// The producer's k-block: stage it % kStages (its phase from it / kStages) filled with B's k-block
+// kb (B rows b0..), A's rows m0.. and their four-scale words.
+__device__ __forceinline__ void produce_kblock(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                               const uint8_t* __restrict__ sa, unsigned char* stages, uint64_t* full,
+                                               uint64_t* empty, int it, int kb, int m0, int b0, int M) {
+  const int s = it % kStages;
+  sm90::mbar_wait(&empty[s], ((it / kStages) & 1u) ^ 1u);
+  unsigned char* st = stages + size_t(s) * kStageStride;
+  sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
+  cute::SM90_TMA_LOAD_2D::copy(map_b, &full[s], 0, st, kb * kBK, b0);
+  cute::SM90_TMA_LOAD_2D::copy(map_a, &full[s], 0, st + kBBytes, kb * kBK, m0);
+  bulk::load(st + kBBytes + kABytes, sa + (size_t(kb / 2) * M + m0) * 4, kScaleBytes, &full[s]);
+}
+
+// A consumer's k-block (its tile's kb-th, from stage it % kStages): A decoded into register
+// fragments, four wgmma k16 steps kept in flight one behind; the stage before (prev) released once
+// its last wgmma retired. kb's parity picks the k64 half of the k128 scale word (k ranges start
+// at multiples of 128).
+__device__ __forceinline__ void consume_kblock(const unsigned char* stages, uint64_t* full, uint64_t* empty, int it,
+                                               int kb, int r0, int q, int t, float (&acc)[kAcc], uint32_t (&a)[2][4],
+                                               int& prev) {
+  const int s = it % kStages;
+  sm90::mbar_wait(&full[s], (it / kStages) & 1u);
+  const unsigned char* st = stages + size_t(s) * kStageStride;
+  const unsigned char* at = st + kBBytes;
+  const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
+  const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
+#pragma unroll
+  for (int k16 = 0; k16 < kBK / 16; ++k16) {
+    const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
+    uint32_t m1a, m2a, m1b, m2b;
+    multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
+    multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
+    // the k16 chunk of rows r0 and r0 + 8 (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
+    const uint32_t c0 = *reinterpret_cast<const uint32_t*>(at + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
+    const uint32_t c1 =
+        *reinterpret_cast<const uint32_t*>(at + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
+    uint32_t(&f)[4] = a[k16 & 1];
+    f[0] = decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
+    f[1] = decode2(c1, m1b, m2b);        // row r0 + 8
+    f[2] = decode2(c0 >> 16, m1a, m2a);  // row r0, slots 2q + 8, 2q + 9
+    f[3] = decode2(c1 >> 16, m1b, m2b);
+    fence_a(f);
+    sm90::fence_operands(acc);
+    cute::warpgroup_arrive();
+    wgmma(f, sm90::smem_desc_k<128>(st + k16 * 32), acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
+    fence_a(f);
+  }
+  sm90::fence_operands(acc);
+  if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // its last wgmma retired above
+  prev = s;
+}
+
+// The store epilogue: C (float32, or bf16 when out_bf16) rows row and row + 8 of columns n0 ..
+// n0 + 255, rows ldc elements apart.
+__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t ldc, int row, int n0, int q,
+                                           int out_bf16) {
+  if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
+    bf16* cb = reinterpret_cast<bf16*>(c);
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const int col = n0 + 8 * i + 2 * q;
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * ldc + col) =
+          __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row + 8) * ldc + col) =
+          __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kAcc / 4; ++i) {
+    const int col = n0 + 8 * i + 2 * q;
+    *reinterpret_cast<float2*>(c + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(c + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+}
+
+__device__ __forceinline__ void init_pipe(unsigned char* smem, uint64_t*& full, uint64_t*& empty,
+                                          unsigned char*& stages) {
+  full = reinterpret_cast<uint64_t*>(smem);
+  empty = full + kStages;
+  const uint32_t base = smem_u32(smem);
+  stages = smem + (((base + 2 * kStages * 8 + 1023) & ~1023u) - base);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      sm90::mbar_init(&full[i], 1);
+      sm90::mbar_init(&empty[i], 2);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
 template <int kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
                 const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* empty = full + kStages;
-  const uint32_t base = smem_u32(smem);
-  unsigned char* stages = smem + (((base + 2 * kStages * 8 + 1023) & ~1023u) - base);
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   // grouped (tiles given): tile (expert e, first row m0) against e's N rows of the stacked B
@@ -460,26 +551,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
   const size_t ldc = swi.ldc > 0 ? size_t(swi.ldc) : size_t(N);  // C's row stride (kEpiStore)
   const size_t z_off = size_t(blockIdx.z) * M * ldc;  // elements of C (float32 or bf16) before slice z
-  if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      sm90::mbar_init(&full[i], 1);
-      sm90::mbar_init(&empty[i], 2);
-    }
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
+  uint64_t *full, *empty;
+  unsigned char* stages;
+  init_pipe(smem, full, empty, stages);
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (t == 0) {
-      for (int kb = 0; kb < n_k; ++kb) {
-        const int s = kb % kStages;
-        sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
-        unsigned char* st = stages + size_t(s) * kStageStride;
-        sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
-        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, (kb0 + kb) * kBK, b0);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, (kb0 + kb) * kBK, m0);
-        bulk::load(st + kBBytes + kABytes, sa + (size_t((kb0 + kb) / 2) * M + m0) * 4, kScaleBytes, &full[s]);
-      }
+      for (int kb = 0; kb < n_k; ++kb) produce_kblock(&map_a, &map_b, sa, stages, full, empty, kb, kb0 + kb, m0, b0, M);
     }
     return;
   }
@@ -493,40 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   uint32_t a[2][4];
   int prev = -1;
-  for (int kb = 0; kb < n_k; ++kb) {
-    const int s = kb % kStages;
-    sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
-    const unsigned char* st = stages + size_t(s) * kStageStride;
-    const unsigned char* at = st + kBBytes;
-    const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
-    const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
-#pragma unroll
-    for (int k16 = 0; k16 < kBK / 16; ++k16) {
-      const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
-      uint32_t m1a, m2a, m1b, m2b;
-      multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
-      multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
-      // the k16 chunk of rows r0 and r0 + 8 (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
-      const uint32_t c0 = *reinterpret_cast<const uint32_t*>(at + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
-      const uint32_t c1 =
-          *reinterpret_cast<const uint32_t*>(at + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
-      uint32_t(&f)[4] = a[k16 & 1];
-      f[0] = decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
-      f[1] = decode2(c1, m1b, m2b);        // row r0 + 8
-      f[2] = decode2(c0 >> 16, m1a, m2a);  // row r0, slots 2q + 8, 2q + 9
-      f[3] = decode2(c1 >> 16, m1b, m2b);
-      fence_a(f);
-      sm90::fence_operands(acc);
-      cute::warpgroup_arrive();
-      wgmma(f, sm90::smem_desc_k<128>(st + k16 * 32), acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
-      fence_a(f);
-    }
-    sm90::fence_operands(acc);
-    if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // its last wgmma retired above
-    prev = s;
-  }
+  for (int kb = 0; kb < n_k; ++kb) consume_kblock(stages, full, empty, kb, kb, r0, q, t, acc, a, prev);
   cute::warpgroup_wait<0>();
   sm90::fence_operands(acc);
   const int row = m0 + r0;
@@ -550,24 +595,60 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
-    bf16* cb = reinterpret_cast<bf16*>(c) + z_off;
-#pragma unroll
-    for (int i = 0; i < kAcc / 4; ++i) {
-      const int col = n0 + 8 * i + 2 * q;
-      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * ldc + col) =
-          __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
-      *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row + 8) * ldc + col) =
-          __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+  store_tile(acc, c + z_off, ldc, row, n0, q, out_bf16);
+}
+
+// The k-ranged GEMM (the weight gradients) persistent (v0.40): gridDim.x CTAs walk the tiles
+// (n tile fastest, then the row tile, then the range z, as gemm_kernel's grid), each CTA every
+// gridDim.x-th. The producer's stage counter runs on across tiles, so it fills the next tile's
+// stages while the consumers finish a tile and store it: a tile's k-range (about 384 rows per
+// expert on kimi-k2.5 local, 6 k-blocks) no longer pays its pipeline's fill. The same k-loop per
+// tile, so the same bits as gemm_kernel<kEpiStore>.
+__global__ void __launch_bounds__(kThreads, 1)
+    ranged_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                  const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N,
+                  const int2* __restrict__ kranges, int n_ranges, int out_bf16) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, t = tid & 127;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int n_nt = N / kBN, n_mt = M / kBM;
+  const long long n_tiles = (long long)n_nt * n_mt * n_ranges;
+  uint64_t *full, *empty;
+  unsigned char* stages;
+  init_pipe(smem, full, empty, stages);
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (t == 0) {
+      int it = 0;
+      for (long long i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+        const int nt = int(i % n_nt), mt = int((i / n_nt) % n_mt), z = int(i / ((long long)n_nt * n_mt));
+        const int2 kr = kranges[z];
+        const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
+        for (int kb = 0; kb < n_k; ++kb, ++it)
+          produce_kblock(&map_a, &map_b, sa, stages, full, empty, it, kb0 + kb, mt * kBM, nt * kBN, M);
+      }
     }
     return;
   }
-  float* cf = c + z_off;
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
+  const int r0 = 64 * c_wg + 16 * w + g;
+  float acc[kAcc];
+  uint32_t a[2][4];
+  int it = 0;
+  for (long long i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+    const int nt = int(i % n_nt), mt = int((i / n_nt) % n_mt), z = int(i / ((long long)n_nt * n_mt));
+    const int n_k = kranges[z].y / kBK;
+    if (n_k == 0) {
 #pragma unroll
-  for (int i = 0; i < kAcc / 4; ++i) {
-    const int col = n0 + 8 * i + 2 * q;
-    *reinterpret_cast<float2*>(cf + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<float2*>(cf + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+      for (int j = 0; j < kAcc; ++j) acc[j] = 0.f;
+    }
+    int prev = -1;
+    for (int kb = 0; kb < n_k; ++kb, ++it) consume_kblock(stages, full, empty, it, kb, r0, q, t, acc, a, prev);
+    cute::warpgroup_wait<0>();
+    sm90::fence_operands(acc);
+    if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // the tile's last stage: all its wgmmas retired
+    store_tile(acc, c + size_t(z) * M * N, size_t(N), mt * kBM + r0, nt * kBN, q, out_bf16);
   }
 }
 

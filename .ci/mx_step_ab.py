@@ -1,0 +1,92 @@
+"""An A/B of one switch on the staged MXFP8 training step (runs on an H200, not in CI;
+docs/perf-notes.md v0.40): mokgen.mx_experts.experts_forward_train's fwd+bwd on the bench's local
+workload of each named spec, under SWITCH=A and SWITCH=B. First each value's gradients once,
+against each other (relative Frobenius difference per gradient), and B's bits twice. Then ABBA
+blocks of 5 timed steps each (median per block), the mean of B / A over the blocks with its min
+and max. With --wgrad, also the step's three weight-gradient launches alone (the k-ranged GEMM on
+the step's own segments), A against B likewise.
+Usage: python3 .ci/mx_step_ab.py [--switch NAME A B] [--wgrad] [SPEC ...]
+(default: MOKGEN_MX_BWD_STAGES torch fused, kimi-k2.5). v0.40's: MOKGEN_MX_BWD_STAGES torch fused;
+MOKGEN_MX_RANGED tiles persistent --wgrad."""
+import argparse
+import os
+import statistics
+
+import torch
+
+from mokgen import bench, load_spec, mx_experts, mx_gemm
+
+BLOCKS = 8
+
+
+def abba(fn, name: str, a: str, b: str) -> list:
+    ms = {a: [], b: []}
+    for blk in range(BLOCKS):
+        for value in ((a, b) if blk % 2 == 0 else (b, a)):
+            os.environ[name] = value
+            ms[value].append(statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=5)))
+    ratios = [y / x for x, y in zip(ms[a], ms[b])]
+    return [statistics.median(ms[a]), statistics.median(ms[b]), statistics.mean(ratios), min(ratios), max(ratios)]
+
+
+def ab(spec_name: str, name: str, a: str, b: str, wgrad: bool) -> None:
+    spec, tokens = bench.local_spec(load_spec(spec_name), bench.LOCAL_EP.get(spec_name, 8))
+    layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1)
+    del layer
+    x, ids, w, d_out = inputs[0]
+    clamp = spec.activation.clamp_limit
+    leaves = [x, w, wg, wu, wd]  # leaves that require gradients
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp).backward(d_out)
+
+    grads = {}
+    for value in (a, b, b):
+        os.environ[name] = value
+        step()
+        got = [t.grad.clone() for t in leaves]
+        if value in grads:
+            same = all(torch.equal(u, v) for u, v in zip(got, grads[value]))
+            print(f"{spec.name}: {name}={b}, the same bits twice: {same}", flush=True)
+        grads[value] = got
+    diffs = ", ".join(f"{n} {((u.double() - v.double()).norm() / v.double().norm()).item():.2e}"
+                      for n, u, v in zip(("x", "w", "w_gate", "w_up", "w_down"), grads[b], grads[a]))
+    print(f"{spec.name}: {b} against {a}, relative difference: {diffs}", flush=True)
+    del grads
+    r = abba(step, name, a, b)
+    print(f"{spec.name} staged MXFP8 fwd+bwd: {a} {r[0]:.3f} ms, {b} {r[1]:.3f} ms, {b} / {a} {r[2]:.4f} "
+          f"[{r[3]:.4f}, {r[4]:.4f}] over {BLOCKS} blocks", flush=True)
+    if wgrad:  # the three weight-gradient launches on the step's own segments
+        E, I, H = wg.shape
+        flat = ids.reshape(-1).to(torch.int64)
+        _, src, _, padded = mx_experts._segments(flat, E, ids.shape[1], check_ids=False)
+        rows = src.shape[0]
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        dy, h = torch.randn(rows, H, generator=gen, device="cuda"), torch.randn(rows, I, generator=gen, device="cuda")
+        dg = torch.randn(rows, I, generator=gen, device="cuda")
+        xb = mx_gemm.cols_bf16_math(x.detach().contiguous(), src=src)
+        hb = mx_gemm.cols_bf16_math(h)
+        flops = 2 * 3 * int(padded.sum()) * H * I
+
+        def launches():
+            mx_experts._weight_grads_ranged(dy, None, padded, torch.bfloat16, b_bf16=hb)
+            mx_experts._weight_grads_ranged(dg, None, padded, torch.bfloat16, b_bf16=xb)
+            mx_experts._weight_grads_ranged(dg, None, padded, torch.bfloat16, b_bf16=xb)
+
+        r = abba(launches, name, a, b)
+        print(f"{spec.name} three wgrad launches ({int(padded.sum())} padded rows, {flops / 1e12:.2f} TFLOP, "
+              f"quantizers included): {a} {r[0]:.3f} ms ({flops / r[0] / 1e9:.0f} TFLOP/s), {b} {r[1]:.3f} ms "
+              f"({flops / r[1] / 1e9:.0f}), {b} / {a} {r[2]:.4f} [{r[3]:.4f}, {r[4]:.4f}]", flush=True)
+    os.environ.pop(name, None)
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--switch", nargs=3, default=["MOKGEN_MX_BWD_STAGES", "torch", "fused"])
+parser.add_argument("--wgrad", action="store_true")
+parser.add_argument("specs", nargs="*", default=["kimi-k2.5"])
+args = parser.parse_args()
+for spec_name in args.specs:
+    ab(spec_name, *args.switch, args.wgrad)
+    torch.cuda.empty_cache()
