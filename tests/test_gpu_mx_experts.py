@@ -157,7 +157,7 @@ def test_swiglu_backward_against_pytorch_autograd(clamp):
         assert torch.equal(got.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(got[ok] == 0, want[ok] == 0)  # the clamp's masks
-        assert ((got[ok] - want[ok]).abs() <= 1e-6 * size[ok] + 1e-30).all()
+        assert ((got[ok] == want[ok]) | ((got[ok] - want[ok]).abs() <= 1e-6 * size[ok])).all()  # size NaN: a NaN gate
     want_codes, want_scales = mx_gemm.quantize_f32_rows(torch.cat([dg, du], 1))
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
 

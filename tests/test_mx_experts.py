@@ -450,3 +450,41 @@ def test_the_mx_node_recomputes_with_the_layers_cached_conversions(emulated, mon
         assert all(torch.equal(a, b) for a, b in zip(grads(wts), want)) and quantized == [1, 1]
     finally:
         ep.refresh_mx_weights()
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_the_mx_swiglu_gradient_is_pytorchs_autograd(tmp_path, host_check, clamp):
+    """swiglu_grad.cuh's swiglu_grad_exact (mx_gemm.swiglu_backward's element math), compiled for
+    the host by tests/host/swiglu_check.cu, against reference.swiglu under PyTorch's float32
+    autograd: h, dg, du within a few roundings of each term's size (PyTorch's CPU kernels have
+    their own exp and contractions), NaN exactly where PyTorch has NaN, and the clamp's zeros
+    exactly where PyTorch's (a NaN gate passes no gradient through the clamp, an input at the
+    limit passes it)."""
+    import subprocess
+
+    from mokgen import reference as R
+
+    exe = host_check("swiglu_check")
+    gen = torch.Generator().manual_seed(7)
+    n = 20000
+    g, u, dh = torch.randn(n, generator=gen) * 5, torch.randn(n, generator=gen) * 5, torch.randn(n, generator=gen)
+    g[:6] = torch.tensor([-100.0, 100.0, 0.0, float("nan"), 3.0, -1.2785])  # exp's overflow, NaN, the limit
+    u[6:9] = torch.tensor([float("nan"), -3.0, 3.0])
+    limit = torch.full((n,), clamp if clamp is not None else 0.0)
+    (tmp_path / "in.bin").write_bytes(torch.stack([g, u, dh, limit], 1).contiguous().numpy().tobytes())
+    run = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin"), "exact"], capture_output=True)
+    assert run.returncode == 0, run
+    got = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32).view(n, 3)
+    with torch.enable_grad():
+        G, U = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+        h = R.swiglu(G, U, clamp)
+        dg, du = torch.autograd.grad(h, (G, U), dh)
+    gc, uc = (g, u) if clamp is None else (g.clamp(max=clamp), u.clamp(-clamp, clamp))
+    sizes = ((gc * uc).abs(), (dh * uc).abs() * (1 + gc.abs()), (dh * gc).abs())
+    for i, (name, want, size) in enumerate(zip(("h", "dg", "du"), (h.detach(), dg, du), sizes)):
+        a = got[:, i]
+        assert torch.equal(a.isnan(), want.isnan()), name
+        ok = ~want.isnan()
+        assert torch.equal(a[ok] == 0, want[ok] == 0), name  # the clamp's masks and the tails' zeros
+        assert ((a[ok] == want[ok]) | ((a[ok] - want[ok]).abs() <= 1e-6 * size[ok])).all(), name  # size NaN: a NaN gate

@@ -9,6 +9,7 @@
 
 #include "common.cuh"
 #include "mx.cuh"
+#include "swiglu_grad.cuh"
 
 namespace mokgen {
 namespace mxg {
@@ -203,11 +204,9 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
 }
 
 // SwiGLU's backward, one thread per (row, 32-block of I), from the float32 gate | up rows gu
-// [rows, 2 I] and dh [rows, I]: PyTorch's expressions of silu(gate) * up under autograd (and of
-// the clamp: gate <= L, -L <= up <= L, a NaN kept; the gradient passes where the input lies in
-// the range), each operation rounded on its own with the accurate exp:
-//   s = 1 / (1 + exp(-g)), silu = g / (1 + exp(-g)), h = silu * u,
-//   du = dh * silu, dg = (dh * u) * s * (1 + g * (1 - s)).
+// [rows, 2 I] and dh [rows, I]: PyTorch's expressions of silu(gate) * up under autograd and of
+// the clamp, each operation rounded on its own with the accurate exp (swiglu_grad.cuh
+// swiglu_grad_exact, checked on the host).
 // Writes dg, du and h (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row
 // quantized along 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]).
 template <bool kHasClamp>
@@ -230,20 +229,10 @@ __global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float
     float hv[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float g = gs[j], u = us[j];
-      bool g_in = true, u_in = true;
-      if constexpr (kHasClamp) {
-        g_in = g <= limit;                   // false for a NaN, as PyTorch's mask
-        u_in = u >= -limit && u <= limit;
-        g = g > limit ? limit : g;           // clamp(max=L): a NaN stays NaN
-        u = u > limit ? limit : (u < -limit ? -limit : u);
-      }
-      const float e1 = __fadd_rn(1.f, expf(-g));
-      const float s = __fdiv_rn(1.f, e1), silu = __fdiv_rn(g, e1);
-      hv[j] = __fmul_rn(silu, u);
-      const float dgv = __fmul_rn(__fmul_rn(__fmul_rn(ds[j], u), s), __fadd_rn(1.f, __fmul_rn(g, __fsub_rn(1.f, s))));
-      vg[4 * i + j] = g_in ? dgv : 0.f;
-      vu[4 * i + j] = u_in ? __fmul_rn(ds[j], silu) : 0.f;
+      const bwd::SwigluGrad r = bwd::swiglu_grad_exact(gs[j], us[j], ds[j], kHasClamp, limit);
+      hv[j] = r.h;
+      vg[4 * i + j] = r.dg;
+      vu[4 * i + j] = r.du;
     }
     reinterpret_cast<float4*>(h + at)[i] = make_float4(hv[0], hv[1], hv[2], hv[3]);
   }

@@ -44,5 +44,56 @@ MOKGEN_HOST_DEVICE SwigluGrad swiglu_grad(float g, float u, float dh, bool clamp
   return {silu * uc, dh * uc * (s * (1.f + gc * (1.f - s))) * mg, dh * silu * mu};
 }
 
+// Float32 operations rounded on their own (no contraction into an FMA): the device's _rn
+// intrinsics; on the host the plain operators (the host checks build for x86-64 without FMA).
+MOKGEN_HOST_DEVICE float rn_add(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+MOKGEN_HOST_DEVICE float rn_sub(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+MOKGEN_HOST_DEVICE float rn_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MOKGEN_HOST_DEVICE float rn_div(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// The MXFP8 backward's SwiGLU gradient (mx_rows.cuh swiglu_backward_kernel, v0.40): PyTorch's
+// expressions of reference.swiglu under autograd, each operation rounded on its own, the accurate
+// exp: gc = clamp(g, max=L), uc = clamp(u, -L, L) (a NaN kept, where swiglu_grad's fminf maps it to
+// the limit), e = 1 + exp(-gc), s = 1 / e, silu = gc / e, h = silu uc, du = dh silu [-L <= u <= L],
+// dg = ((dh uc) s) (1 + gc (1 - s)) [g <= L]. tests/host/swiglu_check.cu ("exact") checks it on
+// the CPU against PyTorch's autograd.
+MOKGEN_HOST_DEVICE SwigluGrad swiglu_grad_exact(float g, float u, float dh, bool clamp, float limit) {
+  bool g_in = true, u_in = true;
+  if (clamp) {
+    g_in = g <= limit;  // false for a NaN, as PyTorch's mask
+    u_in = u >= -limit && u <= limit;
+    g = g > limit ? limit : g;
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+  }
+  const float e = rn_add(1.f, expf(-g));
+  const float s = rn_div(1.f, e), silu = rn_div(g, e);
+  const float dg = rn_mul(rn_mul(rn_mul(dh, u), s), rn_add(1.f, rn_mul(g, rn_sub(1.f, s))));
+  return {rn_mul(silu, u), g_in ? dg : 0.f, u_in ? rn_mul(dh, silu) : 0.f};
+}
+
 }  // namespace bwd
 }  // namespace mokgen
