@@ -5,6 +5,7 @@ the step's GPU time and the kernels by total GPU time (name, calls, total ms, sh
 same for the MXFP8 megakernel layer under autograd (its backward recomputes the staged forward).
 v0.37 measured kimi-k2.5's step at 27.2 ms, of which 6.8 ms went to the weights' quantizations;
 this says where the other 20 go. Usage: python3 .ci/mx_train_profile.py [SPEC ...] (default kimi-k2.5)."""
+import os
 import sys
 from collections import defaultdict
 
@@ -15,6 +16,22 @@ from mokgen import bench, load_spec, mx_experts
 from mokgen.ep import MoELayer, refresh_mx_weights
 
 TOP = 25
+SWITCHES = ("MOKGEN_MX_QUANT", "MOKGEN_MX_BWD_STAGES", "MOKGEN_MX_RANGED")
+#: kernel name patterns -> the step's parts (the first match wins)
+KINDS = (
+    ("MX megakernel", ("ep_forward", "moe_forward", "megakernel")),
+    ("weight quantizers", ("weight_rows", "weight_cols", "gather_cols")),
+    ("MX GEMMs", ("gemm_kernel", "ranged_kernel", "mx_gemm")),
+    ("mokgen row kernels", ("quantize_", "swiglu_", "combine", "segments")),
+    ("PyTorch copies and fills", ("copy", "Copy", "fill", "Memcpy", "Memset")),
+)
+
+
+def kind(name: str) -> str:
+    for label, patterns in KINDS:
+        if any(p in name for p in patterns):
+            return label
+    return "PyTorch other"
 
 
 def kernel_table(step, label: str) -> None:
@@ -30,7 +47,13 @@ def kernel_table(step, label: str) -> None:
             totals[ev.name] += ev.device_time_total / 1e3  # us -> ms
             calls[ev.name] += 1
     total = sum(totals.values())
-    print(f"{label}: {total:.3f} ms of GPU time in {sum(calls.values())} kernels and copies", flush=True)
+    switches = ", ".join(f"{k}={os.environ.get(k, 'default')}" for k in SWITCHES)
+    print(f"{label}: {total:.3f} ms of GPU time in {sum(calls.values())} kernels and copies ({switches})", flush=True)
+    by_kind = defaultdict(float)
+    for name, ms in totals.items():
+        by_kind[kind(name)] += ms
+    print("  by kind: " + ", ".join(f"{k} {ms:.3f} ms ({100 * ms / total:.0f}%)"
+                                    for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])), flush=True)
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:TOP]:
         print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}% x{calls[name]:<4d} {name[:150]}")
 
