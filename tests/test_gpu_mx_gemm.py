@@ -268,6 +268,14 @@ def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monke
             monkeypatch.setenv("MOKGEN_MX_RANGED", ranged)
             got[ranged] = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=out_dtype)
         assert torch.equal(got["persistent"], got["tiles"]), (M, N)
+        for z, (f, n) in enumerate(zip(first, lengths)):  # and each slice the dense GEMM over its range
+            if n == 0:
+                assert not got["persistent"][z].any()
+                continue
+            cols, blocks = slice(f, f + n), slice(f // 32, (f + n) // 32)
+            want = mx_gemm.mx_bf16_math_gemm(a[:, cols].contiguous(), sa[:, blocks].contiguous(),
+                                             b16[:, cols].contiguous())
+            assert torch.equal(got["persistent"][z], want.to(out_dtype)), (M, N, z)
         for _ in range(2):
             again = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=out_dtype)
             assert torch.equal(again, got["persistent"])

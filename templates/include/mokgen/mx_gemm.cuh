@@ -492,11 +492,12 @@ __device__ __forceinline__ void consume_kblock(const unsigned char* stages, uint
 }
 
 // The store epilogue: C (float32, or bf16 when out_bf16) rows row and row + 8 of columns n0 ..
-// n0 + 255, rows ldc elements apart.
-__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t ldc, int row, int n0, int q,
-                                           int out_bf16) {
+// n0 + 255, rows ldc elements apart, from element off of C (counted in C's own type: a k-ranged
+// slice's offset, applied after the type is chosen).
+__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t off, size_t ldc, int row, int n0,
+                                           int q, int out_bf16) {
   if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
-    bf16* cb = reinterpret_cast<bf16*>(c);
+    bf16* cb = reinterpret_cast<bf16*>(c) + off;
 #pragma unroll
     for (int i = 0; i < kAcc / 4; ++i) {
       const int col = n0 + 8 * i + 2 * q;
@@ -507,11 +508,12 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, s
     }
     return;
   }
+  float* cf = c + off;
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i) {
     const int col = n0 + 8 * i + 2 * q;
-    *reinterpret_cast<float2*>(c + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<float2*>(c + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    *reinterpret_cast<float2*>(cf + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(cf + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
   }
 }
 
@@ -595,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  store_tile(acc, c + z_off, ldc, row, n0, q, out_bf16);
+  store_tile(acc, c, z_off, ldc, row, n0, q, out_bf16);
 }
 
 // The k-ranged GEMM (the weight gradients) persistent (v0.40): gridDim.x CTAs walk the tiles
@@ -648,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     cute::warpgroup_wait<0>();
     sm90::fence_operands(acc);
     if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // the tile's last stage: all its wgmmas retired
-    store_tile(acc, c + size_t(z) * M * N, size_t(N), mt * kBM + r0, nt * kBN, q, out_bf16);
+    store_tile(acc, c, size_t(z) * M * N, size_t(N), mt * kBM + r0, nt * kBN, q, out_bf16);
   }
 }
 
