@@ -326,9 +326,11 @@ def combine_backward(d_out, y, pair, weights):
                          f"{tuple(d_out.shape)}")
     H = d_out.shape[1]
     if y.dtype != torch.float32 or y.shape != (rows, H) or not y.is_contiguous() or pair.dtype != torch.int32 \
-            or weights.dtype != torch.float32 or not weights.is_contiguous():
-        raise InputError(f"combine_backward: y float32 [rows, {H}], pair int32 [rows], weights float32 [T, k], got "
-                         f"{y.dtype} {tuple(y.shape)}, {pair.dtype} {tuple(pair.shape)}, {weights.dtype}")
+            or not pair.is_contiguous() or weights.dtype != torch.float32 or not weights.is_contiguous() \
+            or any(t.device != y.device for t in (d_out, pair, weights)) or d_out.data_ptr() % 16 or y.data_ptr() % 16:
+        raise InputError(f"combine_backward: y float32 [rows, {H}], pair int32 [rows], weights float32 [T, k], all "
+                         f"contiguous on one device (d_out and y 16-byte aligned), got {y.dtype} {tuple(y.shape)}, "
+                         f"{pair.dtype} {tuple(pair.shape)}, {weights.dtype}")
     dy = torch.empty(rows, H, dtype=torch.float32, device=y.device)
     codes = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=y.device)
     scales = torch.empty(H // BLOCK, rows, 4, dtype=torch.uint8, device=y.device)
@@ -351,8 +353,10 @@ def swiglu_backward(gu, dh, clamp_limit: float | None = None):
         raise InputError(f"gu must be contiguous float32 [rows, 2 I] with I a multiple of {BLOCK}, got {gu.dtype} "
                          f"{tuple(gu.shape)}")
     rows, inter = gu.shape[0], gu.shape[1] // 2
-    if dh.dtype != torch.float32 or dh.shape != (rows, inter) or not dh.is_contiguous():
-        raise InputError(f"dh must be contiguous float32 [{rows}, {inter}], got {dh.dtype} {tuple(dh.shape)}")
+    if dh.dtype != torch.float32 or dh.shape != (rows, inter) or not dh.is_contiguous() or dh.device != gu.device \
+            or gu.data_ptr() % 16 or dh.data_ptr() % 16:
+        raise InputError(f"dh must be contiguous float32 [{rows}, {inter}] on gu's device (both 16-byte aligned), got "
+                         f"{dh.dtype} {tuple(dh.shape)}")
     limit = 0.0 if clamp_limit is None else float(clamp_limit)
     if clamp_limit is not None and not limit > 0:
         raise InputError(f"clamp_limit must be positive, got {clamp_limit}")

@@ -184,6 +184,8 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(m
         mx_gemm.combine_backward(d_out, y[:, :128].contiguous(), pair, w)
     with pytest.raises(InputError, match=r"combine_backward: y float32"):
         mx_gemm.combine_backward(d_out, y, pair.long(), w)
+    with pytest.raises(InputError, match=r"combine_backward: y float32"):  # d_out not 16-byte aligned
+        mx_gemm.combine_backward(torch.zeros(T * H + 4, dtype=torch.bfloat16)[4:].view(T, H), y, pair, w)
 
     I = 128
     gu, dh = torch.zeros(rows, 2 * I), torch.zeros(rows, I)
