@@ -99,3 +99,17 @@ def test_installed_wheel_runs_without_the_checkout(wheel, tmp_path):
     assert all(Path(r["file"]).resolve().is_relative_to(resolved_site) for r in rows)
     doc = json.loads(run("-m", "mokgen", "show", "kimi-2.5", "--ep", "8", "--json"))
     assert doc["figures"]["local_experts"] == 48
+
+
+def test_every_switch_is_documented_in_the_readme_and_no_other():
+    """The README's switch table and mokgen.env.SWITCHES name the same switches: each switch
+    appears in the README, and every row of its table names a switch mokgen reads."""
+    import re
+
+    from mokgen import env
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = set(re.findall(r"^\| `(MOKGEN_[A-Z0-9_]+)` \|", readme, re.M))
+    named = set(re.findall(r"`(MOKGEN_[A-Z0-9_]+)`", readme))
+    assert sorted(set(env.SWITCHES) - named) == []
+    assert sorted(rows - set(env.SWITCHES)) == []
