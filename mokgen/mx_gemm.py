@@ -520,12 +520,12 @@ _V2_ROWS_PER_CTA, _V2_GRID_MAX = 8, 65535
 
 def _quant_entry(entry: str, x, experts: int, units: int, n: int | None = None) -> str:
     """The weights' quantizer ``entry`` (mokgen_mx_weight_rows or _cols) for input ``x``, or its
-    v0.39 version (the same arguments and bits) under MOKGEN_MX_QUANT=v2 where that applies:
+    v2 version (the same arguments and bits) under MOKGEN_MX_QUANT=v2 where that applies:
     ``experts`` and ``units`` (rows, or 32-row blocks along the columns) within its grid, and for
-    the columns an even ``n`` and ``x`` aligned to two elements (it loads column pairs)."""
+    the columns (v0.40's tiles) ``n`` a multiple of 16 bytes' elements and ``x`` 16-byte aligned."""
     if env.mx_quant() != "v2" or experts > _V2_GRID_MAX or -(-units // _V2_ROWS_PER_CTA) > _V2_GRID_MAX:
         return entry
-    if n is not None and (n % 2 or x.data_ptr() % (2 * x.element_size())):
+    if n is not None and (n % (16 // x.element_size()) or x.data_ptr() % 16):  # the column tiles' 16-byte loads
         return entry
     return entry + "2"
 

@@ -386,7 +386,8 @@ int mokgen_mx_weight_cols(void* decoded, void* codes, void* scales, const void* 
 
 // mokgen_mx_weight_rows and mokgen_mx_weight_cols on v0.39's kernels (mx_rows.cuh,
 // weight_rows2_kernel / weight_cols2_kernel; MOKGEN_MX_QUANT=v2): the same arguments and bits;
-// the columns version needs n even (mokgen_mx_weight_cols takes any n).
+// the columns version needs n a multiple of 8 (bf16) or 4 (float32) and x 16-byte aligned
+// (mokgen_mx_weight_cols takes any n).
 int mokgen_mx_weight_rows2(void* decoded, void* codes, void* scales, const void* x, int E, int n_in, int k, int n_out,
                            int offset, int interleave, void* stream) {
   using namespace mokgen;
@@ -409,22 +410,22 @@ int mokgen_mx_weight_rows2(void* decoded, void* codes, void* scales, const void*
 int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void* x, int E, int rows, int n,
                            int rows_out, int offset, int is_f32, void* stream) {
   using namespace mokgen;
-  if (E < 0 || E > 65535 || rows < 0 || n <= 0 || n % 2 || rows % mx::kBlock || offset % mx::kBlock ||
-      rows_out % 128 || offset < 0 || offset + rows > rows_out || (decoded == nullptr && codes == nullptr))
+  const int vec = is_f32 ? 4 : 8;  // the tiles' 16-byte loads
+  if (E < 0 || E > 65535 || rows < 0 || n <= 0 || n % vec || rows % mx::kBlock || offset % mx::kBlock ||
+      rows_out % 128 || offset < 0 || offset + rows > rows_out || (decoded == nullptr && codes == nullptr) ||
+      reinterpret_cast<uintptr_t>(x) % 16)
     return int(cudaErrorInvalidValue);
-  const int nb = rows / mx::kBlock;
-  const dim3 grid(unsigned((n / 2 + mxg::kQuantBlocksX - 1) / mxg::kQuantBlocksX),
-                  unsigned((nb + mxg::kQuantBlocksY - 1) / mxg::kQuantBlocksY), unsigned(E));
+  const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
+                  unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), unsigned(E));
   if (grid.y > 65535) return int(cudaErrorInvalidValue);
-  if (E == 0 || nb == 0) return 0;
-  const dim3 cta(mxg::kQuantBlocksX, mxg::kQuantBlocksY);
+  if (E == 0 || rows == 0) return 0;
   auto st = static_cast<cudaStream_t>(stream);
   if (is_f32)
-    mxg::weight_cols2_kernel<float><<<grid, cta, 0, st>>>(static_cast<const float*>(x), rows, n, rows_out, offset,
+    mxg::weight_cols2_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n, rows_out, offset,
                                                           static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
                                                           static_cast<uint8_t*>(scales));
   else
-    mxg::weight_cols2_kernel<bf16><<<grid, cta, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows_out, offset,
+    mxg::weight_cols2_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows_out, offset,
                                                          static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
                                                          static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
@@ -432,8 +433,9 @@ int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void*
 
 // x's rows gathered (row r: x's row gather[r], zeros where gather[r] < 0; x [tokens, n] bf16, or
 // float32 when is_f32), quantized along the rows, transposed: decoded bf16 [n, rows] (permuted),
-// the B operand of the wgrads (mx_gemm.cols_bf16_math with src). version 2: weight_cols2_kernel
-// (n even, x 4-byte aligned), else weight_cols_kernel; the same bits. rows a multiple of 128.
+// the B operand of the wgrads (mx_gemm.cols_bf16_math with src). version 2: weight_cols2_kernel's
+// tiles (n a multiple of 8 bf16 or 4 float32, x 16-byte aligned), else weight_cols_kernel; the same
+// bits. rows a multiple of 128.
 int mokgen_mx_gather_cols(void* decoded, const void* x, const void* gather, int rows, int n, int is_f32, int version,
                           void* stream) {
   using namespace mokgen;
@@ -445,15 +447,14 @@ int mokgen_mx_gather_cols(void* decoded, const void* x, const void* gather, int 
   const int* g = static_cast<const int*>(gather);
   const int nb = rows / mx::kBlock;
   if (version == 2) {
-    const dim3 grid(unsigned((n / 2 + mxg::kQuantBlocksX - 1) / mxg::kQuantBlocksX),
-                    unsigned((nb + mxg::kQuantBlocksY - 1) / mxg::kQuantBlocksY), 1u);
-    if (grid.y > 65535) return int(cudaErrorInvalidValue);
-    const dim3 cta(mxg::kQuantBlocksX, mxg::kQuantBlocksY);
+    if (n % (is_f32 ? 4 : 8) || reinterpret_cast<uintptr_t>(x) % 16) return int(cudaErrorInvalidValue);
+    const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
+                    unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), 1u);
     if (is_f32)
-      mxg::weight_cols2_kernel<float><<<grid, cta, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec, nullptr,
+      mxg::weight_cols2_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec, nullptr,
                                                             nullptr, g);
     else
-      mxg::weight_cols2_kernel<bf16><<<grid, cta, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec, nullptr,
+      mxg::weight_cols2_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec, nullptr,
                                                            nullptr, g);
     return int(cudaGetLastError());
   }

@@ -210,7 +210,7 @@ def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monk
     in 32-row blocks of their own and mixed with tokens, under both quantizer versions."""
     monkeypatch.setenv("MOKGEN_MX_QUANT", quant)
     gen = torch.Generator(device="cuda").manual_seed(33)
-    T, n, rows = 100, 320, 384
+    T, n, rows = 100, 328, 384  # a partial 64-column tile (v2's tiles)
     x = (torch.randn(T, n, generator=gen, device="cuda") *
          torch.exp2(torch.randint(-30, 30, (T, 1), generator=gen, device="cuda").float())).to(dtype)
     x[7, 11] = float("nan")
@@ -312,7 +312,8 @@ def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
         out += list(mx_gemm.expert_weights(ragged, codes=True))
         out += list(mx_gemm.expert_weights(thirds, transpose=True, codes=True))
         out += [mx_gemm.cols_bf16_math(a) for a in acts]
-        out += [mx_gemm.cols_bf16_math(a[:, :C - 2].contiguous()) for a in acts]  # a partial CTA of 32 pairs
+        out += [mx_gemm.cols_bf16_math(a[:, :C - 2].contiguous()) for a in acts]  # n % 8 != 0: v1's kernel
+        out += [mx_gemm.cols_bf16_math(a[:, :C - 8].contiguous()) for a in acts]  # v2: a partial 64-column tile
         out.append(mx_gemm.cols_bf16_math(acts[1][:, :C - 1].contiguous()))  # odd n
         return [t.view(torch.uint8) for t in out]
 

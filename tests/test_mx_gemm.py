@@ -132,8 +132,9 @@ def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(monkeypatch):
 
 def test_the_v2_weight_quantizers_are_taken_only_where_they_apply(monkeypatch):
     """mx_gemm._quant_entry: v1's entry by default; under MOKGEN_MX_QUANT=v2 the v2 entry, except
-    past its grid (65535 CTAs of 8 units in y, 65535 experts) and, along the columns, for an odd
-    column count or a base not aligned to two elements (v1's kernel then: the same bits)."""
+    past its grid (65535 CTAs of 8 units in y, 65535 experts) and, along the columns (v0.40's
+    tiles of 16-byte loads), for a column count not a multiple of 8 bf16 (4 float32) or a base
+    not 16-byte aligned (v1's kernel then: the same bits)."""
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     rows, cols = "mokgen_mx_weight_rows", "mokgen_mx_weight_cols"
     monkeypatch.delenv("MOKGEN_MX_QUANT", raising=False)
@@ -142,7 +143,11 @@ def test_the_v2_weight_quantizers_are_taken_only_where_they_apply(monkeypatch):
     assert mx_gemm._quant_entry(rows, x, 1, 4) == rows + "2"
     assert mx_gemm._quant_entry(cols, x, 1, 4, 64) == cols + "2"
     assert mx_gemm._quant_entry(cols, x, 1, 4, 63) == cols  # odd n
+    assert mx_gemm._quant_entry(cols, x, 1, 4, 60) == cols  # even, but not whole 16-byte loads
     assert mx_gemm._quant_entry(cols, x.view(-1)[1:], 1, 4, 64) == cols  # base one element off
+    assert mx_gemm._quant_entry(cols, x.view(-1)[4:], 1, 4, 64) == cols  # 8 bytes off
+    assert mx_gemm._quant_entry(cols, x.view(-1)[8:], 1, 4, 64) == cols + "2"  # 16 bytes off
+    assert mx_gemm._quant_entry(cols, x.float(), 1, 4, 60) == cols + "2"  # float32: 4 a load
     assert mx_gemm._quant_entry(rows, x, 65536, 4) == rows  # experts past gridDim.z
     assert mx_gemm._quant_entry(rows, x, 1, 8 * 65535) == rows + "2"
     assert mx_gemm._quant_entry(rows, x, 1, 8 * 65535 + 1) == rows  # rows past gridDim.y
