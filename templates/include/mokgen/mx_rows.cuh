@@ -148,49 +148,81 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 // ---- the MXFP8 backward's elementwise stages, fused (v0.40; mx_gemm.combine_backward,
 // mx_gemm.swiglu_backward). They replace PyTorch expressions over float32 [rows, H] and
 // [rows, I] tensors, each a pass of its own (about 11 GB of traffic on a kimi-k2.5 local step).
+// A thread takes 4 consecutive elements of a row and 8 neighbouring lanes a 32-element block
+// (v0.41): each warp load and store covers 512 contiguous bytes. v0.40's thread-per-block form
+// ran at 1.1-1.6 TB/s on the H100 (each warp access 16 bytes in each of 32 lines; ncu saw the
+// same pattern write 3x the L2 sectors in the weights' column quantizer).
+
+// quantize_block_hw of a 32-element block held 4 a lane by 8 neighbouring lanes (lane group g =
+// lane / 8 of the warp, element 4 l + i in lane l's v[i]): the same scale (returned by every lane)
+// and codes (this lane's 4, byte i = element 4 l + i: the order store_codes writes). All 32 lanes
+// of the warp must call it.
+MOKGEN_DEVICE uint8_t quantize_block_lanes(const float (&v)[4], uint32_t& codes4) {
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t a = mx::float_bits(v[i]) & 0x7fffffffu;
+    amax = a > amax ? a : amax;
+  }
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  if (amax >= 0x7f800000u) {  // a NaN or an infinity in the block: the NaN scale and NaN codes
+    codes4 = 0x7f7f7f7fu;
+    return mx::kE8M0Nan;
+  }
+  const int exp_field = int(amax >> 23);
+  int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
+  sc = sc < -127 ? -127 : sc;
+  const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1] * inv), "f"(v[0] * inv));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3] * inv), "f"(v[2] * inv));
+  codes4 = uint32_t(lo) | (uint32_t(hi) << 16);
+  return uint8_t(sc + 127);
+}
 
 // The combine's backward, one CTA per padded row r (pair p = pair[r], -1 for a padding row):
 // dy[r] = w[p] * dOut[p / k] in float32 (one product, rounded once: the PyTorch expression's bits),
 // dy's row r quantized along H (the dgrad's A), and d w[p] = <dOut[p / k], y[r]>, summed in a
-// fixed order: each thread along its own blocks (32 products in order, then block after block),
-// then the CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). H a multiple
-// of 128, kThreads threads.
+// fixed order: each thread along its own elements (its 4, group after group of the row), then the
+// CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). H a multiple of 128,
+// kThreads threads (a multiple of 32).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
     const bf16* __restrict__ d_out, const float* __restrict__ y, const int* __restrict__ pair,
     const float* __restrict__ w, int rows, int k, int h, float* __restrict__ dy, uint8_t* __restrict__ codes,
     uint8_t* __restrict__ scales, float* __restrict__ d_w) {
   __shared__ float partial[kThreads];
-  const int r = blockIdx.x, p = pair[r], nb = h / mx::kBlock;
+  const int r = blockIdx.x, p = pair[r];
   const float wp = p >= 0 ? w[p] : 0.f;
   const bf16* g = p >= 0 ? d_out + size_t(p / k) * h : nullptr;
   float dot = 0.f;
-  for (int b = threadIdx.x; b < nb; b += kThreads) {
-    float v[mx::kBlock];
+  for (int q = threadIdx.x; q < h / 4; q += kThreads) {  // h / 4 a multiple of 32: whole warps
+    float v[4];
     if (p >= 0) {
-      float d[mx::kBlock];
-      mx::load_bf16_block(g + b * mx::kBlock, d);
-      const float4* yp = reinterpret_cast<const float4*>(y + size_t(r) * h + b * mx::kBlock);
+      const uint2 raw = *reinterpret_cast<const uint2*>(g + 4 * q);
+      __nv_bfloat162 d01, d23;
+      memcpy(&d01, &raw.x, 4);
+      memcpy(&d23, &raw.y, 4);
+      const float2 a = __bfloat1622float2(d01), b = __bfloat1622float2(d23);
+      const float d[4] = {a.x, a.y, b.x, b.y};
+      const float4 yv = reinterpret_cast<const float4*>(y + size_t(r) * h)[q];
+      const float ys[4] = {yv.x, yv.y, yv.z, yv.w};
 #pragma unroll
-      for (int i = 0; i < mx::kBlock / 4; ++i) {
-        const float4 yv = yp[i];
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i], yv.x));
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 1], yv.y));
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 2], yv.z));
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 3], yv.w));
+      for (int i = 0; i < 4; ++i) {
+        dot = __fadd_rn(dot, __fmul_rn(d[i], ys[i]));
+        v[i] = __fmul_rn(wp, d[i]);
       }
-#pragma unroll
-      for (int i = 0; i < mx::kBlock; ++i) v[i] = __fmul_rn(wp, d[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
+      for (int i = 0; i < 4; ++i) v[i] = 0.f;
     }
-    float4* o = reinterpret_cast<float4*>(dy + size_t(r) * h + b * mx::kBlock);
-#pragma unroll
-    for (int i = 0; i < mx::kBlock / 4; ++i) o[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-    uint8_t q[mx::kBlock];
-    const uint8_t scale = mx::quantize_block_hw(v, q);
-    store_block(q, scale, codes, scales, r, b, rows, h);
+    reinterpret_cast<float4*>(dy + size_t(r) * h)[q] = make_float4(v[0], v[1], v[2], v[3]);
+    uint32_t c4;
+    const uint8_t scale = quantize_block_lanes(v, c4);
+    reinterpret_cast<uint32_t*>(codes + size_t(r) * h)[q] = c4;
+    const int b = q / 8;  // the 32-block along H
+    if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
   }
   if (p < 0) return;  // the whole CTA: p is the row's
   partial[threadIdx.x] = dot;
@@ -203,51 +235,47 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
   if (threadIdx.x == 0) d_w[p] = partial[0];
 }
 
-// SwiGLU's backward, one thread per (row, 32-block of I), from the float32 gate | up rows gu
-// [rows, 2 I] and dh [rows, I]: PyTorch's expressions of silu(gate) * up under autograd and of
-// the clamp, each operation rounded on its own with the accurate exp (swiglu_grad.cuh
-// swiglu_grad_exact, checked on the host).
-// Writes dg, du and h (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row
-// quantized along 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]).
+// SwiGLU's backward, a thread per 4 consecutive elements of a row of I (8 lanes a 32-block), from
+// the float32 gate | up rows gu [rows, 2 I] and dh [rows, I]: PyTorch's expressions of
+// silu(gate) * up under autograd and of the clamp, each operation rounded on its own with the
+// accurate exp (swiglu_grad.cuh swiglu_grad_exact, checked on the host). Writes dg, du and h
+// (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row quantized along
+// 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]). I a multiple of 128, so a warp's
+// 32 threads lie in one row.
 template <bool kHasClamp>
 __global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float* __restrict__ dh, int rows, int inter,
                                        float limit, float* __restrict__ dg, float* __restrict__ du,
                                        float* __restrict__ h, uint8_t* __restrict__ codes,
                                        uint8_t* __restrict__ scales) {
-  const int nb = inter / mx::kBlock;
+  const int per_row = inter / 4;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (idx >= (long long)rows * nb) return;
-  const int r = int(idx / nb), b = int(idx % nb);
-  const size_t at = size_t(r) * inter + b * mx::kBlock;
-  const float* gp = gu + size_t(r) * 2 * inter + b * mx::kBlock;
-  float vg[mx::kBlock], vu[mx::kBlock];
+  if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
+  const int r = int(idx / per_row), q = int(idx % per_row);
+  const float4 g4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter)[q];
+  const float4 u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
+  const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
+  const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
+  float vh[4], vg[4], vu[4];
 #pragma unroll
-  for (int i = 0; i < mx::kBlock / 4; ++i) {
-    const float4 g4 = reinterpret_cast<const float4*>(gp)[i], u4 = reinterpret_cast<const float4*>(gp + inter)[i];
-    const float4 d4 = reinterpret_cast<const float4*>(dh + at)[i];
-    const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
-    float hv[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bwd::SwigluGrad r = bwd::swiglu_grad_exact(gs[j], us[j], ds[j], kHasClamp, limit);
-      hv[j] = r.h;
-      vg[4 * i + j] = r.dg;
-      vu[4 * i + j] = r.du;
-    }
-    reinterpret_cast<float4*>(h + at)[i] = make_float4(hv[0], hv[1], hv[2], hv[3]);
+  for (int i = 0; i < 4; ++i) {
+    const bwd::SwigluGrad res = bwd::swiglu_grad_exact(gs[i], us[i], ds[i], kHasClamp, limit);
+    vh[i] = res.h;
+    vg[i] = res.dg;
+    vu[i] = res.du;
   }
-  float4* og = reinterpret_cast<float4*>(dg + at);
-  float4* ou = reinterpret_cast<float4*>(du + at);
-#pragma unroll
-  for (int i = 0; i < mx::kBlock / 4; ++i) {
-    og[i] = make_float4(vg[4 * i], vg[4 * i + 1], vg[4 * i + 2], vg[4 * i + 3]);
-    ou[i] = make_float4(vu[4 * i], vu[4 * i + 1], vu[4 * i + 2], vu[4 * i + 3]);
-  }
-  uint8_t q[mx::kBlock];
-  uint8_t scale = mx::quantize_block_hw(vg, q);
-  store_block(q, scale, codes, scales, r, b, rows, 2 * inter);
-  scale = mx::quantize_block_hw(vu, q);
-  store_block(q, scale, codes, scales, r, nb + b, rows, 2 * inter);
+  const size_t at = size_t(r) * inter;
+  reinterpret_cast<float4*>(h + at)[q] = make_float4(vh[0], vh[1], vh[2], vh[3]);
+  reinterpret_cast<float4*>(dg + at)[q] = make_float4(vg[0], vg[1], vg[2], vg[3]);
+  reinterpret_cast<float4*>(du + at)[q] = make_float4(vu[0], vu[1], vu[2], vu[3]);
+  const int b = q / 8, nb = inter / mx::kBlock;  // the 32-block of dg (of du: nb + b along 2 I)
+  uint32_t c4;
+  uint8_t scale = quantize_block_lanes(vg, c4);
+  reinterpret_cast<uint32_t*>(codes + size_t(r) * 2 * inter)[q] = c4;
+  if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
+  scale = quantize_block_lanes(vu, c4);
+  reinterpret_cast<uint32_t*>(codes + size_t(r) * 2 * inter + inter)[q] = c4;
+  const int bu = nb + b;
+  if ((q & 7) == 0) scales[(size_t(bu >> 2) * rows + r) * 4 + (bu & 3)] = scale;
 }
 
 // ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights, cols_bf16_math) ---------
