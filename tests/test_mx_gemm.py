@@ -93,23 +93,40 @@ def test_grouped_launches_check_their_operands_and_tile_list(monkeypatch):
         mx_gemm.mx_bf16_math_gemm(a, sa, b16[0].float())
 
 
-def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(monkeypatch):
-    """Every entry point goes through one launch helper: the arguments in the C ABI's order, the
-    current stream appended, and a non-zero return a KernelError naming the entry (and the form)."""
+@pytest.fixture
+def launches(monkeypatch):
+    """mokgen.mx_gemm's library replaced by a recorder: every entry call appended to the returned
+    list as (name, args), returning the code in ``launches.returns`` for its name (0 if none); the
+    device context a no-op and the current stream STREAM."""
     import contextlib
     import types
 
-    from mokgen.errors import KernelError
+    class Calls(list):
+        returns: dict
 
-    calls, returns = [], {}
+    calls = Calls()
+    calls.returns = {}
 
     class Fake:
         def __getattr__(self, name):
-            return lambda *args: calls.append((name, args)) or returns.get(name, 0)
+            return lambda *args: calls.append((name, args)) or calls.returns.get(name, 0)
 
     monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=77))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=STREAM))
+    return calls
+
+
+#: the stream the recorded launches see
+STREAM = 77
+
+
+def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(launches):
+    """Every entry point goes through one launch helper: the arguments in the C ABI's order, the
+    current stream appended, and a non-zero return a KernelError naming the entry (and the form)."""
+    from mokgen.errors import KernelError
+
+    calls, returns = launches, launches.returns
     y, w, row = torch.zeros(6, 8), torch.ones(2, 3), torch.arange(6)
     mx_gemm.combine(y, row, w)
     name, args = calls[-1]
@@ -158,28 +175,17 @@ def test_the_v2_weight_quantizers_are_taken_only_where_they_apply(monkeypatch):
         mx_gemm._quant_entry(rows, x, 1, 4)
 
 
-def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(monkeypatch):
+def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(launches):
     """combine_backward and swiglu_backward: one-line errors for bad operands before any launch,
     and the C entries' argument order (outputs, inputs, sizes, stream) with the outputs shaped
     as documented."""
-    import contextlib
-    import types
-
-    calls = []
-
-    class Fake:
-        def __getattr__(self, name):
-            return lambda *args: calls.append((name, args)) or 0
-
-    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=5))
+    calls = launches
     T, k, H, rows = 3, 2, 256, 128
     d_out, y = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(rows, H)
     pair, w = torch.full((rows,), -1, dtype=torch.int32), torch.ones(T, k)
     dy, (codes, scales), d_w = mx_gemm.combine_backward(d_out, y, pair, w)
     name, args = calls[-1]
-    assert name == "mokgen_mx_combine_backward" and len(args) == 12 and args[8:] == (rows, k, H, 5)
+    assert name == "mokgen_mx_combine_backward" and len(args) == 12 and args[8:] == (rows, k, H, STREAM)
     assert args[:4] == (dy.data_ptr(), codes.data_ptr(), scales.data_ptr(), d_w.data_ptr())
     assert dy.shape == (rows, H) and codes.shape == (rows, H) and scales.shape == (H // 128, rows, 4)
     assert d_w.shape == (T, k) and d_w.dtype == torch.float32
@@ -196,7 +202,7 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(m
     gu, dh = torch.zeros(rows, 2 * I), torch.zeros(rows, I)
     dg, du, h, (codes, scales) = mx_gemm.swiglu_backward(gu, dh, 7.0)
     name, args = calls[-1]
-    assert name == "mokgen_mx_swiglu_backward" and len(args) == 11 and args[7:] == (rows, I, 7.0, 5)
+    assert name == "mokgen_mx_swiglu_backward" and len(args) == 11 and args[7:] == (rows, I, 7.0, STREAM)
     assert all(t.shape == (rows, I) for t in (dg, du, h)) and codes.shape == (rows, 2 * I)
     assert scales.shape == (2 * I // 128, rows, 4)
     assert mx_gemm.swiglu_backward(gu, dh)[0].shape == (rows, I) and calls[-1][1][9] == 0.0  # no clamp: limit 0
@@ -208,27 +214,16 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(m
         mx_gemm.swiglu_backward(gu, dh, -1)
 
 
-def test_cols_bf16_math_with_src_gathers_through_its_own_entry(monkeypatch):
+def test_cols_bf16_math_with_src_gathers_through_its_own_entry(launches, monkeypatch):
     """cols_bf16_math(x, src=...): one-line errors for a bad src before any launch, then
     mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v1 where
     v2 does not apply: an odd n) and the stream last."""
-    import contextlib
-    import types
-
-    calls = []
-
-    class Fake:
-        def __getattr__(self, name):
-            return lambda *args: calls.append((name, args)) or 0
-
-    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=9))
+    calls = launches
     x, src = torch.zeros(10, 64, dtype=torch.bfloat16), torch.full((256,), -1, dtype=torch.int32)
     out = mx_gemm.cols_bf16_math(x, src=src)
     name, args = calls[-1]
     assert name == "mokgen_mx_gather_cols" and out.shape == (64, 256) and out.dtype == torch.bfloat16
-    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 1, 9)
+    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 1, STREAM)
     monkeypatch.setenv("MOKGEN_MX_QUANT", "v2")
     mx_gemm.cols_bf16_math(x.float(), src=src)
     assert calls[-1][1][5:7] == (1, 2)  # float32, v2
@@ -239,21 +234,10 @@ def test_cols_bf16_math_with_src_gathers_through_its_own_entry(monkeypatch):
             mx_gemm.cols_bf16_math(x, src=bad)
 
 
-def test_the_grouped_bf16_math_gemm_writes_into_a_given_column_block(monkeypatch):
+def test_the_grouped_bf16_math_gemm_writes_into_a_given_column_block(launches):
     """mx_bf16_math_grouped_gemm(..., out=...): C's memory a column block of a wider float32 matrix
     (mokgen_mx_bf16_math_grouped_gemm_ld with its row stride), checked in one line first."""
-    import contextlib
-    import types
-
-    calls = []
-
-    class Fake:
-        def __getattr__(self, name):
-            return lambda *args: calls.append((name, args)) or 0
-
-    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=3))
+    calls = launches
     a = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
     sa = torch.zeros(1, 256, 4, dtype=torch.uint8)
     b = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
@@ -263,7 +247,7 @@ def test_the_grouped_bf16_math_gemm_writes_into_a_given_column_block(monkeypatch
     name, args = calls[-1]
     assert got.data_ptr() == gu[:, 256:].data_ptr()
     assert name == "mokgen_mx_bf16_math_grouped_gemm_ld" and args[:2] == (gu.data_ptr() + 256 * 4, 512)
-    assert args[6:] == (2, 2, 256, 256, 128, 3)  # n_tiles, E, M, N, K, stream
+    assert args[6:] == (2, 2, 256, 256, 128, STREAM)  # n_tiles, E, M, N, K, stream
     mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b, tiles)
     assert calls[-1][0] == "mokgen_mx_bf16_math_grouped_gemm"
     for bad in (gu[:, 1:257], torch.zeros(256, 256, dtype=torch.float64), gu[:128, :256], gu.t()[:256, :256]):
@@ -271,22 +255,11 @@ def test_the_grouped_bf16_math_gemm_writes_into_a_given_column_block(monkeypatch
             mx_gemm.mx_bf16_math_grouped_gemm(a, sa, b, tiles, out=bad)
 
 
-def test_the_ranged_gemm_switch_picks_the_entry(monkeypatch):
+def test_the_ranged_gemm_switch_picks_the_entry(launches, monkeypatch):
     """MOKGEN_MX_RANGED picks the ranged GEMM's entry (the same arguments), and refuses other values."""
-    import contextlib
-    import types
-
     from mokgen.errors import ToolchainError
 
-    calls = []
-
-    class Fake:
-        def __getattr__(self, name):
-            return lambda *args: calls.append((name, args)) or 0
-
-    monkeypatch.setattr(mx_gemm, "load_library", lambda: Fake())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=4))
+    calls = launches
     # CPU tensors posing as CUDA ones (the wrapper checks the device, then allocates C there)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     real_empty = torch.empty
