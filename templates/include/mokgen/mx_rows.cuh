@@ -294,7 +294,11 @@ MOKGEN_DEVICE int bf16m_pos(int j) {  // j < 32: the position of k j within its 
   return (j & 16) + 2 * q + (i & 1) + 8 * (i >> 1);
 }
 
-MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, bf16* dst) {
+// A block's codes decoded, times the scale's power of two, to bf16 at the bf16-math GEMM's permuted
+// positions (bf16m_pos), 64 bytes at dst (16-byte aligned); pair(j) gives codes j and j + 1 as
+// a uint16 (code j in the low byte), however the caller holds them.
+template <class Pair>
+MOKGEN_DEVICE void store_decoded_pairs(Pair pair, uint8_t scale, bf16* dst) {
   const float f = e8m0_factor(scale);
   alignas(16) bf16 out[mx::kBlock];
 #pragma unroll
@@ -302,15 +306,19 @@ MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, 
     // two codes -> their exact values as f16x2 (every E4M3 value is an f16 value), then float32:
     // one conversion per pair
     uint32_t h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(q[j] | (q[j + 1] << 8))));
-    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-    out[bf16m_pos(j)] = __float2bfloat16_rn(pair.x * f);
-    out[bf16m_pos(j + 1)] = __float2bfloat16_rn(pair.y * f);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair(j)));
+    const float2 two = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    out[bf16m_pos(j)] = __float2bfloat16_rn(two.x * f);
+    out[bf16m_pos(j + 1)] = __float2bfloat16_rn(two.y * f);
   }
   const uint4* src = reinterpret_cast<const uint4*>(out);
   uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] = src[i];
+}
+
+MOKGEN_DEVICE void store_decoded(const uint8_t (&q)[mx::kBlock], uint8_t scale, bf16* dst) {
+  store_decoded_pairs([&](int j) { return uint16_t(q[j] | (q[j + 1] << 8)); }, scale, dst);
 }
 
 // x [E, n_in, K] bf16 along K -> rows offset .. offset + n_in of each expert's n_out rows: codes
@@ -423,23 +431,9 @@ __device__ __forceinline__ uint8_t quantize_block_words(const float (&v)[mx::kBl
 #endif
 }
 
-// store_decoded from the codes four to a word: the same values at the same positions.
+// store_decoded from the codes four to a word (code 4 i + j in byte j of word i).
 MOKGEN_DEVICE void store_decoded_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t scale, bf16* dst) {
-  const float f = e8m0_factor(scale);
-  alignas(16) bf16 out[mx::kBlock];
-#pragma unroll
-  for (int j = 0; j < mx::kBlock; j += 2) {
-    const uint16_t two = uint16_t(w[j >> 2] >> (8 * (j & 2)));  // codes j, j + 1
-    uint32_t h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
-    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-    out[bf16m_pos(j)] = __float2bfloat16_rn(pair.x * f);
-    out[bf16m_pos(j + 1)] = __float2bfloat16_rn(pair.y * f);
-  }
-  const uint4* src = reinterpret_cast<const uint4*>(out);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] = src[i];
+  store_decoded_pairs([&](int j) { return uint16_t(w[j >> 2] >> (8 * (j & 2))); }, scale, dst);
 }
 
 MOKGEN_DEVICE void store_code_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t* dst) {
