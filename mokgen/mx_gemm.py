@@ -52,48 +52,54 @@ def load_library() -> ctypes.CDLL:
     lib = _by_env.get(key)
     if lib is None:
         path: Path = find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)
-        lib = ctypes.CDLL(str(path))
-        vp, i = ctypes.c_void_p, ctypes.c_int
-        lib.mokgen_mx_gemm_form.argtypes = [i, vp, vp, vp, vp, vp, i, i, i, vp]
-        lib.mokgen_mx_gemm_form.restype = i
-        lib.mokgen_mx_grouped_gemm.argtypes = [i, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_grouped_gemm.restype = i
-        lib.mokgen_mx_quantize_rows.argtypes, lib.mokgen_mx_quantize_rows.restype = [vp, vp, vp, vp, i, i, vp], i
-        lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
-        lib.mokgen_mx_swiglu_quantize.restype = i
-        lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
-        lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
-        lib.mokgen_mx_quantize_f32_rows.restype = i
-        lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
-        lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, vp]
-        lib.mokgen_mx_combine_backward.restype = i
-        lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
-        lib.mokgen_mx_swiglu_backward.restype = i
-        lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_gemm.restype = i
-        lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
-        lib.mokgen_mx_bf16_math_grouped_gemm_ld.argtypes = [vp, i, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_grouped_gemm_ld.restype = i
-        lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
-        lib.mokgen_mx_weight_rows.restype = i
-        lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
-        lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
-        lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
-        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, i, vp]
-        lib.mokgen_mx_tile_test.restype = i
-        lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
-        lib.mokgen_mx_weight_cols.restype = i
-        for v2 in (lib.mokgen_mx_weight_rows2, lib.mokgen_mx_weight_cols2):  # MOKGEN_MX_QUANT=v2
-            v2.argtypes, v2.restype = [vp, vp, vp, vp, i, i, i, i, i, i, vp], i
-        lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
-        lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
-        lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
-        lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
-        lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
+        lib = bind_library(ctypes.CDLL(str(path)))
         _by_env[key] = lib
+    return lib
+
+
+def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the entries' argument and return types on a loaded build of ``templates/mx_gemm.cu``
+    (this tree's, or another tree's build of the same entries for an A/B: .ci/mx_lib_ab.py)."""
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.mokgen_mx_gemm_form.argtypes = [i, vp, vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_gemm_form.restype = i
+    lib.mokgen_mx_grouped_gemm.argtypes = [i, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_grouped_gemm.restype = i
+    lib.mokgen_mx_quantize_rows.argtypes, lib.mokgen_mx_quantize_rows.restype = [vp, vp, vp, vp, i, i, vp], i
+    lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_swiglu_quantize.restype = i
+    lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
+    lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
+    lib.mokgen_mx_quantize_f32_rows.restype = i
+    lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
+    lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_combine_backward.restype = i
+    lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_swiglu_backward.restype = i
+    lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_gemm.restype = i
+    lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
+    lib.mokgen_mx_bf16_math_grouped_gemm_ld.argtypes = [vp, i, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_grouped_gemm_ld.restype = i
+    lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.mokgen_mx_weight_rows.restype = i
+    lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
+    lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
+    lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, i, vp]
+    lib.mokgen_mx_tile_test.restype = i
+    lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.mokgen_mx_weight_cols.restype = i
+    for v2 in (lib.mokgen_mx_weight_rows2, lib.mokgen_mx_weight_cols2):  # MOKGEN_MX_QUANT=v2
+        v2.argtypes, v2.restype = [vp, vp, vp, vp, i, i, i, i, i, i, vp], i
+    lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
+    lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
+    lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
+    lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
+    lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
     return lib
 
 
