@@ -386,15 +386,15 @@ __global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int row
   }
 }
 
-// ---- v0.39's weight quantizers (MOKGEN_MX_QUANT=v2; the bits of weight_rows_kernel and
-// weight_cols_kernel): v0.37 measured the weights' three quantizations of a kimi-k2.5 local
-// training step at 6.8 ms, about half of the memory's rate, and the kernels above spend about 19
-// instructions per element: a 64-bit index division per thread, the non-finite test per element,
-// and the codes taken apart into bytes and put back together for the stores and the decode.
-// These keep the codes four to a word from the conversion to the stores, test amax alone
-// (non-finite exactly when amax's bits reach the infinity's), and take their indices from a
-// 3-D grid. Along the columns a thread quantizes two neighbouring columns, so each warp load is a
-// whole 128-byte (bf16) or 256-byte (float32) row segment.
+// ---- the column tiles' quantizer (weight_cols2_kernel below; MOKGEN_MX_QUANT=v2, the default
+// since v0.41). v0.37 measured the weights' three quantizations of a kimi-k2.5 local training step
+// at 6.8 ms, about half of the memory's rate, and the kernels above spend about 19 instructions per
+// element: a 64-bit index division per thread, the non-finite test per element, and the codes
+// taken apart into bytes and put back together for the stores and the decode. These helpers keep
+// the codes four to a word from the conversion to the stores and test amax alone (non-finite
+// exactly when amax's bits reach the infinity's). (v0.39's by-rows kernel on them, a thread per
+// block in a 3-D grid, measured 1.05x (H100, v0.40) and 1.10x (H200, v0.41) the time of
+// weight_rows_kernel, and was retired in v0.41.)
 
 // quantize_block_hw with the codes four to a word (code 4 i + j in byte j of word i: the byte
 // order of store_codes): the same scale and codes.
@@ -442,34 +442,6 @@ MOKGEN_DEVICE void store_code_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t
   d[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-constexpr int kQuantBlocksX = 32;  // the v2 kernels' CTA: 32 x 8 threads
-constexpr int kQuantBlocksY = 8;
-
-// weight_rows_kernel's work, thread (b, local row, expert) of the grid (ceil(K / 32 / 32),
-// ceil(n_in / 8), E) and CTA (32, 8); interleave: the decoded rows of gate | up in 128s (the part
-// at offset 0 or n_in), else at the codes' rows.
-__global__ void __launch_bounds__(kQuantBlocksX * kQuantBlocksY)
-    weight_rows2_kernel(const bf16* __restrict__ x, int n_in, int k, int n_out, int offset, int interleave,
-                        bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
-  const int nb = k / mx::kBlock;
-  const int b = blockIdx.x * kQuantBlocksX + threadIdx.x, local = blockIdx.y * kQuantBlocksY + threadIdx.y;
-  const int e = blockIdx.z;
-  if (b >= nb || local >= n_in) return;
-  float v[mx::kBlock];
-  mx::load_bf16_block(x + (size_t(e) * n_in + local) * k + b * mx::kBlock, v);
-  uint32_t w[mx::kBlock / 4];
-  const uint8_t scale = quantize_block_words(v, w);
-  const int row = offset + local;
-  if (decoded != nullptr) {
-    const int dec = interleave ? (local >> 7) * 256 + (offset ? 128 : 0) + (local & 127) : row;
-    store_decoded_words(w, scale, decoded + (size_t(e) * n_out + dec) * k + b * mx::kBlock);
-  }
-  if (codes != nullptr) {
-    store_code_words(w, codes + (size_t(e) * n_out + row) * k + b * mx::kBlock);
-    scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
-  }
-}
-
 template <class T>
 struct Pair2;
 template <>
@@ -483,7 +455,7 @@ struct Pair2<float> {
   MOKGEN_DEVICE static float2 get(type p) { return p; }
 };
 
-// weight_cols_kernel's work by tiles (v0.40; MOKGEN_MX_QUANT=v2): v0.40 measured the columns'
+// weight_cols_kernel's work by tiles (v0.40; MOKGEN_MX_QUANT=v2, the default since v0.41): v0.40 measured the columns'
 // quantizers at 1.5 TB/s on the H100 against 2.9 for the rows', with v0.39's thread-per-column-pair
 // form no faster than v1's. Both read a 32-row block down each column (a 64- or 128-byte piece of
 // 32 rows per warp load) and write 64 bytes per column and block, each block's at a time of its
@@ -492,7 +464,7 @@ struct Pair2<float> {
 // 32-row block of one column, the four blocks of a column by four threads at once, so each column
 // gets 256 contiguous bytes of decoded output (and 128 of codes) in one go. The same quantizer
 // and stores as v1, so the same bits. n a multiple of 16 bytes' elements (8 bf16, 4 float32),
-// x 16-byte aligned (mx_gemm._quant_entry falls back to v1 otherwise). Grid (ceil(n / 64),
+// x 16-byte aligned (mx_gemm._cols_entry falls back to v1 otherwise). Grid (ceil(n / 64),
 // ceil(rows / 128), E), 256 threads. gather: as weight_cols_kernel's (one expert).
 constexpr int kColTileRows = 128, kColTileCols = 64;
 
