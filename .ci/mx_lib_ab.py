@@ -51,7 +51,7 @@ def problems(name: str) -> dict:
     wg, wu, wd = bench._weights(spec)
     cases = {
         "combine": (lambda: mx_gemm.combine_backward(d_out, y, pair, w),
-                    2 * T * H + 4 * rows * H * 2 + rows * H + rows * H // 32 + 4 * rows, {2}),
+                    2 * T * H + 4 * rows * H * 2 + rows * H + rows * H // 32 + 4 * rows, {3}),
         "swiglu": (lambda: mx_gemm.swiglu_backward(gu, dh, clamp),
                    4 * rows * I * 3 + 4 * rows * I * 3 + rows * 2 * I + rows * 2 * I // 32, set()),
         "columns": (lambda: (mx_gemm.expert_weights([wd], transpose=True),
