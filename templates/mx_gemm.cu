@@ -400,14 +400,15 @@ int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void*
   if (grid.y > 65535) return int(cudaErrorInvalidValue);
   if (E == 0 || rows == 0) return 0;
   auto st = static_cast<cudaStream_t>(stream);
+  constexpr int kThreads = mxg::kColThreads;
   if (is_f32)
-    mxg::weight_cols2_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n, rows_out, offset,
-                                                          static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
-                                                          static_cast<uint8_t*>(scales));
+    mxg::weight_cols2_kernel<float><<<grid, kThreads, 0, st>>>(static_cast<const float*>(x), rows, n, rows_out, offset,
+                                                               static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                               static_cast<uint8_t*>(scales));
   else
-    mxg::weight_cols2_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows_out, offset,
-                                                         static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
-                                                         static_cast<uint8_t*>(scales));
+    mxg::weight_cols2_kernel<bf16><<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows_out, offset,
+                                                              static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                              static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }
 
@@ -430,12 +431,13 @@ int mokgen_mx_gather_cols(void* decoded, const void* x, const void* gather, int 
     if (n % (is_f32 ? 4 : 8) || reinterpret_cast<uintptr_t>(x) % 16) return int(cudaErrorInvalidValue);
     const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
                     unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), 1u);
+    constexpr int kThreads = mxg::kColThreads;
     if (is_f32)
-      mxg::weight_cols2_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec, nullptr,
-                                                            nullptr, g);
+      mxg::weight_cols2_kernel<float><<<grid, kThreads, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec,
+                                                                 nullptr, nullptr, g);
     else
-      mxg::weight_cols2_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec, nullptr,
-                                                           nullptr, g);
+      mxg::weight_cols2_kernel<bf16><<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec,
+                                                                nullptr, nullptr, g);
     return int(cudaGetLastError());
   }
   const long long total = (long long)nb * n;

@@ -465,12 +465,13 @@ struct Pair2<float> {
 // gets 256 contiguous bytes of decoded output (and 128 of codes) in one go. The same quantizer
 // and stores as v1, so the same bits. n a multiple of 16 bytes' elements (8 bf16, 4 float32),
 // x 16-byte aligned (mx_gemm._cols_entry falls back to v1 otherwise). Grid (ceil(n / 64),
-// ceil(rows / 128), E), 256 threads. gather: as weight_cols_kernel's (one expert).
+// ceil(rows / 128), E), kColThreads (256) threads. gather: as weight_cols_kernel's (one expert).
 constexpr int kColTileRows = 128, kColTileCols = 64;
 
-// 16 bytes (16-byte aligned) as float32: 8 bf16 or 4 float32.
-MOKGEN_DEVICE void load16(const bf16* p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+constexpr int kColThreads = 256;  // weight_cols2_kernel's CTA (its launches' blockDim)
+
+// 16 raw bytes as float32: 8 bf16 or 4 float32.
+MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[8]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -481,35 +482,41 @@ MOKGEN_DEVICE void load16(const bf16* p, float (&v)[8]) {
     v[2 * i + 1] = f.y;
   }
 }
-MOKGEN_DEVICE void load16(const float* p, float (&v)[4]) {
-  const float4 f = *reinterpret_cast<const float4*>(p);
-  v[0] = f.x;
-  v[1] = f.y;
-  v[2] = f.z;
-  v[3] = f.w;
+MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[4]) {
+  v[0] = __uint_as_float(raw.x);
+  v[1] = __uint_as_float(raw.y);
+  v[2] = __uint_as_float(raw.z);
+  v[3] = __uint_as_float(raw.w);
 }
 
 template <class T>
-__global__ void __launch_bounds__(256, 4)  // 4 CTAs an SM (their tiles' 132 KB): up to 64 registers
+__global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles' 132 KB): up to 64 registers
     weight_cols2_kernel(const T* __restrict__ x, int rows, int n, int rows_out, int offset,
                         bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
                         const int* __restrict__ gather = nullptr) {
   __shared__ __align__(16) float tile[kColTileRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
   constexpr int kVec = 16 / int(sizeof(T));              // elements per 16-byte load
   constexpr int kLoadsPerRow = kColTileCols / kVec;
+  constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;  // a thread's: 4 (bf16) or 8 (float32)
   const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows, e = blockIdx.z;
-  for (int i = threadIdx.x; i < kColTileRows * kLoadsPerRow; i += blockDim.x) {
-    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
-    const int row = r0 + r, col = c0 + cv;
+  // every load of the thread issued before the first is used (v0.41: the loop of load, convert,
+  // store to shared memory kept one load a thread in flight, and DRAM at about half its rate)
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int row = r0 + i / kLoadsPerRow, col = c0 + (i % kLoadsPerRow) * kVec;
     int from = row < rows && col < n ? row : -1;
     if (from >= 0 && gather != nullptr) from = gather[row];
-    float v[kVec];
-    if (from >= 0) {
-      load16(x + (size_t(e) * rows + from) * n + col, v);
-    } else {
+    raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + (size_t(e) * rows + from) * n + col)
+                       : make_uint4(0u, 0u, 0u, 0u);  // padding rows (gather) and the tile's edges: zeros
+  }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = 0.f;  // padding rows (gather) and the tile's edges
-    }
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
+    float v[kVec];
+    unpack16(raw[l], v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) tile[r][cv + j] = v[j];
   }
@@ -542,7 +549,8 @@ __global__ void __launch_bounds__(256, 4)  // 4 CTAs an SM (their tiles' 132 KB)
   __syncthreads();
   const int valid_rows = rows - r0 < kColTileRows ? rows - r0 : kColTileRows;  // a multiple of 32
   constexpr int kChunks = kColTileRows * int(sizeof(bf16)) / 16;               // 16-byte pieces a column
-  for (int i = threadIdx.x; i < kColTileCols * kChunks; i += blockDim.x) {
+#pragma unroll
+  for (int i = threadIdx.x; i < kColTileCols * kChunks; i += kColThreads) {
     const int cc = i / kChunks, chunk = i % kChunks;
     if (c0 + cc >= n || chunk * 8 >= valid_rows) continue;
     const uint4 piece = *reinterpret_cast<const uint4*>(stage + cc * kStageRow + chunk * 8);
