@@ -218,14 +218,18 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(l
 
 def test_cols_bf16_math_with_src_gathers_through_its_own_entry(launches, monkeypatch):
     """cols_bf16_math(x, src=...): one-line errors for a bad src before any launch, then
-    mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v1 where
-    v2 does not apply: an odd n) and the stream last."""
+    mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v2 by
+    default, v1 where v2 does not apply: an odd n) and the stream last."""
     calls = launches
+    monkeypatch.delenv("MOKGEN_MX_QUANT", raising=False)
     x, src = torch.zeros(10, 64, dtype=torch.bfloat16), torch.full((256,), -1, dtype=torch.int32)
     out = mx_gemm.cols_bf16_math(x, src=src)
     name, args = calls[-1]
     assert name == "mokgen_mx_gather_cols" and out.shape == (64, 256) and out.dtype == torch.bfloat16
-    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 1, STREAM)
+    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 2, STREAM)
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v1")
+    mx_gemm.cols_bf16_math(x, src=src)
+    assert calls[-1][1][5:7] == (0, 1)  # bf16, v1
     monkeypatch.setenv("MOKGEN_MX_QUANT", "v2")
     mx_gemm.cols_bf16_math(x.float(), src=src)
     assert calls[-1][1][5:7] == (1, 2)  # float32, v2
