@@ -1,7 +1,6 @@
-"""The MXFP8 weights' quantizers, v1 against v2 (MOKGEN_MX_QUANT; runs on an H200, not in CI;
-docs/perf-notes.md v0.39), on the bench's local weights of each named spec: by rows (the forward's
-gate | up and down, bf16-math values only, as experts_forward_train quantizes them), by columns
-(the dgrads' W_down^T and [W_gate; W_up]^T) and the activations by column (cols_bf16_math of
+"""The MXFP8 column quantizers, v1 against v2 (MOKGEN_MX_QUANT; runs on an H200, not in CI;
+docs/perf-notes.md v0.39-v0.41; by rows one kernel since v0.41), on the bench's local weights of
+each named spec: by columns (the dgrads' W_down^T and [W_gate; W_up]^T) and the activations by column (cols_bf16_math of
 float32 rows, the wgrads' B). ABBA blocks of 5 timed calls each (median per block), then the
 mean of B / A over the blocks with its min and max, and GB/s of the median call (bytes read plus
 written). Checks the two versions' bits first. Usage: python3 .ci/mx_quant_ab.py [SPEC ...] (default
@@ -27,8 +26,6 @@ def ab(name: str) -> None:
     rows = -(-tokens * spec.top_k // 128) * 128 + 128 * spec.num_experts  # the padded rows' bound
     acts = torch.randn(rows, spec.moe_intermediate_size, device="cuda")
     cases = {
-        "rows (gate|up, down)": (lambda: (mx_gemm.expert_weights([wg, wu]), mx_gemm.expert_weights([wd])),
-                                 2 * 2 * (wg.numel() + wu.numel() + wd.numel())),
         "columns (down^T, [gate;up]^T)": (lambda: (mx_gemm.expert_weights([wd], transpose=True),
                                                    mx_gemm.expert_weights([wg, wu], transpose=True)),
                                           2 * 2 * (wg.numel() + wu.numel() + wd.numel())),

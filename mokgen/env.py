@@ -214,7 +214,9 @@ def bwd_policy() -> str:
 
 
 def mx_quant() -> str:
-    return _choice("MOKGEN_MX_QUANT", ("v1", "v2"))
+    """MOKGEN_MX_QUANT: ``v2`` (default since v0.41, the column tiles) or ``v1`` (a thread per
+    32-element block) for the MXFP8 column quantizer (mx_gemm._cols_entry); the same bits."""
+    return _choice("MOKGEN_MX_QUANT", ("v2", "v1"))
 
 
 def mx_bwd_stages() -> str:

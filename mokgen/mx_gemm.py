@@ -52,48 +52,54 @@ def load_library() -> ctypes.CDLL:
     lib = _by_env.get(key)
     if lib is None:
         path: Path = find_source_library(SOURCE, LIBRARY, cutlass=True, arch=ARCH, module=__name__)
-        lib = ctypes.CDLL(str(path))
-        vp, i = ctypes.c_void_p, ctypes.c_int
-        lib.mokgen_mx_gemm_form.argtypes = [i, vp, vp, vp, vp, vp, i, i, i, vp]
-        lib.mokgen_mx_gemm_form.restype = i
-        lib.mokgen_mx_grouped_gemm.argtypes = [i, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_grouped_gemm.restype = i
-        lib.mokgen_mx_quantize_rows.argtypes, lib.mokgen_mx_quantize_rows.restype = [vp, vp, vp, vp, i, i, vp], i
-        lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
-        lib.mokgen_mx_swiglu_quantize.restype = i
-        lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
-        lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
-        lib.mokgen_mx_quantize_f32_rows.restype = i
-        lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
-        lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, vp]
-        lib.mokgen_mx_combine_backward.restype = i
-        lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
-        lib.mokgen_mx_swiglu_backward.restype = i
-        lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_gemm.restype = i
-        lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
-        lib.mokgen_mx_bf16_math_grouped_gemm_ld.argtypes = [vp, i, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_grouped_gemm_ld.restype = i
-        lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
-        lib.mokgen_mx_weight_rows.restype = i
-        lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
-        lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
-        lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
-        lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, i, vp]
-        lib.mokgen_mx_tile_test.restype = i
-        lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
-        lib.mokgen_mx_weight_cols.restype = i
-        for v2 in (lib.mokgen_mx_weight_rows2, lib.mokgen_mx_weight_cols2):  # MOKGEN_MX_QUANT=v2
-            v2.argtypes, v2.restype = [vp, vp, vp, vp, i, i, i, i, i, i, vp], i
-        lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
-        lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
-        lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
-        lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
-        lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
-        lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
+        lib = bind_library(ctypes.CDLL(str(path)))
         _by_env[key] = lib
+    return lib
+
+
+def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the entries' argument and return types on a loaded build of ``templates/mx_gemm.cu``
+    (this tree's, or another tree's build of the same entries for an A/B: .ci/mx_lib_ab.py)."""
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.mokgen_mx_gemm_form.argtypes = [i, vp, vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_gemm_form.restype = i
+    lib.mokgen_mx_grouped_gemm.argtypes = [i, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_grouped_gemm.restype = i
+    lib.mokgen_mx_quantize_rows.argtypes, lib.mokgen_mx_quantize_rows.restype = [vp, vp, vp, vp, i, i, vp], i
+    lib.mokgen_mx_swiglu_quantize.argtypes = [vp, vp, vp, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_swiglu_quantize.restype = i
+    lib.mokgen_mx_combine.argtypes, lib.mokgen_mx_combine.restype = [vp, vp, vp, vp, i, i, i, vp], i
+    lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
+    lib.mokgen_mx_quantize_f32_rows.restype = i
+    lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
+    lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_combine_backward.restype = i
+    lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_swiglu_backward.restype = i
+    lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_gemm.restype = i
+    lib.mokgen_mx_bf16_math_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_grouped_gemm.restype = i
+    lib.mokgen_mx_bf16_math_grouped_gemm_ld.argtypes = [vp, i, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_grouped_gemm_ld.restype = i
+    lib.mokgen_mx_weight_rows.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.mokgen_mx_weight_rows.restype = i
+    lib.mokgen_mx_bf16_math_swiglu_gemm.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_bf16_math_swiglu_gemm.restype = i
+    lib.mokgen_mx_bf16_math_combine1_gemm.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_combine1_gemm.restype = i
+    lib.mokgen_mx_tile_test.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i, i, vp]
+    lib.mokgen_mx_tile_test.restype = i
+    lib.mokgen_mx_weight_cols.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.mokgen_mx_weight_cols.restype = i
+    lib.mokgen_mx_weight_cols2.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]  # MOKGEN_MX_QUANT=v2
+    lib.mokgen_mx_weight_cols2.restype = i
+    lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
+    lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
+    lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
+    lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
+    lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
     return lib
 
 
@@ -514,18 +520,21 @@ def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, we
     return out
 
 
-#: the v2 quantizers' grid: 8 rows (or 32-row blocks) per CTA in y, at most 65535 CTAs in y and z
-_V2_ROWS_PER_CTA, _V2_GRID_MAX = 8, 65535
+#: the column tiles' grid (mx_rows.cuh weight_cols2_kernel): 128 rows (four 32-row blocks) per CTA
+#: in y, at most 65535 CTAs in y and 65535 experts in z
+_TILE_BLOCKS, _GRID_MAX = 4, 65535
 
 
-def _quant_entry(entry: str, x, experts: int, units: int, n: int | None = None) -> str:
-    """The weights' quantizer ``entry`` (mokgen_mx_weight_rows or _cols) for input ``x``, or its
-    v2 version (the same arguments and bits) under MOKGEN_MX_QUANT=v2 where that applies:
-    ``experts`` and ``units`` (rows, or 32-row blocks along the columns) within its grid, and for
-    the columns (v0.40's tiles) ``n`` a multiple of 16 bytes' elements and ``x`` 16-byte aligned."""
-    if env.mx_quant() != "v2" or experts > _V2_GRID_MAX or -(-units // _V2_ROWS_PER_CTA) > _V2_GRID_MAX:
+def _cols_entry(x, experts: int, units: int, n: int) -> str:
+    """The weights' column quantizer for input ``x`` (``units`` 32-row blocks of ``n`` columns, per
+    expert): v0.40's tiles (``mokgen_mx_weight_cols2``, written out whole sectors since v0.41)
+    under MOKGEN_MX_QUANT=v2 (the default) where they apply: ``experts`` and the tiles within their
+    grid, ``n`` a multiple of 16 bytes' elements and ``x`` 16-byte aligned. Else v1's thread per
+    block (``mokgen_mx_weight_cols``): the same arguments and bits."""
+    entry = "mokgen_mx_weight_cols"
+    if env.mx_quant() != "v2" or experts > _GRID_MAX or -(-units // _TILE_BLOCKS) > _GRID_MAX:
         return entry
-    if n is not None and (n % (16 // x.element_size()) or x.data_ptr() % 16):  # the column tiles' 16-byte loads
+    if n % (16 // x.element_size()) or x.data_ptr() % 16:  # the tiles' 16-byte loads
         return entry
     return entry + "2"
 
@@ -569,10 +578,10 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False, inter
     offset = 0
     for p, size in zip(parts, sizes):
         if transpose:
-            _launch(_quant_entry("mokgen_mx_weight_cols", p, E, size // 32, N), dev, dec.data_ptr(), ptr(cod), ptr(sc),
+            _launch(_cols_entry(p, E, size // 32, N), dev, dec.data_ptr(), ptr(cod), ptr(sc),
                     p.data_ptr(), E, size, N, K, offset, 0)
         else:
-            _launch(_quant_entry("mokgen_mx_weight_rows", p, E, size), dev, dec.data_ptr(), ptr(cod), ptr(sc),
+            _launch("mokgen_mx_weight_rows", dev, dec.data_ptr(), ptr(cod), ptr(sc),
                     p.data_ptr(), E, size, K, N, offset, int(interleave))
         offset += size
     return (dec, cod, sc) if codes else dec
@@ -600,14 +609,14 @@ def cols_bf16_math(x, src=None):
         rows = src.shape[0]
         out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
         if rows and n:
-            version = 2 if _quant_entry("mokgen_mx_weight_cols", x, 1, rows // 32, n).endswith("2") else 1
+            version = 2 if _cols_entry(x, 1, rows // 32, n).endswith("2") else 1
             _launch("mokgen_mx_gather_cols", x.device, out.data_ptr(), x.data_ptr(), src.data_ptr(), rows, n,
                     int(x.dtype == torch.float32), version)
         return out
     rows = x.shape[0]
     out = torch.empty(n, rows, dtype=torch.bfloat16, device=x.device)
     if rows and n:
-        _launch(_quant_entry("mokgen_mx_weight_cols", x, 1, rows // 32, n), x.device, out.data_ptr(), None, None,
+        _launch(_cols_entry(x, 1, rows // 32, n), x.device, out.data_ptr(), None, None,
                 x.data_ptr(), 1, rows, n, rows, 0, int(x.dtype == torch.float32))
     return out
 

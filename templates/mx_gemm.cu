@@ -384,29 +384,9 @@ int mokgen_mx_weight_cols(void* decoded, void* codes, void* scales, const void* 
   return int(cudaGetLastError());
 }
 
-// mokgen_mx_weight_rows and mokgen_mx_weight_cols on v0.39's kernels (mx_rows.cuh,
-// weight_rows2_kernel / weight_cols2_kernel; MOKGEN_MX_QUANT=v2): the same arguments and bits;
-// the columns version needs n a multiple of 8 (bf16) or 4 (float32) and x 16-byte aligned
-// (mokgen_mx_weight_cols takes any n).
-int mokgen_mx_weight_rows2(void* decoded, void* codes, void* scales, const void* x, int E, int n_in, int k, int n_out,
-                           int offset, int interleave, void* stream) {
-  using namespace mokgen;
-  if (E < 0 || E > 65535 || n_in < 0 || k <= 0 || k % 128 || offset < 0 || offset + n_in > n_out ||
-      (decoded == nullptr && codes == nullptr) ||
-      (interleave && (n_in <= 0 || n_in % 128 || offset % n_in || 2 * n_in != n_out)))
-    return int(cudaErrorInvalidValue);
-  const int nb = k / mx::kBlock;
-  const dim3 grid(unsigned((nb + mxg::kQuantBlocksX - 1) / mxg::kQuantBlocksX),
-                  unsigned((n_in + mxg::kQuantBlocksY - 1) / mxg::kQuantBlocksY), unsigned(E));
-  if (grid.y > 65535) return int(cudaErrorInvalidValue);
-  if (E == 0 || n_in == 0) return 0;
-  mxg::weight_rows2_kernel<<<grid, dim3(mxg::kQuantBlocksX, mxg::kQuantBlocksY), 0,
-                             static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), n_in, k, n_out, offset, interleave, static_cast<bf16*>(decoded),
-      static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
-  return int(cudaGetLastError());
-}
-
+// mokgen_mx_weight_cols on v0.40's tiles (mx_rows.cuh weight_cols2_kernel; MOKGEN_MX_QUANT=v2,
+// the default since v0.41): the same arguments and bits; n a multiple of 8 (bf16) or 4 (float32)
+// and x 16-byte aligned (mokgen_mx_weight_cols takes any n).
 int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void* x, int E, int rows, int n,
                            int rows_out, int offset, int is_f32, void* stream) {
   using namespace mokgen;
@@ -420,14 +400,15 @@ int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void*
   if (grid.y > 65535) return int(cudaErrorInvalidValue);
   if (E == 0 || rows == 0) return 0;
   auto st = static_cast<cudaStream_t>(stream);
+  constexpr int kThreads = mxg::kColThreads;
   if (is_f32)
-    mxg::weight_cols2_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n, rows_out, offset,
-                                                          static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
-                                                          static_cast<uint8_t*>(scales));
+    mxg::weight_cols2_kernel<float><<<grid, kThreads, 0, st>>>(static_cast<const float*>(x), rows, n, rows_out, offset,
+                                                               static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                               static_cast<uint8_t*>(scales));
   else
-    mxg::weight_cols2_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows_out, offset,
-                                                         static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
-                                                         static_cast<uint8_t*>(scales));
+    mxg::weight_cols2_kernel<bf16><<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows_out, offset,
+                                                              static_cast<bf16*>(decoded), static_cast<uint8_t*>(codes),
+                                                              static_cast<uint8_t*>(scales));
   return int(cudaGetLastError());
 }
 
@@ -450,12 +431,13 @@ int mokgen_mx_gather_cols(void* decoded, const void* x, const void* gather, int 
     if (n % (is_f32 ? 4 : 8) || reinterpret_cast<uintptr_t>(x) % 16) return int(cudaErrorInvalidValue);
     const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
                     unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), 1u);
+    constexpr int kThreads = mxg::kColThreads;
     if (is_f32)
-      mxg::weight_cols2_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec, nullptr,
-                                                            nullptr, g);
+      mxg::weight_cols2_kernel<float><<<grid, kThreads, 0, st>>>(static_cast<const float*>(x), rows, n, rows, 0, dec,
+                                                                 nullptr, nullptr, g);
     else
-      mxg::weight_cols2_kernel<bf16><<<grid, 256, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec, nullptr,
-                                                           nullptr, g);
+      mxg::weight_cols2_kernel<bf16><<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), rows, n, rows, 0, dec,
+                                                                nullptr, nullptr, g);
     return int(cudaGetLastError());
   }
   const long long total = (long long)nb * n;
@@ -590,7 +572,7 @@ int mokgen_mx_swiglu_backward(void* dg, void* du, void* h, void* codes, void* sc
                               int rows, int inter, float limit, void* stream) {
   using namespace mokgen;
   if (rows < 0 || inter <= 0 || inter % 128) return int(cudaErrorInvalidValue);
-  const long long n = (long long)rows * (inter / mx::kBlock);
+  const long long n = (long long)rows * (inter / 4);  // a thread per 4 elements
   if (n == 0) return 0;
   const unsigned grid = unsigned((n + 255) / 256);
   auto st = static_cast<cudaStream_t>(stream);

@@ -282,10 +282,11 @@ def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monke
 
 
 def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
-    """MOKGEN_MX_QUANT v1 and v2 on blocks that reach every case of the quantizer: zeros, float32
-    subnormals, values past E4M3's largest after scaling, an infinity, a NaN, scales from 2^-135
-    to 2^120 (bf16 weights by rows, interleaved and by columns; float32 and bf16 activations by
-    column), partial CTAs in every grid dimension, and an odd column count (v1's kernel then)."""
+    """MOKGEN_MX_QUANT v1 and v2 (the column quantizers; by rows one kernel since v0.41, run too)
+    on blocks that reach every case of the quantizer: zeros, float32 subnormals, values past
+    E4M3's largest after scaling, an infinity, a NaN, scales from 2^-135 to 2^120 (bf16 weights
+    by rows, interleaved and by columns; float32 and bf16 activations by column), partial tiles
+    in every grid dimension, and an odd column count (v1's kernel then)."""
     gen = torch.Generator(device="cuda").manual_seed(51)
     E, R, C = 3, 1280, 3200  # C / 32 = 100 blocks: a partial CTA of 32 along the rows' K
     w = torch.randn(E, R, C, generator=gen, device="cuda") * torch.exp2(

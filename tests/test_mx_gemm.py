@@ -147,32 +147,34 @@ def test_launches_pass_the_stream_last_and_raise_on_a_cuda_error(launches):
         mx_gemm.combine(y, row, w)
 
 
-def test_the_v2_weight_quantizers_are_taken_only_where_they_apply(monkeypatch):
-    """mx_gemm._quant_entry: v1's entry by default; under MOKGEN_MX_QUANT=v2 the v2 entry, except
-    past its grid (65535 CTAs of 8 units in y, 65535 experts) and, along the columns (v0.40's
-    tiles of 16-byte loads), for a column count not a multiple of 8 bf16 (4 float32) or a base
-    not 16-byte aligned (v1's kernel then: the same bits)."""
+def test_the_column_tiles_are_taken_only_where_they_apply(monkeypatch):
+    """mx_gemm._cols_entry: the tiles' entry (v2) by default and under MOKGEN_MX_QUANT=v2, v1's
+    under v1; v1's too past the tiles' grid (65535 CTAs of 128 rows in y, 65535 experts) and for a
+    column count not a multiple of 8 bf16 (4 float32) or a base not 16-byte aligned (the same
+    bits); any other value a one-line error."""
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    rows, cols = "mokgen_mx_weight_rows", "mokgen_mx_weight_cols"
+    cols = "mokgen_mx_weight_cols"
     monkeypatch.delenv("MOKGEN_MX_QUANT", raising=False)
-    assert mx_gemm._quant_entry(rows, x, 1, 4) == rows and mx_gemm._quant_entry(cols, x, 1, 4, 64) == cols
+    assert mx_gemm._cols_entry(x, 1, 4, 64) == cols + "2"
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v1")
+    assert mx_gemm._cols_entry(x, 1, 4, 64) == cols
     monkeypatch.setenv("MOKGEN_MX_QUANT", "v2")
-    assert mx_gemm._quant_entry(rows, x, 1, 4) == rows + "2"
-    assert mx_gemm._quant_entry(cols, x, 1, 4, 64) == cols + "2"
-    assert mx_gemm._quant_entry(cols, x, 1, 4, 63) == cols  # odd n
-    assert mx_gemm._quant_entry(cols, x, 1, 4, 60) == cols  # even, but not whole 16-byte loads
-    assert mx_gemm._quant_entry(cols, x.view(-1)[1:], 1, 4, 64) == cols  # base one element off
-    assert mx_gemm._quant_entry(cols, x.view(-1)[4:], 1, 4, 64) == cols  # 8 bytes off
-    assert mx_gemm._quant_entry(cols, x.view(-1)[8:], 1, 4, 64) == cols + "2"  # 16 bytes off
-    assert mx_gemm._quant_entry(cols, x.float(), 1, 4, 60) == cols + "2"  # float32: 4 a load
-    assert mx_gemm._quant_entry(rows, x, 65536, 4) == rows  # experts past gridDim.z
-    assert mx_gemm._quant_entry(rows, x, 1, 8 * 65535) == rows + "2"
-    assert mx_gemm._quant_entry(rows, x, 1, 8 * 65535 + 1) == rows  # rows past gridDim.y
+    assert mx_gemm._cols_entry(x, 1, 4, 64) == cols + "2"
+    assert mx_gemm._cols_entry(x, 1, 4, 63) == cols  # odd n
+    assert mx_gemm._cols_entry(x, 1, 4, 60) == cols  # even, but not whole 16-byte loads
+    assert mx_gemm._cols_entry(x.view(-1)[1:], 1, 4, 64) == cols  # base one element off
+    assert mx_gemm._cols_entry(x.view(-1)[4:], 1, 4, 64) == cols  # 8 bytes off
+    assert mx_gemm._cols_entry(x.view(-1)[8:], 1, 4, 64) == cols + "2"  # 16 bytes off
+    assert mx_gemm._cols_entry(x.float(), 1, 4, 60) == cols + "2"  # float32: 4 a load
+    assert mx_gemm._cols_entry(x, 65535, 4, 64) == cols + "2"
+    assert mx_gemm._cols_entry(x, 65536, 4, 64) == cols  # experts past gridDim.z
+    assert mx_gemm._cols_entry(x, 1, 4 * 65535, 64) == cols + "2"
+    assert mx_gemm._cols_entry(x, 1, 4 * 65535 + 1, 64) == cols  # 128-row tiles past gridDim.y
     monkeypatch.setenv("MOKGEN_MX_QUANT", "v3")
     from mokgen.errors import ToolchainError
 
-    with pytest.raises(ToolchainError, match="MOKGEN_MX_QUANT must be v1 or v2"):
-        mx_gemm._quant_entry(rows, x, 1, 4)
+    with pytest.raises(ToolchainError, match="^MOKGEN_MX_QUANT must be v2 or v1, got 'v3'$"):
+        mx_gemm._cols_entry(x, 1, 4, 64)
 
 
 def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(launches):
@@ -216,14 +218,18 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(l
 
 def test_cols_bf16_math_with_src_gathers_through_its_own_entry(launches, monkeypatch):
     """cols_bf16_math(x, src=...): one-line errors for a bad src before any launch, then
-    mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v1 where
-    v2 does not apply: an odd n) and the stream last."""
+    mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v2 by
+    default, v1 where v2 does not apply: an odd n) and the stream last."""
     calls = launches
+    monkeypatch.delenv("MOKGEN_MX_QUANT", raising=False)
     x, src = torch.zeros(10, 64, dtype=torch.bfloat16), torch.full((256,), -1, dtype=torch.int32)
     out = mx_gemm.cols_bf16_math(x, src=src)
     name, args = calls[-1]
     assert name == "mokgen_mx_gather_cols" and out.shape == (64, 256) and out.dtype == torch.bfloat16
-    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 1, STREAM)
+    assert args == (out.data_ptr(), x.data_ptr(), src.data_ptr(), 256, 64, 0, 2, STREAM)
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v1")
+    mx_gemm.cols_bf16_math(x, src=src)
+    assert calls[-1][1][5:7] == (0, 1)  # bf16, v1
     monkeypatch.setenv("MOKGEN_MX_QUANT", "v2")
     mx_gemm.cols_bf16_math(x.float(), src=src)
     assert calls[-1][1][5:7] == (1, 2)  # float32, v2

@@ -148,49 +148,81 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 // ---- the MXFP8 backward's elementwise stages, fused (v0.40; mx_gemm.combine_backward,
 // mx_gemm.swiglu_backward). They replace PyTorch expressions over float32 [rows, H] and
 // [rows, I] tensors, each a pass of its own (about 11 GB of traffic on a kimi-k2.5 local step).
+// A thread takes 4 consecutive elements of a row and 8 neighbouring lanes a 32-element block
+// (v0.41): each warp load and store covers 512 contiguous bytes. v0.40's thread-per-block form
+// ran at 1.1-1.6 TB/s on the H100 (each warp access 16 bytes in each of 32 lines; ncu saw the
+// same pattern write 3x the L2 sectors in the weights' column quantizer).
+
+// quantize_block_hw of a 32-element block held 4 a lane by 8 neighbouring lanes (lane group g =
+// lane / 8 of the warp, element 4 l + i in lane l's v[i]): the same scale (returned by every lane)
+// and codes (this lane's 4, byte i = element 4 l + i: the order store_codes writes). All 32 lanes
+// of the warp must call it.
+MOKGEN_DEVICE uint8_t quantize_block_lanes(const float (&v)[4], uint32_t& codes4) {
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t a = mx::float_bits(v[i]) & 0x7fffffffu;
+    amax = a > amax ? a : amax;
+  }
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  if (amax >= 0x7f800000u) {  // a NaN or an infinity in the block: the NaN scale and NaN codes
+    codes4 = 0x7f7f7f7fu;
+    return mx::kE8M0Nan;
+  }
+  const int exp_field = int(amax >> 23);
+  int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
+  sc = sc < -127 ? -127 : sc;
+  const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1] * inv), "f"(v[0] * inv));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3] * inv), "f"(v[2] * inv));
+  codes4 = uint32_t(lo) | (uint32_t(hi) << 16);
+  return uint8_t(sc + 127);
+}
 
 // The combine's backward, one CTA per padded row r (pair p = pair[r], -1 for a padding row):
 // dy[r] = w[p] * dOut[p / k] in float32 (one product, rounded once: the PyTorch expression's bits),
 // dy's row r quantized along H (the dgrad's A), and d w[p] = <dOut[p / k], y[r]>, summed in a
-// fixed order: each thread along its own blocks (32 products in order, then block after block),
-// then the CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). H a multiple
-// of 128, kThreads threads.
+// fixed order: each thread along its own elements (its 4, group after group of the row), then the
+// CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). H a multiple of 128,
+// kThreads threads (a multiple of 32).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
     const bf16* __restrict__ d_out, const float* __restrict__ y, const int* __restrict__ pair,
     const float* __restrict__ w, int rows, int k, int h, float* __restrict__ dy, uint8_t* __restrict__ codes,
     uint8_t* __restrict__ scales, float* __restrict__ d_w) {
   __shared__ float partial[kThreads];
-  const int r = blockIdx.x, p = pair[r], nb = h / mx::kBlock;
+  const int r = blockIdx.x, p = pair[r];
   const float wp = p >= 0 ? w[p] : 0.f;
   const bf16* g = p >= 0 ? d_out + size_t(p / k) * h : nullptr;
   float dot = 0.f;
-  for (int b = threadIdx.x; b < nb; b += kThreads) {
-    float v[mx::kBlock];
+  for (int q = threadIdx.x; q < h / 4; q += kThreads) {  // h / 4 a multiple of 32: whole warps
+    float v[4];
     if (p >= 0) {
-      float d[mx::kBlock];
-      mx::load_bf16_block(g + b * mx::kBlock, d);
-      const float4* yp = reinterpret_cast<const float4*>(y + size_t(r) * h + b * mx::kBlock);
+      const uint2 raw = *reinterpret_cast<const uint2*>(g + 4 * q);
+      __nv_bfloat162 d01, d23;
+      memcpy(&d01, &raw.x, 4);
+      memcpy(&d23, &raw.y, 4);
+      const float2 a = __bfloat1622float2(d01), b = __bfloat1622float2(d23);
+      const float d[4] = {a.x, a.y, b.x, b.y};
+      const float4 yv = reinterpret_cast<const float4*>(y + size_t(r) * h)[q];
+      const float ys[4] = {yv.x, yv.y, yv.z, yv.w};
 #pragma unroll
-      for (int i = 0; i < mx::kBlock / 4; ++i) {
-        const float4 yv = yp[i];
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i], yv.x));
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 1], yv.y));
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 2], yv.z));
-        dot = __fadd_rn(dot, __fmul_rn(d[4 * i + 3], yv.w));
+      for (int i = 0; i < 4; ++i) {
+        dot = __fadd_rn(dot, __fmul_rn(d[i], ys[i]));
+        v[i] = __fmul_rn(wp, d[i]);
       }
-#pragma unroll
-      for (int i = 0; i < mx::kBlock; ++i) v[i] = __fmul_rn(wp, d[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < mx::kBlock; ++i) v[i] = 0.f;
+      for (int i = 0; i < 4; ++i) v[i] = 0.f;
     }
-    float4* o = reinterpret_cast<float4*>(dy + size_t(r) * h + b * mx::kBlock);
-#pragma unroll
-    for (int i = 0; i < mx::kBlock / 4; ++i) o[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-    uint8_t q[mx::kBlock];
-    const uint8_t scale = mx::quantize_block_hw(v, q);
-    store_block(q, scale, codes, scales, r, b, rows, h);
+    reinterpret_cast<float4*>(dy + size_t(r) * h)[q] = make_float4(v[0], v[1], v[2], v[3]);
+    uint32_t c4;
+    const uint8_t scale = quantize_block_lanes(v, c4);
+    reinterpret_cast<uint32_t*>(codes + size_t(r) * h)[q] = c4;
+    const int b = q / 8;  // the 32-block along H
+    if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
   }
   if (p < 0) return;  // the whole CTA: p is the row's
   partial[threadIdx.x] = dot;
@@ -203,51 +235,47 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
   if (threadIdx.x == 0) d_w[p] = partial[0];
 }
 
-// SwiGLU's backward, one thread per (row, 32-block of I), from the float32 gate | up rows gu
-// [rows, 2 I] and dh [rows, I]: PyTorch's expressions of silu(gate) * up under autograd and of
-// the clamp, each operation rounded on its own with the accurate exp (swiglu_grad.cuh
-// swiglu_grad_exact, checked on the host).
-// Writes dg, du and h (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row
-// quantized along 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]).
+// SwiGLU's backward, a thread per 4 consecutive elements of a row of I (8 lanes a 32-block), from
+// the float32 gate | up rows gu [rows, 2 I] and dh [rows, I]: PyTorch's expressions of
+// silu(gate) * up under autograd and of the clamp, each operation rounded on its own with the
+// accurate exp (swiglu_grad.cuh swiglu_grad_exact, checked on the host). Writes dg, du and h
+// (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row quantized along
+// 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]). I a multiple of 128, so a warp's
+// 32 threads lie in one row.
 template <bool kHasClamp>
 __global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float* __restrict__ dh, int rows, int inter,
                                        float limit, float* __restrict__ dg, float* __restrict__ du,
                                        float* __restrict__ h, uint8_t* __restrict__ codes,
                                        uint8_t* __restrict__ scales) {
-  const int nb = inter / mx::kBlock;
+  const int per_row = inter / 4;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (idx >= (long long)rows * nb) return;
-  const int r = int(idx / nb), b = int(idx % nb);
-  const size_t at = size_t(r) * inter + b * mx::kBlock;
-  const float* gp = gu + size_t(r) * 2 * inter + b * mx::kBlock;
-  float vg[mx::kBlock], vu[mx::kBlock];
+  if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
+  const int r = int(idx / per_row), q = int(idx % per_row);
+  const float4 g4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter)[q];
+  const float4 u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
+  const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
+  const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
+  float vh[4], vg[4], vu[4];
 #pragma unroll
-  for (int i = 0; i < mx::kBlock / 4; ++i) {
-    const float4 g4 = reinterpret_cast<const float4*>(gp)[i], u4 = reinterpret_cast<const float4*>(gp + inter)[i];
-    const float4 d4 = reinterpret_cast<const float4*>(dh + at)[i];
-    const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
-    float hv[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bwd::SwigluGrad r = bwd::swiglu_grad_exact(gs[j], us[j], ds[j], kHasClamp, limit);
-      hv[j] = r.h;
-      vg[4 * i + j] = r.dg;
-      vu[4 * i + j] = r.du;
-    }
-    reinterpret_cast<float4*>(h + at)[i] = make_float4(hv[0], hv[1], hv[2], hv[3]);
+  for (int i = 0; i < 4; ++i) {
+    const bwd::SwigluGrad res = bwd::swiglu_grad_exact(gs[i], us[i], ds[i], kHasClamp, limit);
+    vh[i] = res.h;
+    vg[i] = res.dg;
+    vu[i] = res.du;
   }
-  float4* og = reinterpret_cast<float4*>(dg + at);
-  float4* ou = reinterpret_cast<float4*>(du + at);
-#pragma unroll
-  for (int i = 0; i < mx::kBlock / 4; ++i) {
-    og[i] = make_float4(vg[4 * i], vg[4 * i + 1], vg[4 * i + 2], vg[4 * i + 3]);
-    ou[i] = make_float4(vu[4 * i], vu[4 * i + 1], vu[4 * i + 2], vu[4 * i + 3]);
-  }
-  uint8_t q[mx::kBlock];
-  uint8_t scale = mx::quantize_block_hw(vg, q);
-  store_block(q, scale, codes, scales, r, b, rows, 2 * inter);
-  scale = mx::quantize_block_hw(vu, q);
-  store_block(q, scale, codes, scales, r, nb + b, rows, 2 * inter);
+  const size_t at = size_t(r) * inter;
+  reinterpret_cast<float4*>(h + at)[q] = make_float4(vh[0], vh[1], vh[2], vh[3]);
+  reinterpret_cast<float4*>(dg + at)[q] = make_float4(vg[0], vg[1], vg[2], vg[3]);
+  reinterpret_cast<float4*>(du + at)[q] = make_float4(vu[0], vu[1], vu[2], vu[3]);
+  const int b = q / 8, nb = inter / mx::kBlock;  // the 32-block of dg (of du: nb + b along 2 I)
+  uint32_t c4;
+  uint8_t scale = quantize_block_lanes(vg, c4);
+  reinterpret_cast<uint32_t*>(codes + size_t(r) * 2 * inter)[q] = c4;
+  if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
+  scale = quantize_block_lanes(vu, c4);
+  reinterpret_cast<uint32_t*>(codes + size_t(r) * 2 * inter + inter)[q] = c4;
+  const int bu = nb + b;
+  if ((q & 7) == 0) scales[(size_t(bu >> 2) * rows + r) * 4 + (bu & 3)] = scale;
 }
 
 // ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights, cols_bf16_math) ---------
@@ -358,15 +386,15 @@ __global__ void weight_cols_kernel(const T* __restrict__ x, int experts, int row
   }
 }
 
-// ---- v0.39's weight quantizers (MOKGEN_MX_QUANT=v2; the bits of weight_rows_kernel and
-// weight_cols_kernel): v0.37 measured the weights' three quantizations of a kimi-k2.5 local
-// training step at 6.8 ms, about half of the memory's rate, and the kernels above spend about 19
-// instructions per element: a 64-bit index division per thread, the non-finite test per element,
-// and the codes taken apart into bytes and put back together for the stores and the decode.
-// These keep the codes four to a word from the conversion to the stores, test amax alone
-// (non-finite exactly when amax's bits reach the infinity's), and take their indices from a
-// 3-D grid. Along the columns a thread quantizes two neighbouring columns, so each warp load is a
-// whole 128-byte (bf16) or 256-byte (float32) row segment.
+// ---- the column tiles' quantizer (weight_cols2_kernel below; MOKGEN_MX_QUANT=v2, the default
+// since v0.41). v0.37 measured the weights' three quantizations of a kimi-k2.5 local training step
+// at 6.8 ms, about half of the memory's rate, and the kernels above spend about 19 instructions per
+// element: a 64-bit index division per thread, the non-finite test per element, and the codes
+// taken apart into bytes and put back together for the stores and the decode. These helpers keep
+// the codes four to a word from the conversion to the stores and test amax alone (non-finite
+// exactly when amax's bits reach the infinity's). (v0.39's by-rows kernel on them, a thread per
+// block in a 3-D grid, measured 1.05x (H100, v0.40) and 1.10x (H200, v0.41) the time of
+// weight_rows_kernel, and was retired in v0.41.)
 
 // quantize_block_hw with the codes four to a word (code 4 i + j in byte j of word i: the byte
 // order of store_codes): the same scale and codes.
@@ -414,34 +442,6 @@ MOKGEN_DEVICE void store_code_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t
   d[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-constexpr int kQuantBlocksX = 32;  // the v2 kernels' CTA: 32 x 8 threads
-constexpr int kQuantBlocksY = 8;
-
-// weight_rows_kernel's work, thread (b, local row, expert) of the grid (ceil(K / 32 / 32),
-// ceil(n_in / 8), E) and CTA (32, 8); interleave: the decoded rows of gate | up in 128s (the part
-// at offset 0 or n_in), else at the codes' rows.
-__global__ void __launch_bounds__(kQuantBlocksX * kQuantBlocksY)
-    weight_rows2_kernel(const bf16* __restrict__ x, int n_in, int k, int n_out, int offset, int interleave,
-                        bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
-  const int nb = k / mx::kBlock;
-  const int b = blockIdx.x * kQuantBlocksX + threadIdx.x, local = blockIdx.y * kQuantBlocksY + threadIdx.y;
-  const int e = blockIdx.z;
-  if (b >= nb || local >= n_in) return;
-  float v[mx::kBlock];
-  mx::load_bf16_block(x + (size_t(e) * n_in + local) * k + b * mx::kBlock, v);
-  uint32_t w[mx::kBlock / 4];
-  const uint8_t scale = quantize_block_words(v, w);
-  const int row = offset + local;
-  if (decoded != nullptr) {
-    const int dec = interleave ? (local >> 7) * 256 + (offset ? 128 : 0) + (local & 127) : row;
-    store_decoded_words(w, scale, decoded + (size_t(e) * n_out + dec) * k + b * mx::kBlock);
-  }
-  if (codes != nullptr) {
-    store_code_words(w, codes + (size_t(e) * n_out + row) * k + b * mx::kBlock);
-    scales[((size_t(e) * (nb / 4) + (b >> 2)) * n_out + row) * 4 + (b & 3)] = scale;
-  }
-}
-
 template <class T>
 struct Pair2;
 template <>
@@ -455,7 +455,7 @@ struct Pair2<float> {
   MOKGEN_DEVICE static float2 get(type p) { return p; }
 };
 
-// weight_cols_kernel's work by tiles (v0.40; MOKGEN_MX_QUANT=v2): v0.40 measured the columns'
+// weight_cols_kernel's work by tiles (v0.40; MOKGEN_MX_QUANT=v2, the default since v0.41): v0.40 measured the columns'
 // quantizers at 1.5 TB/s on the H100 against 2.9 for the rows', with v0.39's thread-per-column-pair
 // form no faster than v1's. Both read a 32-row block down each column (a 64- or 128-byte piece of
 // 32 rows per warp load) and write 64 bytes per column and block, each block's at a time of its
@@ -464,13 +464,14 @@ struct Pair2<float> {
 // 32-row block of one column, the four blocks of a column by four threads at once, so each column
 // gets 256 contiguous bytes of decoded output (and 128 of codes) in one go. The same quantizer
 // and stores as v1, so the same bits. n a multiple of 16 bytes' elements (8 bf16, 4 float32),
-// x 16-byte aligned (mx_gemm._quant_entry falls back to v1 otherwise). Grid (ceil(n / 64),
-// ceil(rows / 128), E), 256 threads. gather: as weight_cols_kernel's (one expert).
+// x 16-byte aligned (mx_gemm._cols_entry falls back to v1 otherwise). Grid (ceil(n / 64),
+// ceil(rows / 128), E), kColThreads (256) threads. gather: as weight_cols_kernel's (one expert).
 constexpr int kColTileRows = 128, kColTileCols = 64;
 
-// 16 bytes (16-byte aligned) as float32: 8 bf16 or 4 float32.
-MOKGEN_DEVICE void load16(const bf16* p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+constexpr int kColThreads = 256;  // weight_cols2_kernel's CTA (its launches' blockDim)
+
+// 16 raw bytes as float32: 8 bf16 or 4 float32.
+MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[8]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -481,53 +482,79 @@ MOKGEN_DEVICE void load16(const bf16* p, float (&v)[8]) {
     v[2 * i + 1] = f.y;
   }
 }
-MOKGEN_DEVICE void load16(const float* p, float (&v)[4]) {
-  const float4 f = *reinterpret_cast<const float4*>(p);
-  v[0] = f.x;
-  v[1] = f.y;
-  v[2] = f.z;
-  v[3] = f.w;
+MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[4]) {
+  v[0] = __uint_as_float(raw.x);
+  v[1] = __uint_as_float(raw.y);
+  v[2] = __uint_as_float(raw.z);
+  v[3] = __uint_as_float(raw.w);
 }
 
 template <class T>
-__global__ void __launch_bounds__(256, 4)  // 4 CTAs an SM (their tiles' 132 KB): up to 64 registers
+__global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles' 132 KB): up to 64 registers
     weight_cols2_kernel(const T* __restrict__ x, int rows, int n, int rows_out, int offset,
                         bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
                         const int* __restrict__ gather = nullptr) {
-  __shared__ float tile[kColTileRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
+  __shared__ __align__(16) float tile[kColTileRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
   constexpr int kVec = 16 / int(sizeof(T));              // elements per 16-byte load
   constexpr int kLoadsPerRow = kColTileCols / kVec;
+  constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;  // a thread's: 4 (bf16) or 8 (float32)
   const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows, e = blockIdx.z;
-  for (int i = threadIdx.x; i < kColTileRows * kLoadsPerRow; i += blockDim.x) {
-    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
-    const int row = r0 + r, col = c0 + cv;
+  // every load of the thread issued before the first is used (v0.41: the loop of load, convert,
+  // store to shared memory kept one load a thread in flight, and DRAM at about half its rate)
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int row = r0 + i / kLoadsPerRow, col = c0 + (i % kLoadsPerRow) * kVec;
     int from = row < rows && col < n ? row : -1;
     if (from >= 0 && gather != nullptr) from = gather[row];
-    float v[kVec];
-    if (from >= 0) {
-      load16(x + (size_t(e) * rows + from) * n + col, v);
-    } else {
+    raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + (size_t(e) * rows + from) * n + col)
+                       : make_uint4(0u, 0u, 0u, 0u);  // padding rows (gather) and the tile's edges: zeros
+  }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = 0.f;  // padding rows (gather) and the tile's edges
-    }
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
+    float v[kVec];
+    unpack16(raw[l], v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) tile[r][cv + j] = v[j];
   }
   __syncthreads();
   const int c = threadIdx.x % kColTileCols, blk = threadIdx.x / kColTileCols;  // 4 blocks of 32 rows
   const int col = c0 + c, b = r0 / mx::kBlock + blk;
-  if (col >= n || b >= rows / mx::kBlock) return;
+  const bool mine = col < n && b < rows / mx::kBlock;
   float v[mx::kBlock];
 #pragma unroll
   for (int i = 0; i < mx::kBlock; ++i) v[i] = tile[blk * mx::kBlock + i][c];
   uint32_t w[mx::kBlock / 4];
   const uint8_t scale = quantize_block_words(v, w);
   const size_t out = (size_t(e) * n + col) * rows_out + offset + b * mx::kBlock;
-  if (decoded != nullptr) store_decoded_words(w, scale, decoded + out);
-  if (codes != nullptr) {
+  if (mine && codes != nullptr) {
     store_code_words(w, codes + out);
     const int kb = offset / mx::kBlock + b;  // the 32-block along rows_out
     scales[((size_t(e) * (rows_out / 128) + (kb >> 2)) * n + col) * 4 + (kb & 3)] = scale;
+  }
+  if (decoded == nullptr) return;
+  // the decoded values through shared memory (the tile's buffer, free once every thread holds its
+  // block): written out a column at a time, 16 lanes to a column's 256 bytes, so every warp store
+  // writes whole 32-byte sectors. Stored straight from each thread (v0.40's first tiled form),
+  // each warp store wrote 16 bytes into each of 32 rows: ncu counted 3x the sectors written to L2
+  // that reached DRAM, and 46% of DRAM's throughput.
+  __syncthreads();
+  constexpr int kStageRow = kColTileRows + 8;  // bf16 a staged column, padded (16 B) against bank conflicts
+  bf16* stage = reinterpret_cast<bf16*>(&tile[0][0]);
+  static_assert(kColTileCols * kStageRow * sizeof(bf16) <= sizeof(tile), "the staged columns fit the tile's buffer");
+  store_decoded_words(w, scale, stage + c * kStageRow + blk * mx::kBlock);
+  __syncthreads();
+  const int valid_rows = rows - r0 < kColTileRows ? rows - r0 : kColTileRows;  // a multiple of 32
+  constexpr int kChunks = kColTileRows * int(sizeof(bf16)) / 16;               // 16-byte pieces a column
+#pragma unroll
+  for (int i = threadIdx.x; i < kColTileCols * kChunks; i += kColThreads) {
+    const int cc = i / kChunks, chunk = i % kChunks;
+    if (c0 + cc >= n || chunk * 8 >= valid_rows) continue;
+    const uint4 piece = *reinterpret_cast<const uint4*>(stage + cc * kStageRow + chunk * 8);
+    *reinterpret_cast<uint4*>(decoded + (size_t(e) * n + c0 + cc) * rows_out + offset + r0 + chunk * 8) = piece;
   }
 }
 
