@@ -315,6 +315,27 @@ def quantize_cols(x):
     return codes, scales
 
 
+def quantize_cols_blocked(x):
+    """:func:`quantize_cols` with its scales in the kernel's layout, in one pass: ``(codes [n,
+    rows], scales [rows / 128, n, 4])``, the bits of ``quantize_cols(x)``'s codes and of
+    :func:`block_scales` of its scales (the weight gradients' A operand, v0.41). The column
+    quantizer of the weights (:func:`_cols_entry`: its tiles by default) with no bf16 values out.
+    ``x [rows, n]`` float32 or bf16, rows a multiple of 128."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() \
+            or x.shape[0] % BLOCK:
+        raise InputError(f"x must be contiguous float32 or bf16 [rows, n] with rows a multiple of {BLOCK}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    rows, n = x.shape
+    codes = torch.empty(n, rows, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows // BLOCK, n, 4, dtype=torch.uint8, device=x.device)
+    if rows and n:
+        _launch(_cols_entry(x, 1, rows // 32, n), x.device, None, codes.data_ptr(), scales.data_ptr(), x.data_ptr(),
+                1, rows, n, rows, 0, int(x.dtype == torch.float32))
+    return codes, scales
+
+
 def combine_backward(d_out, y, pair, weights):
     """The combine's backward in one pass (the MXFP8 backward's, ``mx_experts``): for each padded
     row r with pair ``p = pair[r]`` (int32 ``[rows]``, -1 for a padding row) of ``weights``

@@ -204,6 +204,24 @@ def test_cols_bf16_math_is_the_transposed_quantizer_s_values(dtype, quant, monke
 
 @pytest.mark.parametrize("quant", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_cols_blocked_is_quantize_cols_with_blocked_scales(dtype, quant, monkeypatch):
+    """quantize_cols_blocked (the weight gradients' A, v0.41): the codes of quantize_cols and
+    block_scales of its scales, bit for bit, under both column quantizers; rows scaled over a
+    wide range, a NaN and an infinity, a partial 64-column tile (328) and an odd n (v1's kernel)."""
+    monkeypatch.setenv("MOKGEN_MX_QUANT", quant)
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    for n in (328, 512, 63):
+        x = (torch.randn(384, n, generator=gen, device="cuda") *
+             torch.exp2(torch.randint(-60, 60, (384, 1), generator=gen, device="cuda").float())).to(dtype)
+        x[5, 7], x[200, 11] = float("nan"), float("inf")
+        codes, scales = mx_gemm.quantize_cols_blocked(x)
+        want_codes, want_scales = mx_gemm.quantize_cols(x)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), n
+        assert torch.equal(scales, mx_gemm.block_scales(want_scales)), n
+
+
+@pytest.mark.parametrize("quant", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monkeypatch):
     """cols_bf16_math(x, src=...) (the wgrads' x rows, v0.40): the bits of cols_bf16_math of the
     gathered copy (row r = x[src[r]], zeros where src[r] < 0), repeated tokens and padding rows

@@ -216,6 +216,38 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(l
         mx_gemm.swiglu_backward(gu, dh, -1)
 
 
+def test_quantize_cols_blocked_takes_the_column_quantizer_with_codes_only(launches, monkeypatch):
+    """quantize_cols_blocked (the weight gradients' A, v0.41): one-line errors before any launch,
+    then the column quantizer's entry (the tiles by default, v1's under MOKGEN_MX_QUANT=v1 or for
+    an odd n) with no bf16 values out, one expert, rows_out = rows at offset 0, the codes [n, rows]
+    and the scales [rows / 128, n, 4]; nothing launched for an empty x."""
+    calls = launches
+    monkeypatch.delenv("MOKGEN_MX_QUANT", raising=False)
+    with pytest.raises(InputError, match=r"rows a multiple of 128, got torch.float32 \(96, 64\)"):
+        mx_gemm.quantize_cols_blocked(torch.zeros(96, 64))
+    with pytest.raises(InputError, match="x must be contiguous float32 or bf16"):
+        mx_gemm.quantize_cols_blocked(torch.zeros(128, 64, dtype=torch.float16))
+    with pytest.raises(InputError, match="x must be contiguous float32 or bf16"):
+        mx_gemm.quantize_cols_blocked(torch.zeros(64, 256).t())
+    assert calls == []
+    x = torch.zeros(256, 64)
+    codes, scales = mx_gemm.quantize_cols_blocked(x)
+    assert codes.shape == (64, 256) and codes.dtype == torch.float8_e4m3fn
+    assert scales.shape == (2, 64, 4) and scales.dtype == torch.uint8
+    assert calls[-1] == ("mokgen_mx_weight_cols2", (None, codes.data_ptr(), scales.data_ptr(), x.data_ptr(), 1, 256,
+                                                    64, 256, 0, 1, STREAM))
+    xb = torch.zeros(128, 63, dtype=torch.bfloat16)
+    codes, scales = mx_gemm.quantize_cols_blocked(xb)  # odd n: v1's kernel
+    assert calls[-1] == ("mokgen_mx_weight_cols", (None, codes.data_ptr(), scales.data_ptr(), xb.data_ptr(), 1, 128,
+                                                   63, 128, 0, 0, STREAM))
+    monkeypatch.setenv("MOKGEN_MX_QUANT", "v1")
+    mx_gemm.quantize_cols_blocked(x)
+    assert calls[-1][0] == "mokgen_mx_weight_cols"
+    n = len(calls)
+    codes, scales = mx_gemm.quantize_cols_blocked(torch.zeros(0, 64))
+    assert len(calls) == n and codes.shape == (64, 0) and scales.shape == (0, 64, 4)
+
+
 def test_cols_bf16_math_with_src_gathers_through_its_own_entry(launches, monkeypatch):
     """cols_bf16_math(x, src=...): one-line errors for a bad src before any launch, then
     mokgen_mx_gather_cols with the output [n, rows], the version MOKGEN_MX_QUANT picks (v2 by
