@@ -5,12 +5,12 @@ three operands of a step alone (dy [R, H], dg and du [R, I], float32), then the 
 training step with mx_gemm.quantize_cols_blocked swapped for A's two calls. The bits of both
 first, then ABBA blocks of 5 timed calls (median per block), the mean of B / A with its min and
 max. Usage: python3 .ci/mx_cols_blocked_ab.py [SPEC ...] (default kimi-k2.5)."""
-import statistics
 import sys
 
 import torch
+from mx_ab import abba, staged_step
 
-from mokgen import bench, load_spec, mx_experts, mx_gemm
+from mokgen import bench, mx_gemm
 
 BLOCKS = 8
 NEW = mx_gemm.quantize_cols_blocked
@@ -21,25 +21,19 @@ def old(x):
     return codes, mx_gemm.block_scales(scales)
 
 
-def timed(fn, n=5):
-    return statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=n))
+def use(side):
+    mx_gemm.quantize_cols_blocked = old if side == "A" else NEW
 
 
-def abba(fn, label):
-    ms = {"A": [], "B": []}
-    for blk in range(BLOCKS):
-        for side in (("A", "B") if blk % 2 == 0 else ("B", "A")):
-            mx_gemm.quantize_cols_blocked = old if side == "A" else NEW
-            ms[side].append(timed(fn))
-    mx_gemm.quantize_cols_blocked = NEW
-    ratios = [b / a for a, b in zip(ms["A"], ms["B"])]
-    print(f"{label}: A {statistics.median(ms['A']):.3f} ms, B {statistics.median(ms['B']):.3f} ms, B / A "
-          f"{statistics.mean(ratios):.4f} [{min(ratios):.4f}, {max(ratios):.4f}] over {BLOCKS} blocks", flush=True)
+def report(fn, label):
+    r = abba(fn, use, "A", "B", BLOCKS)
+    use("B")
+    print(f"{label}: A {r[0]:.3f} ms, B {r[1]:.3f} ms, B / A {r[2]:.4f} [{r[3]:.4f}, {r[4]:.4f}] over {BLOCKS} blocks",
+          flush=True)
 
 
 def ab(name: str) -> None:
-    spec, tokens = bench.local_spec(load_spec(name), bench.LOCAL_EP.get(name, 8))
-    _, gen, counts, _, _ = bench.local_expert_rows(name, bench.LOCAL_EP.get(name, 8))
+    spec, gen, counts, _, _ = bench.local_expert_rows(name, bench.LOCAL_EP.get(name, 8))
     R = int(((counts + 127) // 128 * 128).sum())
     H, I = spec.hidden_size, spec.moe_intermediate_size
     ops = [torch.randn(R, n, generator=gen, device="cuda") for n in (H, I, I)]
@@ -53,29 +47,18 @@ def ab(name: str) -> None:
     same = all(torch.equal(a, b) for a, b in zip(got["A"], got["B"]))
     print(f"{spec.name}: the three operands ({R} rows), A and B the same bits: {same}", flush=True)
     del got
-    abba(three, f"{spec.name} dy, dg, du quantized by columns")
+    report(three, f"{spec.name} dy, dg, du quantized by columns")
     ops.clear()  # their memory back before the step
 
-    layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1)
-    del layer
-    x, ids, w, d_out = inputs[0]
-    leaves = [x, w, wg, wu, wd]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], spec.activation.clamp_limit).backward(d_out)
-
+    spec, step, _ = staged_step(name)
     grads = {}
-    for side, fn in (("A", old), ("B", NEW)):
-        mx_gemm.quantize_cols_blocked = fn
-        step()
-        grads[side] = [t.grad.clone() for t in leaves]
-    mx_gemm.quantize_cols_blocked = NEW
+    for side in ("A", "B"):
+        use(side)
+        grads[side] = [g.clone() for g in step()]
     same = all(torch.equal(a, b) for a, b in zip(grads["A"], grads["B"]))
     print(f"{spec.name}: the step's gradients, A and B the same bits: {same}", flush=True)
     del grads
-    abba(step, f"{spec.name} staged MXFP8 fwd+bwd")
+    report(step, f"{spec.name} staged MXFP8 fwd+bwd")
 
 
 for spec_name in sys.argv[1:] or ["kimi-k2.5"]:

@@ -15,21 +15,17 @@ Usage: python3 .ci/mx_lib_ab.py --old PATH [--cases combine,swiglu,columns,step]
 import argparse
 import ctypes
 import os
-import statistics
 
 import torch
+from mx_ab import abba, staged_step
 
-from mokgen import bench, load_spec, mx_experts, mx_gemm
+from mokgen import bench, load_spec, mx_gemm
 
 BLOCKS = 8
 
 
 def key():
     return tuple(os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))
-
-
-def timed(fn, n=5):
-    return statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=n))
 
 
 def problems(name: str) -> dict:
@@ -58,19 +54,7 @@ def problems(name: str) -> dict:
                              mx_gemm.expert_weights([wg, wu], transpose=True)),
                     2 * 2 * (wg.numel() + wu.numel() + wd.numel()), set()),
     }
-    layer, (bwg, bwu, bwd_), inputs = bench.backward_problem(*bench.local_spec(load_spec(name),
-                                                                               bench.LOCAL_EP.get(name, 8)), 1)
-    del layer
-    x, ids, tw, g_out = inputs[0]
-    leaves = [x, tw, bwg, bwu, bwd_]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp).backward(g_out)
-        return [t.grad for t in leaves]
-
-    cases["step"] = (step, 0, {0, 1, 2, 3, 4})
+    cases["step"] = (staged_step(name)[1], 0, {0, 1, 2, 3, 4})
     return spec, cases
 
 
@@ -117,16 +101,10 @@ def main() -> None:
                     parts.append(f"{i}: {'same' if torch.equal(a.view(torch.uint8), b.view(torch.uint8)) else 'DIFFER'}")
             print(f"{spec.name} {case}: B against A, per output: {', '.join(parts)}", flush=True)
             del outs
-            ms = {"A": [], "B": []}
-            for blk in range(BLOCKS):
-                for side in (("A", "B") if blk % 2 == 0 else ("B", "A")):
-                    use(side)
-                    ms[side].append(timed(fn))
-            ratios = [b / a for a, b in zip(ms["A"], ms["B"])]
-            a, b = statistics.median(ms["A"]), statistics.median(ms["B"])
+            a, b, mean, lo, hi = abba(fn, use, "A", "B", BLOCKS)
             rate = f" ({nbytes / a / 1e6:.0f} -> {nbytes / b / 1e6:.0f} GB/s)" if nbytes else ""
-            print(f"{spec.name} {case}: A {a:.3f} ms, B {b:.3f} ms{rate}, B / A {statistics.mean(ratios):.4f} "
-                  f"[{min(ratios):.4f}, {max(ratios):.4f}] over {BLOCKS} blocks", flush=True)
+            print(f"{spec.name} {case}: A {a:.3f} ms, B {b:.3f} ms{rate}, B / A {mean:.4f} "
+                  f"[{lo:.4f}, {hi:.4f}] over {BLOCKS} blocks", flush=True)
     use("B")
 
 

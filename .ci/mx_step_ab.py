@@ -10,43 +10,25 @@ Usage: python3 .ci/mx_step_ab.py [--switch NAME A B] [--wgrad] [SPEC ...]
 MOKGEN_MX_RANGED tiles persistent --wgrad."""
 import argparse
 import os
-import statistics
 
 import torch
+from mx_ab import abba, staged_step
 
-from mokgen import bench, load_spec, mx_experts, mx_gemm
+from mokgen import mx_experts, mx_gemm
 
 BLOCKS = 8
 
 
-def abba(fn, name: str, a: str, b: str) -> list:
-    ms = {a: [], b: []}
-    for blk in range(BLOCKS):
-        for value in ((a, b) if blk % 2 == 0 else (b, a)):
-            os.environ[name] = value
-            ms[value].append(statistics.median(bench.time_cuda(lambda i: fn(), n_inputs=1, warmup=1, iters=5)))
-    ratios = [y / x for x, y in zip(ms[a], ms[b])]
-    return [statistics.median(ms[a]), statistics.median(ms[b]), statistics.mean(ratios), min(ratios), max(ratios)]
-
-
 def ab(spec_name: str, name: str, a: str, b: str, wgrad: bool) -> None:
-    spec, tokens = bench.local_spec(load_spec(spec_name), bench.LOCAL_EP.get(spec_name, 8))
-    layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1)
-    del layer
-    x, ids, w, d_out = inputs[0]
-    clamp = spec.activation.clamp_limit
-    leaves = [x, w, wg, wu, wd]  # leaves that require gradients
+    spec, step, (x, ids, _, _, wg, _, _) = staged_step(spec_name)
 
-    def step():
-        for t in leaves:
-            t.grad = None
-        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp).backward(d_out)
+    def use(value):
+        os.environ[name] = value
 
     grads = {}
     for value in (a, b, b):
-        os.environ[name] = value
-        step()
-        got = [t.grad.clone() for t in leaves]
+        use(value)
+        got = [g.clone() for g in step()]
         if value in grads:
             same = all(torch.equal(u, v) for u, v in zip(got, grads[value]))
             print(f"{spec.name}: {name}={b}, the same bits twice: {same}", flush=True)
@@ -55,7 +37,7 @@ def ab(spec_name: str, name: str, a: str, b: str, wgrad: bool) -> None:
                       for n, u, v in zip(("x", "w", "w_gate", "w_up", "w_down"), grads[b], grads[a]))
     print(f"{spec.name}: {b} against {a}, relative difference: {diffs}", flush=True)
     del grads
-    r = abba(step, name, a, b)
+    r = abba(step, use, a, b, BLOCKS)
     print(f"{spec.name} staged MXFP8 fwd+bwd: {a} {r[0]:.3f} ms, {b} {r[1]:.3f} ms, {b} / {a} {r[2]:.4f} "
           f"[{r[3]:.4f}, {r[4]:.4f}] over {BLOCKS} blocks", flush=True)
     if wgrad:  # the three weight-gradient launches on the step's own segments
@@ -75,7 +57,7 @@ def ab(spec_name: str, name: str, a: str, b: str, wgrad: bool) -> None:
             mx_experts._weight_grads_ranged(dg, None, padded, torch.bfloat16, b_bf16=xb)
             mx_experts._weight_grads_ranged(dg, None, padded, torch.bfloat16, b_bf16=xb)
 
-        r = abba(launches, name, a, b)
+        r = abba(launches, use, a, b, BLOCKS)
         print(f"{spec.name} three wgrad launches ({int(padded.sum())} padded rows, {flops / 1e12:.2f} TFLOP, "
               f"quantizers included): {a} {r[0]:.3f} ms ({flops / r[0] / 1e9:.0f} TFLOP/s), {b} {r[1]:.3f} ms "
               f"({flops / r[1] / 1e9:.0f}), {b} / {a} {r[2]:.4f} [{r[3]:.4f}, {r[4]:.4f}]", flush=True)

@@ -14,7 +14,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mokgen import bench, load_spec, mx_experts
+from mx_ab import staged_step
+
 from mokgen.ep import MoELayer, refresh_mx_weights
 
 TOP = 25
@@ -68,18 +69,8 @@ def kernel_table(step, label: str) -> None:
 
 LAUNCHES = "--launches" in sys.argv[1:]
 for name in [a for a in sys.argv[1:] if a != "--launches"] or ["kimi-k2.5"]:
-    ep = bench.LOCAL_EP.get(name, 8)
-    spec, tokens = bench.local_spec(load_spec(name), ep)
-    layer, (wg, wu, wd), inputs = bench.backward_problem(spec, tokens, 1)
-    del layer
-    x, ids, w, d_out = inputs[0]
-    clamp = spec.activation.clamp_limit
-
-    def staged():
-        for t in (x, w, wg, wu, wd):
-            t.grad = None
-        mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp).backward(d_out)
-
+    spec, staged, (x, ids, w, d_out, wg, wu, wd) = staged_step(name)
+    tokens = x.shape[0]
     kernel_table(staged, f"{spec.name} staged MXFP8 fwd+bwd")
     mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda")
     with torch.no_grad():

@@ -338,11 +338,9 @@ def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor | None, padd
     (float32 or bf16), each expert's k range its padded segment (empty: zeros), ``[E, M, N]`` in
     ``out_dtype``. ``b_bf16``: ``mx_gemm.cols_bf16_math(b_rows)`` when the caller has it (then
     ``b_rows`` may be None)."""
-    if a_rows.shape[0] % mx_gemm.BLOCK == 0:  # the padded rows: codes and blocked scales in one pass (v0.41)
-        a_codes, a_blocked = mx_gemm.quantize_cols_blocked(a_rows.contiguous())
-    else:
-        a_codes, a_scales = mx_gemm.quantize_cols(a_rows.contiguous())
-        a_blocked = mx_gemm.block_scales(a_scales)
+    # codes and blocked scales in one pass (v0.41); the padded rows are a multiple of 128, as the
+    # ranged GEMM's K must be
+    a_codes, a_blocked = mx_gemm.quantize_cols_blocked(a_rows.contiguous())
     start = torch.cumsum(padded, 0) - padded
     kranges = torch.stack([start, padded], 1).to(torch.int32)
     # the kernel writes float32 or bf16; other weight dtypes (fp16, fp64) take float32 and the

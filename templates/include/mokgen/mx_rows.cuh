@@ -128,6 +128,26 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 // ran at 1.1-1.6 TB/s on the H100 (each warp access 16 bytes in each of 32 lines; ncu saw the
 // same pattern write 3x the L2 sectors in the weights' column quantizer).
 
+// The scale exponent s of a finite block from the bits of its amax (mx::quantize_block's: floor(log2
+// amax) - 8, clamped to -127; its E8M0 code s + 127), with inv = 2**-s to multiply its elements by.
+MOKGEN_DEVICE int block_scale_exponent(uint32_t amax, float& inv) {
+  const int exp_field = int(amax >> 23);
+  int s = exp_field == 0 ? -127 : exp_field - 127 - 8;
+  s = s < -127 ? -127 : s;
+  inv = mx::bits_float(uint32_t(127 - s) << 23);
+  return s;
+}
+
+// Four elements times inv as E4M3 codes, element i in byte i (the byte order of store_codes), by
+// quantize_block_hw's conversion (cvt.rn.satfinite.e4m3x2.f32: the second operand's code in the
+// low byte). sm_89 and later.
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, float inv) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b * inv), "f"(a * inv));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d * inv), "f"(c * inv));
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
 // quantize_block_hw of a 32-element block held 4 a lane by 8 neighbouring lanes (lane group g =
 // lane / 8 of the warp, element 4 l + i in lane l's v[i]): the same scale (returned by every lane)
 // and codes (this lane's 4, byte i = element 4 l + i: the order store_codes writes). All 32 lanes
@@ -145,15 +165,10 @@ MOKGEN_DEVICE uint8_t quantize_block_lanes(const float (&v)[4], uint32_t& codes4
     codes4 = 0x7f7f7f7fu;
     return mx::kE8M0Nan;
   }
-  const int exp_field = int(amax >> 23);
-  int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
-  sc = sc < -127 ? -127 : sc;
-  const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1] * inv), "f"(v[0] * inv));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3] * inv), "f"(v[2] * inv));
-  codes4 = uint32_t(lo) | (uint32_t(hi) << 16);
-  return uint8_t(sc + 127);
+  float inv;
+  const int s = block_scale_exponent(amax, inv);
+  codes4 = e4m3x4(v[0], v[1], v[2], v[3], inv);
+  return uint8_t(s + 127);
 }
 
 // h = swiglu(gate, up) of the float32 gate | up rows gu [rows, 2 I] (common.cuh's swiglu, the
@@ -413,17 +428,11 @@ __device__ __forceinline__ uint8_t quantize_block_words(const float (&v)[mx::kBl
     for (int i = 0; i < mx::kBlock / 4; ++i) w[i] = 0x7f7f7f7fu;
     return mx::kE8M0Nan;
   }
-  const int exp_field = int(amax >> 23);
-  int s = exp_field == 0 ? -127 : exp_field - 127 - 8;
-  s = s < -127 ? -127 : s;
-  const float inv = mx::bits_float(uint32_t(127 - s) << 23);
+  float inv;
+  const int s = block_scale_exponent(amax, inv);
 #pragma unroll
-  for (int i = 0; i < mx::kBlock / 4; ++i) {
-    uint16_t lo, hi;  // quantize_block_hw's conversion: the second operand's code in the low byte
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[4 * i + 1] * inv), "f"(v[4 * i] * inv));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[4 * i + 3] * inv), "f"(v[4 * i + 2] * inv));
-    w[i] = uint32_t(lo) | (uint32_t(hi) << 16);
-  }
+  for (int i = 0; i < mx::kBlock / 4; ++i)
+    w[i] = e4m3x4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3], inv);
   return uint8_t(s + 127);
 #endif
 }
