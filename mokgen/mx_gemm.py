@@ -99,6 +99,8 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
+    lib.mokgen_mx_bf16_math_ranged_gemm_dual.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
+    lib.mokgen_mx_bf16_math_ranged_gemm_dual.restype = i
     lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
     return lib
 
@@ -680,8 +682,10 @@ def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_
                              f"within [0, {K}]")
     N = b_bf16.shape[0]
     c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
-    # MOKGEN_MX_RANGED: a CTA per tile (v0.35), or v0.40's persistent walk; the same bits
-    entry = "mokgen_mx_bf16_math_ranged_gemm" + ("_persistent" if env.mx_ranged() == "persistent" else "")
+    # MOKGEN_MX_RANGED: a CTA per 128 x 256 tile (v0.35), v0.40's persistent walk, or v0.42's
+    # 128 x 128 tiles two CTAs an SM; the same bits
+    ranged = env.mx_ranged()
+    entry = "mokgen_mx_bf16_math_ranged_gemm" + ("" if ranged == "tiles" else "_" + ranged)
     _launch(entry, a_codes.device, c.data_ptr(), a_codes.data_ptr(),
             a_scales_blocked.data_ptr(), b_bf16.data_ptr(), kranges.data_ptr(), int(kranges.shape[0]), M, N, K,
             int(out_dtype == torch.bfloat16), what="bf16 math, k ranges")

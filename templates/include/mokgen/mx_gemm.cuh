@@ -492,14 +492,15 @@ __device__ __forceinline__ void consume_kblock(const unsigned char* stages, uint
 }
 
 // The store epilogue: C (float32, or bf16 when out_bf16) rows row and row + 8 of columns n0 ..
-// n0 + 255, rows ldc elements apart, from element off of C (counted in C's own type: a k-ranged
-// slice's offset, applied after the type is chosen).
-__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t off, size_t ldc, int row, int n0,
+// n0 + kCols - 1 (a thread's m64nkCols accumulators), rows ldc elements apart, from element off of
+// C (counted in C's own type: a k-ranged slice's offset, applied after the type is chosen).
+template <int kCols>
+__device__ __forceinline__ void store_rows(const float (&acc)[kCols / 2], float* c, size_t off, size_t ldc, int row, int n0,
                                            int q, int out_bf16) {
   if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
     bf16* cb = reinterpret_cast<bf16*>(c) + off;
 #pragma unroll
-    for (int i = 0; i < kAcc / 4; ++i) {
+    for (int i = 0; i < kCols / 8; ++i) {
       const int col = n0 + 8 * i + 2 * q;
       *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * ldc + col) =
           __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
@@ -510,11 +511,16 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, s
   }
   float* cf = c + off;
 #pragma unroll
-  for (int i = 0; i < kAcc / 4; ++i) {
+  for (int i = 0; i < kCols / 8; ++i) {
     const int col = n0 + 8 * i + 2 * q;
     *reinterpret_cast<float2*>(cf + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
     *reinterpret_cast<float2*>(cf + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
   }
+}
+
+__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t off, size_t ldc, int row, int n0,
+                                           int q, int out_bf16) {
+  store_rows<kBN>(acc, c, off, ldc, row, n0, q, out_bf16);
 }
 
 __device__ __forceinline__ void init_pipe(unsigned char* smem, uint64_t*& full, uint64_t*& empty,
@@ -653,6 +659,123 @@ __global__ void __launch_bounds__(kThreads, 1)
     store_tile(acc, c, size_t(z) * M * N, size_t(N), mt * kBM + r0, nt * kBN, q, out_bf16);
   }
 }
+
+// The k-ranged GEMM on 128 x 128 tiles, two CTAs an SM (v0.42; MOKGEN_MX_RANGED=dual). The weight
+// gradients' k ranges are short (about 384 rows per expert on kimi-k2.5 local: 6 k-blocks), so a
+// 128 x 256 tile spends much of its time in its pipeline's fill and its store epilogue, with the
+// SM's tensor cores idle: one CTA an SM has nothing else to run. Here a CTA is the producer
+// warpgroup and one consumer warpgroup that owns the whole 128 x 128 tile (two m64n128k16 wgmma a
+// k16 step, rows 0..63 and 64..127, on the same B), with a 4-stage ring of 25 KB stages, so two
+// CTAs fit an SM (registers: 256 threads launch at 128 each, the producer gives back 88, the
+// consumer takes 216) and one's mainloop runs while the other fills or stores. Each output's sum
+// runs over the same k16 steps in the same order as gemm_kernel's: the same bits.
+namespace dual {
+constexpr int kBN = 128, kStages = 4;
+constexpr int kBBytes = kBN * kBK * 2;  // bf16, 128-byte rows, SWIZZLE_128B
+constexpr int kStageStride = ((kBBytes + kABytes + kScaleBytes) + 1023) / 1024 * 1024;
+constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
+constexpr int kAcc = kBN / 2;  // m64n128: 64 float32 per thread and row half
+constexpr int kThreads = 256;
+static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs an SM");
+
+__global__ void __launch_bounds__(kThreads, 2)
+    ranged_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                  const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N,
+                  const int2* __restrict__ kranges, int out_bf16) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, t = tid & 127;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int m0 = int(blockIdx.y) * kBM, n0 = int(blockIdx.x) * kBN;
+  const int2 kr = kranges[blockIdx.z];
+  const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kStages;
+  const uint32_t base = smem_u32(smem);
+  unsigned char* stages = smem + (((base + 2 * kStages * 8 + 1023) & ~1023u) - base);
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      sm90::mbar_init(&full[i], 1);
+      sm90::mbar_init(&empty[i], 1);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (t == 0) {
+      for (int kb = 0; kb < n_k; ++kb) {
+        const int s = kb % kStages;
+        sm90::mbar_wait(&empty[s], ((kb / kStages) & 1u) ^ 1u);
+        unsigned char* st = stages + size_t(s) * kStageStride;
+        sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
+        cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, (kb0 + kb) * kBK, n0);
+        cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, (kb0 + kb) * kBK, m0);
+        bulk::load(st + kBBytes + kABytes, sa + (size_t((kb0 + kb) / 2) * M + m0) * 4, kScaleBytes, &full[s]);
+      }
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<216>();
+  const int w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
+  const int r0 = 16 * w + g;  // this thread's rows r0, r0 + 8 (half 0) and r0 + 64, r0 + 72 (half 1)
+  float acc0[kAcc], acc1[kAcc];
+  if (n_k == 0) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc0[i] = acc1[i] = 0.f;
+  }
+  uint32_t a[2][2][4];  // [k16 parity][row half]
+  int prev = -1;
+  for (int kb = 0; kb < n_k; ++kb) {
+    const int s = kb % kStages;
+    sm90::mbar_wait(&full[s], (kb / kStages) & 1u);
+    const unsigned char* st = stages + size_t(s) * kStageStride;
+    const unsigned char* at = st + kBBytes;
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
+    const uint32_t w0 = sc[r0], w1 = sc[r0 + 8], w2 = sc[r0 + 64], w3 = sc[r0 + 72];
+#pragma unroll
+    for (int k16 = 0; k16 < kBK / 16; ++k16) {
+      const int blk = 2 * ((kb0 + kb) & 1) + k16 / 2;  // the 32-block of the k128 block's four
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int ra = r0 + 64 * h, rb = ra + 8;
+        uint32_t m1a, m2a, m1b, m2b;
+        multipliers(((h ? w2 : w0) >> (8 * blk)) & 0xffu, m1a, m2a);
+        multipliers(((h ? w3 : w1) >> (8 * blk)) & 0xffu, m1b, m2b);
+        // 64-byte rows, SWIZZLE_64B: chunk c of row r at c ^ (r / 2 % 4)
+        const uint32_t c0 = *reinterpret_cast<const uint32_t*>(at + ra * 64 + ((k16 ^ ((ra >> 1) & 3)) << 4) + 4 * q);
+        const uint32_t c1 = *reinterpret_cast<const uint32_t*>(at + rb * 64 + ((k16 ^ ((rb >> 1) & 3)) << 4) + 4 * q);
+        uint32_t(&f)[4] = a[k16 & 1][h];
+        f[0] = decode2(c0, m1a, m2a);
+        f[1] = decode2(c1, m1b, m2b);
+        f[2] = decode2(c0 >> 16, m1a, m2a);
+        f[3] = decode2(c1 >> 16, m1b, m2b);
+        fence_a(f);
+      }
+      sm90::fence_operands(acc0);
+      sm90::fence_operands(acc1);
+      cute::warpgroup_arrive();
+      const uint64_t db = sm90::smem_desc_k<128>(st + k16 * 32);
+      const bool accumulate = kb > 0 || k16 > 0;
+      mxd::wgmma_rs<kBN>(a[k16 & 1][0], db, acc0, accumulate, std::make_index_sequence<kAcc>{});
+      mxd::wgmma_rs<kBN>(a[k16 & 1][1], db, acc1, accumulate, std::make_index_sequence<kAcc>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
+      fence_a(a[k16 & 1][0]);
+      fence_a(a[k16 & 1][1]);
+    }
+    sm90::fence_operands(acc0);
+    sm90::fence_operands(acc1);
+    if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // its last wgmma retired above
+    prev = s;
+  }
+  cute::warpgroup_wait<0>();
+  sm90::fence_operands(acc0);
+  sm90::fence_operands(acc1);
+  const size_t off = size_t(blockIdx.z) * M * N;
+  store_rows<kBN>(acc0, c, off, size_t(N), m0 + r0, n0, q, out_bf16);
+  store_rows<kBN>(acc1, c, off, size_t(N), m0 + r0 + 64, n0, q, out_bf16);
+}
+}  // namespace dual
 
 }  // namespace bf16m
 }  // namespace mxg
