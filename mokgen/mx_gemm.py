@@ -99,9 +99,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
-    if hasattr(lib, "mokgen_mx_bf16_math_ranged_gemm_dual"):  # since v0.42: an older build (an A/B's A) lacks it
-        lib.mokgen_mx_bf16_math_ranged_gemm_dual.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
-        lib.mokgen_mx_bf16_math_ranged_gemm_dual.restype = i
+    if hasattr(lib, "mokgen_mx_bf16_math_ranged_gemm_pingpong"):  # since v0.42: an older build (an A/B's A) lacks it
+        lib.mokgen_mx_bf16_math_ranged_gemm_pingpong.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
+        lib.mokgen_mx_bf16_math_ranged_gemm_pingpong.restype = i
     lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
     return lib
 

@@ -242,7 +242,7 @@ def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monk
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("ranged", ["tiles", "persistent", "dual"])
+@pytest.mark.parametrize("ranged", ["tiles", "persistent", "pingpong"])
 def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     """The weight gradients' launch, each kernel (MOKGEN_MX_RANGED): slice z over its k range has
     the dense bf16-math GEMM's bits on the operands sliced to that range; an empty range gives
@@ -268,13 +268,13 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     assert torch.equal(low, got.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("other", ["persistent", "dual"])
+@pytest.mark.parametrize("other", ["persistent", "pingpong"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_the_other_ranged_gemms_give_the_tile_kernels_bits(out_dtype, other, monkeypatch):
-    """MOKGEN_MX_RANGED=persistent and dual against tiles on a wgrad-shaped launch with more tiles
-    than SMs (persistent: each CTA walks several, its stage counter running on across tiles of
-    different k lengths, empty ranges among them; dual: more k-blocks than its 4 stages, so the
-    ring wraps), and on one with fewer tiles than SMs; the same bits 3 times."""
+    """MOKGEN_MX_RANGED=persistent and pingpong against tiles on a wgrad-shaped launch with more
+    tiles than SMs (each CTA walks several, its stage counter running on across tiles of different
+    k lengths, empty ranges among them; pingpong's two consumer warpgroups taking them in turn),
+    and on one with fewer tiles than SMs; the same bits 3 times."""
     gen = torch.Generator(device="cuda").manual_seed(34)
     for M, N, lengths in ((1024, 1024, [384, 0, 128, 640, 256, 0, 896, 128, 384, 512]), (256, 256, [512, 128])):
         K = sum(lengths)
