@@ -317,6 +317,16 @@ def test_the_ranged_gemm_switch_picks_the_entry(launches, monkeypatch):
     monkeypatch.setenv("MOKGEN_MX_RANGED", "pingpong")
     mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
     assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm_pingpong" and calls[-1][1][1:] == calls[-2][1][1:]
+    # auto: by the ranges' mean length (K / ranges) against mx_gemm.PINGPONG_MEAN_ROWS
+    monkeypatch.setenv("MOKGEN_MX_RANGED", "auto")
+    mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)  # 128 rows a range
+    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm_pingpong"
+    long_k = 2 * mx_gemm.PINGPONG_MEAN_ROWS + 256
+    a2 = torch.zeros(128, long_k, dtype=torch.float8_e4m3fn)
+    sa2 = torch.zeros(long_k // 128, 128, 4, dtype=torch.uint8)
+    b2 = torch.zeros(256, long_k, dtype=torch.bfloat16)
+    mx_gemm.mx_bf16_math_ranged_gemm(a2, sa2, b2, kr)  # 2 ranges over K: above the bound on average
+    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm"
     monkeypatch.setenv("MOKGEN_MX_RANGED", "fast")
-    with pytest.raises(ToolchainError, match="MOKGEN_MX_RANGED must be tiles or persistent or pingpong, got 'fast'"):
+    with pytest.raises(ToolchainError, match="MOKGEN_MX_RANGED must be tiles or persistent or pingpong or auto, got 'fast'"):
         mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
