@@ -47,7 +47,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
     "MOKGEN_MX_QUANT": "v1 (default) or v2: the kernels that quantize MXFP8 weights along their rows or columns (mokgen.mx_gemm.expert_weights, cols_bf16_math): one thread per 32-element block (v0.35), or v2: by rows v0.39's (codes four to a word, no index division), by columns v0.40's 128 x 64 tiles through shared memory. The same bits; measured on the H100 by rows 1.05x slower, by columns 0.95x (docs/perf-notes.md v0.40)",
     "MOKGEN_MX_BWD_STAGES": "fused (default) or torch: the MXFP8 backward's elementwise stages (mokgen.mx_experts: the combine's backward with dy's quantization, SwiGLU's backward with [dg | du]'s quantization, dx's sum over a token's pairs) as v0.40's two fused kernels with dx from the combine kernel (at k = 1 the dgrad GEMM's epilogue), or as PyTorch expressions and separate quantizers (v0.39; measured 1.13-1.31x slower). dy and the codes the same bits; the routing weights' gradient summed in a fixed order of its own, dg, du and h within an ulp or two",
-    "MOKGEN_MX_RANGED": "tiles (default), persistent, pingpong or auto: the MXFP8 weight gradients' k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm) as a CTA per 128 x 256 tile (v0.35), v0.40's persistent kernel (a CTA per SM walking the tiles with its producer filling the next tile's stages during a tile's epilogue), or v0.42's persistent 128 x 128 tiles with ping-pong consumers (a CTA per SM whose two consumer warpgroups take its tiles in turn, so one's MMAs run while the other stores). auto takes pingpong where the ranges are short (K / ranges <= mokgen.mx_gemm.PINGPONG_MEAN_ROWS rows on average), else tiles. The same bits; persistent measured 5% slower on the H100 (docs/perf-notes.md v0.40)",
+    "MOKGEN_MX_RANGED": "tiles (default) or persistent: the MXFP8 weight gradients' k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm) as a CTA per tile (v0.35), or v0.40's persistent kernel, a CTA per SM walking the tiles with its producer filling the next tile's stages during a tile's epilogue. The same bits; persistent measured 5% slower on the H100 (docs/perf-notes.md v0.40)",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -224,7 +224,7 @@ def mx_bwd_stages() -> str:
 
 
 def mx_ranged() -> str:
-    return _choice("MOKGEN_MX_RANGED", ("tiles", "persistent", "pingpong", "auto"))
+    return _choice("MOKGEN_MX_RANGED", ("tiles", "persistent"))
 
 
 def bwd_dx_pairs() -> str:

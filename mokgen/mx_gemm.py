@@ -99,9 +99,6 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.restype = i
-    if hasattr(lib, "mokgen_mx_bf16_math_ranged_gemm_pingpong"):  # since v0.42: an older build (an A/B's A) lacks it
-        lib.mokgen_mx_bf16_math_ranged_gemm_pingpong.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
-        lib.mokgen_mx_bf16_math_ranged_gemm_pingpong.restype = i
     lib.mokgen_mx_segments.argtypes, lib.mokgen_mx_segments.restype = [vp, vp, vp, vp, vp, vp, i, i, i, i, vp], i
     return lib
 
@@ -645,12 +642,6 @@ def cols_bf16_math(x, src=None):
     return out
 
 
-#: MOKGEN_MX_RANGED=auto: k ranges at most this long on average (K / ranges) take the ping-pong
-#: kernel, longer ones the 128 x 256 tiles (docs/perf-notes.md v0.42: kimi-k2.5 local's wgrads,
-#: about 384 rows an expert, against deepseek-v3 local's, about 4160)
-PINGPONG_MEAN_ROWS = 1024
-
-
 def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_dtype=None, check_ranges: bool = False):
     """The weight gradients' GEMM on the bf16-math form: ``C[z] = A[:, r_z] B[:, r_z]^T`` for each
     k range ``r_z = kranges[z]`` (int32 ``[Z, 2]`` of (first k, length), multiples of 128; a zero
@@ -689,12 +680,8 @@ def mx_bf16_math_ranged_gemm(a_codes, a_scales_blocked, b_bf16, kranges, *, out_
                              f"within [0, {K}]")
     N = b_bf16.shape[0]
     c = torch.empty(kranges.shape[0], M, N, dtype=out_dtype, device=a_codes.device)
-    # MOKGEN_MX_RANGED: a CTA per 128 x 256 tile (v0.35), v0.40's persistent walk, or v0.42's
-    # 128 x 128 tiles two CTAs an SM; the same bits
-    ranged = env.mx_ranged()
-    if ranged == "auto":  # no host sync: the mean range length from the shapes
-        ranged = "pingpong" if K <= PINGPONG_MEAN_ROWS * kranges.shape[0] else "tiles"
-    entry = "mokgen_mx_bf16_math_ranged_gemm" + ("" if ranged == "tiles" else "_" + ranged)
+    # MOKGEN_MX_RANGED: a CTA per tile (v0.35), or v0.40's persistent walk; the same bits
+    entry = "mokgen_mx_bf16_math_ranged_gemm" + ("_persistent" if env.mx_ranged() == "persistent" else "")
     _launch(entry, a_codes.device, c.data_ptr(), a_codes.data_ptr(),
             a_scales_blocked.data_ptr(), b_bf16.data_ptr(), kranges.data_ptr(), int(kranges.shape[0]), M, N, K,
             int(out_dtype == torch.bfloat16), what="bf16 math, k ranges")

@@ -266,9 +266,9 @@ def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monk
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("ranged", ["tiles", "persistent", "pingpong"])
+@pytest.mark.parametrize("ranged", ["tiles", "persistent"])
 def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
-    """The weight gradients' launch, each kernel (MOKGEN_MX_RANGED): slice z over its k range has
+    """The weight gradients' launch, both kernels (MOKGEN_MX_RANGED): slice z over its k range has
     the dense bf16-math GEMM's bits on the operands sliced to that range; an empty range gives
     zeros; bf16 output is the float32 output rounded."""
     monkeypatch.setenv("MOKGEN_MX_RANGED", ranged)
@@ -292,13 +292,12 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     assert torch.equal(low, got.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("other", ["persistent", "pingpong"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_the_other_ranged_gemms_give_the_tile_kernels_bits(out_dtype, other, monkeypatch):
-    """MOKGEN_MX_RANGED=persistent and pingpong against tiles on a wgrad-shaped launch with more
-    tiles than SMs (each CTA walks several, its stage counter running on across tiles of different
-    k lengths, empty ranges among them; pingpong's two consumer warpgroups taking them in turn),
-    and on one with fewer tiles than SMs; the same bits 3 times."""
+def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monkeypatch):
+    """MOKGEN_MX_RANGED=persistent (direct stores) against tiles (stores through shared memory) on a
+    wgrad-shaped launch with more tiles than SMs (each CTA walks several, its stage counter running
+    on across tiles of different k lengths, empty ranges among them), and on one with fewer tiles
+    than SMs; the same bits 3 times."""
     gen = torch.Generator(device="cuda").manual_seed(34)
     for M, N, lengths in ((1024, 1024, [384, 0, 128, 640, 256, 0, 896, 128, 384, 512]), (256, 256, [512, 128])):
         K = sum(lengths)
@@ -308,21 +307,21 @@ def test_the_other_ranged_gemms_give_the_tile_kernels_bits(out_dtype, other, mon
         b16 = mx_gemm.bf16_math_weights(b, sb)
         kr = torch.tensor(list(zip(first, lengths)), dtype=torch.int32, device="cuda")
         got = {}
-        for ranged in ("tiles", other):
+        for ranged in ("tiles", "persistent"):
             monkeypatch.setenv("MOKGEN_MX_RANGED", ranged)
             got[ranged] = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=out_dtype)
-        assert torch.equal(got[other], got["tiles"]), (M, N)
+        assert torch.equal(got["persistent"], got["tiles"]), (M, N)
         for z, (f, n) in enumerate(zip(first, lengths)):  # and each slice the dense GEMM over its range
             if n == 0:
-                assert not got[other][z].any()
+                assert not got["persistent"][z].any()
                 continue
             cols, blocks = slice(f, f + n), slice(f // 32, (f + n) // 32)
             want = mx_gemm.mx_bf16_math_gemm(a[:, cols].contiguous(), sa[:, blocks].contiguous(),
                                              b16[:, cols].contiguous())
-            assert torch.equal(got[other][z], want.to(out_dtype)), (M, N, z)
+            assert torch.equal(got["persistent"][z], want.to(out_dtype)), (M, N, z)
         for _ in range(2):
             again = mx_gemm.mx_bf16_math_ranged_gemm(a, mx_gemm.block_scales(sa), b16, kr, out_dtype=out_dtype)
-            assert torch.equal(again, got[other])
+            assert torch.equal(again, got["persistent"])
 
 
 def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):

@@ -28,8 +28,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert any("quantize_rows_kernel" in k for k in kernels) and any("swiglu_quantize_kernel" in k for k in kernels)
     assert any("combine_backward_kernel" in k for k in kernels)
     assert sum("swiglu_backward_kernel" in k for k in kernels) == 2  # with and without the clamp
-    assert any("bf16m13ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent
-    assert any("pp13ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=pingpong
+    assert any("ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(kernels), spills
     assert serialized_wgmma(lib.parent) == []
@@ -39,7 +38,6 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", code), "no 64 x 64 FP8 wgmma (form quad)"
     # the bf16-math form's wgmma: A from registers (BF16), B from shared memory
     assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "no register-A BF16 wgmma"
-    assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "no 128-wide register-A wgmma (pingpong)"
 
 
 def _operands(M=128, N=128, K=128, device="cpu"):
@@ -314,19 +312,6 @@ def test_the_ranged_gemm_switch_picks_the_entry(launches, monkeypatch):
     mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
     # the same arguments but C's pointer (each call allocates its own C)
     assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm_persistent" and calls[-1][1][1:] == calls[-2][1][1:]
-    monkeypatch.setenv("MOKGEN_MX_RANGED", "pingpong")
-    mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
-    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm_pingpong" and calls[-1][1][1:] == calls[-2][1][1:]
-    # auto: by the ranges' mean length (K / ranges) against mx_gemm.PINGPONG_MEAN_ROWS
-    monkeypatch.setenv("MOKGEN_MX_RANGED", "auto")
-    mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)  # 128 rows a range
-    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm_pingpong"
-    long_k = 2 * mx_gemm.PINGPONG_MEAN_ROWS + 256
-    a2 = torch.zeros(128, long_k, dtype=torch.float8_e4m3fn)
-    sa2 = torch.zeros(long_k // 128, 128, 4, dtype=torch.uint8)
-    b2 = torch.zeros(256, long_k, dtype=torch.bfloat16)
-    mx_gemm.mx_bf16_math_ranged_gemm(a2, sa2, b2, kr)  # 2 ranges over K: above the bound on average
-    assert calls[-1][0] == "mokgen_mx_bf16_math_ranged_gemm"
     monkeypatch.setenv("MOKGEN_MX_RANGED", "fast")
-    with pytest.raises(ToolchainError, match="MOKGEN_MX_RANGED must be tiles or persistent or pingpong or auto, got 'fast'"):
+    with pytest.raises(ToolchainError, match="MOKGEN_MX_RANGED must be tiles or persistent, got 'fast'"):
         mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)

@@ -492,15 +492,14 @@ __device__ __forceinline__ void consume_kblock(const unsigned char* stages, uint
 }
 
 // The store epilogue: C (float32, or bf16 when out_bf16) rows row and row + 8 of columns n0 ..
-// n0 + kCols - 1 (a thread's m64nkCols accumulators), rows ldc elements apart, from element off of
-// C (counted in C's own type: a k-ranged slice's offset, applied after the type is chosen).
-template <int kCols>
-__device__ __forceinline__ void store_rows(const float (&acc)[kCols / 2], float* c, size_t off, size_t ldc, int row, int n0,
+// n0 + 255, rows ldc elements apart, from element off of C (counted in C's own type: a k-ranged
+// slice's offset, applied after the type is chosen).
+__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t off, size_t ldc, int row, int n0,
                                            int q, int out_bf16) {
   if (out_bf16) {  // C as bf16 (rounded to nearest even, as PyTorch's .to(bfloat16))
     bf16* cb = reinterpret_cast<bf16*>(c) + off;
 #pragma unroll
-    for (int i = 0; i < kCols / 8; ++i) {
+    for (int i = 0; i < kAcc / 4; ++i) {
       const int col = n0 + 8 * i + 2 * q;
       *reinterpret_cast<__nv_bfloat162*>(cb + size_t(row) * ldc + col) =
           __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
@@ -511,27 +510,22 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kCols / 2], float*
   }
   float* cf = c + off;
 #pragma unroll
-  for (int i = 0; i < kCols / 8; ++i) {
+  for (int i = 0; i < kAcc / 4; ++i) {
     const int col = n0 + 8 * i + 2 * q;
     *reinterpret_cast<float2*>(cf + size_t(row) * ldc + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
     *reinterpret_cast<float2*>(cf + size_t(row + 8) * ldc + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
   }
 }
 
-__device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, size_t off, size_t ldc, int row, int n0,
-                                           int q, int out_bf16) {
-  store_rows<kBN>(acc, c, off, ldc, row, n0, q, out_bf16);
-}
-
 // The store epilogue through shared memory (v0.42; gemm_kernel's kEpiStore): a consumer warpgroup
 // writes its 64 x 256 rows of C into buf (this warpgroup's part of the spent stages, rows padded
 // by 16 bytes so the fragment's writes fall in distinct banks), then each warp stores 16 whole
-// rows with 16-byte lanes: 512 contiguous bytes a warp instruction (two for float32). store_rows
+// rows with 16-byte lanes: 512 contiguous bytes a warp instruction (two for float32). store_tile
 // writes 8 bytes a thread (float32) or 4 (bf16), so a quad's store is 32 or 16 contiguous bytes
 // of a row: the weight gradients' bf16 tiles came out as 16-byte pieces, 8 L2 requests for every
 // 128-byte line, and ncu measured those launches at 76% of L2 throughput with the SMs 33% busy
 // (docs/perf-notes.md v0.42). The same values: only the path to memory differs. Needs C's row
-// stride and base 16-byte aligned (the caller checks; store_rows otherwise).
+// stride and base 16-byte aligned (the caller checks; store_tile otherwise).
 constexpr int kStagedStride32 = kBN * 4 + 16, kStagedStride16 = kBN * 2 + 16;
 static_assert(2 * 64 * kStagedStride32 <= kStages * kStageStride, "both warpgroups' rows fit the spent stages");
 
@@ -725,159 +719,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     store_tile(acc, c, size_t(z) * M * N, size_t(N), mt * kBM + r0, nt * kBN, q, out_bf16);
   }
 }
-
-// The k-ranged GEMM on 128 x 128 tiles with ping-pong consumers (v0.42; MOKGEN_MX_RANGED=pingpong).
-// The weight gradients' k ranges are short (about 384 rows per expert on kimi-k2.5 local: 6
-// k-blocks), so gemm_kernel's 128 x 256 tile spends about as long in its pipeline's fill and its
-// store epilogue as in its MMAs, with the SM's tensor cores idle through both (one CTA an SM).
-// Here one persistent CTA an SM walks the tiles (n tile fastest, then the row tile, then the
-// range, as gemm_kernel's grid), each CTA every gridDim.x-th, and its two consumer warpgroups take
-// its tiles in turn: each owns a whole 128 x 128 tile (two m64n128k16 wgmma a k16 step, rows 0..63
-// and 64..127 against the same B, A decoded in registers as in consume_kblock). The producer's
-// stage counter runs on across tiles, so the ring hands the stages to the two warpgroups in tile
-// order: one warpgroup's mainloop runs while the other stores its tile, and the next tile's
-// stages fill during both. Each output's sum takes the same k16 steps in the same order as
-// gemm_kernel's: the same bits. (v0.42's first form, 128 x 128 tiles as two independent CTAs an
-// SM, measured no faster: the two CTAs ran in step, filling and storing at the same times.)
-namespace pp {
-constexpr int kBN = 128, kStages = 8;
-constexpr int kBBytes = kBN * kBK * 2;  // bf16, 128-byte rows, SWIZZLE_128B
-constexpr int kStageStride = ((kBBytes + kABytes + kScaleBytes) + 1023) / 1024 * 1024;
-constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
-constexpr int kAcc = kBN / 2;  // m64n128: 64 float32 per thread and row half
-constexpr int kThreads = 384;
-static_assert(kSmemBytes <= 227 * 1024, "one CTA an SM");
-
-// Tile i of the walk: (n tile, row tile, range).
-struct Walk {
-  int n_nt, n_mt;
-  __device__ __forceinline__ void at(long long i, int& nt, int& mt, int& z) const {
-    nt = int(i % n_nt);
-    mt = int((i / n_nt) % n_mt);
-    z = int(i / ((long long)n_nt * n_mt));
-  }
-};
-
-__global__ void __launch_bounds__(kThreads, 1)
-    ranged_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                  const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N,
-                  const int2* __restrict__ kranges, int n_ranges, int out_bf16) {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const int tid = threadIdx.x, t = tid & 127;
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const Walk walk{N / kBN, M / kBM};
-  const long long n_tiles = (long long)walk.n_nt * walk.n_mt * n_ranges;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* empty = full + kStages;
-  const uint32_t base = smem_u32(smem);
-  unsigned char* stages = smem + (((base + 2 * kStages * 8 + 1023) & ~1023u) - base);
-  if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      sm90::mbar_init(&full[i], 1);
-      sm90::mbar_init(&empty[i], 1);  // a stage's one consumer warpgroup releases it
-    }
-    sm90::fence_barrier_init();
-  }
-  __syncthreads();
-  if (wg == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (t == 0) {
-      unsigned u = 0;  // the stage counter, run on across tiles
-      for (long long i = blockIdx.x; i < n_tiles; i += gridDim.x) {
-        int nt, mt, z;
-        walk.at(i, nt, mt, z);
-        const int2 kr = kranges[z];
-        const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
-        for (int kb = 0; kb < n_k; ++kb, ++u) {
-          const int s = int(u % kStages);
-          sm90::mbar_wait(&empty[s], ((u / kStages) & 1u) ^ 1u);
-          unsigned char* st = stages + size_t(s) * kStageStride;
-          sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
-          cute::SM90_TMA_LOAD_2D::copy(&map_b, &full[s], 0, st, (kb0 + kb) * kBK, nt * kBN);
-          cute::SM90_TMA_LOAD_2D::copy(&map_a, &full[s], 0, st + kBBytes, (kb0 + kb) * kBK, mt * kBM);
-          bulk::load(st + kBBytes + kABytes, sa + (size_t((kb0 + kb) / 2) * M + mt * kBM) * 4, kScaleBytes,
-                     &full[s]);
-        }
-      }
-    }
-    return;
-  }
-  cutlass::arch::warpgroup_reg_alloc<232>();
-  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
-  const int r0 = 16 * w + g;  // this thread's rows r0, r0 + 8 (half 0) and r0 + 64, r0 + 72 (half 1)
-  float acc0[kAcc], acc1[kAcc];
-  uint32_t a[2][2][4];  // [k16 parity][row half]
-  unsigned u = 0;       // the stage counter at the start of tile j
-  int j = 0;
-  for (long long i = blockIdx.x; i < n_tiles; i += gridDim.x, ++j) {
-    int nt, mt, z;
-    walk.at(i, nt, mt, z);
-    const int2 kr = kranges[z];
-    const int kb0 = kr.x / kBK, n_k = kr.y / kBK;
-    if ((j & 1) != c_wg) {  // the other warpgroup's tile: only its stages counted
-      u += unsigned(n_k);
-      continue;
-    }
-    if (n_k == 0) {
-#pragma unroll
-      for (int e = 0; e < kAcc; ++e) acc0[e] = acc1[e] = 0.f;
-    }
-    int prev = -1;
-    for (int kb = 0; kb < n_k; ++kb, ++u) {
-      const int s = int(u % kStages);
-      sm90::mbar_wait(&full[s], (u / kStages) & 1u);
-      const unsigned char* st = stages + size_t(s) * kStageStride;
-      const unsigned char* at = st + kBBytes;
-      const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
-      const uint32_t w0 = sc[r0], w1 = sc[r0 + 8], w2 = sc[r0 + 64], w3 = sc[r0 + 72];
-#pragma unroll
-      for (int k16 = 0; k16 < kBK / 16; ++k16) {
-        const int blk = 2 * ((kb0 + kb) & 1) + k16 / 2;  // the 32-block of the k128 block's four
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int ra = r0 + 64 * h, rb = ra + 8;
-          uint32_t m1a, m2a, m1b, m2b;
-          multipliers(((h ? w2 : w0) >> (8 * blk)) & 0xffu, m1a, m2a);
-          multipliers(((h ? w3 : w1) >> (8 * blk)) & 0xffu, m1b, m2b);
-          // 64-byte rows, SWIZZLE_64B: chunk c of row r at c ^ (r / 2 % 4)
-          const uint32_t c0 =
-              *reinterpret_cast<const uint32_t*>(at + ra * 64 + ((k16 ^ ((ra >> 1) & 3)) << 4) + 4 * q);
-          const uint32_t c1 =
-              *reinterpret_cast<const uint32_t*>(at + rb * 64 + ((k16 ^ ((rb >> 1) & 3)) << 4) + 4 * q);
-          uint32_t(&f)[4] = a[k16 & 1][h];
-          f[0] = decode2(c0, m1a, m2a);
-          f[1] = decode2(c1, m1b, m2b);
-          f[2] = decode2(c0 >> 16, m1a, m2a);
-          f[3] = decode2(c1 >> 16, m1b, m2b);
-          fence_a(f);
-        }
-        sm90::fence_operands(acc0);
-        sm90::fence_operands(acc1);
-        cute::warpgroup_arrive();
-        const uint64_t db = sm90::smem_desc_k<128>(st + k16 * 32);
-        const bool accumulate = kb > 0 || k16 > 0;
-        mxd::wgmma_rs<kBN>(a[k16 & 1][0], db, acc0, accumulate, std::make_index_sequence<kAcc>{});
-        mxd::wgmma_rs<kBN>(a[k16 & 1][1], db, acc1, accumulate, std::make_index_sequence<kAcc>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
-        fence_a(a[k16 & 1][0]);
-        fence_a(a[k16 & 1][1]);
-      }
-      sm90::fence_operands(acc0);
-      sm90::fence_operands(acc1);
-      if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // its last wgmma retired above
-      prev = s;
-    }
-    cute::warpgroup_wait<0>();
-    sm90::fence_operands(acc0);
-    sm90::fence_operands(acc1);
-    if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // the tile's last stage: all its wgmmas retired
-    const size_t off = size_t(z) * M * N;
-    store_rows<kBN>(acc0, c, off, size_t(N), mt * kBM + r0, nt * kBN, q, out_bf16);
-    store_rows<kBN>(acc1, c, off, size_t(N), mt * kBM + r0 + 64, nt * kBN, q, out_bf16);
-  }
-}
-}  // namespace pp
 
 }  // namespace bf16m
 }  // namespace mxg
