@@ -5,13 +5,16 @@ print(mx_gemm.build_library())"`), B = this tree's build. The same Python wrappe
 entries' signatures must match). On the bench's local workload of each named spec:
   combine    mx_gemm.combine_backward (dy, its codes along H, d w) on the padded rows
   swiglu     mx_gemm.swiglu_backward (dg, du, h, [dg | du]'s codes)
+  swiglu_q   mx_gemm.swiglu_quantize (the forward's h codes and scales from [g | u])
+  wgrad      one weight gradient's k-ranged GEMM (dW_down's shape: A dy's codes along the rows, B h's
+             bf16 values, each expert's padded rows its k range, bf16 out)
   columns    the weights' quantizers by columns (down^T, [gate; up]^T) under MOKGEN_MX_QUANT=v2
   step       the staged MXFP8 training step (experts_forward_train fwd+bwd, the fused stages)
 Each case: A's and B's outputs compared (bit for bit, or the relative Frobenius difference where
 the order of a sum changed), then ABBA blocks of 5 timed calls (median per block), the mean of
 B / A with its min and max, and GB/s of the kernels' own bytes. With --once, each case's call
 once under A then once under B and nothing timed (for a profiler: ncu -k regex:NAME).
-Usage: python3 .ci/mx_lib_ab.py --old PATH [--cases combine,swiglu,columns,step] [--once] [SPEC ...]"""
+Usage: python3 .ci/mx_lib_ab.py --old PATH [--cases combine,swiglu,swiglu_q,wgrad,columns,step] [--once] [SPEC ...]"""
 import argparse
 import ctypes
 import os
@@ -50,10 +53,18 @@ def problems(name: str) -> dict:
                     2 * T * H + 4 * rows * H * 2 + rows * H + rows * H // 32 + 4 * rows, {3}),
         "swiglu": (lambda: mx_gemm.swiglu_backward(gu, dh, clamp),
                    4 * rows * I * 3 + 4 * rows * I * 3 + rows * 2 * I + rows * 2 * I // 32, set()),
+        "swiglu_q": (lambda: mx_gemm.swiglu_quantize(gu, clamp),
+                     rows * 2 * I * 4 + rows * I + rows * I // 32, set()),
         "columns": (lambda: (mx_gemm.expert_weights([wd], transpose=True),
                              mx_gemm.expert_weights([wg, wu], transpose=True)),
                     2 * 2 * (wg.numel() + wu.numel() + wd.numel()), set()),
     }
+    padded = (counts + 127) // 128 * 128
+    kr = torch.stack([torch.cumsum(padded, 0) - padded, padded], 1).to(torch.int32).to(dev)
+    wa, wab = mx_gemm.quantize_cols_blocked(y)
+    wb = mx_gemm.cols_bf16_math(dh)
+    cases["wgrad"] = (lambda: mx_gemm.mx_bf16_math_ranged_gemm(wa, wab, wb, kr, out_dtype=torch.bfloat16),
+                      len(counts) * H * I * 2 + H * rows + I * rows * 2, set())
     cases["step"] = (staged_step(name)[1], 0, {0, 1, 2, 3, 4})
     return spec, cases
 

@@ -4,7 +4,9 @@ bench's local workload of each named spec, under torch.profiler after two warm-u
 the step's GPU time and the kernels by total GPU time (name, calls, total ms, share), and the
 same for the MXFP8 megakernel layer under autograd (its backward recomputes the staged forward).
 v0.37 measured kimi-k2.5's step at 27.2 ms, of which 6.8 ms went to the weights' quantizations;
-this says where the other 20 go. Usage: python3 .ci/mx_train_profile.py [SPEC ...] (default kimi-k2.5)."""
+this says where the other 20 go. With --launches, also each MX GEMM launch of the step in the
+order it ran, with its GPU time (v0.41: which of the step's GEMMs is slow, by launch).
+Usage: python3 .ci/mx_train_profile.py [--launches] [SPEC ...] (default kimi-k2.5)."""
 import os
 import sys
 from collections import defaultdict
@@ -57,9 +59,16 @@ def kernel_table(step, label: str) -> None:
                                     for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])), flush=True)
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:TOP]:
         print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}% x{calls[name]:<4d} {name[:150]}")
+    if LAUNCHES:
+        gemms = sorted((ev.time_range.start, ev.device_time_total / 1e3, ev.name) for ev in prof.events()
+                       if ev.device_type == torch.autograd.DeviceType.CUDA and kind(ev.name) == "MX GEMMs")
+        print(f"  the MX GEMM launches in the order they ran ({len(gemms)}):")
+        for i, (_, ms, name) in enumerate(gemms):
+            print(f"    {i:2d} {ms:8.3f} ms {name[:120]}")
 
 
-for name in sys.argv[1:] or ["kimi-k2.5"]:
+LAUNCHES = "--launches" in sys.argv[1:]
+for name in [a for a in sys.argv[1:] if a != "--launches"] or ["kimi-k2.5"]:
     spec, staged, (x, ids, w, d_out, wg, wu, wd) = staged_step(name)
     tokens = x.shape[0]
     kernel_table(staged, f"{spec.name} staged MXFP8 fwd+bwd")

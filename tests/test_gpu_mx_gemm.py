@@ -143,6 +143,30 @@ def test_bf16_math_grouped_gemm_equals_the_dense_form_per_expert():
         start += rows
 
 
+@pytest.mark.parametrize("pad, first", [(8, 4), (2, 0), (4, 2)])
+def test_grouped_gemm_into_a_column_block_of_a_wider_matrix(pad, first):
+    """``out=`` a float32 view [M, N] of a wider matrix (row stride N + pad, from column first): the
+    bits of the plain call in the view, nothing written outside it. pad 8 from column 4 keeps C's
+    rows and base 16-byte aligned (the epilogue's whole-row stores through shared memory); pad 2
+    (rows 8 bytes off) and column 2 (base 8 bytes off) take the per-fragment stores."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    E, N, K = 2, 256, 256
+    padded = [128, 256]
+    a, sa = mx.quantize(_blocks(sum(padded), K, gen, 8), dim=-1)
+    b, sb = mx.quantize(torch.stack([_blocks(N, K, gen, 8) for _ in range(E)]), dim=-1)
+    b16 = torch.stack([mx_gemm.bf16_math_weights(b[e], sb[e]) for e in range(E)])
+    tiles, _ = mx_gemm.row_tiles(padded, "cuda")
+    want = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), b16, tiles)
+    wide = torch.full((sum(padded), N + pad), 7.0, device="cuda")
+    view = wide[:, first:first + N]
+    got = mx_gemm.mx_bf16_math_grouped_gemm(a, mx_gemm.block_scales(sa), b16, tiles, out=view)
+    assert got.data_ptr() == view.data_ptr()
+    assert torch.equal(view, want)
+    rest = torch.ones_like(wide, dtype=torch.bool)
+    rest[:, first:first + N] = False
+    assert (wide[rest] == 7.0).all()
+
+
 @pytest.mark.parametrize("quant", ["v1", "v2"])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_expert_weights_are_the_quantizer_s_values_codes_and_scales(transpose, quant, monkeypatch):
@@ -270,9 +294,10 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monkeypatch):
-    """MOKGEN_MX_RANGED=persistent against tiles on a wgrad-shaped launch with more tiles than SMs
-    (each CTA walks several, its stage counter running on across tiles of different k lengths,
-    empty ranges among them), and on one with fewer tiles than SMs; the same bits 3 times."""
+    """MOKGEN_MX_RANGED=persistent (direct stores) against tiles (stores through shared memory) on a
+    wgrad-shaped launch with more tiles than SMs (each CTA walks several, its stage counter running
+    on across tiles of different k lengths, empty ranges among them), and on one with fewer tiles
+    than SMs; the same bits 3 times."""
     gen = torch.Generator(device="cuda").manual_seed(34)
     for M, N, lengths in ((1024, 1024, [384, 0, 128, 640, 256, 0, 896, 128, 384, 512]), (256, 256, [512, 128])):
         K = sum(lengths)

@@ -517,6 +517,63 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kAcc], float* c, s
   }
 }
 
+// The store epilogue through shared memory (v0.42; gemm_kernel's kEpiStore): a consumer warpgroup
+// writes its 64 x 256 rows of C into buf (this warpgroup's part of the spent stages, rows padded
+// by 16 bytes so the fragment's writes fall in distinct banks), then each warp stores 16 whole
+// rows with 16-byte lanes: 512 contiguous bytes a warp instruction (two for float32). store_tile
+// writes 8 bytes a thread (float32) or 4 (bf16), so a quad's store is 32 or 16 contiguous bytes
+// of a row: the weight gradients' bf16 tiles came out as 16-byte pieces, 8 L2 requests for every
+// 128-byte line, and ncu measured those launches at 76% of L2 throughput with the SMs 33% busy
+// (docs/perf-notes.md v0.42). The same values: only the path to memory differs. Needs C's row
+// stride and base 16-byte aligned (the caller checks; store_tile otherwise).
+constexpr int kStagedStride32 = kBN * 4 + 16, kStagedStride16 = kBN * 2 + 16;
+static_assert(2 * 64 * kStagedStride32 <= kStages * kStageStride, "both warpgroups' rows fit the spent stages");
+
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[kAcc], unsigned char* buf, float* c, size_t off,
+                                                  size_t ldc, int m_first, int n0, int c_wg, int w, int g, int q,
+                                                  int lane, int out_bf16) {
+  const int rl = 16 * w + g;  // this thread's rows rl and rl + 8 of the warpgroup's 64
+  if (out_bf16) {
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const int col = 8 * i + 2 * q;
+      *reinterpret_cast<__nv_bfloat162*>(buf + rl * kStagedStride16 + 2 * col) =
+          __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(buf + (rl + 8) * kStagedStride16 + 2 * col) =
+          __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const int col = 8 * i + 2 * q;
+      *reinterpret_cast<float2*>(buf + rl * kStagedStride32 + 4 * col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      *reinterpret_cast<float2*>(buf + (rl + 8) * kStagedStride32 + 4 * col) =
+          make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + c_wg) : "memory");  // the warpgroup's rows all in buf
+  if (out_bf16) {
+    bf16* cb = reinterpret_cast<bf16*>(c) + off;
+#pragma unroll 4
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = 16 * w + rr;
+      const uint4 v = *reinterpret_cast<const uint4*>(buf + r * kStagedStride16 + 16 * lane);
+      *reinterpret_cast<uint4*>(cb + size_t(m_first + r) * ldc + n0 + 8 * lane) = v;
+    }
+  } else {
+    float* cf = c + off;
+#pragma unroll 4
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = 16 * w + rr;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = *reinterpret_cast<const uint4*>(buf + r * kStagedStride32 + 512 * h + 16 * lane);
+        *reinterpret_cast<uint4*>(cf + size_t(m_first + r) * ldc + n0 + 128 * h + 4 * lane) = v;
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ void init_pipe(unsigned char* smem, uint64_t*& full, uint64_t*& empty,
                                           unsigned char*& stages) {
   full = reinterpret_cast<uint64_t*>(smem);
@@ -597,7 +654,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  store_tile(acc, c, z_off, ldc, row, n0, q, out_bf16);
+  // whole rows through the spent stages where C's rows and base are 16-byte aligned; both
+  // consumer warpgroups' wgmma have retired (barrier 1) before either overwrites a stage
+  const bool aligned = (ldc * (out_bf16 ? 2 : 4)) % 16 == 0 && (reinterpret_cast<uintptr_t>(c) & 15) == 0;
+  if (!aligned) {
+    store_tile(acc, c, z_off, ldc, row, n0, q, out_bf16);
+    return;
+  }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  unsigned char* buf = stages + size_t(c_wg) * 64 * (out_bf16 ? kStagedStride16 : kStagedStride32);
+  store_tile_staged(acc, buf, c, z_off, ldc, m0 + 64 * c_wg, n0, c_wg, w, g, q, lane, out_bf16);
 }
 
 // The k-ranged GEMM (the weight gradients) persistent (v0.40): gridDim.x CTAs walk the tiles

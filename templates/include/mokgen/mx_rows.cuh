@@ -53,31 +53,6 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, const int* __re
   store_block(q, scale, codes, scales, r, b, rows, h);
 }
 
-// h = swiglu(gate, up) of the float32 gate | up rows gu [rows, 2 I] (common.cuh's swiglu, the
-// megakernel's), quantized along I.
-template <bool kHasClamp>
-__global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, int inter, float limit,
-                                       uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
-  const int nb = inter / mx::kBlock;
-  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (idx >= (long long)rows * nb) return;
-  const int r = int(idx / nb), b = int(idx % nb);
-  const float4* g = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + b * mx::kBlock);
-  const float4* u = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter + b * mx::kBlock);
-  float v[mx::kBlock];
-#pragma unroll
-  for (int i = 0; i < mx::kBlock / 4; ++i) {
-    const float4 gv = g[i], uv = u[i];
-    v[4 * i] = swiglu<kHasClamp>(gv.x, uv.x, limit);
-    v[4 * i + 1] = swiglu<kHasClamp>(gv.y, uv.y, limit);
-    v[4 * i + 2] = swiglu<kHasClamp>(gv.z, uv.z, limit);
-    v[4 * i + 3] = swiglu<kHasClamp>(gv.w, uv.w, limit);
-  }
-  uint8_t q[mx::kBlock];
-  const uint8_t scale = mx::quantize_block_hw(v, q);
-  store_block(q, scale, codes, scales, r, b, rows, inter);
-}
-
 // out[t] = sum_j w[t, j] * y[row[t k + j]] in float32 in the order j = 0..k-1, each product and
 // sum rounded on its own (no FMA: the same bits as the PyTorch expression w0 * y0 + w1 * y1 ...),
 // then bf16. One thread per (token, 4 columns).
@@ -194,6 +169,28 @@ MOKGEN_DEVICE uint8_t quantize_block_lanes(const float (&v)[4], uint32_t& codes4
   const int s = block_scale_exponent(amax, inv);
   codes4 = e4m3x4(v[0], v[1], v[2], v[3], inv);
   return uint8_t(s + 127);
+}
+
+// h = swiglu(gate, up) of the float32 gate | up rows gu [rows, 2 I] (common.cuh's swiglu, the
+// megakernel's), quantized along I. A thread per 4 consecutive elements of a row, 8 lanes a
+// 32-block (v0.41, as the backward's kernels: v0.40's thread per block ran at about 2 TB/s on the
+// H100). I a multiple of 128, so a warp's 32 threads lie in one row.
+template <bool kHasClamp>
+__global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, int inter, float limit,
+                                       uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+  const int per_row = inter / 4;
+  const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
+  const int r = int(idx / per_row), q = int(idx % per_row);
+  const float4 g4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter)[q];
+  const float4 u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
+  const float v[4] = {swiglu<kHasClamp>(g4.x, u4.x, limit), swiglu<kHasClamp>(g4.y, u4.y, limit),
+                      swiglu<kHasClamp>(g4.z, u4.z, limit), swiglu<kHasClamp>(g4.w, u4.w, limit)};
+  uint32_t c4;
+  const uint8_t scale = quantize_block_lanes(v, c4);
+  reinterpret_cast<uint32_t*>(codes + size_t(r) * inter)[q] = c4;
+  const int b = q / 8;  // the 32-block along I
+  if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
 }
 
 // The combine's backward, one CTA per padded row r (pair p = pair[r], -1 for a padding row):
