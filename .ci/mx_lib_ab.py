@@ -31,12 +31,14 @@ def key():
     return tuple(os.environ.get(k) for k in ("MOKGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))
 
 
-def problems(name: str) -> dict:
-    """case -> (fn, bytes moved by the kernels, output names whose sums may be reordered)"""
+def problems(name: str, wanted) -> dict:
+    """case -> (fn, bytes moved by the kernels, output names whose sums may be reordered); the
+    wgrad and step cases' operands are built only where wanted"""
     spec, gen, counts, _, _ = bench.local_expert_rows(name, bench.LOCAL_EP.get(name, 8))
     tokens = bench.local_spec(load_spec(name), bench.LOCAL_EP.get(name, 8))[1]
     T, k, H, I = tokens, spec.top_k, spec.hidden_size, spec.moe_intermediate_size
-    rows = int(((counts + 127) // 128 * 128).sum())  # the padded rows, as mx_experts lays them out
+    padded = (counts + 127) // 128 * 128  # each expert's rows padded, as mx_experts lays them out
+    rows = int(padded.sum())
     dev = "cuda"
     at = torch.randperm(rows, generator=gen, device=dev)[: T * k].sort().values
     pair = torch.full((rows,), -1, dtype=torch.int32, device=dev)
@@ -59,13 +61,14 @@ def problems(name: str) -> dict:
                              mx_gemm.expert_weights([wg, wu], transpose=True)),
                     2 * 2 * (wg.numel() + wu.numel() + wd.numel()), set()),
     }
-    padded = (counts + 127) // 128 * 128
-    kr = torch.stack([torch.cumsum(padded, 0) - padded, padded], 1).to(torch.int32).to(dev)
-    wa, wab = mx_gemm.quantize_cols_blocked(y)
-    wb = mx_gemm.cols_bf16_math(dh)
-    cases["wgrad"] = (lambda: mx_gemm.mx_bf16_math_ranged_gemm(wa, wab, wb, kr, out_dtype=torch.bfloat16),
-                      len(counts) * H * I * 2 + H * rows + I * rows * 2, set())
-    cases["step"] = (staged_step(name)[1], 0, {0, 1, 2, 3, 4})
+    if "wgrad" in wanted:
+        kr = torch.stack([torch.cumsum(padded, 0) - padded, padded], 1).to(torch.int32).to(dev)
+        wa, wab = mx_gemm.quantize_cols_blocked(y)
+        wb = mx_gemm.cols_bf16_math(dh)
+        cases["wgrad"] = (lambda: mx_gemm.mx_bf16_math_ranged_gemm(wa, wab, wb, kr, out_dtype=torch.bfloat16),
+                          len(counts) * H * I * 2 + H * rows + I * rows * 2, set())
+    if "step" in wanted:
+        cases["step"] = (staged_step(name)[1], 0, {0, 1, 2, 3, 4})
     return spec, cases
 
 
@@ -89,8 +92,9 @@ def main() -> None:
         mx_gemm._by_env[key()] = libs[side]
 
     for name in args.specs:
-        spec, cases = problems(name)
-        for case in args.cases.split(","):
+        wanted = args.cases.split(",")
+        spec, cases = problems(name, wanted)
+        for case in wanted:
             fn, nbytes, reordered = cases[case]
             outs = {}
             for side in ("A", "B", "B"):

@@ -171,6 +171,23 @@ MOKGEN_DEVICE uint8_t quantize_block_lanes(const float (&v)[4], uint32_t& codes4
   return uint8_t(s + 127);
 }
 
+// quantize_block_lanes of the lane's 4 elements 4 q .. 4 q + 3 of row r, stored: the codes as word
+// q of codes_row, the block's scale (block b of the row) by the block's first lane into the blocked
+// scales [n / 128, rows, 4]. All 32 lanes of the warp must call it.
+MOKGEN_DEVICE void quantize_store_lanes(const float (&v)[4], uint8_t* codes_row, int q, uint8_t* scales, int rows,
+                                        int r, int b) {
+  uint32_t c4;
+  const uint8_t scale = quantize_block_lanes(v, c4);
+  reinterpret_cast<uint32_t*>(codes_row)[q] = c4;
+  if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
+}
+
+// Row r's gate and up elements 4 q .. 4 q + 3 of the float32 gate | up rows gu [rows, 2 I].
+MOKGEN_DEVICE void load_gate_up4(const float* gu, int r, int q, int inter, float4& g4, float4& u4) {
+  g4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter)[q];
+  u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
+}
+
 // h = swiglu(gate, up) of the float32 gate | up rows gu [rows, 2 I] (common.cuh's swiglu, the
 // megakernel's), quantized along I. A thread per 4 consecutive elements of a row, 8 lanes a
 // 32-block (v0.41, as the backward's kernels: v0.40's thread per block ran at about 2 TB/s on the
@@ -182,15 +199,11 @@ __global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, i
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
   const int r = int(idx / per_row), q = int(idx % per_row);
-  const float4 g4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter)[q];
-  const float4 u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
+  float4 g4, u4;
+  load_gate_up4(gu, r, q, inter, g4, u4);
   const float v[4] = {swiglu<kHasClamp>(g4.x, u4.x, limit), swiglu<kHasClamp>(g4.y, u4.y, limit),
                       swiglu<kHasClamp>(g4.z, u4.z, limit), swiglu<kHasClamp>(g4.w, u4.w, limit)};
-  uint32_t c4;
-  const uint8_t scale = quantize_block_lanes(v, c4);
-  reinterpret_cast<uint32_t*>(codes + size_t(r) * inter)[q] = c4;
-  const int b = q / 8;  // the 32-block along I
-  if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
+  quantize_store_lanes(v, codes + size_t(r) * inter, q, scales, rows, r, q / 8);  // block q / 8 along I
 }
 
 // The combine's backward, one CTA per padded row r (pair p = pair[r], -1 for a padding row):
@@ -263,8 +276,8 @@ __global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
   const int r = int(idx / per_row), q = int(idx % per_row);
-  const float4 g4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter)[q];
-  const float4 u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
+  float4 g4, u4;
+  load_gate_up4(gu, r, q, inter, g4, u4);
   const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
   const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
   float vh[4], vg[4], vu[4];
@@ -280,14 +293,8 @@ __global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float
   reinterpret_cast<float4*>(dg + at)[q] = make_float4(vg[0], vg[1], vg[2], vg[3]);
   reinterpret_cast<float4*>(du + at)[q] = make_float4(vu[0], vu[1], vu[2], vu[3]);
   const int b = q / 8, nb = inter / mx::kBlock;  // the 32-block of dg (of du: nb + b along 2 I)
-  uint32_t c4;
-  uint8_t scale = quantize_block_lanes(vg, c4);
-  reinterpret_cast<uint32_t*>(codes + size_t(r) * 2 * inter)[q] = c4;
-  if ((q & 7) == 0) scales[(size_t(b >> 2) * rows + r) * 4 + (b & 3)] = scale;
-  scale = quantize_block_lanes(vu, c4);
-  reinterpret_cast<uint32_t*>(codes + size_t(r) * 2 * inter + inter)[q] = c4;
-  const int bu = nb + b;
-  if ((q & 7) == 0) scales[(size_t(bu >> 2) * rows + r) * 4 + (bu & 3)] = scale;
+  quantize_store_lanes(vg, codes + size_t(r) * 2 * inter, q, scales, rows, r, b);
+  quantize_store_lanes(vu, codes + size_t(r) * 2 * inter + inter, q, scales, rows, r, nb + b);
 }
 
 // ---- the expert weights for the bf16-math GEMM (mx_gemm.expert_weights, cols_bf16_math) ---------
