@@ -7,7 +7,8 @@ and max. With --wgrad, also the step's three weight-gradient launches alone (the
 the step's own segments), A against B likewise.
 Usage: python3 .ci/mx_step_ab.py [--switch NAME A B] [--wgrad] [SPEC ...]
 (default: MOKGEN_MX_BWD_STAGES torch fused, kimi-k2.5). v0.40's: MOKGEN_MX_BWD_STAGES torch fused;
-MOKGEN_MX_RANGED tiles persistent --wgrad."""
+MOKGEN_MX_RANGED tiles persistent --wgrad; v0.43's: MOKGEN_MX_WEIGHTS apart both. Each side's peak
+memory over one step is printed before the timing."""
 import argparse
 import os
 
@@ -37,6 +38,17 @@ def ab(spec_name: str, name: str, a: str, b: str, wgrad: bool) -> None:
                       for n, u, v in zip(("x", "w", "w_gate", "w_up", "w_down"), grads[b], grads[a]))
     print(f"{spec.name}: {b} against {a}, relative difference: {diffs}", flush=True)
     del grads
+    for value in (a, b):  # each side's peak memory over one step, from the same baseline
+        use(value)
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        print(f"{spec.name}: {name}={value} peak memory {peak / 2**30:.2f} GiB ({(peak - base) / 2**30:.2f} GiB above "
+              f"the {base / 2**30:.2f} GiB held between steps)", flush=True)
     r = abba(step, use, a, b, BLOCKS)
     print(f"{spec.name} staged MXFP8 fwd+bwd: {a} {r[0]:.3f} ms, {b} {r[1]:.3f} ms, {b} / {a} {r[2]:.4f} "
           f"[{r[3]:.4f}, {r[4]:.4f}] over {BLOCKS} blocks", flush=True)

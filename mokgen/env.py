@@ -45,7 +45,8 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_FUSED": "1: the save policy's experts backward (dh, SwiGLU's backward, dx and the three weight gradients) as one persistent launch (bwd_gemm.fused_backward, v0.23) instead of five; 0 (default): the separate launches. The same bits. Reads a gathered copy of dOut's rows (MOKGEN_BWD_DOUT does not apply)",
     "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
     "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
-    "MOKGEN_MX_QUANT": "v1 (default) or v2: the kernels that quantize MXFP8 weights along their rows or columns (mokgen.mx_gemm.expert_weights, cols_bf16_math): one thread per 32-element block (v0.35), or v2: by rows v0.39's (codes four to a word, no index division), by columns v0.40's 128 x 64 tiles through shared memory. The same bits; measured on the H100 by rows 1.05x slower, by columns 0.95x (docs/perf-notes.md v0.40)",
+    "MOKGEN_MX_WEIGHTS": "apart (default) or both: a staged MXFP8 training step (mokgen.mx_experts.experts_forward_train, bf16-math form) quantizes its weights in the forward's orientation in the forward and transposed in the backward, a kernel each, or both orientations in the forward from one read of the weights (mx_gemm.expert_weights_both, v0.43), the transposed copies held until the backward (the weights' bf16 size more memory between forward and backward). The same bits",
+    "MOKGEN_MX_QUANT": "v2 (default since v0.41) or v1: the kernel that quantizes MXFP8 weights and activations along their rows, transposed (mokgen.mx_gemm.expert_weights with transpose, cols_bf16_math): v2 v0.40's 128 x 64 tiles through shared memory, v1 one thread per 32-element block (v0.35). The same bits; v2 measured faster (README, docs/perf-notes.md v0.40-v0.41). (The quantizer along the rows, weight_rows_kernel, is one kernel: v0.39's alternative was retired in v0.41)",
     "MOKGEN_MX_BWD_STAGES": "fused (default) or torch: the MXFP8 backward's elementwise stages (mokgen.mx_experts: the combine's backward with dy's quantization, SwiGLU's backward with [dg | du]'s quantization, dx's sum over a token's pairs) as v0.40's two fused kernels with dx from the combine kernel (at k = 1 the dgrad GEMM's epilogue), or as PyTorch expressions and separate quantizers (v0.39; measured 1.13-1.31x slower). dy and the codes the same bits; the routing weights' gradient summed in a fixed order of its own, dg, du and h within an ulp or two",
     "MOKGEN_MX_RANGED": "tiles (default) or persistent: the MXFP8 weight gradients' k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm) as a CTA per tile (v0.35), or v0.40's persistent kernel, a CTA per SM walking the tiles with its producer filling the next tile's stages during a tile's epilogue. The same bits; persistent measured 5% slower on the H100 (docs/perf-notes.md v0.40)",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
@@ -217,6 +218,14 @@ def mx_quant() -> str:
     """MOKGEN_MX_QUANT: ``v2`` (default since v0.41, the column tiles) or ``v1`` (a thread per
     32-element block) for the MXFP8 column quantizer (mx_gemm._cols_entry); the same bits."""
     return _choice("MOKGEN_MX_QUANT", ("v2", "v1"))
+
+
+def mx_weights() -> str:
+    """MOKGEN_MX_WEIGHTS: ``apart`` (default) or ``both`` (v0.43): the staged MXFP8 training step's
+    weights quantized in each orientation by a kernel of its own (the forward's along their rows,
+    the backward's transposed), or both from one read in the forward, the transposed copies kept
+    for the backward (mokgen.mx_experts)."""
+    return _choice("MOKGEN_MX_WEIGHTS", ("apart", "both"))
 
 
 def mx_bwd_stages() -> str:

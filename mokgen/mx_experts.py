@@ -294,6 +294,8 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
 # a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
 # training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
+# Under MOKGEN_MX_WEIGHTS=both (v0.43) the forward quantizes each weight in both orientations from
+# one read (mx_gemm.expert_weights_both) and keeps the transposed values for the backward.
 # The elementwise stages: fused (MOKGEN_MX_BWD_STAGES=fused, the default since v0.40, measured
 # 0.764-0.887x the step): mx_gemm.combine_backward (dy, its codes along H and d w in one pass) and
 # mx_gemm.swiglu_backward (dg, du, h and [dg | du]'s codes along 2 I in one pass), dx the combine
@@ -331,6 +333,16 @@ def _transposed_weights(parts, form: str, n: int):
     return _decoded_stack(codes, scales), codes, mx_gemm.block_expert_scales(scales)
 
 
+def _both(form: str, I: int, H: int, *weights: torch.Tensor) -> bool:
+    """Whether the forward quantizes the weights in both orientations (MOKGEN_MX_WEIGHTS=both): the
+    bf16-math form throughout (no codes in either orientation) and weights that
+    mx_gemm.expert_weights_both takes."""
+    if env.mx_weights() != "both" or _needs_codes(form, 2 * I, H) or _needs_codes(form, I):
+        return False
+    w_gate, w_up, w_down = (w.detach() for w in weights)
+    return mx_gemm.both_applies([w_gate, w_up]) and mx_gemm.both_applies([w_down])
+
+
 def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor | None, padded: torch.Tensor,
                          out_dtype: torch.dtype, b_bf16: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_weight_grads` on the bf16-math form in one launch and no host sync: ``out[e] =
@@ -358,6 +370,7 @@ class _MXExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted=None):
         E, I, H = w_gate.shape
+        transposed = None  # the dgrads' weights (W_down^T, [W_gate; W_up]^T) when quantized here
         if converted is not None and not _needs_codes(form, I, H):
             # the weights' MX values as a caller already holds them (the MXFP8 layer's conversions,
             # mokgen.ep), gate and up apart (two GEMMs into gu's halves): the same bits
@@ -367,17 +380,26 @@ class _MXExperts(torch.autograd.Function):
             # I not a multiple of 256 (the bf16-math tile's N): gate | up stacked by one copy
             cg, cu, cd = converted
             weights = MXExpertWeights(None, None, None, None, torch.cat([cg, cu], dim=1), cd, False)
+        elif any(ctx.needs_input_grad) and _both(form, I, H, w_gate, w_up, w_down):
+            # MOKGEN_MX_WEIGHTS=both: each weight read once for both orientations, the backward's
+            # (transposed) kept on ctx until it runs; the same bits as quantizing them apart
+            gu, gu_t = mx_gemm.expert_weights_both([w_gate.detach(), w_up.detach()])
+            dn, dn_t = mx_gemm.expert_weights_both([w_down.detach()])
+            weights = MXExpertWeights(None, None, None, None, gu, dn, False)
+            transposed = ((dn_t, None, None), (gu_t, None, None))
         else:
             weights = quantize_weights(w_gate, w_up, w_down, codes=_needs_codes(form, 2 * I, H), interleave=False)
         out, saved = _forward(x, topk_ids, topk_weights, weights, clamp_limit, form, keep_gu=True)
         ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, saved.row, saved.tiles, saved.gu, saved.y)
         ctx.padded, ctx.clamp_limit, ctx.form = saved.padded, clamp_limit, form
+        ctx.transposed = transposed
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         x, w, w_gate, w_up, w_down, row, tiles, gu, y = ctx.saved_tensors
         padded, clamp_limit, form = ctx.padded, ctx.clamp_limit, ctx.form
+        transposed, ctx.transposed = ctx.transposed, None  # dropped with this frame's last use
         T, k = w.shape
         E, I, H = w_gate.shape
         rows = gu.shape[0]
@@ -396,7 +418,7 @@ class _MXExperts(torch.autograd.Function):
             dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
             dyq, dys = mx_gemm.quantize_f32_rows(dy)
         # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
-        wd_t = _transposed_weights([w_down], form, I)
+        wd_t = _transposed_weights([w_down], form, I) if transposed is None else transposed[0]
         dh = _grouped(dyq, dys, *wd_t, tiles, form)
         # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
         # quantized along 2 I for the dgrad below
@@ -412,7 +434,8 @@ class _MXExperts(torch.autograd.Function):
         # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
         # then dx[t] = sum_j dx_rows[t, j]: fused, in the order j = 0..k-1 and rounded once to bf16
         # by the combine kernel with unit weights (at k = 1 the GEMM's epilogue writes it)
-        wgu_t = _transposed_weights([w_gate, w_up], form, H)
+        wgu_t = _transposed_weights([w_gate, w_up], form, H) if transposed is None else transposed[1]
+        transposed = None
         if fused and k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
             dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair,
                                                     torch.ones(T, dtype=torch.float32, device=x.device))

@@ -95,6 +95,8 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_weight_cols2.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]  # MOKGEN_MX_QUANT=v2
     lib.mokgen_mx_weight_cols2.restype = i
     lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
+    if hasattr(lib, "mokgen_mx_weight_both"):  # v0.43 (MOKGEN_MX_WEIGHTS=both); older builds for A/Bs lack it
+        lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
     lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
     lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
@@ -606,6 +608,48 @@ def expert_weights(parts, *, transpose: bool = False, codes: bool = False, inter
                     p.data_ptr(), E, size, K, N, offset, int(interleave))
         offset += size
     return (dec, cod, sc) if codes else dec
+
+
+def both_applies(parts) -> bool:
+    """Whether :func:`expert_weights_both` takes ``parts`` (as :func:`expert_weights` does: contiguous
+    bf16 ``[E, n_i, K]`` on one GPU, alike in E and K): each part's rows a multiple of 32 summing
+    to a multiple of 128, K a multiple of 128, 16-byte aligned data and the column tiles' grid
+    (at most 65535 experts and 65535 tiles of 128 rows)."""
+    import torch
+
+    parts = list(parts)
+    first = parts[0]
+    if not first.is_cuda or any(p.dtype != torch.bfloat16 or p.dim() != 3 or not p.is_contiguous()
+                                or p.device != first.device or p.shape[0] != first.shape[0]
+                                or p.shape[2] != first.shape[2] or p.data_ptr() % 16 for p in parts):
+        return False
+    sizes = [p.shape[1] for p in parts]
+    return (first.shape[0] <= _GRID_MAX and first.shape[2] % BLOCK == 0 and sum(sizes) % BLOCK == 0
+            and all(r % 32 == 0 and -(-r // 128) <= _GRID_MAX for r in sizes))
+
+
+def expert_weights_both(parts):
+    """``(expert_weights(parts), expert_weights(parts, transpose=True))`` from one read of the
+    weights (``mokgen_mx_weight_both``; MOKGEN_MX_WEIGHTS=both): the MX values as bf16 with k
+    permuted in the forward's orientation ``[E, sum n_i, K]`` (no interleave) and in the dgrads'
+    ``[E, K, sum n_i]``, the same bits as the two calls. ``parts`` as :func:`both_applies` takes."""
+    import torch
+
+    parts = list(parts)
+    if not both_applies(parts):
+        raise InputError("expert_weights_both takes contiguous, 16-byte aligned bf16 [E, n_i, K] tensors on one GPU, "
+                         f"alike in E and K, with K a multiple of {BLOCK} and rows multiples of 32 summing to a "
+                         f"multiple of {BLOCK}; got {[(p.dtype, tuple(p.shape)) for p in parts]}")
+    E, K, dev = parts[0].shape[0], parts[0].shape[2], parts[0].device
+    total = sum(p.shape[1] for p in parts)
+    rows_dec = torch.empty(E, total, K, dtype=torch.bfloat16, device=dev)
+    cols_dec = torch.empty(E, K, total, dtype=torch.bfloat16, device=dev)
+    offset = 0
+    for p in parts:
+        _launch("mokgen_mx_weight_both", dev, cols_dec.data_ptr(), rows_dec.data_ptr(), p.data_ptr(), E, p.shape[1],
+                K, total, offset)
+        offset += p.shape[1]
+    return rows_dec, cols_dec
 
 
 def cols_bf16_math(x, src=None):

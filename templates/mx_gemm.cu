@@ -412,6 +412,29 @@ int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void*
   return int(cudaGetLastError());
 }
 
+// Both orientations of bf16 expert weights x [E, rows, n] from one read (v0.43, MOKGEN_MX_WEIGHTS=both;
+// weight_cols2_kernel<bf16, true>): decoded_cols [E, n, rows_out] with the rows at columns offset ..
+// offset + rows, quantized along the rows (mokgen_mx_weight_cols2's decoded values), and
+// decoded_rows [E, rows_out, n] at rows offset .. offset + rows, quantized along n
+// (mokgen_mx_weight_rows' decoded values, no interleave). n a multiple of 32, rows of 32, rows_out
+// of 128; x 16-byte aligned.
+int mokgen_mx_weight_both(void* decoded_cols, void* decoded_rows, const void* x, int E, int rows, int n, int rows_out,
+                          int offset, void* stream) {
+  using namespace mokgen;
+  if (decoded_cols == nullptr || decoded_rows == nullptr || E < 0 || E > 65535 || rows < 0 || n <= 0 ||
+      n % mx::kBlock || rows % mx::kBlock || offset % mx::kBlock || rows_out % 128 || offset < 0 ||
+      offset + rows > rows_out || reinterpret_cast<uintptr_t>(x) % 16)
+    return int(cudaErrorInvalidValue);
+  const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
+                  unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), unsigned(E));
+  if (grid.y > 65535) return int(cudaErrorInvalidValue);
+  if (E == 0 || rows == 0) return 0;
+  mxg::weight_cols2_kernel<bf16, true><<<grid, mxg::kColThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), rows, n, rows_out, offset, static_cast<bf16*>(decoded_cols), nullptr, nullptr,
+      nullptr, static_cast<bf16*>(decoded_rows));
+  return int(cudaGetLastError());
+}
+
 // x's rows gathered (row r: x's row gather[r], zeros where gather[r] < 0; x [tokens, n] bf16, or
 // float32 when is_f32), quantized along the rows, transposed: decoded bf16 [n, rows] (permuted),
 // the B operand of the wgrads (mx_gemm.cols_bf16_math with src). version 2: weight_cols2_kernel's

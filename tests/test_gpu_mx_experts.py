@@ -235,6 +235,43 @@ def test_mx_backward_matches_the_float64_mx_oracle_gradients(monkeypatch, skew, 
             assert torch.equal(got.grad, twice.grad)
 
 
+@pytest.mark.parametrize("k, skew", [(2, False), (1, True)])
+def test_weights_in_both_orientations_from_one_read_give_the_same_gradients(monkeypatch, k, skew):
+    """MOKGEN_MX_WEIGHTS=both (the forward quantizes each weight in both orientations from one read
+    and keeps the transposed values for the backward) against apart: the same output and gradients,
+    bit for bit, and the backward quantizes no weight again."""
+    T, H, I, E = 300, 512, 256, 6
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=17, skew=skew)
+    d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(4),
+                        device="cuda").to(torch.bfloat16)
+    calls = {"both": 0, "transposed": 0}
+    both, transposed = mx_gemm.expert_weights_both, mx_experts._transposed_weights
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(mx_gemm, "expert_weights_both", count("both", both))
+    monkeypatch.setattr(mx_experts, "_transposed_weights", count("transposed", transposed))
+    got = {}
+    for value in ("apart", "both"):
+        monkeypatch.setenv("MOKGEN_MX_WEIGHTS", value)
+        calls.update(both=0, transposed=0)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=10.0)
+        out.backward(d_out)
+        got[value] = [out.detach()] + [t.grad for t in leaves]
+        assert calls == ({"both": 0, "transposed": 2} if value == "apart" else {"both": 2, "transposed": 0}), value
+    for i, (a, b) in enumerate(zip(got["apart"], got["both"])):
+        assert torch.equal(a, b), i
+    with torch.no_grad():  # no backward to come: the forward quantizes one orientation only
+        calls.update(both=0)
+        mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp_limit=10.0)
+        assert calls["both"] == 0
+
+
 @pytest.mark.parametrize("clamp", [None, 10.0])
 def test_the_fused_up_projection_gives_the_unfused_bits(clamp):
     """experts_forward with the gate | up weights interleaved (SwiGLU and h's quantization in the

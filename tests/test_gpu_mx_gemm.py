@@ -324,14 +324,11 @@ def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monke
             assert torch.equal(again, got["persistent"])
 
 
-def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
-    """MOKGEN_MX_QUANT v1 and v2 (the column quantizers; by rows one kernel since v0.41, run too)
-    on blocks that reach every case of the quantizer: zeros, float32 subnormals, values past
-    E4M3's largest after scaling, an infinity, a NaN, scales from 2^-135 to 2^120 (bf16 weights
-    by rows, interleaved and by columns; float32 and bf16 activations by column), partial tiles
-    in every grid dimension, and an odd column count (v1's kernel then)."""
-    gen = torch.Generator(device="cuda").manual_seed(51)
-    E, R, C = 3, 1280, 3200  # C / 32 = 100 blocks: a partial CTA of 32 along the rows' K
+def _every_case_weights(E, R, C, seed):
+    """float32 [E, R, C] whose 32-blocks along C reach every case of the quantizer: scales from
+    2^-135 to 2^120, a zero block, float32 (and bf16) subnormals, a value past E4M3's largest after
+    scaling, an infinity and a NaN (in the first 128 columns of rows 0-4)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(E, R, C, generator=gen, device="cuda") * torch.exp2(
         torch.randint(-135, 120, (E, R, C // 32, 1), generator=gen, device="cuda").float()).repeat_interleave(
         32, dim=2).view(E, R, C)
@@ -341,6 +338,47 @@ def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
     w[1, 2, 5] = 500.0 * 2.0 ** 20  # past the largest E4M3 after scaling: saturates
     w[2, 3, 64 + 7] = float("inf")
     w[2, 4, 96 + 1] = float("nan")
+    return w
+
+
+@pytest.mark.parametrize("sizes, C", [([640, 640], 3200), ([96, 160], 1024), ([32, 96], 128), ([384], 7168)])
+def test_both_orientations_from_one_read_are_the_two_kernels_bits(sizes, C):
+    """mx_gemm.expert_weights_both (MOKGEN_MX_WEIGHTS=both) against expert_weights in each
+    orientation: the same bits, on blocks that reach every case of the quantizer (NaN and
+    infinity blocks included), parts of 32 rows up to several 128-row tiles (partial tiles along
+    the rows), and a 7168-column weight (kimi-k2.5's H)."""
+    wb = _every_case_weights(3, sum(sizes), C, seed=52).to(torch.bfloat16)
+    parts = [t.contiguous() for t in wb.split(sizes, dim=1)]
+    assert mx_gemm.both_applies(parts)
+    rows, cols = mx_gemm.expert_weights_both(parts)
+    want_rows = mx_gemm.expert_weights(parts)
+    want_cols = mx_gemm.expert_weights(parts, transpose=True)
+    assert rows.shape == want_rows.shape and cols.shape == want_cols.shape
+    assert torch.equal(rows.view(torch.int16), want_rows.view(torch.int16))
+    assert torch.equal(cols.view(torch.int16), want_cols.view(torch.int16))
+    if len(sizes) > 1:
+        assert rows.isnan().any() and cols.isnan().any()  # the NaN blocks reached both outputs
+
+
+def test_both_orientations_refuse_what_their_kernel_cannot_take():
+    w = torch.zeros(2, 96, 256, dtype=torch.bfloat16, device="cuda")
+    for parts in ([w[:, :40].contiguous()],  # rows not a multiple of 32
+                  [torch.zeros(2, 96, 200, dtype=torch.bfloat16, device="cuda")],  # K not a multiple of 128
+                  [w[:, :32]],  # not contiguous
+                  [w.float()]):  # not bf16
+        assert not mx_gemm.both_applies(parts)
+        with pytest.raises(mx_gemm.InputError, match="expert_weights_both takes"):
+            mx_gemm.expert_weights_both(parts)
+
+
+def test_the_weight_quantizers_two_versions_give_the_same_bits(monkeypatch):
+    """MOKGEN_MX_QUANT v1 and v2 (the column quantizers; by rows one kernel since v0.41, run too)
+    on blocks that reach every case of the quantizer: zeros, float32 subnormals, values past
+    E4M3's largest after scaling, an infinity, a NaN, scales from 2^-135 to 2^120 (bf16 weights
+    by rows, interleaved and by columns; float32 and bf16 activations by column), partial tiles
+    in every grid dimension, and an odd column count (v1's kernel then)."""
+    E, R, C = 3, 1280, 3200  # C / 32 = 100 blocks: a partial CTA of 32 along the rows' K
+    w = _every_case_weights(E, R, C, seed=51)
     wb = w.to(torch.bfloat16)
     halves = [t.contiguous() for t in wb.split([R // 2, R // 2], dim=1)]  # 640 rows each (interleave)
     ragged = [wb[:, :100].contiguous(), wb[:, 100:136].contiguous()]  # rows: partial CTAs of 8 rows

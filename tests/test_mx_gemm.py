@@ -315,3 +315,22 @@ def test_the_ranged_gemm_switch_picks_the_entry(launches, monkeypatch):
     monkeypatch.setenv("MOKGEN_MX_RANGED", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_MX_RANGED must be tiles or persistent, got 'fast'"):
         mx_gemm.mx_bf16_math_ranged_gemm(a, sa, b, kr)
+
+
+def test_expert_weights_both_launches_one_kernel_per_part(launches, monkeypatch):
+    """expert_weights_both (MOKGEN_MX_WEIGHTS=both): a one-line error for what its kernel cannot
+    take (here: tensors off the GPU), before any launch; else one launch per part, each writing its
+    rows at its offset into both outputs, [E, sum n_i, K] and [E, K, sum n_i]."""
+    calls = launches
+    gate, up = torch.zeros(2, 64, 256, dtype=torch.bfloat16), torch.zeros(2, 64, 256, dtype=torch.bfloat16)
+    assert not mx_gemm.both_applies([gate, up])  # on the CPU
+    with pytest.raises(InputError, match=r"expert_weights_both takes contiguous, 16-byte aligned bf16"):
+        mx_gemm.expert_weights_both([gate, up])
+    assert calls == []
+    monkeypatch.setattr(mx_gemm, "both_applies", lambda parts: True)
+    rows, cols = mx_gemm.expert_weights_both([gate, up])
+    assert rows.shape == (2, 128, 256) and cols.shape == (2, 256, 128) and rows.dtype == cols.dtype == torch.bfloat16
+    assert calls == [("mokgen_mx_weight_both", (cols.data_ptr(), rows.data_ptr(), gate.data_ptr(), 2, 64, 256, 128, 0,
+                                                STREAM)),
+                     ("mokgen_mx_weight_both", (cols.data_ptr(), rows.data_ptr(), up.data_ptr(), 2, 64, 256, 128, 64,
+                                                STREAM))]

@@ -502,12 +502,23 @@ MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[4]) {
   v[3] = __uint_as_float(raw.w);
 }
 
-template <class T>
-__global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles' 132 KB): up to 64 registers
+//
+// kRows (v0.43, MOKGEN_MX_WEIGHTS=both; bf16 weights, decoded values only): the tile's rows are
+// quantized too, along n, into row_decoded [E, rows_out, n] at rows offset .. offset + rows (the
+// forward's orientation, weight_rows_kernel's bits with dec_block = rows: no interleave), so one
+// read of the weights gives both orientations (6 bytes moved per weight element instead of the
+// two kernels' 8). Thread (row t % 128, 32-column block t / 128) takes one row block: a warp's 32
+// rows at one column offset hit 32 banks (the tile's rows are 65 floats). Both orientations are
+// staged in shared memory and written out whole sectors: the columns as below, the rows 128
+// contiguous bytes each (8 lanes a row). n a multiple of 32.
+template <class T, bool kRows = false>
+__global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles' 132 KB, kRows 140 KB): up to 64 registers
     weight_cols2_kernel(const T* __restrict__ x, int rows, int n, int rows_out, int offset,
                         bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
-                        const int* __restrict__ gather = nullptr) {
-  __shared__ __align__(16) float tile[kColTileRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
+                        const int* __restrict__ gather = nullptr, bf16* __restrict__ row_decoded = nullptr) {
+  // kRows: the staged columns and rows side by side need 35840 bytes, 138 of the tile's 260-byte rows
+  constexpr int kBufRows = kRows ? 138 : kColTileRows;
+  __shared__ __align__(16) float tile[kBufRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
   constexpr int kVec = 16 / int(sizeof(T));              // elements per 16-byte load
   constexpr int kLoadsPerRow = kColTileCols / kVec;
   constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;  // a thread's: 4 (bf16) or 8 (float32)
@@ -542,6 +553,15 @@ __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles'
   for (int i = 0; i < mx::kBlock; ++i) v[i] = tile[blk * mx::kBlock + i][c];
   uint32_t w[mx::kBlock / 4];
   const uint8_t scale = quantize_block_words(v, w);
+  const int rr = threadIdx.x % kColTileRows, rb = threadIdx.x / kColTileRows;  // kRows: this thread's row block
+  uint32_t rw[mx::kBlock / 4];
+  uint8_t rscale = 0;
+  if constexpr (kRows) {
+    static_assert(kColThreads == 2 * kColTileRows && kColTileCols == 2 * mx::kBlock, "a thread per row block");
+#pragma unroll
+    for (int i = 0; i < mx::kBlock; ++i) v[i] = tile[rr][rb * mx::kBlock + i];
+    rscale = quantize_block_words(v, rw);
+  }
   const size_t out = (size_t(e) * n + col) * rows_out + offset + b * mx::kBlock;
   if (mine && codes != nullptr) {
     store_code_words(w, codes + out);
@@ -559,6 +579,13 @@ __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles'
   bf16* stage = reinterpret_cast<bf16*>(&tile[0][0]);
   static_assert(kColTileCols * kStageRow * sizeof(bf16) <= sizeof(tile), "the staged columns fit the tile's buffer");
   store_decoded_words(w, scale, stage + c * kStageRow + blk * mx::kBlock);
+  constexpr int kRowStageRow = kColTileCols + 8;  // bf16 a staged row, padded (16 B): 8 rows a phase hit 32 banks
+  bf16* row_stage = stage + kColTileCols * kStageRow;
+  if constexpr (kRows) {
+    static_assert((kColTileCols * kStageRow + kColTileRows * kRowStageRow) * sizeof(bf16) <= sizeof(tile),
+                  "the staged columns and rows fit the tile's buffer");
+    store_decoded_words(rw, rscale, row_stage + rr * kRowStageRow + rb * mx::kBlock);
+  }
   __syncthreads();
   const int valid_rows = rows - r0 < kColTileRows ? rows - r0 : kColTileRows;  // a multiple of 32
   constexpr int kChunks = kColTileRows * int(sizeof(bf16)) / 16;               // 16-byte pieces a column
@@ -568,6 +595,16 @@ __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles'
     if (c0 + cc >= n || chunk * 8 >= valid_rows) continue;
     const uint4 piece = *reinterpret_cast<const uint4*>(stage + cc * kStageRow + chunk * 8);
     *reinterpret_cast<uint4*>(decoded + (size_t(e) * n + c0 + cc) * rows_out + offset + r0 + chunk * 8) = piece;
+  }
+  if constexpr (kRows) {
+    constexpr int kRowChunks = kColTileCols * int(sizeof(bf16)) / 16;  // 16-byte pieces a row
+#pragma unroll
+    for (int i = threadIdx.x; i < kColTileRows * kRowChunks; i += kColThreads) {
+      const int r = i / kRowChunks, chunk = i % kRowChunks;
+      if (r >= valid_rows || c0 + chunk * 8 >= n) continue;
+      const uint4 piece = *reinterpret_cast<const uint4*>(row_stage + r * kRowStageRow + chunk * 8);
+      *reinterpret_cast<uint4*>(row_decoded + (size_t(e) * rows_out + offset + r0 + r) * n + c0 + chunk * 8) = piece;
+    }
   }
 }
 
