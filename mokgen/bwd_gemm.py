@@ -130,6 +130,17 @@ class _Lib:
         if hasattr(lib, "mokgen_bwd_set_stagger"):  # an older build (a benchmark's) may lack it
             lib.mokgen_bwd_set_stagger.argtypes, lib.mokgen_bwd_set_stagger.restype = [_i], None
             self.set_stagger(env.bwd_stagger())
+        self._band = env.BWD_ROW_BAND_DEFAULT  # the library's own default (g_band)
+        if hasattr(lib, "mokgen_bwd_set_row_band"):  # v0.43; an older build (a benchmark's) lacks it
+            lib.mokgen_bwd_set_row_band.argtypes, lib.mokgen_bwd_set_row_band.restype = [_i], None
+
+    def _row_band(self) -> None:
+        """The rows GEMMs' tile walk (MOKGEN_BWD_ROW_BAND, read at each launch); a library call only
+        when it changes."""
+        band = env.bwd_row_band()
+        if band != self._band and hasattr(self._lib, "mokgen_bwd_set_row_band"):
+            self._lib.mokgen_bwd_set_row_band(band)
+            self._band = band
 
     def set_tail_steps(self, on: bool) -> None:
         """Whether the split weight tiles of this library's launches leave out a bounded last
@@ -155,12 +166,14 @@ class _Lib:
         self.check(name, getattr(self._lib, name)(*args))
 
     def rows(self, *args) -> None:
+        self._row_band()
         self._call("mokgen_bwd_rows", *args)
 
     def weights(self, *args) -> None:
         self._call("mokgen_bwd_weights", *args)
 
     def rows_gathered(self, *args) -> None:
+        self._row_band()
         self._call("mokgen_bwd_rows_gathered", *args)
 
     def weights_gathered(self, *args) -> None:

@@ -49,6 +49,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_MX_QUANT": "v2 (default since v0.41) or v1: the kernel that quantizes MXFP8 weights and activations along their rows, transposed (mokgen.mx_gemm.expert_weights with transpose, cols_bf16_math): v2 v0.40's 128 x 64 tiles through shared memory, v1 one thread per 32-element block (v0.35). The same bits; v2 measured faster (README, docs/perf-notes.md v0.40-v0.41). (The quantizer along the rows, weight_rows_kernel, is one kernel: v0.39's alternative was retired in v0.41)",
     "MOKGEN_MX_BWD_STAGES": "fused (default) or torch: the MXFP8 backward's elementwise stages (mokgen.mx_experts: the combine's backward with dy's quantization, SwiGLU's backward with [dg | du]'s quantization, dx's sum over a token's pairs) as v0.40's two fused kernels with dx from the combine kernel (at k = 1 the dgrad GEMM's epilogue), or as PyTorch expressions and separate quantizers (v0.39; measured 1.13-1.31x slower). dy and the codes the same bits; the routing weights' gradient summed in a fixed order of its own, dg, du and h within an ulp or two",
     "MOKGEN_MX_RANGED": "tiles (default) or persistent: the MXFP8 weight gradients' k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm) as a CTA per tile (v0.35), or v0.40's persistent kernel, a CTA per SM walking the tiles with its producer filling the next tile's stages during a tile's epilogue. The same bits; persistent measured 5% slower on the H100 (docs/perf-notes.md v0.40)",
+    "MOKGEN_BWD_ROW_BAND": "1 to 4096 (default 8): the backward's rows GEMMs (dh, dx) walk each expert's row blocks in bands of this many, column tile by column tile within a band, so the CTAs sharing a column tile of the weights load it together and it comes from DRAM once per band (v0.43); 1: row block by row block (v0.42's order). The same bits at every band",
     "MOKGEN_BWD_POLICY": "save (default) or recompute: the forward keeps the up projection's pre-activations g and u (bf16, 4 I bytes per routed pair) for the backward, or the backward recomputes them from x (4 T k H I more FLOPs)",
 }
 
@@ -173,6 +174,8 @@ def bwd_tail() -> str:
 
 #: the backward GEMMs' default stagger lead in k-blocks (MOKGEN_BWD_STAGGER; measured, docs/perf-notes.md v0.13)
 BWD_STAGGER_DEFAULT = 3
+#: the backward's rows GEMMs' bands of row blocks (MOKGEN_BWD_ROW_BAND; templates/bwd_gemm.cu g_band)
+BWD_ROW_BAND_DEFAULT = 8
 
 
 def bwd_stagger() -> int:
@@ -180,6 +183,20 @@ def bwd_stagger() -> int:
     k-blocks: 0 (lockstep) to 3, default BWD_STAGGER_DEFAULT."""
     allowed = (str(BWD_STAGGER_DEFAULT), *(str(v) for v in range(4) if v != BWD_STAGGER_DEFAULT))
     return int(_choice("MOKGEN_BWD_STAGGER", allowed))
+
+
+def bwd_row_band() -> int:
+    """MOKGEN_BWD_ROW_BAND: the backward's rows GEMMs (dh, dx) walk an expert's row blocks in bands
+    of this many, column tile by column tile within a band (default 8, v0.43); 1 is v0.42's order,
+    row block by row block. The same bits at every band."""
+    value = _get("MOKGEN_BWD_ROW_BAND")
+    if value is None:
+        return BWD_ROW_BAND_DEFAULT
+    if not value.isdigit() or not 1 <= int(value) <= 4096:
+        from mokgen.errors import ToolchainError
+
+        raise ToolchainError(f"MOKGEN_BWD_ROW_BAND must be an integer from 1 to 4096, got {value!r}")
+    return int(value)
 
 
 def fuse_shared() -> bool | None:

@@ -65,12 +65,14 @@ struct Maps {
 // [E, N, K] (map over [E N, K]).
 // kPair = 2: clusters of two CTAs computing column tiles 2 np and 2 np + 1 of one row block,
 // sharing A (bwd_gemm.cuh); N / 256 even. The same tiles and k order either way, so the same bits.
+// band: the tile walk's bands of row blocks (bwd_tiles.cuh walk_row_tiles; g_band). The same bits
+// at every band.
 // kGather (single CTAs, B MN-major, one pair): A row r is source row ga.index[r] of ga.src,
 // loaded by warpgroup 0's 128 threads (bwd::produce_gathered) instead of the TMA; maps.a unused.
 template <bool kBMN, class OutT, int kPair = 1, bool kGather = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int K, int N, int pairs,
-                OutT* out, const int64_t* out_rows, int lead, bwd::Gather ga) {
+                OutT* out, const int64_t* out_rows, int lead, bwd::Gather ga, int band) {
   static_assert(!kGather || (kPair == 1 && kBMN), "gathered rows GEMMs: single CTAs, B MN-major");
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s =
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       s, pipe,
       [&](auto&& fn) {
         bwd::walk_row_tiles(offs, E, total, n_tiles, int(blockIdx.x) / kPair, int(gridDim.x) / kPair, fn, kPair,
-                            crank);
+                            crank, band);
       },
       [&](int e, int row0, int rows, int n) {
         bwd::TileSrc t;
@@ -1059,6 +1061,11 @@ int g_lead = bwd::kMaxLead;
 // mokgen_bwd_set_tail_steps (mokgen.bwd_gemm.weight_tail). The same bits either way.
 int g_steps = 0;
 
+// The rows GEMMs' (rows_kernel's) tile walk: bands of g_band row blocks, column tile by column tile
+// within a band (bwd_tiles.cuh walk_row_tiles); 1 is v0.42's row-block-major order. Set by
+// mokgen_bwd_set_row_band (mokgen.bwd_gemm; MOKGEN_BWD_ROW_BAND). The same bits at every band.
+int g_band = 8;
+
 // A rows GEMM's launch: CTA pairs sharing A (rows_kernel<..., 2>) where `pairs_fit` and pairs
 // can be resident, else single CTAs.
 template <bool kBMN, class OutT>
@@ -1068,10 +1075,10 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
     const int clusters = resident_pairs(rows_kernel<kBMN, OutT, 2>, bwd::kSmemBytes);
     if (clusters > 0)
       return launch_pairs(rows_kernel<kBMN, OutT, 2>, clusters, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N,
-                          pairs, out, out_rows, g_lead, bwd::Gather{});
+                          pairs, out, out_rows, g_lead, bwd::Gather{}, g_band);
   }
   return launch(rows_kernel<kBMN, OutT, 1>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, pairs, out,
-                out_rows, g_lead, bwd::Gather{});
+                out_rows, g_lead, bwd::Gather{}, g_band);
 }
 
 // weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
@@ -1128,6 +1135,8 @@ int mokgen_bwd_set_trace(void* buf, int tiles) {
 #endif
 
 void mokgen_bwd_set_tail_steps(int on) { g_steps = on ? 1 : 0; }
+
+void mokgen_bwd_set_row_band(int band) { g_band = band < 1 ? 1 : band; }
 
 void mokgen_bwd_set_stagger(int lead) { g_lead = lead < 0 ? 0 : lead > bwd::kMaxLead ? bwd::kMaxLead : lead; }
 
@@ -1192,12 +1201,12 @@ int mokgen_bwd_rows_gathered(void* out, const void* src, const int64_t* index, c
     bf16* o = static_cast<bf16*>(out);
     zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
     return launch(rows_kernel<true, bf16, 1, true>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, 1, o,
-                  out_rows, g_lead, ga);
+                  out_rows, g_lead, ga, g_band);
   }
   float* o = static_cast<float*>(out);
   zero_rows_kernel<<<grid, 256, 0, stream>>>(o, offs, E, rows, N, out_rows);
   return launch(rows_kernel<true, float, 1, true>, grid, bwd::kSmemBytes, stream, maps, offs, E, rows, K, N, 1, o,
-                out_rows, g_lead, ga);
+                out_rows, g_lead, ga, g_band);
 }
 
 // The recompute of g = x Wg[e]^T, u = x Wu[e]^T with SwiGLU's backward in the epilogue (see

@@ -19,7 +19,7 @@ EXPORTS = ("mokgen_bwd_rows", "mokgen_bwd_weights", "mokgen_bwd_swiglu", "mokgen
            "mokgen_bwd_expert_major", "mokgen_bwd_error_string", "mokgen_bwd_set_stagger", "mokgen_bwd_max_lead",
            "mokgen_bwd_expert_major_scratch", "mokgen_bwd_dh_swiglu_saved", "mokgen_bwd_weights2",
            "mokgen_bwd_rows_gathered", "mokgen_bwd_weights_gathered", "mokgen_bwd_fused", "mokgen_bwd_fused_counters",
-           "mokgen_bwd_weights2_gathered")
+           "mokgen_bwd_weights2_gathered", "mokgen_bwd_set_row_band")
 
 
 @pytest.mark.nvcc
@@ -52,7 +52,7 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     assert sum(re.search(r"\d\drows_kernel", k) is not None for k in kernels) == 8, kernels  # not zero_rows
     # the gathering kernels: rows<B MN-major, fp32 | bf16, single CTAs, gathered>, weights<single,
     # one problem | joint, gathered>
-    gathered = [k for k in kernels if k.endswith("Lb1EEEvNS_4MapsEPKiiiiiiPT0_PKliN6mokgen3bwd6GatherE")
+    gathered = [k for k in kernels if k.endswith("Lb1EEEvNS_4MapsEPKiiiiiiPT0_PKliN6mokgen3bwd6GatherEi")
                 or re.search(r"weight_kernelILi1ELb[01]ELb1EE", k)]
     assert len(gathered) == 4, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -321,7 +321,8 @@ def test_library_is_found_once_per_cache_directory(tmp_path, monkeypatch):
 def test_tile_walks_cover_every_tile_once_in_order(host_check):
     """tests/host/bwd_tiles_check.cu on the CPU: the rows-GEMM and weight-gradient walks of
     bwd_tiles.cuh over random plans (empty and tiny experts, offs past the operands' rows, 1-140
-    CTAs) visit every tile exactly once, each CTA in increasing order, with the clamped rows."""
+    CTAs, bands of 1-10 row blocks) visit every tile exactly once, each CTA in its order, with the
+    clamped rows."""
     run = subprocess.run([str(host_check("bwd_tiles_check")), "400"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
     assert int(run.stdout.split()[1]) > 100_000  # tiles checked

@@ -91,6 +91,42 @@ def test_rows_gemm_pairs_give_the_bits_of_single_ctas(b_major, n_pairs, N):
         assert _rel(single[s0:s0 + counts[7]], want) < 1e-2
 
 
+def test_rows_gemm_bands_give_the_same_bits(monkeypatch):
+    """The rows GEMMs' tile walk by bands of row blocks (MOKGEN_BWD_ROW_BAND, v0.43: column tile
+    by column tile within a band) changes which CTA computes a tile and when, not the tile's k
+    order: bands 1 (v0.42's order), 3, 8 (the default) and 64 give the same bits, for single CTAs
+    and CTA pairs, one and two pairs of operands, plain, scattered through a map and with A's rows
+    gathered through an index; experts of up to 19 row blocks (several bands, a short last one),
+    empty ones and one-row ones."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    counts = [0, 1, 2400, 130, 0, 700, 1023, 5, 256]
+    E, K, N = len(counts), 256, 1024
+    rows = sum(counts) + SPARE_ROWS
+    offs = _offs(counts)
+    ops = [(_randn(rows, K, gen=gen), _randn(E, K, N, gen=gen, scale=K**-0.5)) for _ in range(2)]
+    order = torch.randperm(rows, generator=gen, device="cuda")
+    a_index = torch.randint(0, rows, (rows,), generator=gen, device="cuda")
+
+    def run():
+        got = [bwd_gemm.rows_gemm(ops[:1], offs, a_index=a_index)]  # A's rows gathered by the kernel
+        for cluster in (1, 2):
+            got += [bwd_gemm.rows_gemm(ops[:1], offs, cluster=cluster), bwd_gemm.rows_gemm(ops, offs, cluster=cluster)]
+            out = torch.full((rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            got.append(bwd_gemm.rows_gemm(ops, offs, out=out, out_rows=order, cluster=cluster))
+        return got
+
+    monkeypatch.setenv("MOKGEN_BWD_ROW_BAND", "1")
+    first = run()
+    assert torch.equal(first[1], first[4]) and torch.equal(first[2], first[5])  # single CTAs and pairs alike
+    for band in ("3", "8", "64"):
+        monkeypatch.setenv("MOKGEN_BWD_ROW_BAND", band)
+        assert all(torch.equal(p, q) for p, q in zip(run(), first)), band
+    monkeypatch.delenv("MOKGEN_BWD_ROW_BAND")
+    assert all(torch.equal(p, q) for p, q in zip(run(), first)), "default"
+    s0 = sum(counts[:2])  # expert 2's rows against their fp32 product
+    assert _rel(first[1][s0:s0 + counts[2]], ops[0][0][s0:s0 + counts[2]].float() @ ops[0][1][2].float()) < 1e-2
+
+
 @pytest.mark.parametrize("clamp", [None, 0.25], ids=["no-clamp", "clamp"])
 def test_dh_swiglu_saved_has_the_bits_of_the_two_passes(clamp):
     """dSwiGLU in the dh GEMM's epilogue (the "save" policy's default) against the dh GEMM's fp32

@@ -1,7 +1,9 @@
 // Host check of templates/include/mokgen/bwd_tiles.cuh (run by tests/test_bwd_gemm.py): on
 // random plans (experts with no rows, one row, many rows; offs past the operands' rows; 1-140
 // CTAs), the rows-GEMM and weight-gradient walks visit every expected tile exactly once over all
-// CTAs, each CTA in increasing tile order, with the expected row ranges; the walks by CTA pairs
+// CTAs, each CTA in increasing tile order (the rows GEMMs' in their band order, v0.43: one CTA's
+// walk is that order exactly, and CTA c of C takes its tiles c, c + C, ...), with the expected row
+// ranges; the walks by CTA pairs
 // give both CTAs of a pair the same sequence, at the two row blocks (weights) or column tiles
 // (rows GEMMs) of each pair. Prints "ok N" (tiles
 // checked) or the first problem, and exits 1.
@@ -57,18 +59,42 @@ int main(int argc, char** argv) {
     for (int e = 0; e < E; ++e)
       for (int r = seg0[e]; r < seg1[e]; r += kTileRows)
         for (int n = 0; n < n_tiles; ++n) want[{e, r, n}] = std::min(kTileRows, seg1[e] - r);
+    // bands of row blocks (v0.43): 1 is row block by row block; else column tile by column tile
+    // within each band of `band` row blocks
+    const int band = p % 3 == 0 ? 1 : 1 + rnd(10);
+    // the walk's order for one CTA: experts in order, bands in order, column tiles, row blocks
+    std::vector<std::tuple<int, int, int, int>> order;  // (e, row0, rows, n)
+    for (int e = 0; e < E; ++e) {
+      const int blocks = (seg1[e] - seg0[e] + kTileRows - 1) / kTileRows;
+      for (int b0 = 0; b0 < blocks; b0 += band)
+        for (int n = 0; n < n_tiles; ++n)
+          for (int mb = b0; mb < std::min(blocks, b0 + band); ++mb) {
+            const int r = seg0[e] + mb * kTileRows;
+            order.push_back({e, r, std::min(kTileRows, seg1[e] - r), n});
+          }
+    }
+    std::vector<std::tuple<int, int, int, int>> one;
+    mokgen::bwd::walk_row_tiles(
+        offs.data(), E, total, n_tiles, 0, 1, [&](int e, int row0, int rows, int n) { one.push_back({e, row0, rows, n}); },
+        1, 0, band);
+    if (one != order) return fail("row tiles: one CTA's walk is not the band order", p);
     std::map<std::tuple<int, int, int>, int> seen;
     for (int cta = 0; cta < ctas; ++cta) {
-      long long last = -1;
+      size_t next = size_t(cta);  // the index in `order` of this CTA's next tile
       bool ordered = true;
-      mokgen::bwd::walk_row_tiles(offs.data(), E, total, n_tiles, cta, ctas, [&](int e, int row0, int rows, int n) {
-        const long long key = (long long)e << 40 | (long long)row0 << 8 | n;
-        if (key <= last) ordered = false;
-        last = key;
-        if (seen.count({e, row0, n}) || !want.count({e, row0, n}) || want[{e, row0, n}] != rows) seen[{e, -1, -1}] = -1;
-        seen[{e, row0, n}] = rows;
-      });
-      if (!ordered) return fail("a CTA's row tiles are not in increasing order", p);
+      mokgen::bwd::walk_row_tiles(
+          offs.data(), E, total, n_tiles, cta, ctas,
+          [&](int e, int row0, int rows, int n) {
+            // CTA cta takes tiles cta, cta + ctas, ... of the one CTA's order
+            if (next >= order.size() || order[next] != std::make_tuple(e, row0, rows, n)) ordered = false;
+            next += size_t(ctas);
+            if (seen.count({e, row0, n}) || !want.count({e, row0, n}) || want[{e, row0, n}] != rows)
+              seen[{e, -1, -1}] = -1;
+            seen[{e, row0, n}] = rows;
+          },
+          1, 0, band);
+      if (!ordered || next < order.size())  // out of order, or stopped before its last tile
+        return fail("a CTA's row tiles are not its share of the band order", p);
     }
     if (seen != want) return fail("row tiles: not every expected tile exactly once with its rows", p);
     checked += (long long)want.size();
@@ -88,7 +114,7 @@ int main(int argc, char** argv) {
                 paired[{e, row0, n}] = rows;
                 walked[crank].push_back({e, row0, rows, n / 2});
               },
-              2, crank);
+              2, crank, band);
         if (!ok) return fail("paired row tiles: column tile parity wrong or a tile visited twice", p);
         if (walked[0] != walked[1]) return fail("paired row tiles: the pair's CTAs walk different rows", p);
       }
