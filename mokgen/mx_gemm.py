@@ -95,6 +95,8 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_weight_cols2.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]  # MOKGEN_MX_QUANT=v2
     lib.mokgen_mx_weight_cols2.restype = i
     lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
+    if hasattr(lib, "mokgen_mx_set_pairs"):  # v0.43 (MOKGEN_MX_PAIRS)
+        lib.mokgen_mx_set_pairs.argtypes, lib.mokgen_mx_set_pairs.restype = [i], None
     if hasattr(lib, "mokgen_mx_weight_both"):  # v0.43 (MOKGEN_MX_WEIGHTS=both); older builds for A/Bs lack it
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
     lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -117,9 +119,25 @@ def _launch(entry: str, device, *args, what: str = "") -> None:
     import torch
 
     with torch.cuda.device(device):
-        code = getattr(load_library(), entry)(*args, torch.cuda.current_stream().cuda_stream)
+        lib = load_library()
+        if entry.startswith("mokgen_mx_bf16_math"):
+            _sync_pairs(lib)
+        code = getattr(lib, entry)(*args, torch.cuda.current_stream().cuda_stream)
     if code:
         raise KernelError(f"{entry}{f' ({what})' if what else ''} failed: CUDA error {code}")
+
+
+#: the MOKGEN_MX_PAIRS value each loaded library was last told (mokgen_mx_set_pairs), by id
+_pairs_set: dict = {}
+
+
+def _sync_pairs(lib) -> None:
+    """Tell ``lib`` MOKGEN_MX_PAIRS (read at every bf16-math launch) where it changed: the
+    bf16-math GEMM's launches as CTA pairs sharing B, or single CTAs. The same bits."""
+    on = env.mx_pairs()
+    if _pairs_set.get(id(lib), False) != on and hasattr(lib, "mokgen_mx_set_pairs"):
+        lib.mokgen_mx_set_pairs(int(on))
+        _pairs_set[id(lib)] = on
 
 
 def _check(name: str, codes, scales, k: int | None = None) -> tuple[int, int]:

@@ -272,6 +272,29 @@ def test_weights_in_both_orientations_from_one_read_give_the_same_gradients(monk
         assert calls["both"] == 0
 
 
+@pytest.mark.parametrize("k, skew", [(2, True), (1, False)])
+def test_cta_pairs_give_the_same_forward_and_training_step(monkeypatch, k, skew):
+    """MOKGEN_MX_PAIRS=1 (the bf16-math GEMM's launches as CTA pairs sharing B) against single
+    CTAs over a whole staged forward (the fused SwiGLU epilogue; at k = 1 the fused combine) and
+    training step (the grouped forward and dgrads, the k-ranged weight gradients): the same output
+    and gradients, bit for bit."""
+    T, H, I, E = 700, 512, 256, 6
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=29, skew=skew)
+    d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(6),
+                        device="cuda").to(torch.bfloat16)
+    weights = mx_experts.quantize_weights(wg, wu, wd)
+    got = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("MOKGEN_MX_PAIRS", value)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        out = mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=10.0)
+        out.backward(d_out)
+        got[value] = [mx_experts.experts_forward(x, ids, w, weights, clamp_limit=10.0), out.detach()] + \
+            [t.grad for t in leaves]
+    for i, (a, b) in enumerate(zip(got["0"], got["1"])):
+        assert torch.equal(a, b), i
+
+
 @pytest.mark.parametrize("clamp", [None, 10.0])
 def test_the_fused_up_projection_gives_the_unfused_bits(clamp):
     """experts_forward with the gate | up weights interleaved (SwiGLU and h's quantization in the

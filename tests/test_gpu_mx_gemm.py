@@ -292,6 +292,55 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     assert torch.equal(low, got.to(torch.bfloat16))
 
 
+def test_cta_pairs_give_the_single_ctas_bits(monkeypatch):
+    """MOKGEN_MX_PAIRS=1 (clusters of two CTAs over neighbouring row tiles, B shared by TMA
+    multicast where both tiles read the same B) against single CTAs, every launch form: dense with
+    an odd row-tile count (the grid's last pair has one tile), grouped with expert boundaries inside
+    pairs, an empty expert and skipped (-1, 0) tiles (an odd list), k-ranged with an empty range
+    and bf16 out, an unaligned ``out=`` column block (the per-fragment stores), the fused SwiGLU
+    epilogue and the fused combine; each run twice. The same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    E, N, K, I = 3, 512, 384, 256
+    padded = [384, 0, 256]  # tiles: expert 0's three, expert 2's two: pairs (0, 0), (0, 2), (2, -1)
+    a, sa = mx.quantize(_blocks(sum(padded), K, gen, 8), dim=-1)
+    sab = mx_gemm.block_scales(sa)
+    b, sb = mx.quantize(torch.stack([_blocks(N, K, gen, 8) for _ in range(E)]), dim=-1)
+    b16 = torch.stack([mx_gemm.bf16_math_weights(b[e], sb[e]) for e in range(E)])
+    tiles, _ = mx_gemm.row_tiles(padded, "cuda")
+    tiles = torch.cat([tiles, torch.tensor([[-1, 0]] * 2, dtype=torch.int32, device="cuda")])  # 7: odd
+    dense_rows = 640  # 5 row tiles
+    ad, sad = mx.quantize(_blocks(dense_rows, K, gen, 8), dim=-1)
+    kr = torch.tensor([(0, 128), (128, 0), (128, 256)], dtype=torch.int32, device="cuda")
+    wg, wu = ((torch.randn(E, I, K, generator=gen, device="cuda") * K**-0.5).to(torch.bfloat16) for _ in range(2))
+    fused = mx_gemm.expert_weights([wg, wu], interleave=True)
+    rows = sum(padded)
+    src = torch.full((rows,), -1, dtype=torch.int32, device="cuda")  # every 5th row padding, the rest
+    real = torch.arange(rows, device="cuda")[torch.arange(rows, device="cuda") % 5 != 0]  # one token each
+    src[real] = torch.randperm(real.numel(), generator=gen, device="cuda").to(torch.int32)
+    weight = torch.rand(real.numel(), generator=gen, device="cuda")
+
+    def run():
+        wide = torch.full((rows, N + 2), 7.0, device="cuda")
+        mx_gemm.mx_bf16_math_grouped_gemm(a, sab, b16, tiles, out=wide[:, 2:2 + N])
+        return [mx_gemm.mx_bf16_math_gemm(ad, sad, b16[0]),
+                mx_gemm.mx_bf16_math_grouped_gemm(a, sab, b16, tiles),
+                mx_gemm.mx_bf16_math_ranged_gemm(a, sab, b16[1], kr),
+                mx_gemm.mx_bf16_math_ranged_gemm(a, sab, b16[1], kr, out_dtype=torch.bfloat16),
+                wide,
+                *[t.view(torch.uint8) for t in mx_gemm.mx_bf16_math_swiglu_gemm(a, sab, fused, tiles, 10.0)],
+                mx_gemm.mx_bf16_math_combine1_gemm(a, sab, b16, tiles, src, weight)]
+
+    monkeypatch.setenv("MOKGEN_MX_PAIRS", "0")
+    single = run()
+    assert (single[2][1] == 0).all()  # the empty range
+    monkeypatch.setenv("MOKGEN_MX_PAIRS", "1")
+    for _ in range(2):
+        for i, (p, q) in enumerate(zip(run(), single)):
+            assert torch.equal(p, q), i
+    monkeypatch.setenv("MOKGEN_MX_PAIRS", "0")
+    assert all(torch.equal(p, q) for p, q in zip(run(), single))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_the_persistent_ranged_gemm_gives_the_tile_kernels_bits(out_dtype, monkeypatch):
     """MOKGEN_MX_RANGED=persistent (direct stores) against tiles (stores through shared memory) on a
