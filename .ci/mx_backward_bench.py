@@ -47,12 +47,18 @@ for name in sys.argv[1:] or bundled_specs():
     out = mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp)
     out.backward(d_out)
     grads = [t.grad.double() for t in (x, w, wg, wu, wd)]
-    ref = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
-    ref_out = reference.experts_forward(ref[0], ids, ref[1], *ref[2:], clamp_limit=clamp, acc_dtype=torch.float64)
-    ref_out.backward(d_out.double())
-    errs = {"out": ((out.double() - ref_out.detach()).norm() / ref_out.detach().norm()).item()}
-    errs.update({n: ((g - r.grad).norm() / r.grad.norm()).item()
-                 for n, g, r in zip(("dx", "dw", "dw_gate", "dw_up", "dw_down"), grads, ref)})
-    print("  MXFP8 (bf16 math) against float64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
-    del ref, ref_out, grads, layer, out
+    del layer
+    try:  # float64 autograd of kimi-k2.5's local layer needs more than an H100's 80 GB (v0.43)
+        ref = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        ref_out = reference.experts_forward(ref[0], ids, ref[1], *ref[2:], clamp_limit=clamp,
+                                            acc_dtype=torch.float64)
+        ref_out.backward(d_out.double())
+        errs = {"out": ((out.double() - ref_out.detach()).norm() / ref_out.detach().norm()).item()}
+        errs.update({n: ((g - r.grad).norm() / r.grad.norm()).item()
+                     for n, g, r in zip(("dx", "dw", "dw_gate", "dw_up", "dw_down"), grads, ref)})
+        print("  MXFP8 (bf16 math) against float64: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()),
+              flush=True)
+    except torch.OutOfMemoryError:
+        print("  MXFP8 against float64: not measured (the float64 reference ran out of GPU memory)", flush=True)
+    ref = ref_out = grads = out = None
     torch.cuda.empty_cache()
