@@ -95,8 +95,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_weight_cols2.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]  # MOKGEN_MX_QUANT=v2
     lib.mokgen_mx_weight_cols2.restype = i
     lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
-    if hasattr(lib, "mokgen_mx_set_pairs"):  # v0.43 (MOKGEN_MX_PAIRS)
-        lib.mokgen_mx_set_pairs.argtypes, lib.mokgen_mx_set_pairs.restype = [i], None
+    for name in ("mokgen_mx_set_pairs", "mokgen_mx_set_band"):  # v0.43 (MOKGEN_MX_PAIRS, MOKGEN_MX_BAND)
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = [i], None
     if hasattr(lib, "mokgen_mx_weight_both"):  # v0.43 (MOKGEN_MX_WEIGHTS=both); older builds for A/Bs lack it
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
     lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -121,23 +122,27 @@ def _launch(entry: str, device, *args, what: str = "") -> None:
     with torch.cuda.device(device):
         lib = load_library()
         if entry.startswith("mokgen_mx_bf16_math"):
-            _sync_pairs(lib)
+            _sync_options(lib)
         code = getattr(lib, entry)(*args, torch.cuda.current_stream().cuda_stream)
     if code:
         raise KernelError(f"{entry}{f' ({what})' if what else ''} failed: CUDA error {code}")
 
 
-#: the MOKGEN_MX_PAIRS value each loaded library was last told (mokgen_mx_set_pairs), by id
-_pairs_set: dict = {}
+#: the (MOKGEN_MX_PAIRS, MOKGEN_MX_BAND) values each loaded library was last told, by id
+_options_set: dict = {}
 
 
-def _sync_pairs(lib) -> None:
-    """Tell ``lib`` MOKGEN_MX_PAIRS (read at every bf16-math launch) where it changed: the
-    bf16-math GEMM's launches as CTA pairs sharing B, or single CTAs. The same bits."""
-    on = env.mx_pairs()
-    if _pairs_set.get(id(lib), False) != on and hasattr(lib, "mokgen_mx_set_pairs"):
-        lib.mokgen_mx_set_pairs(int(on))
-        _pairs_set[id(lib)] = on
+def _sync_options(lib) -> None:
+    """Tell ``lib`` MOKGEN_MX_PAIRS and MOKGEN_MX_BAND (read at every bf16-math launch) where they
+    changed: the bf16-math GEMM's launches as CTA pairs sharing B or single CTAs, and their tile
+    order. The same bits."""
+    pairs, band = env.mx_pairs(), env.mx_band()
+    old = _options_set.get(id(lib), (0, 1))  # the library's own defaults
+    if old[0] != pairs and hasattr(lib, "mokgen_mx_set_pairs"):
+        lib.mokgen_mx_set_pairs(pairs)
+    if old[1] != band and hasattr(lib, "mokgen_mx_set_band"):
+        lib.mokgen_mx_set_band(band)
+    _options_set[id(lib)] = (pairs, band)
 
 
 def _check(name: str, codes, scales, k: int | None = None) -> tuple[int, int]:

@@ -90,13 +90,20 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // mokgen_mx_set_pairs, MOKGEN_MX_PAIRS) or single CTAs (0, the default). The same bits.
 int g_pairs = 0;
 
+// The bf16-math GEMM's tile order (bf16m::gemm_kernel's band; set by mokgen_mx_set_band,
+// MOKGEN_MX_BAND): bands of g_mx_band row tiles, column tile by column tile within a band; 1 (the
+// default) the grid's order. The same bits.
+int g_mx_band = 1;
+
 template <int kEpi>
 int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
                          int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::EpiArgs swi,
                          void* stream) {
   namespace bm = bf16m;
   // pairs: the grid's y rounded up to even (the kernel skips y >= n_tiles), within 65535
-  const bool pairs = g_pairs != 0 && n_tiles >= 2 && (n_tiles + 1) / 2 * 2 <= 65535;
+  // g_pairs 1: every launch; 2: the fused combine's only (MOKGEN_MX_PAIRS=dx)
+  const bool pairs = (g_pairs == 1 || (g_pairs == 2 && kEpi == bm::kEpiCombine1)) && n_tiles >= 2 &&
+                     (n_tiles + 1) / 2 * 2 <= 65535;
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
       sm90::encode_map_2d(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K), pairs ? bm::kBN / 2 : bm::kBN, 64) !=
@@ -116,7 +123,7 @@ int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, 
   if (!pairs) {
     bm::gemm_kernel<kEpi><<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
                             static_cast<cudaStream_t>(stream)>>>(ma, mb, scales, static_cast<float*>(c), M, N, K, t, kr,
-                                                                 out_bf16, swi, n_tiles);
+                                                                 out_bf16, swi, n_tiles, g_mx_band);
     return int(cudaGetLastError());
   }
   cudaLaunchAttribute attr_cluster;
@@ -132,7 +139,7 @@ int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, 
   cfg.attrs = &attr_cluster;
   cfg.numAttrs = 1;
   return int(cudaLaunchKernelEx(&cfg, bm::gemm_kernel<kEpi, 2>, ma, mb, scales, static_cast<float*>(c), M, N, K, t, kr,
-                                out_bf16, swi, n_tiles));
+                                out_bf16, swi, n_tiles, g_mx_band));
 }
 
 int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
@@ -324,9 +331,14 @@ int mokgen_mx_tile_test(int kind, void* c, void* h_codes, void* h_scales, const 
 // k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
 // (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
 // MOKGEN_MX_PAIRS (v0.43): the bf16-math GEMM's launches (grouped, dense, k-ranged, every
-// epilogue; not the persistent k-ranged kernel) as CTA pairs sharing B where on is not 0. The
+// epilogue; not the persistent k-ranged kernel) as CTA pairs sharing B: mode 1 every launch, 2 the
+// fused combine's only (the dgrad dx at k = 1), 0 none. The same bits.
+void mokgen_mx_set_pairs(int mode) { mokgen::mxg::g_pairs = mode == 1 || mode == 2 ? mode : 0; }
+
+// MOKGEN_MX_BAND (v0.43): the bf16-math GEMM's launches (as mokgen_mx_set_pairs') walk their row
+// tiles in bands of `band`, column tile by column tile within a band; 1: the grid's order. The
 // same bits.
-void mokgen_mx_set_pairs(int on) { mokgen::mxg::g_pairs = on != 0; }
+void mokgen_mx_set_band(int band) { mokgen::mxg::g_mx_band = band < 1 ? 1 : band; }
 
 int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, const void* b, const void* kranges,
                                     int n_ranges, int M, int N, int K, int out_bf16, void* stream) {

@@ -292,9 +292,10 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     assert torch.equal(low, got.to(torch.bfloat16))
 
 
-def test_cta_pairs_give_the_single_ctas_bits(monkeypatch):
-    """MOKGEN_MX_PAIRS=1 (clusters of two CTAs over neighbouring row tiles, B shared by TMA
-    multicast where both tiles read the same B) against single CTAs, every launch form: dense with
+def test_cta_pairs_and_band_orders_give_the_single_ctas_bits(monkeypatch):
+    """MOKGEN_MX_PAIRS=1 and dx (clusters of two CTAs over neighbouring row tiles, B shared by TMA
+    multicast where both tiles read the same B) and MOKGEN_MX_BAND (the tiles' launch order by
+    bands of row tiles) against single CTAs in the grid's order, every launch form: dense with
     an odd row-tile count (the grid's last pair has one tile), grouped with expert boundaries inside
     pairs, an empty expert and skipped (-1, 0) tiles (an odd list), k-ranged with an empty range
     and bf16 out, an unaligned ``out=`` column block (the per-fragment stores), the fused SwiGLU
@@ -331,13 +332,19 @@ def test_cta_pairs_give_the_single_ctas_bits(monkeypatch):
                 mx_gemm.mx_bf16_math_combine1_gemm(a, sab, b16, tiles, src, weight)]
 
     monkeypatch.setenv("MOKGEN_MX_PAIRS", "0")
+    monkeypatch.setenv("MOKGEN_MX_BAND", "1")
     single = run()
     assert (single[2][1] == 0).all()  # the empty range
-    monkeypatch.setenv("MOKGEN_MX_PAIRS", "1")
-    for _ in range(2):
-        for i, (p, q) in enumerate(zip(run(), single)):
-            assert torch.equal(p, q), i
+    # pairs with the grid's order; the fused combine's launch alone in pairs; the band orders
+    # (MOKGEN_MX_BAND: bands of 2, 3 and 8 row tiles, a short last band) alone and with pairs
+    for pairs, band in (("1", "1"), ("dx", "1"), ("0", "2"), ("0", "3"), ("1", "3"), ("dx", "8"), ("0", "8")):
+        monkeypatch.setenv("MOKGEN_MX_PAIRS", pairs)
+        monkeypatch.setenv("MOKGEN_MX_BAND", band)
+        for _ in range(2):
+            for i, (p, q) in enumerate(zip(run(), single)):
+                assert torch.equal(p, q), (pairs, band, i)
     monkeypatch.setenv("MOKGEN_MX_PAIRS", "0")
+    monkeypatch.setenv("MOKGEN_MX_BAND", "1")
     assert all(torch.equal(p, q) for p, q in zip(run(), single))
 
 

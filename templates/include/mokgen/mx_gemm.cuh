@@ -679,26 +679,42 @@ template <int kEpi, int kPair = 1>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
-                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi, int n_y) {
+                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi, int n_y,
+                int band) {
   static_assert(kPair == 1 || kPair == 2, "single CTAs or pairs");
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  // which tile this CTA computes: (column tile bx, row tile by). band > 1 (MOKGEN_MX_BAND, v0.43):
+  // the CTAs in launch order (x fastest, then y) walk the row tiles in bands of `band` (pairs of
+  // them under kPair = 2), column tile by column tile within a band, so the CTAs that share a
+  // column tile of B (an expert's weights, 58 MB for kimi-k2.5's dx) start together and read it
+  // from DRAM once per band; band 1: the grid's own order, the column tiles of a row tile
+  // together. The same tiles either way (the same bits).
+  int bx = int(blockIdx.x), by = int(blockIdx.y);
+  if (band > 1) {
+    const int nx = int(gridDim.x), units = int(gridDim.y) / kPair;
+    const int l = (by / kPair) * nx + bx;                 // the CTA's (or pair's) place in launch order
+    const int b = l / (band * nx), r = l - b * band * nx;  // its band, and place within the band
+    const int in_band = units - b * band < band ? units - b * band : band;
+    bx = r / in_band;
+    by = (b * band + r % in_band) * kPair + by % kPair;
+  }
   // grouped (tiles given): tile (expert e, first row m0) against e's N rows of the stacked B
   // [E N, K]; (-1, 0) tiles (past the segments of a fixed-length list) are skipped
   auto tile_at = [&](int y) {
     return y >= n_y ? make_int2(-1, 0) : tiles != nullptr ? tiles[y] : make_int2(0, y * kBM);
   };
-  const int2 tile = tile_at(int(blockIdx.y));
+  const int2 tile = tile_at(by);
   bool share = false;
   int crank = 0;
   if constexpr (kPair == 2) {
     crank = int(cute::block_rank_in_cluster());
-    const int2 other = tile_at(int(blockIdx.y) ^ 1);
+    const int2 other = tile_at(by ^ 1);
     share = tile.x >= 0 && other.x == tile.x;
   }
   if (tile.x < 0) return;
-  const int m0 = tile.y, n0 = blockIdx.x * kBN, b0 = tile.x * N + n0;
+  const int m0 = tile.y, n0 = bx * kBN, b0 = tile.x * N + n0;
   // k-ranged (kranges given, the weight gradients): output z = blockIdx.z reduces k in
   // [first, first + length) of its range (first a multiple of 128; length 0 writes zeros) into
   // its own [M, N] slice of C
