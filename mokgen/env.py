@@ -46,8 +46,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
     "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
     "MOKGEN_MX_WEIGHTS": "apart (default) or both: a staged MXFP8 training step (mokgen.mx_experts.experts_forward_train, bf16-math form) quantizes its weights in the forward's orientation in the forward and transposed in the backward, a kernel each, or both orientations in the forward from one read of the weights (mx_gemm.expert_weights_both, v0.43), the transposed copies held until the backward (the weights' bf16 size more memory between forward and backward). The same bits",
-    "MOKGEN_MX_PAIRS": "0 (default), 1 or dx: the MXFP8 bf16-math GEMM's launches (mokgen.mx_gemm: grouped, dense and k-ranged, every epilogue; not MOKGEN_MX_RANGED=persistent) as single CTAs, or as clusters of two CTAs over neighbouring row tiles which, where they read the same B (one expert), load one half of it each into both by TMA multicast (v0.43): every launch (1) or the fused combine's only (dx, the dgrad dx at k = 1). The same bits",
-    "MOKGEN_MX_BAND": "1 (default) to 65535: the MXFP8 bf16-math GEMM's launches (as MOKGEN_MX_PAIRS') walk their row tiles in bands of this many, column tile by column tile within a band, so the CTAs sharing a column tile of B start together (v0.43); 1: the grid's order, a row tile's column tiles together. The same bits",
+    "MOKGEN_MX_BAND": "1 to 65535 (default 8): the MXFP8 bf16-math GEMM's grouped launches (mokgen.mx_gemm: the staged experts' forward and dgrads) walk their row tiles in bands of this many, column tile by column tile within a band, so the CTAs sharing a column tile of B start together and read it from DRAM about once per band (v0.43); 1: the grid's order, a row tile's column tiles together (v0.42's). The dense and k-ranged launches keep the grid's order. The same bits",
     "MOKGEN_MX_QUANT": "v2 (default since v0.41) or v1: the kernel that quantizes MXFP8 weights and activations along their rows, transposed (mokgen.mx_gemm.expert_weights with transpose, cols_bf16_math): v2 v0.40's 128 x 64 tiles through shared memory, v1 one thread per 32-element block (v0.35). The same bits; v2 measured faster (README, docs/perf-notes.md v0.40-v0.41). (The quantizer along the rows, weight_rows_kernel, is one kernel: v0.39's alternative was retired in v0.41)",
     "MOKGEN_MX_BWD_STAGES": "fused (default) or torch: the MXFP8 backward's elementwise stages (mokgen.mx_experts: the combine's backward with dy's quantization, SwiGLU's backward with [dg | du]'s quantization, dx's sum over a token's pairs) as v0.40's two fused kernels with dx from the combine kernel (at k = 1 the dgrad GEMM's epilogue), or as PyTorch expressions and separate quantizers (v0.39; measured 1.13-1.31x slower). dy and the codes the same bits; the routing weights' gradient summed in a fixed order of its own, dg, du and h within an ulp or two",
     "MOKGEN_MX_RANGED": "tiles (default) or persistent: the MXFP8 weight gradients' k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm) as a CTA per tile (v0.35), or v0.40's persistent kernel, a CTA per SM walking the tiles with its producer filling the next tile's stages during a tile's epilogue. The same bits; persistent measured 5% slower on the H100 (docs/perf-notes.md v0.40)",
@@ -178,6 +177,8 @@ def bwd_tail() -> str:
 BWD_STAGGER_DEFAULT = 3
 #: the backward's rows GEMMs' bands of row blocks (MOKGEN_BWD_ROW_BAND; templates/bwd_gemm.cu g_band)
 BWD_ROW_BAND_DEFAULT = 8
+#: the MX bf16-math GEMM's grouped launches' bands of row tiles (MOKGEN_MX_BAND; templates/mx_gemm.cu g_mx_band)
+MX_BAND_DEFAULT = 8
 
 
 def bwd_stagger() -> int:
@@ -247,21 +248,13 @@ def mx_weights() -> str:
     return _choice("MOKGEN_MX_WEIGHTS", ("apart", "both"))
 
 
-def mx_pairs() -> int:
-    """MOKGEN_MX_PAIRS: ``0`` (default), ``1`` or ``dx`` (v0.43): the MXFP8 bf16-math GEMM's launches
-    as single CTAs, or as clusters of two CTAs over neighbouring row tiles that share B by TMA
-    multicast, every launch (1) or the fused combine's only (dx: the dgrad dx at k = 1)
-    (mokgen.mx_gemm; the same bits). Returns 0, 1 or 2 (dx)."""
-    return {"0": 0, "1": 1, "dx": 2}[_choice("MOKGEN_MX_PAIRS", ("0", "1", "dx"))]
-
-
 def mx_band() -> int:
-    """MOKGEN_MX_BAND: the MXFP8 bf16-math GEMM's launches walk their row tiles in bands of this
-    many, column tile by column tile within a band (v0.43); 1 (default): the grid's order. The
-    same bits."""
+    """MOKGEN_MX_BAND: the MXFP8 bf16-math GEMM's grouped launches walk their row tiles in bands of
+    this many, column tile by column tile within a band (v0.43; default 8); 1: the grid's order.
+    The same bits."""
     value = _get("MOKGEN_MX_BAND")
     if value is None:
-        return 1
+        return MX_BAND_DEFAULT
     if not value.isdigit() or not 1 <= int(value) <= 65535:
         from mokgen.errors import ToolchainError
 

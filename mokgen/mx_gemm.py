@@ -95,9 +95,8 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_weight_cols2.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]  # MOKGEN_MX_QUANT=v2
     lib.mokgen_mx_weight_cols2.restype = i
     lib.mokgen_mx_gather_cols.argtypes, lib.mokgen_mx_gather_cols.restype = [vp, vp, vp, i, i, i, i, vp], i
-    for name in ("mokgen_mx_set_pairs", "mokgen_mx_set_band"):  # v0.43 (MOKGEN_MX_PAIRS, MOKGEN_MX_BAND)
-        if hasattr(lib, name):
-            getattr(lib, name).argtypes, getattr(lib, name).restype = [i], None
+    if hasattr(lib, "mokgen_mx_set_band"):  # v0.43 (MOKGEN_MX_BAND)
+        lib.mokgen_mx_set_band.argtypes, lib.mokgen_mx_set_band.restype = [i], None
     if hasattr(lib, "mokgen_mx_weight_both"):  # v0.43 (MOKGEN_MX_WEIGHTS=both); older builds for A/Bs lack it
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
     lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
@@ -122,27 +121,23 @@ def _launch(entry: str, device, *args, what: str = "") -> None:
     with torch.cuda.device(device):
         lib = load_library()
         if entry.startswith("mokgen_mx_bf16_math"):
-            _sync_options(lib)
+            _sync_band(lib)
         code = getattr(lib, entry)(*args, torch.cuda.current_stream().cuda_stream)
     if code:
         raise KernelError(f"{entry}{f' ({what})' if what else ''} failed: CUDA error {code}")
 
 
-#: the (MOKGEN_MX_PAIRS, MOKGEN_MX_BAND) values each loaded library was last told, by id
-_options_set: dict = {}
+#: the MOKGEN_MX_BAND value each loaded library was last told (mokgen_mx_set_band), by id
+_band_set: dict = {}
 
 
-def _sync_options(lib) -> None:
-    """Tell ``lib`` MOKGEN_MX_PAIRS and MOKGEN_MX_BAND (read at every bf16-math launch) where they
-    changed: the bf16-math GEMM's launches as CTA pairs sharing B or single CTAs, and their tile
-    order. The same bits."""
-    pairs, band = env.mx_pairs(), env.mx_band()
-    old = _options_set.get(id(lib), (0, 1))  # the library's own defaults
-    if old[0] != pairs and hasattr(lib, "mokgen_mx_set_pairs"):
-        lib.mokgen_mx_set_pairs(pairs)
-    if old[1] != band and hasattr(lib, "mokgen_mx_set_band"):
+def _sync_band(lib) -> None:
+    """Tell ``lib`` MOKGEN_MX_BAND (read at every bf16-math launch) where it changed: the grouped
+    launches' tile order. The same bits."""
+    band = env.mx_band()
+    if _band_set.get(id(lib), env.MX_BAND_DEFAULT) != band and hasattr(lib, "mokgen_mx_set_band"):
         lib.mokgen_mx_set_band(band)
-    _options_set[id(lib)] = (pairs, band)
+        _band_set[id(lib)] = band
 
 
 def _check(name: str, codes, scales, k: int | None = None) -> tuple[int, int]:

@@ -86,60 +86,34 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // Fused epilogues (grouped only, no C): swi.codes not null, h = swiglu(gate, up) quantized to
 // MXFP8 (B's rows interleaved in 128s of gate then up: N = 2 inter); swi.out not null, the combine
 // of one pair per token.
-// The bf16-math GEMM's launches as CTA pairs sharing B (bf16m::gemm_kernel<kEpi, 2>; set by
-// mokgen_mx_set_pairs, MOKGEN_MX_PAIRS) or single CTAs (0, the default). The same bits.
-int g_pairs = 0;
-
-// The bf16-math GEMM's tile order (bf16m::gemm_kernel's band; set by mokgen_mx_set_band,
-// MOKGEN_MX_BAND): bands of g_mx_band row tiles, column tile by column tile within a band; 1 (the
-// default) the grid's order. The same bits.
-int g_mx_band = 1;
+// The bf16-math GEMM's grouped launches' tile order (bf16m::gemm_kernel's band; set by
+// mokgen_mx_set_band, MOKGEN_MX_BAND): bands of g_mx_band row tiles, column tile by column tile
+// within a band; 1 the grid's order. The dense and k-ranged launches keep the grid's order (the
+// weight gradients' k-ranged launches measured 1.03x slower in bands of 8, H100, v0.43). The same
+// bits.
+int g_mx_band = 8;
 
 template <int kEpi>
 int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
                          int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::EpiArgs swi,
                          void* stream) {
   namespace bm = bf16m;
-  // pairs: the grid's y rounded up to even (the kernel skips y >= n_tiles), within 65535
-  // g_pairs 1: every launch; 2: the fused combine's only (MOKGEN_MX_PAIRS=dx)
-  const bool pairs = (g_pairs == 1 || (g_pairs == 2 && kEpi == bm::kEpiCombine1)) && n_tiles >= 2 &&
-                     (n_tiles + 1) / 2 * 2 <= 65535;
   CUtensorMap ma, mb;
   if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
-      sm90::encode_map_2d(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K), pairs ? bm::kBN / 2 : bm::kBN, 64) !=
-          CUDA_SUCCESS)
+      sm90::encode_map_2d(&mb, b, uint64_t(E) * uint64_t(N), uint64_t(K), bm::kBN, 64) != CUDA_SUCCESS)
     return int(cudaErrorInvalidValue);
-  static bool attr[2] = {false, false};
-  if (!attr[pairs]) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(pairs ? bm::gemm_kernel<kEpi, 2> : bm::gemm_kernel<kEpi, 1>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(bm::kSmemBytes));
+  static bool attr = false;
+  if (!attr) {
+    const cudaError_t err = cudaFuncSetAttribute(bm::gemm_kernel<kEpi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 int(bm::kSmemBytes));
     if (err != cudaSuccess) return int(err);
-    attr[pairs] = true;
+    attr = true;
   }
-  const auto* t = static_cast<const int2*>(tiles);
-  const auto* kr = static_cast<const int2*>(kranges);
-  const auto* scales = static_cast<const uint8_t*>(sa);
-  if (!pairs) {
-    bm::gemm_kernel<kEpi><<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
-                            static_cast<cudaStream_t>(stream)>>>(ma, mb, scales, static_cast<float*>(c), M, N, K, t, kr,
-                                                                 out_bf16, swi, n_tiles, g_mx_band);
-    return int(cudaGetLastError());
-  }
-  cudaLaunchAttribute attr_cluster;
-  attr_cluster.id = cudaLaunchAttributeClusterDimension;
-  attr_cluster.val.clusterDim.x = 1;
-  attr_cluster.val.clusterDim.y = 2;
-  attr_cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(N / bm::kBN), unsigned((n_tiles + 1) / 2 * 2), unsigned(n_ranges));
-  cfg.blockDim = dim3(bm::kThreads);
-  cfg.dynamicSmemBytes = bm::kSmemBytes;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cfg.attrs = &attr_cluster;
-  cfg.numAttrs = 1;
-  return int(cudaLaunchKernelEx(&cfg, bm::gemm_kernel<kEpi, 2>, ma, mb, scales, static_cast<float*>(c), M, N, K, t, kr,
-                                out_bf16, swi, n_tiles, g_mx_band));
+  bm::gemm_kernel<kEpi><<<dim3(N / bm::kBN, n_tiles, n_ranges), bm::kThreads, bm::kSmemBytes,
+                          static_cast<cudaStream_t>(stream)>>>(
+      ma, mb, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, static_cast<const int2*>(tiles),
+      static_cast<const int2*>(kranges), out_bf16, swi, tiles != nullptr ? g_mx_band : 1);
+  return int(cudaGetLastError());
 }
 
 int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
@@ -330,14 +304,8 @@ int mokgen_mx_tile_test(int kind, void* c, void* h_codes, void* h_scales, const 
 // The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over
 // k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
 // (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
-// MOKGEN_MX_PAIRS (v0.43): the bf16-math GEMM's launches (grouped, dense, k-ranged, every
-// epilogue; not the persistent k-ranged kernel) as CTA pairs sharing B: mode 1 every launch, 2 the
-// fused combine's only (the dgrad dx at k = 1), 0 none. The same bits.
-void mokgen_mx_set_pairs(int mode) { mokgen::mxg::g_pairs = mode == 1 || mode == 2 ? mode : 0; }
-
-// MOKGEN_MX_BAND (v0.43): the bf16-math GEMM's launches (as mokgen_mx_set_pairs') walk their row
-// tiles in bands of `band`, column tile by column tile within a band; 1: the grid's order. The
-// same bits.
+// MOKGEN_MX_BAND (v0.43): the bf16-math GEMM's grouped launches walk their row tiles in bands of
+// `band` (default 8), column tile by column tile within a band; 1: the grid's order. The same bits.
 void mokgen_mx_set_band(int band) { mokgen::mxg::g_mx_band = band < 1 ? 1 : band; }
 
 int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, const void* b, const void* kranges,

@@ -292,17 +292,17 @@ def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     assert torch.equal(low, got.to(torch.bfloat16))
 
 
-def test_cta_pairs_and_band_orders_give_the_single_ctas_bits(monkeypatch):
-    """MOKGEN_MX_PAIRS=1 and dx (clusters of two CTAs over neighbouring row tiles, B shared by TMA
-    multicast where both tiles read the same B) and MOKGEN_MX_BAND (the tiles' launch order by
-    bands of row tiles) against single CTAs in the grid's order, every launch form: dense with
-    an odd row-tile count (the grid's last pair has one tile), grouped with expert boundaries inside
-    pairs, an empty expert and skipped (-1, 0) tiles (an odd list), k-ranged with an empty range
-    and bf16 out, an unaligned ``out=`` column block (the per-fragment stores), the fused SwiGLU
-    epilogue and the fused combine; each run twice. The same bits."""
+def test_band_orders_give_the_grid_orders_bits(monkeypatch):
+    """MOKGEN_MX_BAND (the grouped launches' tiles in launch order by bands of row tiles, column
+    tile by column tile within a band) against the grid's order (band 1), every launch form (the
+    dense and k-ranged ones keep the grid's order at any band): dense with an odd row-tile count,
+    grouped with expert boundaries, an empty expert and skipped (-1, 0) tiles (an odd list),
+    k-ranged with an empty range and bf16 out, an unaligned ``out=`` column block (the
+    per-fragment stores), the fused SwiGLU epilogue and the fused combine; each run twice. The
+    same bits."""
     gen = torch.Generator(device="cuda").manual_seed(61)
     E, N, K, I = 3, 512, 384, 256
-    padded = [384, 0, 256]  # tiles: expert 0's three, expert 2's two: pairs (0, 0), (0, 2), (2, -1)
+    padded = [384, 0, 256]  # tiles: expert 0's three, expert 2's two, then two skipped
     a, sa = mx.quantize(_blocks(sum(padded), K, gen, 8), dim=-1)
     sab = mx_gemm.block_scales(sa)
     b, sb = mx.quantize(torch.stack([_blocks(N, K, gen, 8) for _ in range(E)]), dim=-1)
@@ -331,21 +331,16 @@ def test_cta_pairs_and_band_orders_give_the_single_ctas_bits(monkeypatch):
                 *[t.view(torch.uint8) for t in mx_gemm.mx_bf16_math_swiglu_gemm(a, sab, fused, tiles, 10.0)],
                 mx_gemm.mx_bf16_math_combine1_gemm(a, sab, b16, tiles, src, weight)]
 
-    monkeypatch.setenv("MOKGEN_MX_PAIRS", "0")
     monkeypatch.setenv("MOKGEN_MX_BAND", "1")
-    single = run()
-    assert (single[2][1] == 0).all()  # the empty range
-    # pairs with the grid's order; the fused combine's launch alone in pairs; the band orders
-    # (MOKGEN_MX_BAND: bands of 2, 3 and 8 row tiles, a short last band) alone and with pairs
-    for pairs, band in (("1", "1"), ("dx", "1"), ("0", "2"), ("0", "3"), ("1", "3"), ("dx", "8"), ("0", "8")):
-        monkeypatch.setenv("MOKGEN_MX_PAIRS", pairs)
+    grid = run()
+    assert (grid[2][1] == 0).all()  # the empty range
+    for band in ("2", "3", "8", "64"):  # bands of 2 and 3 row tiles (a short last band), 8, one band
         monkeypatch.setenv("MOKGEN_MX_BAND", band)
         for _ in range(2):
-            for i, (p, q) in enumerate(zip(run(), single)):
-                assert torch.equal(p, q), (pairs, band, i)
-    monkeypatch.setenv("MOKGEN_MX_PAIRS", "0")
-    monkeypatch.setenv("MOKGEN_MX_BAND", "1")
-    assert all(torch.equal(p, q) for p, q in zip(run(), single))
+            for i, (p, q) in enumerate(zip(run(), grid)):
+                assert torch.equal(p, q), (band, i)
+    monkeypatch.delenv("MOKGEN_MX_BAND")  # the default (8)
+    assert all(torch.equal(p, q) for p, q in zip(run(), grid))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

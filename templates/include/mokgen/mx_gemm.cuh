@@ -437,32 +437,15 @@ __device__ __forceinline__ void swiglu_quantize_epilogue(const float (&acc)[kAcc
 }
 
 // The producer's k-block: stage it % kStages (its phase from it / kStages) filled with B's k-block
-// kb (B rows b0..), A's rows m0.. and their four-scale words. kHalves (the CTA pairs' launches,
-// MOKGEN_MX_PAIRS; map_b's box is 128 rows): B comes as two 128-row boxes, which stack into the
-// 256-row box's layout (SWIZZLE_128B repeats every 8 rows); with share, this CTA loads box crank
-// only, into both CTAs of its pair (TMA multicast), and the peer the other.
-template <bool kHalves = false>
+// kb (B rows b0..), A's rows m0.. and their four-scale words.
 __device__ __forceinline__ void produce_kblock(const CUtensorMap* map_a, const CUtensorMap* map_b,
                                                const uint8_t* __restrict__ sa, unsigned char* stages, uint64_t* full,
-                                               uint64_t* empty, int it, int kb, int m0, int b0, int M,
-                                               bool share = false, int crank = 0) {
+                                               uint64_t* empty, int it, int kb, int m0, int b0, int M) {
   const int s = it % kStages;
   sm90::mbar_wait(&empty[s], ((it / kStages) & 1u) ^ 1u);
   unsigned char* st = stages + size_t(s) * kStageStride;
   sm90::mbar_arrive_expect_tx(&full[s], kBBytes + kABytes + kScaleBytes);
-  if constexpr (kHalves) {
-    constexpr int kHalf = kBBytes / 2;
-    if (share) {
-      cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map_b, &full[s], uint16_t(0b11),
-                                             uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), st + crank * kHalf,
-                                             kb * kBK, b0 + (kBN / 2) * crank);
-    } else {
-      cute::SM90_TMA_LOAD_2D::copy(map_b, &full[s], 0, st, kb * kBK, b0);
-      cute::SM90_TMA_LOAD_2D::copy(map_b, &full[s], 0, st + kHalf, kb * kBK, b0 + kBN / 2);
-    }
-  } else {
-    cute::SM90_TMA_LOAD_2D::copy(map_b, &full[s], 0, st, kb * kBK, b0);
-  }
+  cute::SM90_TMA_LOAD_2D::copy(map_b, &full[s], 0, st, kb * kBK, b0);
   cute::SM90_TMA_LOAD_2D::copy(map_a, &full[s], 0, st + kBBytes, kb * kBK, m0);
   bulk::load(st + kBBytes + kABytes, sa + (size_t(kb / 2) * M + m0) * 4, kScaleBytes, &full[s]);
 }
@@ -471,10 +454,9 @@ __device__ __forceinline__ void produce_kblock(const CUtensorMap* map_a, const C
 // fragments, four wgmma k16 steps kept in flight one behind; the stage before (prev) released once
 // its last wgmma retired. kb's parity picks the k64 half of the k128 scale word (k ranges start
 // at multiples of 128).
-// share (a CTA pair's): the stage goes back to the peer's producer too, whose multicast fills it.
 __device__ __forceinline__ void consume_kblock(const unsigned char* stages, uint64_t* full, uint64_t* empty, int it,
                                                int kb, int r0, int q, int t, float (&acc)[kAcc], uint32_t (&a)[2][4],
-                                               int& prev, bool share = false, int crank = 0) {
+                                               int& prev) {
   const int s = it % kStages;
   sm90::mbar_wait(&full[s], (it / kStages) & 1u);
   const unsigned char* st = stages + size_t(s) * kStageStride;
@@ -506,7 +488,6 @@ __device__ __forceinline__ void consume_kblock(const unsigned char* stages, uint
   }
   sm90::fence_operands(acc);
   if (prev >= 0 && t == 0) sm90::mbar_arrive(&empty[prev]);  // its last wgmma retired above
-  if (share && prev >= 0 && t == 1) sm90::mbar_arrive_cluster(&empty[prev], uint32_t(crank ^ 1));
   prev = s;
 }
 
@@ -593,10 +574,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kAcc], unsi
   }
 }
 
-// share (a CTA pair that shares B): empty counts the two consumer warpgroups of both CTAs, and
-// the pair's barriers all exist (a cluster barrier) before any multicast or remote arrive.
 __device__ __forceinline__ void init_pipe(unsigned char* smem, uint64_t*& full, uint64_t*& empty,
-                                          unsigned char*& stages, bool share = false) {
+                                          unsigned char*& stages) {
   full = reinterpret_cast<uint64_t*>(smem);
   empty = full + kStages;
   const uint32_t base = smem_u32(smem);
@@ -604,14 +583,11 @@ __device__ __forceinline__ void init_pipe(unsigned char* smem, uint64_t*& full, 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       sm90::mbar_init(&full[i], 1);
-      sm90::mbar_init(&empty[i], share ? 4 : 2);
+      sm90::mbar_init(&empty[i], 2);
     }
     sm90::fence_barrier_init();
   }
-  if (share)
-    cute::cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
 }
 
 // gemm_kernel's consumer warpgroups: the tile's k-blocks, then its epilogue.
@@ -619,7 +595,7 @@ template <int kEpi>
 __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* full,
                                              uint64_t* empty, float* __restrict__ c, int M, int N, int n_k, int m0,
                                              int n0, size_t z_off, size_t ldc, int t, int wg, int out_bf16,
-                                             const EpiArgs& swi, bool share, int crank) {
+                                             const EpiArgs& swi) {
   cutlass::arch::warpgroup_reg_alloc<232>();
   const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
   const int r0 = 64 * c_wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
@@ -630,7 +606,7 @@ __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* fu
   }
   uint32_t a[2][4];
   int prev = -1;
-  for (int kb = 0; kb < n_k; ++kb) consume_kblock(stages, full, empty, kb, kb, r0, q, t, acc, a, prev, share, crank);
+  for (int kb = 0; kb < n_k; ++kb) consume_kblock(stages, full, empty, kb, kb, r0, q, t, acc, a, prev);
   cute::warpgroup_wait<0>();
   sm90::fence_operands(acc);
   const int row = m0 + r0;
@@ -666,53 +642,34 @@ __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* fu
   store_tile_staged(acc, buf, c, z_off, ldc, m0 + 64 * c_wg, n0, c_wg, w, g, q, lane, out_bf16);
 }
 
-// kPair = 2 (MOKGEN_MX_PAIRS, v0.43): clusters of two CTAs over row tiles y = 2 j, 2 j + 1 (the
-// grid's y rounded up to even; n_y the real count, past it no tile). Where both tiles exist and
-// read the same B (one expert; always in the dense and k-ranged forms, whose pairs share the k
-// range), the pair shares B: each producer loads one 128-row half of it into both CTAs by TMA
-// multicast, so a tile reads 384 bytes from L2 per k instead of 640 (A's 128 codes, B's 256 of
-// 512). A stage is refilled only once the consumers of both CTAs have released it (empty counts
-// four arrivals), and the pair ends on a cluster barrier so that no remote arrive targets an
-// exited CTA. A pair that does not share runs as two single CTAs (no cluster barrier at all).
-// The same tiles and k order either way: the same bits as kPair = 1.
-template <int kEpi, int kPair = 1>
+// band > 1 (grouped launches; MOKGEN_MX_BAND, v0.43, default 8): the CTAs in launch order (x
+// fastest, then y) walk the tile list in bands of `band` row tiles, column tile by column tile
+// within a band, so the CTAs that share a column tile of B (one expert's weights: 58 MB per
+// expert in kimi-k2.5 local's dx) start together and it comes from DRAM about once per band; the
+// band's A rows stay in L2 across its column tiles. band 1: the grid's order, a row tile's column
+// tiles together (v0.42's; B's column tiles then came from DRAM again for each wave that held
+// some of an expert's row tiles: kimi-k2.5's dx 2.30 -> 1.71 ms on the H100 with bands of 8). The
+// same tiles either way (the same bits).
+template <int kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const uint8_t* __restrict__ sa, float* __restrict__ c, int M, int N, int K,
-                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi, int n_y,
-                int band) {
-  static_assert(kPair == 1 || kPair == 2, "single CTAs or pairs");
+                const int2* __restrict__ tiles, const int2* __restrict__ kranges, int out_bf16, EpiArgs swi, int band) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  // which tile this CTA computes: (column tile bx, row tile by). band > 1 (MOKGEN_MX_BAND, v0.43):
-  // the CTAs in launch order (x fastest, then y) walk the row tiles in bands of `band` (pairs of
-  // them under kPair = 2), column tile by column tile within a band, so the CTAs that share a
-  // column tile of B (an expert's weights, 58 MB for kimi-k2.5's dx) start together and read it
-  // from DRAM once per band; band 1: the grid's own order, the column tiles of a row tile
-  // together. The same tiles either way (the same bits).
-  int bx = int(blockIdx.x), by = int(blockIdx.y);
+  int bx = int(blockIdx.x), by = int(blockIdx.y);  // this CTA's column tile and row tile
   if (band > 1) {
-    const int nx = int(gridDim.x), units = int(gridDim.y) / kPair;
-    const int l = (by / kPair) * nx + bx;                 // the CTA's (or pair's) place in launch order
+    const int nx = int(gridDim.x), ny = int(gridDim.y);
+    const int l = by * nx + bx;                            // the CTA's place in launch order
     const int b = l / (band * nx), r = l - b * band * nx;  // its band, and place within the band
-    const int in_band = units - b * band < band ? units - b * band : band;
+    const int in_band = ny - b * band < band ? ny - b * band : band;
     bx = r / in_band;
-    by = (b * band + r % in_band) * kPair + by % kPair;
+    by = b * band + r % in_band;
   }
   // grouped (tiles given): tile (expert e, first row m0) against e's N rows of the stacked B
   // [E N, K]; (-1, 0) tiles (past the segments of a fixed-length list) are skipped
-  auto tile_at = [&](int y) {
-    return y >= n_y ? make_int2(-1, 0) : tiles != nullptr ? tiles[y] : make_int2(0, y * kBM);
-  };
-  const int2 tile = tile_at(by);
-  bool share = false;
-  int crank = 0;
-  if constexpr (kPair == 2) {
-    crank = int(cute::block_rank_in_cluster());
-    const int2 other = tile_at(by ^ 1);
-    share = tile.x >= 0 && other.x == tile.x;
-  }
+  const int2 tile = tiles != nullptr ? tiles[by] : make_int2(0, by * kBM);
   if (tile.x < 0) return;
   const int m0 = tile.y, n0 = bx * kBN, b0 = tile.x * N + n0;
   // k-ranged (kranges given, the weight gradients): output z = blockIdx.z reduces k in
@@ -724,18 +681,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const size_t z_off = size_t(blockIdx.z) * M * ldc;  // elements of C (float32 or bf16) before slice z
   uint64_t *full, *empty;
   unsigned char* stages;
-  init_pipe(smem, full, empty, stages, share);
+  init_pipe(smem, full, empty, stages);
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (t == 0) {
-      for (int kb = 0; kb < n_k; ++kb)
-        produce_kblock<kPair == 2>(&map_a, &map_b, sa, stages, full, empty, kb, kb0 + kb, m0, b0, M, share, crank);
+      for (int kb = 0; kb < n_k; ++kb) produce_kblock(&map_a, &map_b, sa, stages, full, empty, kb, kb0 + kb, m0, b0, M);
     }
-    if (share) cute::cluster_sync();  // the pair's end (below)
     return;
   }
-  consume_tile<kEpi>(stages, full, empty, c, M, N, n_k, m0, n0, z_off, ldc, t, wg, out_bf16, swi, share, crank);
-  if (share) cute::cluster_sync();  // the peer's consumers have made their last remote arrive here
+  consume_tile<kEpi>(stages, full, empty, c, M, N, n_k, m0, n0, z_off, ldc, t, wg, out_bf16, swi);
 }
 
 // The k-ranged GEMM (the weight gradients) persistent (v0.40): gridDim.x CTAs walk the tiles
