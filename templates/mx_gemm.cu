@@ -78,6 +78,13 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
   }
 }
 
+// The bf16-math GEMM's grouped launches' tile order (bf16m::gemm_kernel's band; set by
+// mokgen_mx_set_band, MOKGEN_MX_BAND): bands of g_mx_band row tiles, column tile by column tile
+// within a band; 1 the grid's order. The dense and k-ranged launches keep the grid's order (the
+// weight gradients' k-ranged launches measured 1.03x slower in bands of 8, H100, v0.43). The same
+// bits.
+int g_mx_band = 8;
+
 // The bf16-math form: A MXFP8 [M, K] (codes, blocked scales [K / 128, M, 4]), B bf16 [E N, K]
 // (MX values, k permuted within each 16: mokgen.mx_gemm.bf16_math_weights), C [M, N] float32.
 // Dense (tiles null, E = 1) or grouped: n_tiles row tiles (expert, first row), (-1, 0) skipped.
@@ -86,13 +93,6 @@ int launch_form(int form, void* c, const void* a, const void* sa, const void* b,
 // Fused epilogues (grouped only, no C): swi.codes not null, h = swiglu(gate, up) quantized to
 // MXFP8 (B's rows interleaved in 128s of gate then up: N = 2 inter); swi.out not null, the combine
 // of one pair per token.
-// The bf16-math GEMM's grouped launches' tile order (bf16m::gemm_kernel's band; set by
-// mokgen_mx_set_band, MOKGEN_MX_BAND): bands of g_mx_band row tiles, column tile by column tile
-// within a band; 1 the grid's order. The dense and k-ranged launches keep the grid's order (the
-// weight gradients' k-ranged launches measured 1.03x slower in bands of 8, H100, v0.43). The same
-// bits.
-int g_mx_band = 8;
-
 template <int kEpi>
 int launch_bf16_math_epi(void* c, const void* a, const void* sa, const void* b, const void* tiles, int n_tiles, int E,
                          int M, int N, int K, const void* kranges, int n_ranges, int out_bf16, bf16m::EpiArgs swi,
@@ -301,13 +301,13 @@ int mokgen_mx_tile_test(int kind, void* c, void* h_codes, void* h_scales, const 
   }
 }
 
-// The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over
-// k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
-// (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
 // MOKGEN_MX_BAND (v0.43): the bf16-math GEMM's grouped launches walk their row tiles in bands of
 // `band` (default 8), column tile by column tile within a band; 1: the grid's order. The same bits.
 void mokgen_mx_set_band(int band) { mokgen::mxg::g_mx_band = band < 1 ? 1 : band; }
 
+// The weight gradients: C [n_ranges, M, N] (float32, or bf16 when out_bf16), slice z = A B^T over
+// k in range z = kranges[z] (first, length; multiples of 128; length 0: zeros), A MXFP8 [M, K]
+// (codes, blocked scales), B bf16 [N, K] (MX values, k permuted).
 int mokgen_mx_bf16_math_ranged_gemm(void* c, const void* a, const void* sa, const void* b, const void* kranges,
                                     int n_ranges, int M, int N, int K, int out_bf16, void* stream) {
   return mokgen::mxg::launch_bf16_math(c, a, sa, b, nullptr, M / 128, 1, M, N, K, kranges, n_ranges, out_bf16,

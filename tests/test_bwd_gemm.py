@@ -421,3 +421,20 @@ def test_auto_weight_schedule_by_the_experts_rows(monkeypatch):
         monkeypatch.setenv("MOKGEN_BWD_WEIGHTS", value)
         assert bwd_gemm.weight_schedule(16384, 4) == backward.weight_schedule(1024, 256, 8) == value
     assert env.bwd_weights() == "pingpong"
+
+
+def test_row_band_switch(monkeypatch):
+    """MOKGEN_BWD_ROW_BAND: the default 8 (the library's own), integers 1-4096, else a one-line
+    error naming the switch."""
+    from mokgen import env
+    from mokgen.errors import ToolchainError
+
+    monkeypatch.delenv("MOKGEN_BWD_ROW_BAND", raising=False)
+    assert env.bwd_row_band() == env.BWD_ROW_BAND_DEFAULT == 8
+    for value in ("1", "3", "4096"):
+        monkeypatch.setenv("MOKGEN_BWD_ROW_BAND", value)
+        assert env.bwd_row_band() == int(value)
+    for bad in ("0", "-2", "4097", "eight", "2.5"):
+        monkeypatch.setenv("MOKGEN_BWD_ROW_BAND", bad)
+        with pytest.raises(ToolchainError, match="MOKGEN_BWD_ROW_BAND must be an integer from 1 to 4096"):
+            env.bwd_row_band()

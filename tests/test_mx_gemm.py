@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import gnu_unique_symbols, sass  # noqa: E402
-from mokgen import mx_gemm  # noqa: E402
+from mokgen import env, mx_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 
@@ -334,3 +334,33 @@ def test_expert_weights_both_launches_one_kernel_per_part(launches, monkeypatch)
                                                 STREAM)),
                      ("mokgen_mx_weight_both", (cols.data_ptr(), rows.data_ptr(), up.data_ptr(), 2, 64, 256, 128, 64,
                                                 STREAM))]
+
+
+def test_band_switch_reaches_the_library_only_where_it_changes(launches, monkeypatch):
+    """MOKGEN_MX_BAND: the default 8 (the library's own: no call), read at each bf16-math launch
+    and passed on (mokgen_mx_set_band) only where it changed; a bad value is a one-line error
+    before any launch."""
+    from mokgen.errors import ToolchainError
+
+    calls = launches
+    monkeypatch.setattr(mx_gemm, "_band_set", {})
+    monkeypatch.delenv("MOKGEN_MX_BAND", raising=False)
+    assert env.mx_band() == env.MX_BAND_DEFAULT == 8
+    a = torch.zeros(256, 256, dtype=torch.uint8)
+    sab = torch.zeros(2, 256, 4, dtype=torch.uint8)
+    b = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    tiles = torch.tensor([[0, 0], [1, 128]], dtype=torch.int32)
+
+    def run():
+        calls.clear()
+        mx_gemm.mx_bf16_math_grouped_gemm(a.view(torch.float8_e4m3fn), sab, b, tiles)
+        return [name for name, _ in calls]
+
+    assert run() == ["mokgen_mx_bf16_math_grouped_gemm"]
+    monkeypatch.setenv("MOKGEN_MX_BAND", "1")
+    assert run() == ["mokgen_mx_set_band", "mokgen_mx_bf16_math_grouped_gemm"]
+    assert run() == ["mokgen_mx_bf16_math_grouped_gemm"]  # unchanged: no call
+    monkeypatch.setenv("MOKGEN_MX_BAND", "0")
+    with pytest.raises(ToolchainError, match="MOKGEN_MX_BAND must be an integer from 1 to 65535"):
+        run()
+    assert calls == []
