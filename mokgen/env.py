@@ -121,6 +121,19 @@ def _choice(name: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _int_switch(name: str, default: int, hi: int) -> int:
+    """The value of integer switch ``name`` in 1..hi (default: ``default``); anything else is a
+    ToolchainError."""
+    value = _get(name)
+    if value is None:
+        return default
+    if not value.isdigit() or not 1 <= int(value) <= hi:
+        from mokgen.errors import ToolchainError
+
+        raise ToolchainError(f"{name} must be an integer from 1 to {hi}, got {value!r}")
+    return int(value)
+
+
 def gemm_core() -> str:
     return _choice("MOKGEN_GEMM_CORE", ("wgmma", "mma_sync"))
 
@@ -192,14 +205,7 @@ def bwd_row_band() -> int:
     """MOKGEN_BWD_ROW_BAND: the backward's rows GEMMs (dh, dx) walk an expert's row blocks in bands
     of this many, column tile by column tile within a band (default 8, v0.43); 1 is v0.42's order,
     row block by row block. The same bits at every band."""
-    value = _get("MOKGEN_BWD_ROW_BAND")
-    if value is None:
-        return BWD_ROW_BAND_DEFAULT
-    if not value.isdigit() or not 1 <= int(value) <= 4096:
-        from mokgen.errors import ToolchainError
-
-        raise ToolchainError(f"MOKGEN_BWD_ROW_BAND must be an integer from 1 to 4096, got {value!r}")
-    return int(value)
+    return _int_switch("MOKGEN_BWD_ROW_BAND", BWD_ROW_BAND_DEFAULT, 4096)
 
 
 def fuse_shared() -> bool | None:
@@ -252,14 +258,7 @@ def mx_band() -> int:
     """MOKGEN_MX_BAND: the MXFP8 bf16-math GEMM's grouped launches walk their row tiles in bands of
     this many, column tile by column tile within a band (v0.43; default 8); 1: the grid's order.
     The same bits."""
-    value = _get("MOKGEN_MX_BAND")
-    if value is None:
-        return MX_BAND_DEFAULT
-    if not value.isdigit() or not 1 <= int(value) <= 65535:
-        from mokgen.errors import ToolchainError
-
-        raise ToolchainError(f"MOKGEN_MX_BAND must be an integer from 1 to 65535, got {value!r}")
-    return int(value)
+    return _int_switch("MOKGEN_MX_BAND", MX_BAND_DEFAULT, 65535)
 
 
 def mx_bwd_stages() -> str:

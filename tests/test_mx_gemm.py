@@ -343,6 +343,8 @@ def test_band_switch_reaches_the_library_only_where_it_changes(launches, monkeyp
     from mokgen.errors import ToolchainError
 
     calls = launches
+    lib = mx_gemm.load_library()  # one recorder throughout: the library is told per loaded library
+    monkeypatch.setattr(mx_gemm, "load_library", lambda: lib)
     monkeypatch.setattr(mx_gemm, "_band_set", {})
     monkeypatch.delenv("MOKGEN_MX_BAND", raising=False)
     assert env.mx_band() == env.MX_BAND_DEFAULT == 8
