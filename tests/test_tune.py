@@ -586,7 +586,8 @@ def test_cli_without_a_gpu_says_so(tuned_dirs):
 @pytest.mark.nvcc  # builds the candidates' variants
 def test_tune_writes_an_entry_the_layer_uses_with_the_same_bits(tuned_dirs):
     """A real tune of the tiny spec: the file is written with every candidate's outcome, the
-    winner is chosen from them, a resumed rerun times nothing again, and MoELayer picks the entry
+    winner is chosen from them (the search's, where it held against the defaults in the interleaved
+    confirmation, else the defaults), a resumed rerun times nothing again, and MoELayer picks the entry
     up; chunk size and pairs do not change the bits (DESIGN.md), so the tuned layer's output
     equals the untuned one's."""
     import torch
@@ -600,7 +601,13 @@ def test_tune_writes_an_entry_the_layer_uses_with_the_same_bits(tuned_dirs):
     assert result.path.is_relative_to(tuned_dirs[0])
     assert len(doc["candidates"]) == len(result.space.candidates) and doc["default_ms"] is not None
     times = [c["ms"] for c in doc["candidates"]]
-    assert doc["best_index"] == choose(times)
+    first, confirm = choose(times), doc["confirm"]
+    if first == 0:
+        assert doc["best_index"] == 0 and confirm is None
+    else:  # the search's winner stands only if it held against the defaults, interleaved (tune's default)
+        assert confirm["method"] == "interleaved" and confirm["candidate"] == first
+        assert len(confirm["default_ms"]) == len(confirm["candidate_ms"]) == tune_mod.CONFIRM_BLOCKS
+        assert doc["best_index"] == (first if confirm["held"] else 0)
     assert not list(tuned_dirs[0].rglob("*.partial"))
     # resume: a partial file with every outcome makes the rerun time nothing
     partial = result.path.with_name(result.path.name + ".partial")
