@@ -16,6 +16,7 @@ import mokgen  # noqa: E402
 from mokgen import reference  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 from mokgen.spec import bundled_specs, load_spec  # noqa: E402
+from mokgen.bench import expert_weights  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_memory", "gpu_module_memory")]
 
@@ -24,11 +25,10 @@ REL_TOL = 2e-2  # bf16 inputs, bf16 intermediate and slots, fp32 accumulation
 
 
 def _weights(spec, gen, device="cuda"):
-    E, I, H = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
-    w_gate = (torch.randn(E, I, H, generator=gen, device=device) * H**-0.5).to(torch.bfloat16)
-    w_up = (torch.randn(E, I, H, generator=gen, device=device) * H**-0.5).to(torch.bfloat16)
-    w_down = (torch.randn(E, H, I, generator=gen, device=device) * I**-0.5).to(torch.bfloat16)
-    return w_gate, w_up, w_down
+    """Full-size bf16 expert weights, drawn expert by expert (bench.expert_weights, seeded from
+    ``gen``): a whole tensor drawn in fp32 first took a 22.5 GB fp32 draw for kimi-k2.5's w_gate
+    on top of the bf16 result, more than an 80 GB H100 had left (docs/perf-notes.md v0.44)."""
+    return expert_weights(spec, range(spec.num_experts), device, seed=gen.initial_seed())
 
 
 def _routing(spec, T, gen, device="cuda"):
