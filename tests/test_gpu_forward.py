@@ -26,9 +26,11 @@ REL_TOL = 2e-2  # bf16 inputs, bf16 intermediate and slots, fp32 accumulation
 
 def _weights(spec, gen, device="cuda"):
     """Full-size bf16 expert weights, drawn expert by expert (bench.expert_weights, seeded from
-    ``gen``): a whole tensor drawn in fp32 first took a 22.5 GB fp32 draw for kimi-k2.5's w_gate
-    on top of the bf16 result, more than an 80 GB H100 had left (docs/perf-notes.md v0.44)."""
-    return expert_weights(spec, range(spec.num_experts), device, seed=gen.initial_seed())
+    ``gen``, which the draw of the seed advances: two calls give two sets): a whole tensor drawn in
+    fp32 first took a 22.5 GB fp32 draw for kimi-k2.5's w_gate on top of the bf16 result, more than
+    an 80 GB H100 had left (docs/perf-notes.md v0.44)."""
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen, device=gen.device).item())
+    return expert_weights(spec, range(spec.num_experts), device, seed=seed)
 
 
 def _routing(spec, T, gen, device="cuda"):
