@@ -126,7 +126,7 @@ def test_generated_binding_autograd_plumbing():
 
     spec = mokgen.load_spec("qwen3-30b-a3b")
     kernel = load(spec)
-    E, I, H, K = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k
+    E, H = spec.num_experts, spec.hidden_size
     gen = torch.Generator().manual_seed(5)
     sizes = [6, 3]
     xs, ids, ws, wg, wu, wd = _two_rank_lists(spec, sizes, gen)
