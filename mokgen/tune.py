@@ -71,7 +71,7 @@ CONFIRM_BOOTSTRAP = 2000
 #: medians, used under a process group whatever is asked)
 CONFIRM_METHODS = ("rounds", "interleaved")
 #: chunk sizes (received rows per compute batch) the search tries beside the plan's default;
-#: 16384 since v0.44, where five of the H100's seven winners took the largest size then tried (8192)
+#: 16384 since v0.44, where four of the H100's seven winners took the largest size then tried (8192)
 CHUNKS = (1024, 2048, 4096, 8192, 16384)
 #: ring slots tried beside the default
 RINGS = (4, 8)
@@ -82,7 +82,7 @@ DISPATCH = (8, 24)  # the default is an eighth of the CTAs: 16 of an H200's 132
 #: sixteenth of the CTAs, 8 of 132, or an eighth for narrow experts (ep.NARROW_EXPERTS): one of
 #: these runs as the default does. A stand-in's count serves the stand-in only: a real EP layer,
 #: whose dispatch crosses links, keeps its own default (ep._tuned_choice). 32 since v0.44: on
-#: the H100 the one-GPU layers' and qwen3.5-397b-a17b's winners took the most then tried (24), and
+#: the H100 the qwen3.5-35b-a3b layer's and qwen3.5-397b-a17b's winners took the most then tried (24), and
 #: the qwen3.5-35b-a3b layer's forward was paced by its dispatch copy (docs/perf-notes.md v0.44).
 DISPATCH_ONE_RANK = (4, 8, 16, 24, 32)
 #: the ring may take at most this share of the GPU's memory

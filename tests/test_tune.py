@@ -606,6 +606,7 @@ def test_tune_writes_an_entry_the_layer_uses_with_the_same_bits(tuned_dirs):
         assert doc["best_index"] == 0 and confirm is None
     else:  # the search's winner stands only if it held against the defaults, interleaved (tune's default)
         assert confirm["method"] == "interleaved" and confirm["candidate"] == first
+        assert "error" not in confirm, f"the confirmation's timing failed: {confirm.get('error')}"
         assert len(confirm["default_ms"]) == len(confirm["candidate_ms"]) == tune_mod.CONFIRM_BLOCKS
         assert doc["best_index"] == (first if confirm["held"] else 0)
     assert not list(tuned_dirs[0].rglob("*.partial"))
