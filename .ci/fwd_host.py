@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from mokgen import bench
 from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
+from timed_lib import TimedLib  # .ci/timed_lib.py, beside this script
 
 name, workload = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
@@ -50,23 +51,7 @@ mod = layer._kernel
 marks = {}
 
 
-class _TimedLib:
-    """The generated module's LIB with its launch entry timed (host clock at the call)."""
-
-    def __init__(self, lib):
-        self._lib = lib
-
-    def __getattr__(self, attr):
-        return getattr(self._lib, attr)
-
-    def mokgen_ep_forward(self, *args):
-        marks["launch"] = time.perf_counter()
-        code = self._lib.mokgen_ep_forward(*args)
-        marks["launched"] = time.perf_counter()
-        return code
-
-
-mod.LIB = _TimedLib(mod.LIB)
+mod.LIB = TimedLib(mod.LIB, marks)
 # stamps along the host path (host clock at each point, per call): the module's forward entered,
 # the error poll entered and left, the binding's implementation entered, the launch call
 stamps = {}
