@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from mokgen import bench
 from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
-from timed_lib import TimedLib  # .ci/timed_lib.py, beside this script
+from timed_lib import TimedLib, gpu_ahead_ms  # .ci/timed_lib.py, beside this script
 
 name, workload = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
@@ -90,15 +90,7 @@ with torch.no_grad():
         in_c.append(1e3 * (marks["launched"] - marks["launch"]))
         to_return.append(1e3 * (t1 - t0))
     torch.cuda.synchronize()
-    gpu_ms = []
-    for i in range(9):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(2e7))
-        a.record()
-        fn(i)
-        b.record()
-        b.synchronize()
-        gpu_ms.append(a.elapsed_time(b))
+    gpu_ms = gpu_ahead_ms(fn, 9, int(2e7))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(5):
             fn(i)

@@ -19,7 +19,7 @@ import torch
 
 from mokgen import bench, bwd_gemm
 from mokgen.spec import load_spec
-from timed_lib import TimedLib  # .ci/timed_lib.py, beside this script
+from timed_lib import TimedLib, gpu_ahead_ms  # .ci/timed_lib.py, beside this script
 
 name, workload = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
@@ -52,7 +52,7 @@ def step(i):
 med = statistics.median
 print(f"== {spec.name} {workload}: {tokens} rows, MoELayer kwargs {kwargs}")
 bench_ms = bench.time_cuda(step, n_inputs=2, iters=20)
-gpu_ms, to_launch, to_return = [], [], []
+to_launch, to_return = [], []
 for i in range(20):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -61,14 +61,7 @@ for i in range(20):
     to_launch.append(1e3 * (marks["launch"] - t0))
     to_return.append(1e3 * (t1 - t0))
 torch.cuda.synchronize()
-for i in range(9):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(3e7))
-    a.record()
-    step(i)
-    b.record()
-    b.synchronize()
-    gpu_ms.append(a.elapsed_time(b))
+gpu_ms = gpu_ahead_ms(step, 9, int(3e7))
 print(f"bench    {med(bench_ms):.3f} ms (min {min(bench_ms):.3f}, max {max(bench_ms):.3f})")
 print(f"gpu      {med(gpu_ms):.3f} ms with the host ahead (min {min(gpu_ms):.3f})")
 print(f"exposed  bench - gpu = {med(bench_ms) - med(gpu_ms):.3f} ms")

@@ -1,6 +1,7 @@
 """A generated megakernel module's LIB with its launch entry timed (the host clock at the call and
 after it), for the host-latency tools (.ci/fwd_host.py, .ci/step_host.py). The bindings look LIB up
-on every call, so `mod.LIB = TimedLib(mod.LIB, marks)` takes effect at the next launch."""
+on every call, so `mod.LIB = TimedLib(mod.LIB, marks)` takes effect at the next launch.
+gpu_ahead_ms: the GPU's own time of a call, with the host ahead of it."""
 import time
 
 
@@ -21,3 +22,20 @@ class TimedLib:
         code = self._lib.mokgen_ep_forward(*args)
         self._marks["launched"] = time.perf_counter()
         return code
+
+
+def gpu_ahead_ms(fn, runs: int, sleep_cycles: int) -> list:
+    """``fn(i)``'s GPU time (ms, CUDA events) for i = 0 .. runs - 1, each call enqueued behind a GPU
+    sleep of ``sleep_cycles`` so the host's work before its first launch is hidden."""
+    import torch
+
+    out = []
+    for i in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
