@@ -79,7 +79,12 @@ MOKGEN_DEVICE long long* record(int i, int role) {
 
 // Tile i's record of `role`, or null (past the traced tiles, or no buffer): a role that writes
 // several fields of a tile locates the record once and writes them with set().
-MOKGEN_DEVICE long long* tile_record(int i, int role) { return i < tiles() ? record(i, role) : nullptr; }
+MOKGEN_DEVICE long long* tile_record(int i, int role) {
+  long long* buf = buffer();
+  const int n = tiles();  // read once (record() would read both again)
+  if (buf == nullptr || i >= n) return nullptr;
+  return buf + ((int64_t(blockIdx.x) * (n + 1) + i) * kRoles + role) * kFields;
+}
 MOKGEN_DEVICE void set(long long* r, int field, long long v) {
   if (r != nullptr) r[field] = v;
 }
@@ -94,17 +99,27 @@ MOKGEN_DEVICE void put(int i, int role, int field, long long v) {
 MOKGEN_DEVICE void stage(int i, int role, int field, long long v) { s_stage[i % kStage][role - 1][field] = v; }
 
 // Write both consumer roles' staged fields of tile i (all but [5]) and [5] of tile i - 1 (the
-// signaller, once it has acquired tile i's handshake); last: [5] of tile i only.
+// signaller, once it has acquired tile i's handshake); last: [5] of tile i only. The buffer and
+// its tile count are read once per call: put() per field read them 16 times per tile, dependent
+// global loads in the signaller thread, whose reads of the tile queue the walker's claims wait for
+// (docs/perf-notes.md v0.46: the trace build's own cost in the down tiles' "gap").
 MOKGEN_DEVICE void flush_consumers(int i, bool last = false) {
+  long long* buf = buffer();
+  const int n = tiles();
+  if (buf == nullptr) return;
+  auto rec = [&](int t, int role) { return buf + ((int64_t(blockIdx.x) * (n + 1) + t) * kRoles + role) * kFields; };
   for (int role = 1; role <= 2; ++role) {
     const long long* st = s_stage[i % kStage][role - 1];
     if (last) {
-      put(i, role, 5, st[5]);
+      if (i < n) rec(i, role)[5] = st[5];
       continue;
     }
-    for (int f = 0; f < kFields; ++f)
-      if (f != 5) put(i, role, f, st[f]);
-    if (i > 0) put(i - 1, role, 5, s_stage[(i - 1) % kStage][role - 1][5]);
+    if (i < n) {
+      long long* r = rec(i, role);
+      for (int f = 0; f < kFields; ++f)
+        if (f != 5) r[f] = st[f];
+    }
+    if (i > 0 && i - 1 < n) rec(i - 1, role)[5] = s_stage[(i - 1) % kStage][role - 1][5];
   }
 }
 
