@@ -23,7 +23,7 @@ it, with the shipped tuned entry where one fits (issue 7's same-run comparison o
 the defaults; A should then set nothing).
 
 Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
-                                   [--blocks N] [--backward] [--out FILE.json]
+                                   [--blocks N] [--backward] [--check-bits] [--out FILE.json]
   WORKLOAD  SPEC:local (the bench's local stand-in, EP from bench.LOCAL_EP) or SPEC:layer[:TOKENS]
             (default 16384)
   --a/--b   plan options, runtime arguments or MOKGEN_* settings, e.g. narrow_tiles=0 or
@@ -139,6 +139,10 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=100)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check-bits", action="store_true",
+                    help="after timing, run both sides on one input set and exit 1 unless their outputs (and, "
+                         "with --backward, the gradients of x, the routing weights and the three weights) are "
+                         "bitwise equal: for variants meant to change no bit")
     args = ap.parse_args()
     va = parse_variant(args.a)
     tuned = args.b == "tuned"
@@ -156,7 +160,7 @@ def main() -> None:
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(lambda spec: build.build(spec, publish_generated=False, options=options),
                               [spec for _, spec, _, _, _ in work]))
-    results = []
+    results, bad_bits = [], []
     for label, spec, rows, real, ep in work:
         wg, wu, wd = bench._weights(spec)
         gen = torch.Generator(device="cuda").manual_seed(5)
@@ -200,6 +204,23 @@ def main() -> None:
         apply_env({}, env_keys)
         for layer in layers:
             layer.check_errors()
+        if args.check_bits:
+            got = []
+            for side, layer in enumerate(layers):
+                apply_env((va, vb)[side][2], env_keys)
+                with torch.set_grad_enabled(args.backward):
+                    if args.backward:
+                        x, ids, w, g = inputs[0]
+                        step(layer, inputs[0])
+                        got.append([x.grad.clone(), w.grad.clone(), *(p.grad.clone() for p in layer.parameters())])
+                    else:
+                        got.append([step(layer, inputs[0]).clone()])
+                layer.check_errors()
+            apply_env({}, env_keys)
+            same = len(got[0]) == len(got[1]) and all(torch.equal(a, b) for a, b in zip(*got))
+            print(f"{label:34s} bits: {'the same' if same else 'DIFFERENT'} ({len(got[0])} tensors)", flush=True)
+            if not same:
+                bad_bits.append(label)
         ratio, lo, hi = bench.block_ratio(pairs)
         r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks, "backward": args.backward,
              # a launch's median time per side (half of a block's two)
@@ -213,6 +234,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    if bad_bits:
+        sys.exit(f"ab_variants: the two sides' bits differ on {', '.join(bad_bits)}")
 
 
 if __name__ == "__main__":
