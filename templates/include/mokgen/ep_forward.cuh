@@ -850,12 +850,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             // step across CTAs (a claim made 32 entries ahead would not); the producer needs
             // entry i about one tile before the consumers start it, so 3 entries leave it about
             // two tiles for the claim's round trip.
-            // (MOKGEN_CLAIM_AHEAD: a measuring build's other lead, e.g. -DMOKGEN_CLAIM_AHEAD=8)
-#ifdef MOKGEN_CLAIM_AHEAD
-            constexpr int kClaimAhead = MOKGEN_CLAIM_AHEAD;
-#else
             constexpr int kClaimAhead = 3;
-#endif
             unsigned int* tile_next = at<unsigned int>(loc, L.tile_next);
             int n_claims = 0;
             auto claim = [&](int) {

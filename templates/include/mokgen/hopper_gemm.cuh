@@ -305,33 +305,6 @@ struct HopperTile {
                                     SRow s_row = SRow{}) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
-#ifdef MOKGEN_EARLY_ROWS
-    // The epilogue's output rows (and the save policy's g / u rows) resolved before the k-loop,
-    // after the first full-stage wait (which orders the chunk's ring meta before these loads):
-    // a slot row is found through a global load of its (source rank, pair), whose latency the
-    // epilogue otherwise pays with the tensor core idle, twice (a thread's second row cannot be
-    // loaded before its first row's stores). A row past the tile's resolves row 0's place and is
-    // never stored to; a tile of an aborted launch (abort_flag set by then) resolves nothing.
-    // (The first wait is waited again by the loop's first k-block: it returns at once.)
-    // Measuring build (docs/perf-notes.md v0.46): v0.24 tried this and its A/B was void.
-    bf16* early_out[2] = {nullptr, nullptr};
-    bf16* early_save[2] = {nullptr, nullptr};
-    {
-      mbar_wait(&s.full[pipe.stage], pipe.phase);
-      const bool live = rows > 0 && (abort_flag == nullptr || !*abort_flag);
-      const int w = t >> 5, lane = t & 31;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-        const int rr = r < rows ? r : 0;
-        if (live) {
-          early_out[half] = c_row(rr) + n0;
-          if constexpr (kGated && SRow::kMay)
-            if (s_row.enabled()) early_save[half] = s_row(rr);
-        }
-      }
-    }
-#endif
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
     // retired and hand its stage back to the producer.
     int prev_stage = -1;
@@ -373,21 +346,13 @@ struct HopperTile {
     constexpr int kGroups = kGated ? kAcc / 8 : kAcc / 4;  // output n8 groups per row
     static_assert(kGroups % 4 == 0, "groups come in blocks of 4");
     if constexpr (kGated && SRow::kMay) {
-#ifdef MOKGEN_EARLY_ROWS
-      if (s_row.enabled()) save_pre_activations(acc, wg, rows, n0, [&](int half, int) { return early_save[half]; });
-#else
-      if (s_row.enabled()) save_pre_activations(acc, wg, rows, n0, [&](int, int r) { return s_row(r); });
-#endif
+      if (s_row.enabled()) save_pre_activations(acc, wg, rows, n0, s_row);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
       const bool valid = r < rows;  // the same for the 4 lanes of a quad
-#ifdef MOKGEN_EARLY_ROWS
-      bf16* out = valid ? early_out[half] : nullptr;
-#else
       bf16* out = valid ? c_row(r) + n0 : nullptr;
-#endif
 #pragma unroll
       for (int b = 0; b < kGroups / 4; ++b) {
         uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b+3
@@ -403,15 +368,24 @@ struct HopperTile {
           }
         }
         const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
+#ifdef MOKGEN_STREAM_STORES
+        // measuring build (docs/perf-notes.md v0.46): the down tiles' rows (combine slots, read
+        // only by the closing combine) stored evict-first, so they do not push the operands out of L2
+        if constexpr (!kGated) {
+          if (valid) __stcs(reinterpret_cast<uint4*>(out + 8 * (4 * b + q)), v);
+        } else {
+          if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
+        }
+#else
         if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
+#endif
       }
     }
   }
 
   // The gated epilogue's save (the backward's "save" policy): g and u of this thread's rows in
-  // bf16, g at columns [n0, n0 + kBN) and u at [kN + n0, kN + n0 + kBN) of row s_row(half, r)
-  // (the thread's row r of half 0 or 1), with the same quad exchange as h (16-byte stores, 64
-  // contiguous bytes per warp and row).
+  // bf16, g at columns [n0, n0 + kBN) and u at [kN + n0, kN + n0 + kBN) of row s_row(r), with the
+  // same quad exchange as h (16-byte stores, 64 contiguous bytes per warp and row).
   template <class SRow>
   MOKGEN_DEVICE static void save_pre_activations(const float (&acc)[kAcc], int wg, int rows, int n0, const SRow& s_row) {
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
@@ -419,7 +393,7 @@ struct HopperTile {
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
       const bool valid = r < rows;  // the same for the 4 lanes of a quad
-      bf16* out = valid ? s_row(half, r) : nullptr;
+      bf16* out = valid ? s_row(r) : nullptr;
 #pragma unroll
       for (int b = 0; b < kAcc / 32; ++b) {
         uint32_t wg_[4], wu_[4];  // this lane's 2 columns of gate / up groups 4b .. 4b+3
@@ -432,8 +406,13 @@ struct HopperTile {
         const uint4 vg = quad_transpose(wg_, q), vu = quad_transpose(wu_, q);
         if (valid) {
           const int col = n0 + 8 * (4 * b + q);
+#ifdef MOKGEN_STREAM_STORES  // (the backward reads them, long after: evict-first, as the slots)
+          __stcs(reinterpret_cast<uint4*>(out + col), vg);
+          __stcs(reinterpret_cast<uint4*>(out + kN + col), vu);
+#else
           *reinterpret_cast<uint4*>(out + col) = vg;
           *reinterpret_cast<uint4*>(out + kN + col) = vu;
+#endif
         }
       }
     }
