@@ -368,17 +368,7 @@ struct HopperTile {
           }
         }
         const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
-#ifdef MOKGEN_STREAM_STORES
-        // measuring build (docs/perf-notes.md v0.46): the down tiles' rows (combine slots, read
-        // only by the closing combine) stored evict-first, so they do not push the operands out of L2
-        if constexpr (!kGated) {
-          if (valid) __stcs(reinterpret_cast<uint4*>(out + 8 * (4 * b + q)), v);
-        } else {
-          if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
-        }
-#else
         if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
-#endif
       }
     }
   }
@@ -406,13 +396,8 @@ struct HopperTile {
         const uint4 vg = quad_transpose(wg_, q), vu = quad_transpose(wu_, q);
         if (valid) {
           const int col = n0 + 8 * (4 * b + q);
-#ifdef MOKGEN_STREAM_STORES  // (the backward reads them, long after: evict-first, as the slots)
-          __stcs(reinterpret_cast<uint4*>(out + col), vg);
-          __stcs(reinterpret_cast<uint4*>(out + kN + col), vu);
-#else
           *reinterpret_cast<uint4*>(out + col) = vg;
           *reinterpret_cast<uint4*>(out + kN + col) = vu;
-#endif
         }
       }
     }
