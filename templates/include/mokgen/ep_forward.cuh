@@ -804,9 +804,6 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               sm90::mbar_init(&claim_full[j], 1);
               sm90::mbar_init(&claim_empty[j], 1);
             }
-#ifdef MOKGEN_FWD_STAGGER
-          if constexpr (!Cfg::kMx) sm90::mbar_init(&sm90::s_stagger_bar, 1);
-#endif
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
         }
@@ -991,13 +988,6 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         } else {
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
-#ifdef MOKGEN_FWD_STAGGER
-          if constexpr (!Cfg::kMx) {  // (the MX tile has no hand-over: its builds run in lockstep)
-            const int wgu = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas (bwd_gemm.cuh)
-            if (wgu == 2) sm90::mbar_wait(&sm90::s_stagger_bar, 0u);
-            pipe.stagger_todo = wgu == 1 ? 1 : 0;
-          }
-#endif
           for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             MOKGEN_FWD_TRACE_ONLY(
@@ -1037,12 +1027,6 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             if (lane == 0) sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
             MOKGEN_FWD_TRACE_ONLY(fwd_trace::stage(i, wgi, 5, fwd_trace::clock());)
           }, std::true_type{});
-#ifdef MOKGEN_FWD_STAGGER
-          if (pipe.stagger_todo) {  // a CTA with no tile: warpgroup 2 still waits for the hand-over
-            if ((tid & 127) == 0) sm90::mbar_arrive(&sm90::s_stagger_bar);
-            pipe.stagger_todo = 0;
-          }
-#endif
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
         if constexpr (kPair == 2)

@@ -154,22 +154,11 @@ MOKGEN_DEVICE void wgmma_call(uint64_t da, uint64_t db, float* acc, bool accumul
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-#ifdef MOKGEN_FWD_STAGGER
-// Staggered consumers (a measuring build, -DMOKGEN_FWD_STAGGER=L with L in 1..3; docs/perf-notes.md
-// v0.46): the forward's consumer warpgroup 2 starts its first tile once warpgroup 1 has consumed
-// L k-blocks of its own (warpgroup 1's thread 0 arrives on this barrier, once), so one warpgroup's
-// epilogue can overlap the other's wgmma. The backward's GEMMs do the same (bwd_gemm.cuh).
-__shared__ uint64_t s_stagger_bar;
-#endif
-
 // Position in the stage ring, advanced identically by the producer and every consumer thread.
 template <int kStages>
 struct PipeState {
   int stage = 0;
   uint32_t phase = 0;
-#ifdef MOKGEN_FWD_STAGGER
-  int stagger_todo = 0;  // 1: this consumer thread's warpgroup still owes the stagger's hand-over
-#endif
   MOKGEN_DEVICE void advance() {
     if (++stage == kStages) {
       stage = 0;
@@ -341,14 +330,6 @@ struct HopperTile {
       if (prev_stage >= 0) release(s, prev_stage, t);
       prev_stage = pipe.stage;
       pipe.advance();
-#ifdef MOKGEN_FWD_STAGGER
-      static_assert(MOKGEN_FWD_STAGGER >= 1 && MOKGEN_FWD_STAGGER < kStages && MOKGEN_FWD_STAGGER <= kKTiles,
-                    "the stagger's lead: 1 .. stages - 1 k-blocks, within one tile");
-      if (pipe.stagger_todo && kb == MOKGEN_FWD_STAGGER - 1) {
-        if (t == 0) mbar_arrive(&s_stagger_bar);
-        pipe.stagger_todo = 0;
-      }
-#endif
     }
     cute::warpgroup_wait<0>();
     fence_operands(acc);  // the epilogue reads acc only after the last wgmma retired
