@@ -748,6 +748,33 @@ def test_shipped_tuned_files_fit_this_tree(monkeypatch):
         assert path.parent.name in ALL_SPECS, path
 
 
+def test_rekey_tool_rewrites_only_the_digest(tmp_path):
+    """.ci/rekey_tuned.py's rewrite (run after .ci/sass_same.py finds the default builds' SASS
+    unchanged): a file keyed to another digest gets the new one and is otherwise byte for byte
+    the same; a file already keyed to it is left alone."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / ".ci" / "rekey_tuned.py"
+    spec = importlib.util.spec_from_file_location("rekey_tuned", script)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    shipped = sorted(tune_mod.PACKAGE_TUNED.glob("*/*.json"))[0]
+    text = shipped.read_text()
+    old = json.loads(text)["_metadata"]["templates"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    stale, fresh = tmp_path / "a" / "x.json", tmp_path / "b" / "y.json"
+    stale.write_text(text)
+    new = "f" * len(old)
+    fresh.write_text(text.replace(old, new))
+    before = fresh.stat().st_mtime_ns
+    assert tool.rekey(tmp_path, new) == [stale]
+    assert stale.read_text() == text.replace(f'"templates": "{old}"', f'"templates": "{new}"')
+    assert json.loads(stale.read_text())["_metadata"]["templates"] == new
+    assert fresh.stat().st_mtime_ns == before
+    assert tool.rekey(tmp_path, new) == []
+
+
 @pytest.mark.gpu
 @pytest.mark.nvcc
 def test_pair_timer_times_both_layers_in_abba_blocks():
