@@ -35,16 +35,17 @@ def rekey(tuned_dir: Path, digest: str) -> list[Path]:
     changed = []
     for path in sorted(tuned_dir.glob("*/*.json")):
         text = path.read_text()
-        old = json.loads(text)["_metadata"]["templates"]
+        before = json.loads(text)
+        old = before["_metadata"]["templates"]
         if old == digest:
             continue
         field = f'"templates": "{old}"'
         if text.count(field) != 1:
             raise SystemExit(f"rekey_tuned: {path}: expected one {field!r}, found {text.count(field)}")
         new_text = text.replace(field, f'"templates": "{digest}"')
-        data = json.loads(new_text)
-        if data["_metadata"]["templates"] != digest or {**data, "_metadata": None} != {**json.loads(text),
-                                                                                         "_metadata": None}:
+        after = json.loads(new_text)
+        before["_metadata"]["templates"] = digest
+        if after != before:
             raise SystemExit(f"rekey_tuned: {path}: the rewrite changed more than the digest")
         path.write_text(new_text)
         changed.append(path)

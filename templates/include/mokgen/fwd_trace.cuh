@@ -70,11 +70,15 @@ MOKGEN_DEVICE unsigned long long timer() {
 MOKGEN_DEVICE long long* buffer() { return *const_cast<long long* volatile*>(&g_buf); }
 MOKGEN_DEVICE int tiles() { return *const_cast<volatile int*>(&g_tiles); }
 
+// This CTA's record i of `role` in buffer buf of n traced tiles per CTA (buf not null).
+MOKGEN_DEVICE long long* record_in(long long* buf, int n, int i, int role) {
+  return buf + ((int64_t(blockIdx.x) * (n + 1) + i) * kRoles + role) * kFields;
+}
+
 // The record of tile i (i == tiles(): the phase record) and role, or null without a buffer.
 MOKGEN_DEVICE long long* record(int i, int role) {
   long long* buf = buffer();
-  if (buf == nullptr) return nullptr;
-  return buf + ((int64_t(blockIdx.x) * (tiles() + 1) + i) * kRoles + role) * kFields;
+  return buf == nullptr ? nullptr : record_in(buf, tiles(), i, role);
 }
 
 // Tile i's record of `role`, or null (past the traced tiles, or no buffer): a role that writes
@@ -82,8 +86,7 @@ MOKGEN_DEVICE long long* record(int i, int role) {
 MOKGEN_DEVICE long long* tile_record(int i, int role) {
   long long* buf = buffer();
   const int n = tiles();  // read once (record() would read both again)
-  if (buf == nullptr || i >= n) return nullptr;
-  return buf + ((int64_t(blockIdx.x) * (n + 1) + i) * kRoles + role) * kFields;
+  return buf == nullptr || i >= n ? nullptr : record_in(buf, n, i, role);
 }
 MOKGEN_DEVICE void set(long long* r, int field, long long v) {
   if (r != nullptr) r[field] = v;
@@ -107,7 +110,7 @@ MOKGEN_DEVICE void flush_consumers(int i, bool last = false) {
   long long* buf = buffer();
   const int n = tiles();
   if (buf == nullptr) return;
-  auto rec = [&](int t, int role) { return buf + ((int64_t(blockIdx.x) * (n + 1) + t) * kRoles + role) * kFields; };
+  auto rec = [&](int t, int role) { return record_in(buf, n, t, role); };
   for (int role = 1; role <= 2; ++role) {
     const long long* st = s_stage[i % kStage][role - 1];
     if (last) {
