@@ -1,5 +1,5 @@
 """Build the candidates of `.ci/gpu-tune local layer` into the build cache on the CPU machine, so a
-device call's `mokgen tune` finds them (the tuner builds each candidate's options through the same
+device call's `mokgen tune` finds them (the second pass's stagger leads of every build included) (the tuner builds each candidate's options through the same
 cache; entries are keyed by sources, plan, nvcc, CUTLASS and flags, not by the GPU). No GPU needed.
 `.ci/prebuild-cache` runs it when PREBUILD_TUNE=1. Usage: python3 .ci/prebuild-tune.py [JOBS]"""
 import sys
@@ -18,7 +18,11 @@ for name, ep, tokens in TARGETS:
     work, rows = tune._workload(spec, ep, tokens, False)
     local = ep > 1
     space = tune.search_space(work, ep=1 if local else ep, tokens=rows if local else tokens)
-    out = tune.build_candidates(work, space.candidates, jobs=jobs)
+    # the second pass's builds: every first-pass build at the other stagger leads (its winner is not
+    # known here)
+    builds = {c.build_key(): c for c in space.candidates}
+    more = [v for c in builds.values() for v in tune.stagger_variants(work, c)[0]]
+    out = tune.build_candidates(work, space.candidates + more, jobs=jobs)
     bad = {k: v for k, v in out.items() if v is not None}
     print(f"{name} EP{ep}: {len(out)} builds, {len(bad)} unusable {bad if bad else ''}", flush=True)
 print(f"prebuild-tune: {time.perf_counter() - t0:.0f} s")

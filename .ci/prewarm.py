@@ -4,6 +4,7 @@ bench's local stand-ins (EP8, deepseek-v3 at EP64), the training example's block
 library and the MX GEMM library.
 It builds and loads nothing onto a GPU, so it also runs on the CPU machine: `.ci/prebuild-cache` fills
 a cache there for the device runs to carry. Usage: python3 .ci/prewarm.py [JOBS]."""
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +28,29 @@ if "mxfp8" in IMPLEMENTED_NUMERICS:
 # the training example's block (tests/test_gpu_block.py), in BF16 and, where built, MXFP8
 tiny = load_spec("examples/tiny-moe.yaml")
 specs += [tiny] + ([tiny.with_target(numerics="mxfp8")] if "mxfp8" in IMPLEMENTED_NUMERICS else [])
+# (spec, build options) beyond the defaults: PREWARM_STAGGER=1 adds the forward's stagger leads 1-3 of
+# the A/Bs of .ci/measure-v047 stagger (the two one-GPU layers and kimi-k2.5's stand-in, CTAs alone
+# and in pairs), of tests/test_gpu_ep.py's stagger test, and lead 2 of the block's specs
+variants = [(s, None) for s in specs]
+if os.environ.get("PREWARM_STAGGER"):
+    from mokgen import env
+    from mokgen.spec import spec_from_dict
+
+    d = load_spec("qwen3-30b-a3b").canonical_dict()
+    d.update(name="i256-stagger-test", aliases=[], hidden_size=2048, moe_intermediate_size=256, num_experts=16, top_k=4)
+    for spec in (load_spec("qwen3.5-35b-a3b"), load_spec("qwen3-30b-a3b"), bench.local_spec(load_spec("kimi-k2.5"), 8)[0],
+                 spec_from_dict(d)):
+        variants += [(spec, {**env.plan_options(), "cluster": c, "stagger": lead}) for c in (1, 2) for lead in (0, 1, 2, 3)]
+    # the block's module under MOKGEN_FWD_STAGGER=2 (tests/test_gpu_block.py: its own specs, their default clusters)
+    variants += [(s, {**env.plan_options(), "stagger": 2}) for s in (load_spec("qwen3.5-35b-a3b"), tiny)]
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)
     mxg = pool.submit(mx_gemm.build_library)  # the MX GEMM library (the MX tests and the staged experts)
-    for spec, res in zip(specs, pool.map(lambda s: build.build(s, publish_generated=False), specs)):
-        print(f"{spec.name}: {'cached' if res.cached else 'built'} {res.seconds:.0f} s", flush=True)
+    runs = pool.map(lambda v: build.build(v[0], publish_generated=False, options=v[1]), variants)
+    for (spec, options), res in zip(variants, runs):
+        extra = f" ({', '.join(f'{k} {options[k]}' for k in ('cluster', 'stagger'))})" if options else ""
+        print(f"{spec.name}{extra}: {'cached' if res.cached else 'built'} {res.seconds:.0f} s", flush=True)
     print(f"backward GEMMs: {bwd.result()}", flush=True)
     print(f"MX GEMMs: {mxg.result()}", flush=True)
-print(f"prewarm: {len(specs)} builds in {time.perf_counter() - t0:.0f} s")
+print(f"prewarm: {len(variants)} builds in {time.perf_counter() - t0:.0f} s")

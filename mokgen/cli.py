@@ -600,6 +600,11 @@ def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_
                 click.echo(f"  {i:3d}  {c.label()}" + ("  (plan defaults)" if i == 0 else ""))
             for c, why in space.pruned:
                 click.echo(f"  pruned  {c.label()}: {why}")
+            more, refused = tune_mod.stagger_variants(spec, space.candidates[0])
+            leads = ", ".join(str(c.stagger) for c in more + [c for c, _ in refused])
+            if leads:
+                click.echo(f"  then the stagger pass: the winner at lead(s) {leads} (a build each; a lead the plan "
+                           "refuses is pruned then)")
         return
     import torch
 

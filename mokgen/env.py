@@ -25,6 +25,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_PULL_MODE": "copy (default: 16-byte loads and stores by every dispatch thread) or bulk (TMA bulk copies through shared memory) for the dispatch's row copy",
     "MOKGEN_DISPATCH_JOIN": "1 (default) or 0: dispatch CTAs go on computing tiles after their last pull (flow schedule), or idle until the combine",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
+    "MOKGEN_FWD_STAGGER": "0 (default: lockstep) to 3: the forward megakernel's consumer warpgroup 1 starts its tiles this many k-blocks after warpgroup 0, so one's epilogue overlaps the other's wgmma (BF16 builds, flow schedule; a build option the tuner also tries). The same bits at every value",
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
@@ -217,6 +218,11 @@ def block_k() -> int:
     return int(_choice("MOKGEN_BLOCK_K", ("64", "32")))
 
 
+def fwd_stagger() -> int:
+    """MOKGEN_FWD_STAGGER: the forward's consumer stagger lead in k-blocks, 0 (default) to 3."""
+    return int(_choice("MOKGEN_FWD_STAGGER", ("0", "1", "2", "3")))
+
+
 def pull_unroll() -> int:
     return int(_choice("MOKGEN_PULL_UNROLL", ("12", "16", "8")))
 
@@ -329,7 +335,7 @@ def tuned_enabled() -> bool:
 #: plan option -> the switch that sets it
 PLAN_SWITCHES = {"gemm_core": "MOKGEN_GEMM_CORE", "schedule": "MOKGEN_SCHEDULE", "cluster": "MOKGEN_CLUSTER",
                  "fuse_shared": "MOKGEN_FUSE_SHARED", "block_k": "MOKGEN_BLOCK_K", "pull_unroll": "MOKGEN_PULL_UNROLL",
-                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN"}
+                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN", "stagger": "MOKGEN_FWD_STAGGER"}
 
 
 def switch_set(option: str) -> bool:
@@ -351,7 +357,7 @@ def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
             "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode(),
-            "dispatch_join": dispatch_join()}
+            "dispatch_join": dispatch_join(), "stagger": fwd_stagger()}
 
 
 def bwd_dh_swiglu() -> bool:

@@ -112,6 +112,10 @@ class Plan(BaseModel):
     # the compute. Flow schedule of the Hopper core only (the phased one deals tiles to a fixed
     # set of CTAs).
     dispatch_join: bool = False
+    # Consumer warpgroup 1 starts its first tile this many k-blocks after warpgroup 0 (then the
+    # two stay that far apart, so one's epilogue overlaps the other's k-loop; hopper_gemm.cuh
+    # StaggerPipe). 0: lockstep. BF16 builds on the Hopper core's flow schedule only.
+    gemm_stagger: int = 0
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -140,6 +144,9 @@ CLUSTERS = (1, 2)
 BLOCK_KS = (64, 32)
 PULL_UNROLLS = (12, 16, 8)
 PULL_MODES = ("copy", "bulk")
+#: the consumers' stagger leads a plan takes (k-blocks; below every core's 4 stages, and within
+#: a down tile's k-blocks: the bundled specs' smallest is 8)
+STAGGERS = (0, 1, 2, 3)
 
 
 #: hidden size from which CTA pairs (gemm_cluster 2) are the default. Measured on the H200 (v0.6,
@@ -157,7 +164,7 @@ def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
               fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
-              pull_mode: str = "copy", dispatch_join: bool = True) -> Plan:
+              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
@@ -166,10 +173,13 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     core 9 stages of 24 KB (64-byte rows) instead of 4 of 48 KB (ignored by the portable core);
     ``pull_unroll``: 16-byte loads in flight per lane of the dispatch copy; ``pull_mode``: the
     dispatch's copy engine ("bulk": TMA bulk copies, Hopper core only); ``dispatch_join``: dispatch
-    CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise)."""
+    CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise);
+    ``stagger``: the consumer warpgroups' lead in k-blocks (the Hopper core's flow schedule only,
+    0 otherwise; not for mxfp8)."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
-                                   ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES)):
+                                   ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES),
+                                   ("stagger", stagger, STAGGERS)):
         if value not in allowed and not (option == "cluster" and value is None):
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
     if pull_mode == "bulk" and gemm_core != "wgmma":
@@ -181,7 +191,14 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
                 raise PlanError(f"{spec.name}: numerics mxfp8 needs {option} {want}, got {value!r}")
         if cluster not in (None, 1):
             raise PlanError(f"{spec.name}: numerics mxfp8 runs without clusters (cluster 1), got {cluster}")
+        if stagger:
+            raise PlanError(f"{spec.name}: numerics mxfp8 runs its consumers in lockstep (stagger 0), got {stagger}")
         cluster, fuse_shared = 1, False
+    if stagger and gemm_core == "wgmma" and schedule == "flow":
+        k_blocks = min(spec.hidden_size, spec.moe_intermediate_size) // block_k
+        if stagger > k_blocks:
+            raise PlanError(f"{spec.name}: stagger {stagger} exceeds a tile's {k_blocks} k-blocks "
+                            f"(K = min(hidden, intermediate) / block_k {block_k})")
     if cluster is None:
         cluster = default_cluster(spec, gemm_core, schedule)
     if fuse_shared is None:
@@ -211,6 +228,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         pull_unroll=pull_unroll,
         pull_mode=pull_mode,
         dispatch_join=bool(dispatch_join) and gemm_core == "wgmma" and schedule == "flow",
+        gemm_stagger=stagger if gemm_core == "wgmma" and schedule == "flow" else 0,
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -1,14 +1,17 @@
 """Tune: build + load + time candidates -> tuned JSON (the only writer of tuned files).
 
-A candidate is one setting of the megakernel's tunable parameters: three build options (CTA pairs,
-k-block size, the dispatch's copy engine, the last only under torchrun; each a different compiled
-library) and three run-time ones (chunk rows = the
+A candidate is one setting of the megakernel's tunable parameters: four build options (CTA pairs,
+k-block size, the dispatch's copy engine, the last only under torchrun, and the consumers'
+stagger lead; each a different compiled library) and three run-time ones (chunk rows = the
 overlap granularity, ring slots, dispatch CTAs of a rank). The search space comes from the plan
 (index 0 is always the plan's defaults), pruned up front by shared-memory, register and memory
 limits and by what the workload can use. Every remaining candidate is built (in parallel,
 through the build cache), loaded and timed by the bench method (CUDA events, warm-up, median of
 at least 20 runs on rotating inputs). A failure (compile error, register spills beyond the
-default build's, launch error) counts as infinite time. The winner is the fastest candidate;
+default build's, launch error) counts as infinite time. The stagger is not an axis of that
+product: a second pass (``stagger_variants``) times the first pass's winner at each lead of
+STAGGER_TRY, a build and a timing per lead rather than a doubled space; its candidates follow
+the first pass's in the file. The winner is the fastest candidate;
 times within NOISE of the best count as a tie, which goes to the lower index, so every rank and
 every rerun on equal timings picks the same one. A winner other than the defaults is then
 confirmed: it and the defaults are timed again in alternation (CONFIRM_ROUNDS each), and it
@@ -31,7 +34,8 @@ version is recorded only. Files live under
 package's ``tuned/`` folder, looked up in that order. A file whose metadata does not match this
 installation is ignored with a warning (the plan's defaults apply). ``mokgen.MoELayer`` and
 ``mokgen build --ep --tokens`` use the matching entry; ``MOKGEN_TUNED=0`` turns lookups off, and
-a set MOKGEN_CLUSTER / MOKGEN_BLOCK_K / MOKGEN_PULL_MODE switch wins over a tuned value.
+a set MOKGEN_CLUSTER / MOKGEN_BLOCK_K / MOKGEN_PULL_MODE / MOKGEN_FWD_STAGGER switch wins over a
+tuned value.
 
 Workloads: EP degree 1 times the whole layer on one GPU at T tokens; a larger EP degree on one
 GPU times one rank's local work after dispatch (bench.local_spec: the rows a rank receives
@@ -42,6 +46,7 @@ rank's, and rank 0 decides and broadcasts. Lookups prefer "layer" entries to "lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -54,7 +59,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mokgen import env
 from mokgen._version import __version__
-from mokgen.errors import InputError
+from mokgen.errors import InputError, PlanError
 from mokgen.plan import PULL_MODES, SMEM_LIMIT, ep_defaults, make_plan, smem_bytes
 from mokgen.spec import MoESpec
 
@@ -75,6 +80,9 @@ CONFIRM_METHODS = ("rounds", "interleaved")
 CHUNKS = (1024, 2048, 4096, 8192, 16384)
 #: ring slots tried beside the default
 RINGS = (4, 8)
+#: the consumers' stagger leads (k-blocks) the second pass tries on the first pass's winner
+#: (plan.STAGGERS; hopper_gemm.cuh StaggerPipe); each lead is one more build per tune
+STAGGER_TRY = (2, 3)
 #: dispatch CTAs per rank tried beside the default, under a process group only (real transfers)
 DISPATCH = (8, 24)  # the default is an eighth of the CTAs: 16 of an H200's 132
 #: dispatch CTAs tried for a one-rank launch (the real single-GPU layer, and the one-GPU stand-in
@@ -95,7 +103,8 @@ FORMAT = 1
 @dataclass(frozen=True)
 class Candidate:
     """One setting of the tunable parameters. ``dispatch_ctas`` None: the layer's default.
-    ``pull_mode``: the dispatch's copy engine (a build option, tried only with real transfers)."""
+    ``pull_mode``: the dispatch's copy engine (a build option, tried only with real transfers).
+    ``stagger``: the consumers' stagger lead (a build option, tried by the second pass)."""
 
     cluster: int
     block_k: int
@@ -103,10 +112,11 @@ class Candidate:
     ring_chunks: int
     dispatch_ctas: Optional[int] = None
     pull_mode: str = "copy"
+    stagger: int = 0
 
     def build_options(self) -> dict[str, Any]:
         """The make_plan keyword arguments this candidate sets."""
-        return {"cluster": self.cluster, "block_k": self.block_k, "pull_mode": self.pull_mode}
+        return {"cluster": self.cluster, "block_k": self.block_k, "pull_mode": self.pull_mode, "stagger": self.stagger}
 
     def build_key(self) -> tuple:
         """The build this candidate needs, hashable (candidates with equal keys share a library)."""
@@ -119,8 +129,9 @@ class Candidate:
     def label(self) -> str:
         d = "default" if self.dispatch_ctas is None else str(self.dispatch_ctas)
         pull = ", bulk pull" if self.pull_mode == "bulk" else ""
+        stagger = f", stagger {self.stagger}" if self.stagger else ""
         return (f"cluster {self.cluster}, BK {self.block_k}, chunk {self.chunk_rows}, ring {self.ring_chunks}, "
-                f"dispatch {d}{pull}")
+                f"dispatch {d}{pull}{stagger}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,17 +139,18 @@ class Candidate:
     @classmethod
     def from_json(cls, doc: Any) -> "Candidate":
         fields = set(cls.__dataclass_fields__)
-        # files written before pull_mode was tuned have no such field: they ran the copy
-        if not isinstance(doc, dict) or set(doc) not in (fields, fields - {"pull_mode"}):
+        # files written before pull_mode (v0.7) or the stagger (v0.47) was tuned lack the field:
+        # they ran the copy, in lockstep
+        if not isinstance(doc, dict) or not fields - {"pull_mode", "stagger"} <= set(doc) <= fields:
             raise ValueError(f"a candidate has the fields {sorted(cls.__dataclass_fields__)}, got {doc!r}")
-        from mokgen.plan import BLOCK_KS, CLUSTERS, PULL_MODES
+        from mokgen.plan import BLOCK_KS, CLUSTERS, PULL_MODES, STAGGERS
 
         doc = dict(doc)
         pull_mode = doc.pop("pull_mode", "copy")
         if pull_mode not in PULL_MODES:
             raise ValueError(f"candidate field pull_mode must be one of {PULL_MODES}, got {pull_mode!r}")
 
-        allowed = {"cluster": CLUSTERS, "block_k": BLOCK_KS}
+        allowed = {"cluster": CLUSTERS, "block_k": BLOCK_KS, "stagger": STAGGERS}
         limits = {"chunk_rows": 1 << 20, "ring_chunks": 1024, "dispatch_ctas": 1024}
         for name, value in doc.items():
             if value is None and name == "dispatch_ctas":
@@ -197,10 +209,11 @@ class TuneKey:
 def default_candidate(spec: MoESpec) -> Candidate:
     """The plan's defaults under the environment's switches (MOKGEN_CLUSTER, MOKGEN_BLOCK_K,
     MOKGEN_PULL_MODE, the core and schedule decide the build options), the ring of
-    ``plan.ep_defaults``."""
+    ``plan.ep_defaults``; MOKGEN_FWD_STAGGER sets the stagger."""
     plan = make_plan(spec, **env.plan_options())
     d = ep_defaults(spec)
-    return Candidate(plan.gemm_cluster, plan.gemm_block_k, d["chunk_rows"], d["ring_chunks"], None, plan.pull_mode)
+    return Candidate(plan.gemm_cluster, plan.gemm_block_k, d["chunk_rows"], d["ring_chunks"], None, plan.pull_mode,
+                     plan.gemm_stagger)
 
 
 @dataclass
@@ -240,7 +253,8 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     H, I = spec.hidden_size, spec.moe_intermediate_size
     space = Space([])
     for cluster, block_k, pull_mode in ((c, b, m) for c in clusters for b in block_ks for m in pulls):
-        plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k, "pull_mode": pull_mode})
+        plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k, "pull_mode": pull_mode,
+                                  "stagger": base.stagger})
         build_why = None  # a reason that prunes every candidate of this build
         if smem_bytes(plan) > SMEM_LIMIT:
             build_why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
@@ -251,7 +265,7 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
             for ring in rings:
                 same = _same_ring(ring, rings, n)
                 for p in dispatch:
-                    c = Candidate(cluster, block_k, chunk, ring, p, pull_mode)
+                    c = Candidate(cluster, block_k, chunk, ring, p, pull_mode, base.stagger)
                     why = build_why
                     if why is None and c != base and holding is not None and chunk >= rows and chunk != holding:
                         why = f"chunk of {chunk} rows: a rank has {rows}, the chunk of {holding} holds them all"
@@ -268,6 +282,29 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
         space.candidates.insert(0, base)
         space.pruned = [(c, w) for c, w in space.pruned if c != base]
     return space
+
+
+def stagger_variants(spec: MoESpec, winner: Candidate) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """The second pass: ``winner`` (the first pass's) at each lead of STAGGER_TRY other than its
+    own, and the ones the plan refuses, with the reason. Nothing where the consumers cannot stagger
+    (the portable core, the phased schedule, mxfp8) or MOKGEN_FWD_STAGGER holds the axis."""
+    options = env.plan_options()
+    if (options["gemm_core"] != "wgmma" or options["schedule"] != "flow" or spec.target.numerics == "mxfp8"
+            or env.switch_set("stagger")):
+        return [], []
+    out: list[Candidate] = []
+    pruned: list[tuple[Candidate, str]] = []
+    for lead in STAGGER_TRY:
+        if lead == winner.stagger:
+            continue
+        c = dataclasses.replace(winner, stagger=lead)
+        try:
+            make_plan(spec, **env.plan_options_with(c.build_options()))
+        except PlanError as err:
+            pruned.append((c, str(err)))
+            continue
+        out.append(c)
+    return out, pruned
 
 
 def _same_ring(ring: int, rings: list[int], n_chunks: int) -> Optional[int]:
@@ -292,6 +329,11 @@ def choose(times: list[Optional[float]], noise: float = NOISE) -> int:
 
 # ---- storage -----------------------------------------------------------------------------------
 
+#: the build options the tuner chooses: not among a file's fixed plan options (a switch that pins
+#: one is recorded under "pinned"). pull_mode stays among the fixed ones (see metadata)
+TUNED_OPTIONS = ("cluster", "block_k", "stagger")
+
+
 def metadata(gpu: str) -> dict[str, Any]:
     """What a tuned entry depends on besides its key."""
     from mokgen import render
@@ -299,11 +341,11 @@ def metadata(gpu: str) -> dict[str, Any]:
     options = env.plan_options()
     # the options that are not tuned; the tuned ones only where a switch pinned them (the
     # search then held that axis, so the entry fits only where the switch says the same)
-    fixed = {k: v for k, v in options.items() if k not in ("cluster", "block_k")}
+    fixed = {k: v for k, v in options.items() if k not in TUNED_OPTIONS}
     fixed["fuse_shared"] = "auto" if fixed["fuse_shared"] in (None, True) else False  # True: the same builds
     # (pull_mode stays among the fixed options: an entry made under MOKGEN_PULL_MODE=bulk fits
     # only there, and one made without it fits under an explicit =copy too)
-    fixed["pinned"] = {k: options[k] for k in ("cluster", "block_k") if env.switch_set(k)}
+    fixed["pinned"] = {k: options[k] for k in TUNED_OPTIONS if env.switch_set(k)}
     doc: dict[str, Any] = {"mokgen": __version__, "gpu": gpu, "templates": render.kernel_digest(), "format": FORMAT,
                            "plan_options": fixed}
     doc.update(_toolchain_versions())
@@ -632,17 +674,20 @@ def confirm_choice(first: int, measure: Callable[[int], Optional[float]], rounds
 
 
 def _read_partial(partial: Path, meta: dict[str, Any], cands: list[Candidate]) -> list[Optional[Outcome]]:
-    """The successful outcomes of an interrupted run with the same metadata and candidates
-    (failures are timed again: their cause may be gone); anything unusable counts as nothing."""
+    """The successful outcomes of an interrupted run with the same metadata whose candidates begin
+    with ``cands`` (failures are timed again: their cause may be gone); anything unusable counts as
+    nothing."""
     none: list[Optional[Outcome]] = [None] * len(cands)
     try:
         old = json.loads(partial.read_text())
         if not isinstance(old, dict) or old.get("_metadata") != meta:
             return none
-        if [Candidate.from_json(c) for c in old["candidates"]] != cands or len(old["outcomes"]) != len(cands):
+        listed = [Candidate.from_json(c) for c in old["candidates"]]
+        # the file may list more after them: the second pass's candidates of an interrupted run
+        if listed[:len(cands)] != cands or len(old["outcomes"]) != len(listed):
             return none
         out: list[Optional[Outcome]] = []
-        for o in old["outcomes"]:
+        for o in old["outcomes"][:len(cands)]:
             ms = o.get("ms") if isinstance(o, dict) else None
             ok = isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0
             out.append(Outcome(float(ms), None) if ok else None)
@@ -702,19 +747,25 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     # the stand-in is a one-rank problem: its rows are the rank's received rows, top-1
     space = search_space(work, ep=1 if local else ep, tokens=rows if local else tokens, distributed=distributed,
                          gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    cands = space.candidates
-    outcomes: list[Optional[Outcome]] = [None] * len(cands)
-    if resume and rank0 and partial.is_file():
-        outcomes = _read_partial(partial, meta, cands)
-    if distributed:  # every rank has rank 0's candidates and resumes exactly what rank 0 resumed
-        box = [([c.to_json() for c in cands], [None if o is None else o.ms for o in outcomes])]
-        dist.broadcast_object_list(box, src=src0, group=group)
-        differs = torch.tensor([int(box[0][0] != [c.to_json() for c in cands])], device="cuda")
-        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
-        if differs.item():
-            raise InputError(f"{spec.name}: the ranks built different search spaces (other switches or GPUs); run "
-                             "every rank with the same environment")
-        outcomes = [None if ms is None else Outcome(ms, None) for ms in box[0][1]]
+    cands = list(space.candidates)
+
+    def resumed(listed: list[Candidate]) -> list[Optional[Outcome]]:
+        """The partial file's outcomes for ``listed`` (rank 0 reads, every rank gets the same)."""
+        outs: list[Optional[Outcome]] = [None] * len(listed)
+        if resume and rank0 and partial.is_file():
+            outs = _read_partial(partial, meta, listed)
+        if distributed:  # every rank has rank 0's candidates and resumes exactly what rank 0 resumed
+            box = [([c.to_json() for c in listed], [None if o is None else o.ms for o in outs])]
+            dist.broadcast_object_list(box, src=src0, group=group)
+            differs = torch.tensor([int(box[0][0] != [c.to_json() for c in listed])], device="cuda")
+            dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+            if differs.item():
+                raise InputError(f"{spec.name}: the ranks built different search spaces (other switches or GPUs); run "
+                                 "every rank with the same environment")
+            outs = [None if ms is None else Outcome(ms, None) for ms in box[0][1]]
+        return outs
+
+    outcomes = resumed(cands)
     if any(o is not None for o in outcomes):
         log(f"resuming: {sum(o is not None for o in outcomes)} of {len(cands)} candidates already timed ({partial})")
     # the defaults' build first: spills are judged against it
@@ -738,34 +789,59 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
                 outcome = Outcome(t.item(), None)
         return outcome
 
-    for i, c in enumerate(cands):
-        if outcomes[i] is None:
-            error = builds.get(c.build_key())
-            if distributed:  # a build that failed on any rank fails the candidate on every rank
-                flag = torch.tensor([0 if error is not None else 1], device="cuda")
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-                if error is None and flag.item() == 0:
-                    error = "the build failed on another rank"
-            outcome = Outcome(None, error) if error is not None else measure(c)
-            outcomes[i] = outcome
-            if rank0:
-                write_json(partial, {"_metadata": meta, "candidates": [x.to_json() for x in cands],
-                                     "outcomes": [None if o is None else o.to_json() for o in outcomes]})
-        step(i, len(cands), c, outcomes[i])
-    done = [o for o in outcomes if o is not None]
-    best: Any = None
-    if rank0:
-        try:
-            best = choose([o.ms for o in done])
-        except InputError:
-            first = next((o.error for o in done if o.error), "no error recorded")
-            best = f"every candidate failed (the first: {first}); the outcomes are in {partial}"
-    if distributed:
-        box = [best]
-        dist.broadcast_object_list(box, src=src0, group=group)
-        best = box[0]
-    if isinstance(best, str):
-        raise InputError(f"{spec.name}: {best}")
+    def time_from(first: int) -> None:
+        """Times candidates ``first`` .. of ``cands`` that have no outcome yet, the partial file
+        rewritten after each."""
+        for i in range(first, len(cands)):
+            c = cands[i]
+            if outcomes[i] is None:
+                error = builds.get(c.build_key())
+                if distributed:  # a build that failed on any rank fails the candidate on every rank
+                    flag = torch.tensor([0 if error is not None else 1], device="cuda")
+                    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+                    if error is None and flag.item() == 0:
+                        error = "the build failed on another rank"
+                outcomes[i] = Outcome(None, error) if error is not None else measure(c)
+                if rank0:
+                    write_json(partial, {"_metadata": meta, "candidates": [x.to_json() for x in cands],
+                                         "outcomes": [None if o is None else o.to_json() for o in outcomes]})
+            step(i, len(cands), c, outcomes[i])
+
+    def decide() -> int:
+        """Rank 0's winner over every outcome so far, broadcast; an InputError if all failed."""
+        best: Any = None
+        if rank0:
+            try:
+                best = choose([o.ms for o in outcomes])
+            except InputError:
+                first = next((o.error for o in outcomes if o.error), "no error recorded")
+                best = f"every candidate failed (the first: {first}); the outcomes are in {partial}"
+        if distributed:
+            box = [best]
+            dist.broadcast_object_list(box, src=src0, group=group)
+            best = box[0]
+        if isinstance(best, str):
+            raise InputError(f"{spec.name}: {best}")
+        return best
+
+    time_from(0)
+    best = decide()
+    # the second pass: the first pass's winner at the other stagger leads (every rank derives the
+    # same candidates from the broadcast winner)
+    more, refused = stagger_variants(work, cands[best])
+    space.pruned.extend(refused)
+    if more:
+        n_first = len(cands)
+        cands.extend(more)
+        outcomes.extend(resumed(cands)[n_first:])
+        todo = [c for c, o in zip(cands[n_first:], outcomes[n_first:]) if o is None]
+        log(f"stagger pass: {cands[best].label()} at lead(s) {', '.join(str(c.stagger) for c in more)}")
+        if todo:
+            builds.update(build_candidates(work, cands[:1] + todo, jobs=jobs, progress=log))
+        time_from(n_first)
+        best = decide()
+    space.candidates = cands
+    done = outcomes
     record = None
     if best != 0 and done[0].ms is not None and confirm == "interleaved" and not distributed:
         log(f"confirming {cands[best].label()} against the defaults ({CONFIRM_BLOCKS} interleaved ABBA blocks)")
@@ -821,7 +897,7 @@ def chunk_sweep(spec: MoESpec, *, ep: int, tokens: int, chunks: list[int], iters
     timer = _layer_timer(work, rows, iters)
     out = []
     for i, chunk in enumerate(chunks):
-        c = Candidate(base.cluster, base.block_k, chunk, base.ring_chunks, None, base.pull_mode)
+        c = dataclasses.replace(base, chunk_rows=chunk)
         try:
             o = Outcome(timer(c), None)
         except Exception as err:

@@ -260,6 +260,38 @@ def test_dispatch_join_gives_the_same_bits(monkeypatch, name, cluster):
             assert torch.equal(out, runs["0", 1024, 3]), f"{spec.name} {sizes}: bits differ for {cfg}"
 
 
+@pytest.mark.nvcc  # builds variants: needs the compiler even where prebuilt wheels serve the defaults
+@pytest.mark.parametrize("cluster", ["1", "2"])
+def test_stagger_gives_the_same_bits(monkeypatch, cluster):
+    """MOKGEN_FWD_STAGGER=1..3 (consumer warpgroup 1 starts its tiles that many k-blocks after
+    warpgroup 0; hopper_gemm.cuh StaggerPipe) against lockstep: each warpgroup's rows and their
+    wgmma order are unchanged, so the bits are the same. CTAs alone and in pairs; rings that wrap;
+    a rank with no tokens; a launch of 40 tokens, where most CTAs get no tile and warpgroup 0
+    still owes warpgroup 1 its start; and experts of 256 (a down tile of 4 k-blocks, the lead 3
+    one short of its end)."""
+    from mokgen.spec import spec_from_dict
+
+    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+    d = load_spec(SMALL).canonical_dict()
+    d.update(name="i256-stagger-test", aliases=[], hidden_size=2048, moe_intermediate_size=256, num_experts=16, top_k=4)
+    for spec in (load_spec("qwen3.5-35b-a3b"), spec_from_dict(d)):
+        wg, wu, wd = _weights(spec)
+        gen = torch.Generator(device="cuda").manual_seed(29)
+        for sizes in ([2100, 0, 1300, 700], [40]):
+            xs, ids, ws = _inputs(spec, sizes, gen)
+            runs = _switch_runs(monkeypatch, spec, (xs, ids, ws), (wg, wu, wd), "MOKGEN_FWD_STAGGER",
+                                ("0", "1", "2", "3"), ((256, 2), (1024, 3)))
+            first = runs["0", 256, 2]
+            _assert_close(spec, [first], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
+            for cfg, out in runs.items():
+                assert torch.equal(out, first), f"{spec.name} {sizes} cluster {cluster}: bits differ for {cfg}"
+        keys = set()
+        for lead in ("0", "1", "2", "3"):  # four kernels really ran (the switch reaches the build)
+            monkeypatch.setenv("MOKGEN_FWD_STAGGER", lead)
+            keys.add(load(spec).KEY)
+        assert len(keys) == 4
+
+
 @pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
 def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the

@@ -322,7 +322,8 @@ def test_schedule_from_environment(monkeypatch):
 
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
-                                  "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True}
+                                  "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True,
+                                  "stagger": 0}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -439,3 +440,42 @@ def test_pull_unroll_option(monkeypatch):
     _check_switch(monkeypatch, "MOKGEN_PULL_UNROLL", "pull_unroll", "8", 8, "32",
                   "MOKGEN_PULL_UNROLL must be 12 or 16 or 8")
 
+
+
+def test_stagger_option(monkeypatch):
+    """The consumers' stagger lead: a build option of the Hopper core's flow schedule (0 elsewhere,
+    as the cluster), refused for mxfp8 and beyond a tile's k-blocks, in the cache key, rendered
+    into the kernel's Config, and set by MOKGEN_FWD_STAGGER."""
+    from mokgen import env, render
+    from mokgen.errors import ToolchainError
+    from mokgen.spec import spec_from_dict
+
+    spec = load_spec("qwen3.5-35b-a3b")
+    assert make_plan(spec).gemm_stagger == 0
+    for lead in (1, 2, 3):
+        assert make_plan(spec, stagger=lead).gemm_stagger == lead
+    assert make_plan(spec, stagger=2, schedule="phased").gemm_stagger == 0
+    assert make_plan(spec, stagger=2, gemm_core="mma_sync").gemm_stagger == 0
+    assert make_plan(spec, stagger=3, block_k=32).gemm_stagger == 3  # 9 stages, 16 k-blocks of 32 in a down tile
+    with pytest.raises(PlanError, match="stagger must be one of 0, 1, 2, 3, got 4"):
+        make_plan(spec, stagger=4)
+    with pytest.raises(PlanError, match="numerics mxfp8 runs its consumers in lockstep"):
+        make_plan(spec.with_target(numerics="mxfp8"), stagger=1)
+    assert make_plan(spec.with_target(numerics="mxfp8")).gemm_stagger == 0
+    data = spec.model_dump(mode="json")
+    data["moe_intermediate_size"] = 128  # a down tile of 2 k-blocks
+    small = spec_from_dict(data)
+    assert make_plan(small, stagger=2).gemm_stagger == 2
+    with pytest.raises(PlanError, match="stagger 3 exceeds a tile's 2 k-blocks"):
+        make_plan(small, stagger=3)
+    keys = {cache_key(make_plan(spec, stagger=lead), **KEY_ARGS) for lead in (0, 1, 2, 3)}
+    assert len(keys) == 4
+    plan = make_plan(spec, stagger=2)
+    assert "static constexpr int kStagger = 2;" in render.render(plan, "k")["moe_forward.cu"]
+    assert "static constexpr int kStagger = 0;" in render.render(make_plan(spec), "k")["moe_forward.cu"]
+    monkeypatch.setenv("MOKGEN_FWD_STAGGER", "3")
+    assert env.plan_options()["stagger"] == 3 and env.switch_set("stagger")
+    assert make_plan(spec, **env.plan_options()).gemm_stagger == 3
+    monkeypatch.setenv("MOKGEN_FWD_STAGGER", "5")
+    with pytest.raises(ToolchainError, match="MOKGEN_FWD_STAGGER must be 0 or 1 or 2 or 3, got '5'"):
+        env.plan_options()

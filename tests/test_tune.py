@@ -4,6 +4,7 @@ the command line. CPU only, except the last tests (marked gpu): a real tune on t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -46,19 +47,26 @@ def test_token_bucket():
 def test_candidate_json_round_trip_and_validation():
     c = Candidate(2, 32, 4096, 8, 16)
     assert Candidate.from_json(json.loads(json.dumps(c.to_json()))) == c
-    assert c.build_options() == {"cluster": 2, "block_k": 32, "pull_mode": "copy"}
+    assert c.build_options() == {"cluster": 2, "block_k": 32, "pull_mode": "copy", "stagger": 0}
     bulk = Candidate(2, 32, 4096, 8, 16, "bulk")
     assert Candidate.from_json(bulk.to_json()) == bulk and bulk.build_options()["pull_mode"] == "bulk"
     assert "bulk pull" in bulk.label() and "bulk" not in c.label()
     # files written before the pull mode was tuned: no such field, they ran the copy
     assert Candidate.from_json({k: v for k, v in c.to_json().items() if k != "pull_mode"}) == c
+    # nor before the stagger was (v0.47): they ran in lockstep; both may be missing
+    assert Candidate.from_json({k: v for k, v in c.to_json().items() if k != "stagger"}) == c
+    assert Candidate.from_json({k: v for k, v in c.to_json().items() if k not in ("stagger", "pull_mode")}) == c
+    lead = Candidate(2, 32, 4096, 8, 16, "copy", 3)
+    assert Candidate.from_json(lead.to_json()) == lead and lead.build_options()["stagger"] == 3
+    assert "stagger 3" in lead.label() and "stagger" not in c.label()
     assert c.runtime() == {"chunk_rows": 4096, "ring_chunks": 8, "dispatch_ctas": 16}
     for bad in ({**c.to_json(), "extra": 1}, {k: v for k, v in c.to_json().items() if k != "ring_chunks"},
                 {**c.to_json(), "chunk_rows": 0}, {**c.to_json(), "block_k": "64"}, {**c.to_json(), "cluster": True},
                 {**c.to_json(), "dispatch_ctas": -2}, [1, 2], {**c.to_json(), "cluster": 3},
                 {**c.to_json(), "block_k": 48}, {**c.to_json(), "chunk_rows": (1 << 20) + 1},
                 {**c.to_json(), "ring_chunks": 1025}, {**c.to_json(), "pull_mode": "dma"},
-                {**c.to_json(), "pull_mode": None}):
+                {**c.to_json(), "pull_mode": None}, {**c.to_json(), "stagger": 4}, {**c.to_json(), "stagger": -1},
+                {**c.to_json(), "stagger": True}, {**c.to_json(), "stagger": None}):
         with pytest.raises(ValueError):
             Candidate.from_json(bad)
 
@@ -402,7 +410,9 @@ def test_tuned_dir_default_and_switch(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_gpu(monkeypatch, tuned_dirs):
     """tune() with the GPU, the builds and the timer replaced: ``times[i]`` is candidate i's
-    time (an Exception instance: it raises); returns (times, timed indexes, space)."""
+    time (an Exception instance: it raises); returns (times, timed indexes, space). The stagger
+    pass is off (STAGGER_TRY empty) unless a test sets it: ``times[("stagger", lead)]`` is then the
+    time of the first pass's winner at that lead, its index in ``timed`` the same tuple."""
     import types
 
     import torch
@@ -416,10 +426,11 @@ def fake_gpu(monkeypatch, tuned_dirs):
     times: dict[int, object] = {i: 2.0 + 0.1 * i for i in range(len(space.candidates))}
     timed: list[int] = []
     monkeypatch.setattr(tune_mod, "build_candidates", lambda *a, **k: {})
+    monkeypatch.setattr(tune_mod, "STAGGER_TRY", ())
 
     def fake_timer(work, rows, iters, group=None):
         def time_one(c):
-            i = space.candidates.index(c)
+            i = space.candidates.index(c) if c in space.candidates else ("stagger", c.stagger)
             timed.append(i)
             if isinstance(times[i], Exception):
                 raise times[i]
@@ -536,6 +547,78 @@ def test_an_entry_tuned_under_a_pinned_switch_needs_that_switch(fake_gpu, monkey
         assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=2048) is None
 
 
+def test_tune_stagger_pass_times_the_winner_at_each_lead(fake_gpu, tuned_dirs, monkeypatch):
+    """The second pass: the first pass's winner at each lead of STAGGER_TRY, appended after the
+    first pass's candidates, a failed lead a failed candidate; the winner then confirmed against
+    the defaults as any other; the tuned entry builds the staggered kernel; a partial file of an
+    interrupted second pass resumes it; MOKGEN_FWD_STAGGER holds the axis (no second pass)."""
+    spec, space, times, timed = fake_gpu
+    monkeypatch.setattr(tune_mod, "STAGGER_TRY", (2, 3))
+    n = len(space.candidates)
+    times[3] = 1.0
+    times[("stagger", 2)] = 0.9
+    times[("stagger", 3)] = RuntimeError("illegal instruction")
+    logs: list[str] = []
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="rounds", log=logs.append)
+    assert timed == list(range(n)) + [("stagger", 2), ("stagger", 3)] + [0, ("stagger", 2)] * tune_mod.CONFIRM_ROUNDS
+    assert any(line.startswith(f"stagger pass: {space.candidates[3].label()} at lead(s) 2, 3") for line in logs)
+    winner = dataclasses.replace(space.candidates[3], stagger=2)
+    assert result.best_index == n and result.space.candidates[n:] == [winner, dataclasses.replace(winner, stagger=3)]
+    doc = json.loads(result.path.read_text())
+    assert doc["best"] == winner.to_json() and doc["best_index"] == n and doc["best_ms"] == 0.9
+    assert [c["index"] for c in doc["candidates"]] == list(range(n + 2))
+    assert doc["candidates"][n + 1]["error"] == "illegal instruction" and doc["candidates"][n + 1]["stagger"] == 3
+    entry = tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=2048)
+    assert entry.best == winner
+    assert make_plan(spec, **env.plan_options_with(entry.best.build_options())).gemm_stagger == 2
+    # an interrupted second pass: the first pass and lead 2 timed, lead 3 not yet
+    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=2048)
+    partial = tuned_dirs[0] / key.relpath().with_name(key.relpath().name + ".partial")
+    listed = list(result.space.candidates)
+    outcomes = [{"ms": o.ms, "error": o.error} for o in result.outcomes[:n + 1]] + [None]
+    tune_mod.write_json(partial, {"_metadata": tune_mod.metadata(GPU), "candidates": [c.to_json() for c in listed],
+                                  "outcomes": outcomes})
+    timed.clear()
+    times[("stagger", 3)] = 0.5
+    result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="rounds")
+    assert timed == [("stagger", 3)] + [0, ("stagger", 3)] * tune_mod.CONFIRM_ROUNDS
+    assert result.space.candidates[result.best_index] == dataclasses.replace(winner, stagger=3)
+    # the switch holds the axis: every candidate at its lead, no second pass, the pin recorded
+    timed.clear()
+    monkeypatch.setenv("MOKGEN_FWD_STAGGER", "1")
+    pinned = search_space(spec, ep=1, tokens=2048, gpu_memory=141 << 30)
+    assert {c.stagger for c in pinned.candidates} == {1}
+    assert tune_mod.metadata(GPU)["plan_options"]["pinned"] == {"stagger": 1}
+    assert tune_mod.stagger_variants(spec, pinned.candidates[3]) == ([], [])
+
+
+def test_stagger_variants_where_the_consumers_can_stagger(monkeypatch):
+    """Only the Hopper core's flow schedule on BF16 staggers; a lead the plan refuses is pruned with its
+    reason; the winner's own lead is not tried again; the stagger is not among a tuned file's fixed
+    plan options (files made before it still fit)."""
+    from mokgen.spec import spec_from_dict
+
+    for name in ("MOKGEN_FWD_STAGGER", "MOKGEN_GEMM_CORE", "MOKGEN_SCHEDULE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tune_mod, "STAGGER_TRY", (2, 3))
+    spec = load_spec("qwen3.5-35b-a3b")
+    base = tune_mod.default_candidate(spec)
+    assert base.stagger == 0
+    more, refused = tune_mod.stagger_variants(spec, base)
+    assert [c.stagger for c in more] == [2, 3] and not refused
+    assert all(dataclasses.replace(c, stagger=0) == base for c in more)
+    assert [c.stagger for c in tune_mod.stagger_variants(spec, dataclasses.replace(base, stagger=2))[0]] == [3]
+    assert tune_mod.stagger_variants(spec.with_target(numerics="mxfp8"), base) == ([], [])
+    data = spec.model_dump(mode="json")
+    data["moe_intermediate_size"] = 128
+    more, refused = tune_mod.stagger_variants(spec_from_dict(data), base)
+    assert [c.stagger for c in more] == [2] and [c.stagger for c, _ in refused] == [3]
+    assert "exceeds a tile's 2 k-blocks" in refused[0][1]
+    assert "stagger" not in tune_mod.metadata(GPU)["plan_options"]
+    monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
+    assert tune_mod.stagger_variants(spec, base) == ([], [])
+
+
 # ---- command line --------------------------------------------------------------------------------
 
 
@@ -548,6 +631,7 @@ def test_cli_dry_run_lists_candidates_and_pruned(tuned_dirs):
     n = len(search_space(load_spec("qwen3-30b-a3b"), ep=8, tokens=2048).candidates)
     assert f"{n} candidates" in out
     assert "pruned  cluster 1, BK 64, chunk 8192, ring 8, dispatch default: ring of 8 slots: the same as 4" in out
+    assert "then the stagger pass: the winner at lead(s) 2, 3" in out
 
 
 @pytest.mark.parametrize("args,message", [
@@ -734,7 +818,7 @@ def test_shipped_tuned_files_fit_this_tree(monkeypatch):
     from mokgen import __version__, render
 
     for name in ("MOKGEN_GEMM_CORE", "MOKGEN_SCHEDULE", "MOKGEN_CLUSTER", "MOKGEN_FUSE_SHARED", "MOKGEN_BLOCK_K",
-                 "MOKGEN_PULL_UNROLL", "MOKGEN_PULL_MODE"):
+                 "MOKGEN_PULL_UNROLL", "MOKGEN_PULL_MODE", "MOKGEN_FWD_STAGGER"):
         monkeypatch.delenv(name, raising=False)
     files = sorted(tune_mod.PACKAGE_TUNED.glob("*/*.json"))
     kernel = render.kernel_digest()

@@ -245,9 +245,10 @@ struct EpHopperTiles {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
   using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster,
-                              Cfg::kBlockK>;
+                              Cfg::kBlockK, Cfg::kStagger>;
   using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
-                                Cfg::kCluster, Cfg::kBlockK>;
+                                Cfg::kCluster, Cfg::kBlockK, Cfg::kStagger>;
+  static_assert(Cfg::kStagger == 0 || Cfg::kFlow, "the consumers' stagger: the flow schedule only");
 };
 // MXFP8 (Cfg::kMx): the tiles of mx_tile.cuh, A as E4M3 rows plus scales (a stage: A codes, B bf16
 // MX values, the k128 block's A scales), under the flow schedule without clusters
@@ -258,6 +259,7 @@ struct EpHopperTiles<Cfg, true> {
       sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256>::kStageStride;
   using Up = sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride>;
   using Down = sm90::MxTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride>;
+  static_assert(Cfg::kStagger == 0, "MXFP8 builds: the consumers run in lockstep (the MX tile has no stagger)");
   static_assert(Cfg::kFlow && Cfg::kCluster == 1 && !Cfg::kFuseShared && Cfg::kBlockK == 64 && !Cfg::kPullBulk,
                 "MXFP8 builds: the Hopper core's flow schedule, no clusters, no fused shared expert, k-blocks of 64, "
                 "the copy dispatch");
@@ -804,6 +806,7 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               sm90::mbar_init(&claim_full[j], 1);
               sm90::mbar_init(&claim_empty[j], 1);
             }
+          if constexpr (Cfg::kStagger > 0) sm90::mbar_init(&sm90::s_stagger_bar, 1);  // warpgroup 1's start
           Up::init_barriers(Up::carve(smem));  // ends with the mbarrier-init fence
           s_abort = 0;
         }
@@ -988,6 +991,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         } else {
           cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
           typename Up::Pipe pipe;
+          if constexpr (Cfg::kStagger > 0) {  // hopper_gemm.cuh StaggerPipe: warpgroup 2 starts after 1's lead
+            const int wgu = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas (bwd_gemm.cuh)
+            if (wgu == 2) sm90::mbar_wait(&sm90::s_stagger_bar, 0u);
+            pipe.stagger_todo = wgu == 1 ? 1 : 0;
+          }
           for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
             const int64_t row0 = int64_t(c % R) * C + m;
             MOKGEN_FWD_TRACE_ONLY(
@@ -1027,6 +1035,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             if (lane == 0) sm90::mbar_arrive(&sig_done[j]);  // release (CTA scope): this tile's stores
             MOKGEN_FWD_TRACE_ONLY(fwd_trace::stage(i, wgi, 5, fwd_trace::clock());)
           }, std::true_type{});
+          if constexpr (Cfg::kStagger > 0) {
+            if (pipe.stagger_todo) {  // fewer k-blocks than the lead (a CTA with no tile): warpgroup 2 still waits
+              if ((tid & 127) == 0) sm90::mbar_arrive(&sm90::s_stagger_bar);
+              pipe.stagger_todo = 0;
+            }
+          }
           cutlass::arch::warpgroup_reg_dealloc<Cfg::kUniformRegs>();
         }
         if constexpr (kPair == 2)

@@ -35,6 +35,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "common.cuh"
@@ -167,6 +168,20 @@ struct PipeState {
   }
 };
 
+// Staggered consumers (plan.gemm_stagger = L > 0, a forward build option; docs/architecture.md,
+// "Staggered consumers in the forward"): consumer warpgroup 1 (the tile's rows 64..127) starts its
+// first tile only once warpgroup 0 has consumed L k-blocks of its own, so from then on the two run
+// L k-blocks apart and one warpgroup's epilogue overlaps the other's last k-blocks. Warpgroup 0's
+// thread 0 arrives on s_stagger_bar once; StaggerPipe carries whether that arrival is still owed.
+// (The backward's GEMMs do the same with a run-time lead, bwd_gemm.cuh.) Builds without a stagger
+// keep PipeState and never name the barrier.
+__shared__ uint64_t s_stagger_bar;
+
+template <int kStages>
+struct StaggerPipe : PipeState<kStages> {
+  int stagger_todo = 0;  // 1: this consumer thread's warpgroup still owes the hand-over
+};
+
 // Register dependency on every accumulator, so the compiler keeps reads and writes of acc on
 // the right side of wgmma fences and waits (the asm statements do not name them otherwise).
 template <int kN>
@@ -191,8 +206,9 @@ struct NoSaveRows {
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
+// kStagger: the consumers' stagger lead in k-blocks (0: lockstep; see StaggerPipe).
 template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1,
-          int kBlockK = 64>
+          int kBlockK = 64, int kStagger = 0>
 struct HopperTile {
   static constexpr int kBM = 128;
   static constexpr int kBK = kBlockK;  // 64 (128-byte rows, SWIZZLE_128B) or 32 (64-byte rows, SWIZZLE_64B)
@@ -246,7 +262,9 @@ struct HopperTile {
     fence_barrier_init();
   }
 
-  using Pipe = PipeState<kStages>;
+  using Pipe = std::conditional_t<kStagger == 0, PipeState<kStages>, StaggerPipe<kStages>>;
+  static_assert(kStagger == 0 || (kStagger >= 1 && kStagger < kStages && kStagger <= kKTiles),
+                "the stagger's lead: 1 .. stages - 1 k-blocks, within one tile");
 
   // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate);
   // b_row0: first B row in the [E*N, K] tensor maps, of map_b0 and map_b1 (gate and up rows of a
@@ -330,6 +348,12 @@ struct HopperTile {
       if (prev_stage >= 0) release(s, prev_stage, t);
       prev_stage = pipe.stage;
       pipe.advance();
+      if constexpr (kStagger > 0) {
+        if (pipe.stagger_todo && kb == kStagger - 1) {  // the lead consumed: warpgroup 1 may start
+          if (t == 0) mbar_arrive(&s_stagger_bar);
+          pipe.stagger_todo = 0;
+        }
+      }
     }
     cute::warpgroup_wait<0>();
     fence_operands(acc);  // the epilogue reads acc only after the last wgmma retired
