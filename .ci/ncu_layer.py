@@ -13,6 +13,7 @@ name, kind = sys.argv[1], sys.argv[2]
 spec, rows = load_spec(name), 16384
 if kind == "local":
     spec, rows = bench.local_spec(spec, 8)
-# the tuner's timer of one candidate (the bench's weights and inputs): 3 warm-up launches and 1 timed
+# the tuner's timer of one candidate (the bench's weights and inputs): the defaults' reference launch
+# (v0.47), 3 warm-up launches, 1 timed, then its bit check: --launch-skip 2 still profiles a warm launch
 tune._layer_timer(spec, rows, 1)(tune.default_candidate(spec))
 print("ok")

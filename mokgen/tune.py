@@ -8,7 +8,9 @@ overlap granularity, ring slots, dispatch CTAs of a rank). The search space come
 limits and by what the workload can use. Every remaining candidate is built (in parallel,
 through the build cache), loaded and timed by the bench method (CUDA events, warm-up, median of
 at least 20 runs on rotating inputs). A failure (compile error, register spills beyond the
-default build's, launch error) counts as infinite time. The stagger is not an axis of that
+default build's, launch error, an output whose bits differ from the defaults': every axis leaves
+the bits as they are, so such a candidate is a broken build; ``same_bits_guard``) counts as
+infinite time. The stagger is not an axis of that
 product: a second pass (``stagger_variants``) times the first pass's winner at each lead of
 STAGGER_TRY, a build and a timing per lead rather than a doubled space; its candidates follow
 the first pass's in the file. The winner is the fastest candidate;
@@ -59,7 +61,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mokgen import env
 from mokgen._version import __version__
-from mokgen.errors import InputError, PlanError
+from mokgen.errors import InputError, KernelError, PlanError
 from mokgen.plan import PULL_MODES, SMEM_LIMIT, ep_defaults, make_plan, smem_bytes
 from mokgen.spec import MoESpec
 
@@ -540,22 +542,67 @@ def _candidate_layer(spec: MoESpec, rows: int, c: "Candidate", weights, group=No
     return layer
 
 
+def same_bits_guard(reference: Callable[[], Any]) -> Callable[[Any, str], None]:
+    """A check that an output has the bits of ``reference()`` (asked once, on first use).
+    Every axis of the search space leaves the layer's bits as they are (CTA pairs, k-block,
+    dispatch engine and CTAs, chunk, ring, stagger: each GPU-tested bitwise), so a candidate
+    whose output differs from the defaults' is a broken build, not a faster one: the check
+    raises a KernelError, which fails the candidate."""
+    import torch
+
+    ref: list[Any] = []
+
+    def check(out: Any, label: str) -> None:
+        if not ref:
+            ref.append(reference())
+        r = ref[0]  # compared as bytes: a NaN equals itself, -0.0 differs from 0.0
+        if (out.shape != r.shape or out.dtype != r.dtype
+                or not torch.equal(out.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))):
+            raise KernelError(f"{label}: its output differs from the defaults' in its bits; not a valid candidate")
+
+    return check
+
+
 def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
     """A function (candidate) -> median ms of ``spec``'s layer on ``rows`` tokens per rank,
-    uniform routing, bench's weights and inputs (shared by every candidate). Under a process
-    group a failure to load the kernel on one rank fails the candidate on all of them in step
-    (the layer's constructor agrees on the load first)."""
+    uniform routing, bench's weights and inputs (shared by every candidate). Each candidate's
+    output on the first input set must have the defaults' bits (same_bits_guard), or it fails.
+    Under a process group a failure to load the kernel on one rank fails the candidate on all
+    of them in step (the layer's constructor agrees on the load first)."""
     import torch
 
     from mokgen import bench
 
     weights, inputs = _timing_problem(spec, rows, group)
 
+    def defaults_output():
+        layer = _candidate_layer(spec, rows, default_candidate(spec), weights, group)
+        with torch.no_grad():
+            out = layer(*inputs[0])
+        layer.check_errors()
+        return out
+
+    # made here, before any candidate, so that under a process group every rank builds the
+    # defaults' layer (collective) in step; a failure fails every candidate (nothing to check against)
+    try:
+        ref = defaults_output()
+
+        def reference():
+            return ref
+    except Exception as err:
+        why = _one_line(err)
+
+        def reference():
+            raise KernelError(f"the defaults' output, the reference for every candidate's bits, failed: {why}")
+    same_bits = same_bits_guard(reference)
+
     def time_one(c: Candidate) -> float:
         layer = _candidate_layer(spec, rows, c, weights, group)
         with torch.no_grad():
             times = bench.time_cuda(lambda i: layer(*inputs[i]), n_inputs=len(inputs), iters=iters)
+            out = layer(*inputs[0])
         layer.check_errors()  # a launch that timed out fails the candidate
+        same_bits(out, c.label())
         del layer
         return statistics.median(times)
 

@@ -592,6 +592,37 @@ def test_tune_stagger_pass_times_the_winner_at_each_lead(fake_gpu, tuned_dirs, m
     assert tune_mod.stagger_variants(spec, pinned.candidates[3]) == ([], [])
 
 
+def test_same_bits_guard_fails_a_candidate_whose_bits_differ():
+    """The timer's check of every candidate's output against the defaults': the reference is
+    asked once; equal bits pass (NaN included); one ulp, another shape, a NaN moved, +0.0 for
+    -0.0 or another dtype fail with a one-line KernelError naming the candidate; a reference
+    that cannot be made fails every candidate."""
+    import torch
+
+    from mokgen.errors import KernelError
+
+    asked = []
+    ref = torch.tensor([[1.0, -0.0, float("nan")], [3.0, 4.0, 5.0]], dtype=torch.bfloat16)
+    guard = tune_mod.same_bits_guard(lambda: asked.append(1) or ref)
+    guard(ref.clone(), "cluster 1, ...")
+    guard(ref.clone(), "cluster 2, ...")
+    assert asked == [1]
+    one_ulp = ref.clone()
+    one_ulp.view(torch.int16)[1, 0] += 1  # 3.0 -> 3.0156, the next bf16
+    zero = ref.clone()
+    zero[0, 1] = 0.0  # -0.0 -> +0.0: equal as numbers, not as bits
+    for bad in (one_ulp, ref[:1].clone(), ref.flip(1).clone(), zero, ref.float()):
+        with pytest.raises(KernelError, match=r"^stagger 2: its output differs from the defaults' in its bits"):
+            guard(bad, "stagger 2")
+
+    def broken():
+        raise KernelError("the defaults' output failed: launch timed out")
+
+    guard = tune_mod.same_bits_guard(broken)
+    with pytest.raises(KernelError, match="launch timed out"):
+        guard(ref, "cluster 1")
+
+
 def test_stagger_variants_where_the_consumers_can_stagger(monkeypatch):
     """Only the Hopper core's flow schedule on BF16 staggers; a lead the plan refuses is pruned with its
     reason; the winner's own lead is not tried again; the stagger is not among a tuned file's fixed
