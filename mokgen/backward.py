@@ -436,6 +436,7 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
     else:
         dx_rows = gmm(dg, w_gate, offs=offs).to(f32).add_(gmm(du, w_up, offs=offs))  # f32 + (bf16 -> f32), exact
     grads = None
+    sum_in_joint = False  # dX's sum over the slots done inside the joint weight launch (below)
     if need_weight_grads:
         if ours:  # one CTA per (expert, tile), rows in order; zeros for an expert without rows
             joint = env.bwd_weights_joint() and schedule == "split"  # x rows read once for both
@@ -447,13 +448,21 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
                 main = torch.cuda.current_stream(x.device)
                 side.wait_stream(main)
             dw_down = None
+            # dX's sum over the slots inside the joint launch (MOKGEN_BWD_SUM=side): its TMA
+            # producer leaves warpgroup 0's other warps idle; the gathering producer does not
+            sum_in_joint = joint and not inline_x and not one_slot and pair_dtype == torch.bfloat16 \
+                and env.bwd_sum() == "side"
             try:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     dw_down = (bwd_gemm.weight_grads(dout, hw, offs, a_index=tok) if inline_dout
                                else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
                 if joint:
                     src, index = (x.contiguous(), tok) if inline_x else (rows, None)
-                    grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
+                    if sum_in_joint:
+                        dwg, dwu, dx = bwd_gemm.weight_grads_joint(dg, du, src, offs, slot_sum=(dx_pairs, T, K))
+                        grads = [dwg, dwu, dw_down]
+                    else:
+                        grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
             finally:  # joined even if a launch raised: the inputs stay referenced until then
                 if side is not None:
                     main.wait_stream(side)
@@ -471,7 +480,8 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
                 for gw in grads:
                     gw[empty] = 0
     if ours:  # dx summed over the slots in order and cast to bf16 in one pass (the bits of _unpermute's)
-        dx = dx_pairs if one_slot else bwd_gemm.sum_slots(dx_pairs, T, K)
+        if not sum_in_joint:
+            dx = dx_pairs if one_slot else bwd_gemm.sum_slots(dx_pairs, T, K)
         del dx_pairs
         dw = _pair_weights(order, dw_rows, T, K)
     else:

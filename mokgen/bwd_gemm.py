@@ -91,7 +91,7 @@ _SIGNATURES = {
     "mokgen_bwd_weights": [_vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _vp, _vp],
     "mokgen_bwd_rows_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp],
     "mokgen_bwd_weights_gathered": [_vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _vp],
-    "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp, _vp],
+    "mokgen_bwd_weights2": [_vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp, _vp, _vp, _i, _i, _i, _vp],
     "mokgen_bwd_weights2_gathered": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _vp],
     "mokgen_bwd_swiglu": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _i, _f, _vp],
     "mokgen_bwd_swiglu_saved": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i, _i, _i, _i, _f, _i, _vp],
@@ -731,7 +731,8 @@ def weight_grads(a, b, offs, *, cluster: int | None = None, schedule: str | None
     return out
 
 
-def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None, tail: str | None = None):
+def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=None, tail: str | None = None,
+                       slot_sum=None):
     """``(out0, out1)`` = ``(weight_grads(a0, b, offs), weight_grads(a1, b, offs))`` in one launch
     (the split schedule): the gate's and up's ``dW = dg^T x``, ``du^T x`` over their shared x rows.
     The two problems' tiles are stacked along M and an expert's tiles of both are walked together,
@@ -742,7 +743,11 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
     ``b_index`` (int64 ``[rows]``, values in ``[0, S)``, trusted): B's rows gathered by the kernel,
     row ``r`` of B being row ``b_index[r]`` of ``b`` (``[S, N]``), with no gathered copy made (the
     backward's x rows through the token index; MOKGEN_BWD_X=inline); single CTAs (``cluster`` is
-    not used). The bits of the call on ``b.index_select(0, b_index)``. ``tail`` as weight_grads."""
+    not used). The bits of the call on ``b.index_select(0, b_index)``. ``tail`` as weight_grads.
+    ``slot_sum`` = ``(dx_pairs, tokens, top_k)`` (B by TMA only, not with ``b_index``): the launch
+    also returns ``sum_slots(dx_pairs, tokens, top_k)``, computed by its producer warpgroup's idle
+    warps beside the GEMM (bf16 ``dx_pairs``, the same bits; MOKGEN_BWD_SUM=side): ``(out0, out1,
+    dx)`` then."""
     import torch
 
     cluster = _weight_cluster(cluster)
@@ -759,8 +764,23 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
         raise InputError(f"A0 {tuple(a0.shape)}, A1 {tuple(a1.shape)} and B {tuple(b.shape)} must be [rows, M], "
                          f"[rows, M] and [rows, N] on one device")
     E = _weight_experts("weight_grads_joint", M, N, offs, a0.device)
+    summed = None
+    if slot_sum is not None:
+        if b_index is not None:
+            raise InputError("slot_sum rides on the joint launch's TMA producer: not with b_index")
+        pairs, tokens, top_k = slot_sum
+        if not isinstance(pairs, torch.Tensor) or pairs.dtype != torch.bfloat16 or pairs.dim() != 2 \
+                or not pairs.is_contiguous() or pairs.device != a0.device:
+            raise InputError("slot_sum's dx_pairs must be a contiguous 2-d bfloat16 tensor on A0's device")
+        H = pairs.shape[1]
+        if tokens < 1 or top_k < 1 or pairs.shape[0] != tokens * top_k or H % 8 or pairs.data_ptr() % 16:
+            raise InputError(f"slot_sum's dx_pairs must be [tokens * top_k, H] = [{tokens} * {top_k}, H] with H % 8 "
+                             f"== 0 and 16-byte aligned, got {tuple(pairs.shape)}")
+        summed = torch.empty(tokens, H, dtype=torch.bfloat16, device=a0.device)
     alloc = torch.zeros if rows == 0 or E == 0 else torch.empty
     out0, out1 = (alloc(E, M, N, dtype=torch.bfloat16, device=a0.device) for _ in range(2))
+    if summed is not None and not (rows and E):  # no launch to ride on
+        summed.copy_(sum_slots(pairs, tokens, top_k))
     if rows and E:
         ws = _bounded_ws(tail, E, a0.device)
         ws_ptr = None if ws is None else ws.data_ptr()
@@ -771,9 +791,11 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
                                                  b.data_ptr(), b_index.data_ptr(), offs.data_ptr(), E, rows, M, N,
                                                  ws_ptr, stream)
             else:
+                sum_args = ((summed.data_ptr(), pairs.data_ptr(), tokens, top_k, H) if summed is not None
+                            else (None, None, 0, 0, 0))
                 load_library().weights2(out0.data_ptr(), out1.data_ptr(), a0.data_ptr(), a1.data_ptr(), b.data_ptr(),
-                                        offs.data_ptr(), E, rows, M, N, cluster, ws_ptr, stream)
-    return out0, out1
+                                        offs.data_ptr(), E, rows, M, N, cluster, ws_ptr, *sum_args, stream)
+    return (out0, out1) if summed is None else (out0, out1, summed)
 
 
 def swiglu_grads(x, w_gate, w_up, dh_u, wt, offs, clamp_limit=None):

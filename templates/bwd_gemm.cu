@@ -193,11 +193,14 @@ MOKGEN_DEVICE int weight_k_last(int rows, int n_k, const CUtensorMap* bounded) {
 // steps (MOKGEN_BWD_TAIL=steps, g_steps): with bounded maps, a tile's last k-block issues only its
 // 16-row steps that hold the expert's rows (bwd::consume's kLastSteps), picked per tile by a
 // switch between tiles; 0: all four, as tail tma.
-template <int kPair, bool kJoint = false, bool kGather = false>
+// kSum (the joint TMA form only): warpgroup 0's idle warps also sum dX over each token's slots
+// (bwd::SlotSum, `sum`; MOKGEN_BWD_SUM=side), the bits of sum_slots_kernel.
+template <int kPair, bool kJoint = false, bool kGather = false, bool kSum = false>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     weight_kernel(const __grid_constant__ Maps maps, const int32_t* offs, int E, int total, int M, int N, int lead,
-                  int Mp, bwd::Gather ga, const CUtensorMap* bounded, int steps) {
+                  int Mp, bwd::Gather ga, const CUtensorMap* bounded, int steps, bwd::SlotSum sum) {
   static_assert(!kGather || kPair == 1, "gathered weight gradients: single CTAs");
+  static_assert(!kSum || (kJoint && !kGather), "the slots' sum rides on the joint TMA form");
   extern __shared__ __align__(1024) unsigned char smem[];
   const bwd::Smem s = bwd::start_pipeline<bwd::kWeightStages, kPair, bwd::kStageBytes, 2,
                                           kGather ? bwd::kGatherFull : 1>(smem);
@@ -264,7 +267,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
         }
 #endif
         MOKGEN_TRACE_END(1 + wg);
-      });
+      },
+      std::conditional_t<kSum, bwd::SlotSumSide, bwd::NoSide>(sum));
   bwd::store_tma_done();  // the consumers' last stores complete before the CTA exits
 }
 
@@ -1082,17 +1086,30 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
 }
 
 // weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
+// sum.out set (the joint form): with the slots' sum as the side job (weight_kernel's kSum).
 template <bool kJoint>
 int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* offs, int E, int rows, int M, int N,
-                   int Mp, const CUtensorMap* bounded, cudaStream_t stream) {
+                   int Mp, const CUtensorMap* bounded, cudaStream_t stream, const bwd::SlotSum& sum = {}) {
+  if constexpr (kJoint) {
+    if (sum.out != nullptr) {
+      if (pairs_fit) {
+        const int pairs = resident_pairs(weight_kernel<2, true, false, true>, bwd::kWeightSmemBytes);
+        if (pairs > 0)
+          return launch_pairs(weight_kernel<2, true, false, true>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E,
+                              rows, M, N, g_lead, Mp, bwd::Gather{}, bounded, g_steps, sum);
+      }
+      return launch(weight_kernel<1, true, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M,
+                    N, g_lead, Mp, bwd::Gather{}, bounded, g_steps, sum);
+    }
+  }
   if (pairs_fit) {
     const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
     if (pairs > 0)
       return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
-                          g_lead, Mp, bwd::Gather{}, bounded, g_steps);
+                          g_lead, Mp, bwd::Gather{}, bounded, g_steps, bwd::SlotSum{});
   }
   return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp,
-                bwd::Gather{}, bounded, g_steps);
+                bwd::Gather{}, bounded, g_steps, bwd::SlotSum{});
 }
 
 // The weight entries' bounded maps: none where bounded_ws is null (the consumers zero the short
@@ -1329,7 +1346,7 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   return launch(weight_kernel<1, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead,
-                M, ga, bounded, g_steps);
+                M, ga, bounded, g_steps, bwd::SlotSum{});
 }
 
 // The joint form of two weight-gradient problems over one B (weight_kernel<..., true>, StackedM):
@@ -1337,7 +1354,8 @@ int mokgen_bwd_weights_gathered(void* out, const void* src, const int64_t* index
 // the split schedule only. Mp % 128 == 0 (cluster 2: Mp / 128 even), N % 256 == 0 (checked by
 // the caller).
 int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, const void* b, const int32_t* offs,
-                        int E, int rows, int Mp, int N, int cluster, void* bounded_ws, cudaStream_t stream) {
+                        int E, int rows, int Mp, int N, int cluster, void* bounded_ws, void* sum_out, const void* sum_in,
+                        int sum_T, int sum_K, int sum_H, cudaStream_t stream) {
   Maps maps;
   if (!joint_maps(&maps, out0, out1, a0, a1, E, rows, Mp, N) ||
       sm90::encode_map_2d(&maps.b[0], b, uint64_t(rows), uint64_t(N), 64) != CUDA_SUCCESS)
@@ -1348,8 +1366,9 @@ int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, 
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   // a pair's two row blocks in one problem: Mp / 128 even
+  const bwd::SlotSum sum{static_cast<bf16*>(sum_out), static_cast<const bf16*>(sum_in), sum_T, sum_K, sum_H};
   return launch_weights<true>(maps, cluster == 2 && (Mp / bwd::kBM) % 2 == 0, grid, offs, E, rows, 2 * Mp, N, Mp,
-                              bounded, stream);
+                              bounded, stream, sum);
 }
 
 // mokgen_bwd_weights2 (single CTAs) with B's k rows gathered: row r of B is row index[r] of src
@@ -1368,7 +1387,7 @@ int mokgen_bwd_weights2_gathered(void* out0, void* out1, const void* a0, const v
   const CUtensorMap* bounded = nullptr;
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   return launch(weight_kernel<1, true, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, 2 * Mp, N,
-                g_lead, Mp, ga, bounded, g_steps);
+                g_lead, Mp, ga, bounded, g_steps, bwd::SlotSum{});
 }
 
 // The fused backward of the save policy (fused_kernel): one launch for dh, SwiGLU's backward,

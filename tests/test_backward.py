@@ -543,6 +543,13 @@ def test_policy_switches(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", "yes")
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_WEIGHTS_JOINT must be 1 or 0"):
         env.bwd_weights_joint()
+    monkeypatch.delenv("MOKGEN_BWD_SUM", raising=False)
+    assert env.bwd_sum() == "apart"  # dX's slot sum as its own launch until measured (v0.47)
+    monkeypatch.setenv("MOKGEN_BWD_SUM", "side")
+    assert env.bwd_sum() == "side"
+    monkeypatch.setenv("MOKGEN_BWD_SUM", "fused")
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_SUM must be apart or side"):
+        env.bwd_sum()
 
 
 def test_op_autograd_with_saved_pre_activations(monkeypatch):

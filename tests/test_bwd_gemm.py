@@ -39,13 +39,17 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # CTAs, pairs); the gathering rows (fp32 and bf16 out) and weight kernels (v0.22); the fused
     # backward (v0.23); dh with the saved SwiGLU backward from dOut's rows through the index (v0.24);
     # the joint weights with x's rows through the index (v0.25); the weight gradients' bounded
-    # tensor maps (v0.30)
-    assert len(kernels) == 31, kernels
+    # tensor maps (v0.30); the joint weights with dX's slot sum as a side job, single CTAs and
+    # pairs (v0.47)
+    assert len(kernels) == 33, kernels
     assert sum("bound_maps_kernel" in k for k in kernels) == 1, kernels
     assert sum("fused_kernel" in k for k in kernels) == 1, kernels
     assert sorted(re.search(r"dh_swiglu_kernelILb(\d)", k).group(1) for k in kernels if "dh_swiglu_kernel" in k) \
         == ["0", "1"], kernels
-    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 6, kernels
+    assert sum(re.search(r"\d\dweight_kernel", k) is not None for k in kernels) == 8, kernels
+    # the slot sum's (kSum = true) only in the joint TMA form (kJoint, not kGather), alone and in pairs
+    assert sorted(re.search(r"weight_kernelILi(\d)ELb(\d)ELb(\d)ELb1E", k).groups() for k in kernels
+                  if re.search(r"weight_kernelILi\dELb\dELb\dELb1E", k)) == [("1", "1", "0"), ("2", "1", "0")], kernels
     assert sum("sum_slots_kernel" in k for k in kernels) == 2, kernels
     assert sum("swiglu_saved_kernel" in k for k in kernels) == 2, kernels
     assert sum("weight_pp_kernel" in k for k in kernels) == 2, kernels
@@ -53,7 +57,7 @@ def test_library_builds_without_spills_or_serialized_wgmma_and_exports_the_entry
     # the gathering kernels: rows<B MN-major, fp32 | bf16, single CTAs, gathered>, weights<single,
     # one problem | joint, gathered>
     gathered = [k for k in kernels if k.endswith("Lb1EEEvNS_4MapsEPKiiiiiiPT0_PKliN6mokgen3bwd6GatherEi")
-                or re.search(r"weight_kernelILi1ELb[01]ELb1EE", k)]
+                or re.search(r"weight_kernelILi1ELb[01]ELb1ELb0EE", k)]
     assert len(gathered) == 4, kernels
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), spills

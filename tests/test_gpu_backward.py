@@ -295,6 +295,43 @@ def test_x_rows_through_the_token_index_give_the_bits_of_the_copy(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(runs["gather"], runs["inline"]))
 
 
+@pytest.mark.parametrize("ring", ["auto", "gather"])
+def test_slot_sum_in_the_joint_launch_gives_the_bits_apart(monkeypatch, ring):
+    """MOKGEN_BWD_SUM=side (dX's sum over the slots inside the joint weight-gradient launch)
+    through MoELayer's backward: every gradient has the bits of the separate sum; the launch takes
+    the sum where its B comes by TMA (the ring's rows, or a gathered copy under MOKGEN_BWD_X=gather)
+    and not where the kernel gathers x itself (MOKGEN_BWD_X=inline), which keeps the separate sum."""
+    from mokgen import bwd_gemm
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
+    monkeypatch.setenv("MOKGEN_BWD_RING", ring)
+    layer, x, ids, w, g = _small_layer_problem(10)
+    took, real = [], bwd_gemm.weight_grads_joint
+
+    def spy(*args, **kwargs):
+        took.append(kwargs.get("slot_sum") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_gemm, "weight_grads_joint", spy)
+    runs = {}
+    for x_mode in ("gather", "inline"):
+        monkeypatch.setenv("MOKGEN_BWD_X", x_mode)
+        for where in ("apart", "side"):
+            monkeypatch.setenv("MOKGEN_BWD_SUM", where)
+            for t in (x, w, *layer.parameters()):
+                t.grad = None
+            layer(x, ids, w).backward(g)
+            runs[x_mode, where] = [t.grad.clone() for t in (x, w, *layer.parameters())]
+    first = runs["gather", "apart"]
+    for key, grads in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(first, grads)), key
+    # the side sum where B came by TMA; with x inline only where the ring held the rows (auto)
+    assert took == [False, True, False, ring == "auto"]
+
+
 def _spy_ring(monkeypatch):
     """A list that gets, per backward of a one-rank layer, whether it read the ring in place."""
     from mokgen import ep

@@ -413,6 +413,39 @@ def test_joint_weight_grads_have_the_bits_of_two_launches(M, cluster):
         bwd_gemm.weight_grads_joint(a0, a1[:, :256].contiguous(), b, offs)
 
 
+@pytest.mark.parametrize("K, H, cluster", [(8, 2048, 1), (8, 7168, 2), (10, 4096, 1), (2, 768, 2), (17, 1024, 1)],
+                         ids=["k8", "k8-pairs", "k10", "k2-pairs", "k17"])
+def test_slot_sum_in_the_joint_launch_has_the_bits_of_sum_slots(K, H, cluster):
+    """MOKGEN_BWD_SUM=side's launch (weight_grads_joint's slot_sum: dX's sum over each token's
+    slots done by the producer warpgroup's idle warps): its two weight gradients have the bits of
+    the launch without it, and its dx those of sum_slots, bf16 pairs, slots in groups of 8 loads
+    (K 2, 8, 10 and 17), CTAs alone and in pairs, tokens not a multiple of the workers; NaN, inf
+    and -0.0 rows pass through as sum_slots' do. Bad inputs are one-line errors."""
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    counts = _ragged_counts(24, 11, (0, 9), 5)
+    M, N = 512, 512
+    rows = sum(counts) + SPARE_ROWS
+    a0, a1, b = _randn(rows, M, gen=gen), _randn(rows, M, gen=gen), _randn(rows, N, gen=gen)
+    offs = _offs(counts)
+    T = 1237
+    pairs = _randn(T * K, H, gen=gen, scale=3.0)
+    pairs[5 * K + 1, 3], pairs[9 * K, 8], pairs[11 * K + K - 1, 0] = float("nan"), float("inf"), -0.0
+    want_w = bwd_gemm.weight_grads_joint(a0, a1, b, offs, cluster=cluster)
+    want_dx = bwd_gemm.sum_slots(pairs, T, K)
+    for _ in range(2):
+        g0, g1, dx = bwd_gemm.weight_grads_joint(a0, a1, b, offs, cluster=cluster, slot_sum=(pairs, T, K))
+        assert torch.equal(g0, want_w[0]) and torch.equal(g1, want_w[1])
+        assert dx.shape == (T, H) and dx.dtype == torch.bfloat16
+        assert torch.equal(dx.view(torch.int16), want_dx.view(torch.int16))
+    with pytest.raises(InputError, match="not with b_index"):
+        bwd_gemm.weight_grads_joint(a0, a1, b, offs, b_index=torch.arange(rows, device="cuda"),
+                                    slot_sum=(pairs, T, K))
+    with pytest.raises(InputError, match="bfloat16"):
+        bwd_gemm.weight_grads_joint(a0, a1, b, offs, slot_sum=(pairs.float(), T, K))
+    with pytest.raises(InputError, match=r"\[tokens \* top_k, H\]"):
+        bwd_gemm.weight_grads_joint(a0, a1, b, offs, slot_sum=(pairs, T + 1, K))
+
+
 @pytest.mark.parametrize("K, M", [(512, 256), (1024, 384)], ids=["even", "odd-row-blocks"])
 def test_gathered_operands_have_the_bits_of_the_gathered_copy(K, M):
     """MOKGEN_BWD_DOUT=inline's GEMMs (a_index: A's rows loaded through an index by warpgroup 0's

@@ -285,19 +285,85 @@ MOKGEN_DEVICE void release(const Smem& s, int st, int t) {
     if (t == 1) sm90::mbar_arrive_cluster(&s.empty[st], cute::block_rank_in_cluster() ^ 1u);
 }
 
+// dX's sum over each token's slots as a side job (MOKGEN_BWD_SUM=side, v0.47): out[t, c] =
+// bf16(sum over j = 0..K-1, in that order, of in[t K + j, c]) in fp32 with one rounding, the
+// arithmetic of bwd_gemm.cu's sum_slots_kernel (bf16 rows) element for element, so the same bits.
+// Run by the warps of warpgroup 0 that a TMA producer leaves idle (warps 1-3: its thread 0 issues
+// every load) in the joint weight-gradient launch, which follows dx on the stream and is bound by
+// its tensor cores: the sum's 2 T K H bytes read then overlap its k-loops instead of running as a
+// launch of their own after it. A worker takes 16-byte units (8 columns of a token) in a grid-wide
+// stride and loads up to 8 slots' pieces before adding them, so each of its loads are in flight
+// together (96 threads a CTA against the 2048 of the separate launch). out == nullptr: no job.
+struct SlotSum {
+  bf16* out = nullptr;       // [T, H]
+  const bf16* in = nullptr;  // [T K, H]: each pair's dx row, pairs token-major
+  int T = 0, K = 0, H = 0;   // H % 8 == 0 (checked by the caller)
+};
+
+MOKGEN_DEVICE void slot_sum(const SlotSum& ss, int64_t worker, int64_t workers) {
+  const int64_t q = ss.H / 8, total = int64_t(ss.T) * q;
+  for (int64_t i = worker; i < total; i += workers) {
+    const int64_t t = i / q, c = 8 * (i % q);
+    const bf16* src = ss.in + t * ss.K * ss.H + c;
+    float acc[8];
+    for (int j0 = 0; j0 < ss.K; j0 += 8) {
+      uint4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u)  // read once: streamed past L2's retention (the GEMM's operands stay)
+        if (j0 + u < ss.K) v[u] = __ldcs(reinterpret_cast<const uint4*>(src + int64_t(j0 + u) * ss.H));
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (j0 + u < ss.K) {
+          float f[8];
+          unpack_bf16x8(v[u], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = j0 + u == 0 ? f[e] : acc[e] + f[e];
+        }
+      }
+    }
+    *reinterpret_cast<uint4*>(ss.out + t * ss.H + c) =
+        make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+                   pack_bf16x2(acc[6], acc[7]));
+  }
+}
+
+// The side job of run_roles: none (every kernel but the joint weight gradients with MOKGEN_BWD_SUM=side),
+// or the slots' sum.
+struct NoSide {
+  static constexpr bool kAny = false;
+  MOKGEN_DEVICE NoSide(const SlotSum&) {}
+  NoSide() = default;
+  MOKGEN_DEVICE void operator()(int64_t, int64_t) const {}
+};
+struct SlotSumSide {
+  static constexpr bool kAny = true;
+  SlotSum ss;
+  MOKGEN_DEVICE SlotSumSide(const SlotSum& s) : ss(s) {}
+  MOKGEN_DEVICE void operator()(int64_t worker, int64_t workers) const { slot_sum(ss, worker, workers); }
+};
+
 // Every kernel's roles over one persistent walk (pipe: this thread's, from make_pipe): walk(fn)
 // calls fn(tile...) for each of this CTA's tiles in order. Thread 0 of warpgroup 0 runs produce(tile...) (the rest of warpgroup 0
 // has nothing to do after giving its registers back), warpgroups 1 and 2 run consume(wg,
 // tile...) with wg = 0 or 1; each role keeps its own copy of the stage ring's position. A pair
 // ends with a cluster barrier of all threads: no multicast or remote arrive targets a CTA that
 // has exited. kWideProducer: all 128 threads of warpgroup 0 run produce (the gathering
-// producer, produce_gathered).
-template <int kPair = 1, bool kWideProducer = false, class P, class Walk, class Produce, class Consume>
-MOKGEN_DEVICE void run_roles(const Smem& s, P& pipe, Walk walk, Produce produce, Consume consume) {
+// producer, produce_gathered). side (Side::kAny, a TMA producer only): side(worker, workers) run
+// by warps 1-3 of warpgroup 0, 96 workers a CTA, numbered across the grid (SlotSum above).
+template <int kPair = 1, bool kWideProducer = false, class P, class Walk, class Produce, class Consume,
+          class Side = NoSide>
+MOKGEN_DEVICE void run_roles(const Smem& s, P& pipe, Walk walk, Produce produce, Consume consume, Side side = {}) {
+  static_assert(!(kWideProducer && Side::kAny), "a side job needs warpgroup 0's idle warps: a TMA producer");
   const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform for ptxas
   if (wgi == 0) {
     cutlass::arch::warpgroup_reg_dealloc<72>();
-    if (kWideProducer || tid == 0) walk(produce);
+    if (kWideProducer || tid == 0) {
+      walk(produce);
+    } else if constexpr (Side::kAny) {
+      const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
+      if (warp >= 1)
+        side(int64_t(blockIdx.x) * 96 + (tid - 32), int64_t(gridDim.x) * 96);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
     // the stagger: warpgroup 1 starts after warpgroup 0's lead, and warpgroup 0 arrives even
