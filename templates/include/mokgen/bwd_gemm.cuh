@@ -360,9 +360,9 @@ MOKGEN_DEVICE void run_roles(const Smem& s, P& pipe, Walk walk, Produce produce,
     if (kWideProducer || tid == 0) {
       walk(produce);
     } else if constexpr (Side::kAny) {
-      const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
-      if (warp >= 1)
-        side(int64_t(blockIdx.x) * 96 + (tid - 32), int64_t(gridDim.x) * 96);
+      // a plain compare, like the producer's tid == 0 above: a __shfl_sync here (full mask) would
+      // wait for warp 0's lane 0, which is in the producer's walk (v0.47's first GPU run hung so)
+      if (tid >= 32) side(int64_t(blockIdx.x) * 96 + (tid - 32), int64_t(gridDim.x) * 96);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<216>();
