@@ -25,7 +25,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_PULL_MODE": "copy (default: 16-byte loads and stores by every dispatch thread) or bulk (TMA bulk copies through shared memory) for the dispatch's row copy",
     "MOKGEN_DISPATCH_JOIN": "1 (default) or 0: dispatch CTAs go on computing tiles after their last pull (flow schedule), or idle until the combine",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
-    "MOKGEN_FWD_STAGGER": "0 (default: lockstep) to 3: the forward megakernel's consumer warpgroup 1 starts its tiles this many k-blocks after warpgroup 0, so one's epilogue overlaps the other's wgmma (BF16 builds, flow schedule; a build option the tuner also tries). The same bits at every value",
+    "MOKGEN_FWD_STAGGER": "0 (default: lockstep) to 3: the forward megakernel's consumer warpgroup 1 starts its tiles this many k-blocks after warpgroup 0, so one's epilogue overlaps the other's wgmma (BF16 builds, flow schedule; a build option the tuner also tries; lead 2 measured 0.993x the qwen3.5-35b-a3b layer's forward time on an H100, v0.47). The same bits at every value",
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
