@@ -42,7 +42,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_RING": "auto (default), reuse or gather: a one-rank MoELayer's backward reads the x rows of its pairs in place from the forward's receive ring where the ring still holds all of them (auto), also sizes its ring to hold max_tokens x top_k rows so that it does (reuse), or always gathers them again (gather)",
     "MOKGEN_BWD_DOUT": "auto (default), inline or gather: mokgen's backward GEMMs that read dOut by routed pair (dh = dOut Wd, dW_down = dOut^T hw) load its rows through the token index themselves (inline: no copy; with the split weight schedule, single CTAs), or read a gathered copy of them in the pairs' order (gather); auto: inline where a token has several routed pairs (the single-GPU layer), gather for one pair per row (an EP rank's received rows). The same bits",
     "MOKGEN_BWD_X": "auto (default), inline or gather: where the backward's x rows are not in the forward's ring (MOKGEN_BWD_RING), the save policy's joint gate/up weight gradients load x's rows through the token index themselves (inline: no copy, single CTAs; v0.25), or read a gathered copy of them (gather); auto: inline where a token has several routed pairs (the single-GPU layers), gather for one pair per row (an EP rank's received rows). The same bits",
-    "MOKGEN_BWD_SUM": "apart (default) or side: where a token has several routed pairs, dX's fixed-order sum over its slots runs as a launch of its own after the weight gradients (apart), or inside the joint dW_gate / dW_up launch (B by TMA: the x rows in the forward's ring or a gathered copy), by its producer warpgroup's idle warps while its tensor cores run (side; v0.47, not yet measured). The same bits",
+    "MOKGEN_BWD_SUM": "side (default) or apart: where a token has several routed pairs, dX's fixed-order sum over its slots runs inside the joint dW_gate / dW_up launch where that launch loads B by TMA (the x rows in the forward's ring or a gathered copy), by its producer warpgroup's idle warps while its tensor cores run (side; elsewhere, and under apart, as a launch of its own after the weight gradients). The same bits. Measured (v0.47, H100, interleaved): the fwd+bwd step 0.9835x on the qwen3.5-35b-a3b layer, 0.9869x on qwen3-30b-a3b's",
     "MOKGEN_BWD_DH_SWIGLU": "1: under the save policy, SwiGLU's backward in the dh GEMM's epilogue (bwd_gemm.dh_swiglu_saved; dOut's rows through the token index where MOKGEN_BWD_DOUT takes it) instead of dh rows then an elementwise pass; 0 (default): the two passes, measured faster (docs/perf-notes.md v0.24). hw, dg and du from the fp32 dh (the two passes round dh to bf16 first under MOKGEN_BWD_DH=bf16)",
     "MOKGEN_BWD_FUSED": "1: the save policy's experts backward (dh, SwiGLU's backward, dx and the three weight gradients) as one persistent launch (bwd_gemm.fused_backward, v0.23) instead of five; 0 (default): the separate launches. The same bits. Reads a gathered copy of dOut's rows (MOKGEN_BWD_DOUT does not apply)",
     "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
@@ -362,9 +362,10 @@ def plan_options() -> dict:
 
 
 def bwd_sum() -> str:
-    """MOKGEN_BWD_SUM: ``apart`` (default) or ``side`` (mokgen.backward: dX's sum over the slots
-    inside the joint weight-gradient launch, bwd_gemm.weight_grads_joint's ``slot_sum``)."""
-    return _choice("MOKGEN_BWD_SUM", ("apart", "side"))
+    """MOKGEN_BWD_SUM: ``side`` (default since v0.47: mokgen.backward's dX sum over the slots inside
+    the joint weight-gradient launch, bwd_gemm.weight_grads_joint's ``slot_sum``, where that launch
+    loads B by TMA) or ``apart`` (its own launch, sum_slots)."""
+    return _choice("MOKGEN_BWD_SUM", ("side", "apart"))
 
 
 def bwd_dh_swiglu() -> bool:

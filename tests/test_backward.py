@@ -544,11 +544,11 @@ def test_policy_switches(monkeypatch):
     with pytest.raises(ToolchainError, match="MOKGEN_BWD_WEIGHTS_JOINT must be 1 or 0"):
         env.bwd_weights_joint()
     monkeypatch.delenv("MOKGEN_BWD_SUM", raising=False)
-    assert env.bwd_sum() == "apart"  # dX's slot sum as its own launch until measured (v0.47)
-    monkeypatch.setenv("MOKGEN_BWD_SUM", "side")
-    assert env.bwd_sum() == "side"
+    assert env.bwd_sum() == "side"  # dX's slot sum inside the joint weight launch (measured, v0.47)
+    monkeypatch.setenv("MOKGEN_BWD_SUM", "apart")
+    assert env.bwd_sum() == "apart"
     monkeypatch.setenv("MOKGEN_BWD_SUM", "fused")
-    with pytest.raises(ToolchainError, match="MOKGEN_BWD_SUM must be apart or side"):
+    with pytest.raises(ToolchainError, match="MOKGEN_BWD_SUM must be side or apart"):
         env.bwd_sum()
 
 
