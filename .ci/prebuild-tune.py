@@ -18,9 +18,10 @@ for name, ep, tokens in TARGETS:
     work, rows = tune._workload(spec, ep, tokens, False)
     local = ep > 1
     space = tune.search_space(work, ep=1 if local else ep, tokens=rows if local else tokens)
-    # the second pass's builds: every first-pass build at the other stagger leads (its winner is not
-    # known here)
-    builds = {c.build_key(): c for c in space.candidates}
+    # the second pass's builds: the first-pass builds with k-blocks of 64 (every shipped winner's,
+    # v0.47) at the other stagger leads; the winner is not known here, and all builds' variants
+    # would take the carried cache past its 64 MiB with the wheels
+    builds = {c.build_key(): c for c in space.candidates if c.block_k == 64}
     more = [v for c in builds.values() for v in tune.stagger_variants(work, c)[0]]
     out = tune.build_candidates(work, space.candidates + more, jobs=jobs)
     bad = {k: v for k, v in out.items() if v is not None}
