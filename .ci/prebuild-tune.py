@@ -1,6 +1,7 @@
 """Build the candidates of `.ci/gpu-tune local layer` into the build cache on the CPU machine, so a
-device call's `mokgen tune` finds them (the second pass's stagger leads of every build included) (the tuner builds each candidate's options through the same
-cache; entries are keyed by sources, plan, nvcc, CUTLASS and flags, not by the GPU). No GPU needed.
+device call's `mokgen tune` finds them, with the second pass's stagger leads of the k-block-64
+builds (the tuner builds each candidate's options through the same cache; entries are keyed by
+sources, plan, nvcc, CUTLASS and flags, not by the GPU). No GPU needed.
 `.ci/prebuild-cache` runs it when PREBUILD_TUNE=1. Usage: python3 .ci/prebuild-tune.py [JOBS]"""
 import sys
 import time

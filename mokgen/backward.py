@@ -458,11 +458,11 @@ def _experts_backward_grouped(x, topk_ids, topk_weights, w_gate, w_up, w_down, g
                                else bwd_gemm.weight_grads(go, hw, offs, schedule=schedule))
                 if joint:
                     src, index = (x.contiguous(), tok) if inline_x else (rows, None)
+                    out = bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index,
+                                                      slot_sum=(dx_pairs, T, K) if sum_in_joint else None)
+                    grads = [*out[:2], dw_down]
                     if sum_in_joint:
-                        dwg, dwu, dx = bwd_gemm.weight_grads_joint(dg, du, src, offs, slot_sum=(dx_pairs, T, K))
-                        grads = [dwg, dwu, dw_down]
-                    else:
-                        grads = [*bwd_gemm.weight_grads_joint(dg, du, src, offs, b_index=index), dw_down]
+                        dx = out[2]
             finally:  # joined even if a launch raised: the inputs stay referenced until then
                 if side is not None:
                     main.wait_stream(side)

@@ -776,11 +776,11 @@ def weight_grads_joint(a0, a1, b, offs, *, cluster: int | None = None, b_index=N
         if tokens < 1 or top_k < 1 or pairs.shape[0] != tokens * top_k or H % 8 or pairs.data_ptr() % 16:
             raise InputError(f"slot_sum's dx_pairs must be [tokens * top_k, H] = [{tokens} * {top_k}, H] with H % 8 "
                              f"== 0 and 16-byte aligned, got {tuple(pairs.shape)}")
-        summed = torch.empty(tokens, H, dtype=torch.bfloat16, device=a0.device)
+        # no launch to ride on (no rows or no experts): the sum's own
+        summed = (torch.empty(tokens, H, dtype=torch.bfloat16, device=a0.device) if rows and E
+                  else sum_slots(pairs, tokens, top_k))
     alloc = torch.zeros if rows == 0 or E == 0 else torch.empty
     out0, out1 = (alloc(E, M, N, dtype=torch.bfloat16, device=a0.device) for _ in range(2))
-    if summed is not None and not (rows and E):  # no launch to ride on
-        summed.copy_(sum_slots(pairs, tokens, top_k))
     if rows and E:
         ws = _bounded_ws(tail, E, a0.device)
         ws_ptr = None if ws is None else ws.data_ptr()

@@ -794,7 +794,7 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
     # the stand-in is a one-rank problem: its rows are the rank's received rows, top-1
     space = search_space(work, ep=1 if local else ep, tokens=rows if local else tokens, distributed=distributed,
                          gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    cands = list(space.candidates)
+    cands = space.candidates  # the second pass extends it in place
 
     def resumed(listed: list[Candidate]) -> list[Optional[Outcome]]:
         """The partial file's outcomes for ``listed`` (rank 0 reads, every rank gets the same)."""
@@ -887,10 +887,8 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
             builds.update(build_candidates(work, cands[:1] + todo, jobs=jobs, progress=log))
         time_from(n_first)
         best = decide()
-    space.candidates = cands
-    done = outcomes
     record = None
-    if best != 0 and done[0].ms is not None and confirm == "interleaved" and not distributed:
+    if best != 0 and outcomes[0].ms is not None and confirm == "interleaved" and not distributed:
         log(f"confirming {cands[best].label()} against the defaults ({CONFIRM_BLOCKS} interleaved ABBA blocks)")
         first = best
         pair_timer = _pair_timer(work, rows)
@@ -899,7 +897,7 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
             log(f"{cands[first].label()} did not hold against the defaults interleaved "
                 f"(ratio {record.get('ratio', float('nan')):.4f}, upper bound {record.get('ratio_hi', float('nan')):.4f}"
                 f"{', ' + record['error'] if 'error' in record else ''}): the defaults win")
-    elif best != 0 and done[0].ms is not None:  # every rank knows best (broadcast) and times in step
+    elif best != 0 and outcomes[0].ms is not None:  # every rank knows best (broadcast) and times in step
         log(f"confirming {cands[best].label()} against the defaults ({CONFIRM_ROUNDS} alternated rounds)")
         first = best
         best, record = confirm_choice(first, lambda i: measure(cands[i]).ms)
@@ -909,7 +907,7 @@ def tune(spec: MoESpec, *, ep: int = 1, tokens: int, iters: int = 20, resume: bo
             best = box[0]
         if best != first:
             log(f"{cands[first].label()} did not hold against the defaults in alternation: the defaults win")
-    result = Result(key, path, space, done, best, workload, record)
+    result = Result(key, path, space, outcomes, best, workload, record)
     if rank0:
         write_json(path, to_doc(result, meta))
         if partial.exists():

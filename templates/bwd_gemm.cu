@@ -1085,31 +1085,20 @@ int launch_rows(bool pairs_fit, int grid, cudaStream_t stream, const Maps& maps,
                 out_rows, g_lead, bwd::Gather{}, g_band);
 }
 
-// weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries).
-// sum.out set (the joint form): with the slots' sum as the side job (weight_kernel's kSum).
-template <bool kJoint>
+// weight_kernel as CTA pairs where they fit and are resident, else single CTAs (both weight entries);
+// kSum (the joint form): with the slots' sum `sum` as the side job.
+template <bool kJoint, bool kSum = false>
 int launch_weights(const Maps& maps, bool pairs_fit, int grid, const int32_t* offs, int E, int rows, int M, int N,
                    int Mp, const CUtensorMap* bounded, cudaStream_t stream, const bwd::SlotSum& sum = {}) {
-  if constexpr (kJoint) {
-    if (sum.out != nullptr) {
-      if (pairs_fit) {
-        const int pairs = resident_pairs(weight_kernel<2, true, false, true>, bwd::kWeightSmemBytes);
-        if (pairs > 0)
-          return launch_pairs(weight_kernel<2, true, false, true>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E,
-                              rows, M, N, g_lead, Mp, bwd::Gather{}, bounded, g_steps, sum);
-      }
-      return launch(weight_kernel<1, true, false, true>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M,
-                    N, g_lead, Mp, bwd::Gather{}, bounded, g_steps, sum);
-    }
-  }
+  static_assert(!kSum || kJoint, "the slots' sum rides on the joint form");
   if (pairs_fit) {
-    const int pairs = resident_pairs(weight_kernel<2, kJoint>, bwd::kWeightSmemBytes);
+    const int pairs = resident_pairs(weight_kernel<2, kJoint, false, kSum>, bwd::kWeightSmemBytes);
     if (pairs > 0)
-      return launch_pairs(weight_kernel<2, kJoint>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
-                          g_lead, Mp, bwd::Gather{}, bounded, g_steps, bwd::SlotSum{});
+      return launch_pairs(weight_kernel<2, kJoint, false, kSum>, pairs, bwd::kWeightSmemBytes, stream, maps, offs, E,
+                          rows, M, N, g_lead, Mp, bwd::Gather{}, bounded, g_steps, sum);
   }
-  return launch(weight_kernel<1, kJoint>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N, g_lead, Mp,
-                bwd::Gather{}, bounded, g_steps, bwd::SlotSum{});
+  return launch(weight_kernel<1, kJoint, false, kSum>, grid, bwd::kWeightSmemBytes, stream, maps, offs, E, rows, M, N,
+                g_lead, Mp, bwd::Gather{}, bounded, g_steps, sum);
 }
 
 // The weight entries' bounded maps: none where bounded_ws is null (the consumers zero the short
@@ -1367,8 +1356,10 @@ int mokgen_bwd_weights2(void* out0, void* out1, const void* a0, const void* a1, 
   if (const int err = bound_maps(maps, offs, E, rows, bounded_ws, stream, &bounded)) return err;
   // a pair's two row blocks in one problem: Mp / 128 even
   const bwd::SlotSum sum{static_cast<bf16*>(sum_out), static_cast<const bf16*>(sum_in), sum_T, sum_K, sum_H};
-  return launch_weights<true>(maps, cluster == 2 && (Mp / bwd::kBM) % 2 == 0, grid, offs, E, rows, 2 * Mp, N, Mp,
-                              bounded, stream, sum);
+  const bool pairs_fit = cluster == 2 && (Mp / bwd::kBM) % 2 == 0;
+  return sum.out != nullptr
+             ? launch_weights<true, true>(maps, pairs_fit, grid, offs, E, rows, 2 * Mp, N, Mp, bounded, stream, sum)
+             : launch_weights<true>(maps, pairs_fit, grid, offs, E, rows, 2 * Mp, N, Mp, bounded, stream);
 }
 
 // mokgen_bwd_weights2 (single CTAs) with B's k rows gathered: row r of B is row index[r] of src

@@ -204,14 +204,35 @@ def _small_layer_problem(seed: int):
     return layer, x, ids, w, g
 
 
+def _step_grads(layer, x, ids, w, g):
+    """One fwd+bwd step from fresh gradients: the gradients of x, the routing weights and the
+    layer's parameters, cloned."""
+    leaves = (x, w, *layer.parameters())
+    for t in leaves:
+        t.grad = None
+    layer(x, ids, w).backward(g)
+    return [t.grad.clone() for t in leaves]
+
+
+def _spy_joint(monkeypatch, keyword: str) -> list:
+    """A list that gets, per joint weight-gradient launch, whether ``keyword`` was passed (not None)."""
+    from mokgen import bwd_gemm
+
+    took, real = [], bwd_gemm.weight_grads_joint
+
+    def spy(*args, **kwargs):
+        took.append(kwargs.get(keyword) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_gemm, "weight_grads_joint", spy)
+    return took
+
+
 def test_gradients_bitwise_over_20_repeats(gemms, policy):
     layer, x, ids, w, g = _small_layer_problem(4)
     first = None
     for _ in range(20):
-        for t in (x, w, *layer.parameters()):
-            t.grad = None
-        layer(x, ids, w).backward(g)
-        got = [t.grad.clone() for t in (x, w, *layer.parameters())]
+        got = _step_grads(layer, x, ids, w, g)
         first = got if first is None else first
         assert all(torch.equal(a, b) for a, b in zip(got, first))
 
@@ -229,10 +250,7 @@ def test_joint_weight_grads_give_the_bits_of_two_launches(monkeypatch, policy):
     runs = []
     for joint in ("0", "1"):
         monkeypatch.setenv("MOKGEN_BWD_WEIGHTS_JOINT", joint)
-        for t in (x, w, *layer.parameters()):
-            t.grad = None
-        layer(x, ids, w).backward(g)
-        runs.append([t.grad.clone() for t in (x, w, *layer.parameters())])
+        runs.append(_step_grads(layer, x, ids, w, g))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -277,20 +295,11 @@ def test_x_rows_through_the_token_index_give_the_bits_of_the_copy(monkeypatch):
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
     monkeypatch.setenv("MOKGEN_BWD_RING", "gather")
     layer, x, ids, w, g = _small_layer_problem(9)
-    took, real = [], bwd_gemm.weight_grads_joint
-
-    def spy(*args, **kwargs):
-        took.append(kwargs.get("b_index") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bwd_gemm, "weight_grads_joint", spy)
+    took = _spy_joint(monkeypatch, "b_index")
     runs = {}
     for mode in ("gather", "inline"):
         monkeypatch.setenv("MOKGEN_BWD_X", mode)
-        for t in (x, w, *layer.parameters()):
-            t.grad = None
-        layer(x, ids, w).backward(g)
-        runs[mode] = [t.grad.clone() for t in (x, w, *layer.parameters())]
+        runs[mode] = _step_grads(layer, x, ids, w, g)
     assert took == [False, True]
     assert all(torch.equal(a, b) for a, b in zip(runs["gather"], runs["inline"]))
 
@@ -309,22 +318,13 @@ def test_slot_sum_in_the_joint_launch_gives_the_bits_apart(monkeypatch, ring):
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
     monkeypatch.setenv("MOKGEN_BWD_RING", ring)
     layer, x, ids, w, g = _small_layer_problem(10)
-    took, real = [], bwd_gemm.weight_grads_joint
-
-    def spy(*args, **kwargs):
-        took.append(kwargs.get("slot_sum") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bwd_gemm, "weight_grads_joint", spy)
+    took = _spy_joint(monkeypatch, "slot_sum")
     runs = {}
     for x_mode in ("gather", "inline"):
         monkeypatch.setenv("MOKGEN_BWD_X", x_mode)
         for where in ("apart", "side"):
             monkeypatch.setenv("MOKGEN_BWD_SUM", where)
-            for t in (x, w, *layer.parameters()):
-                t.grad = None
-            layer(x, ids, w).backward(g)
-            runs[x_mode, where] = [t.grad.clone() for t in (x, w, *layer.parameters())]
+            runs[x_mode, where] = _step_grads(layer, x, ids, w, g)
     first = runs["gather", "apart"]
     for key, grads in runs.items():
         assert all(torch.equal(a, b) for a, b in zip(first, grads)), key
