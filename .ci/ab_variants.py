@@ -48,7 +48,7 @@ from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
 
 RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas", "bwd_ring", "bwd_policy")  # MoELayer arguments
-BOOL_OPTIONS = ("narrow_tiles", "dispatch_join", "fuse_shared", "early_rows")  # given as 1 / 0
+BOOL_OPTIONS = ("narrow_tiles", "dispatch_join", "fuse_shared")  # given as 1 / 0
 
 
 def parse_variant(text: str) -> tuple[dict, dict, dict]:

@@ -43,20 +43,13 @@ if os.environ.get("PREWARM_STAGGER"):
         variants += [(spec, {**env.plan_options(), "cluster": c, "stagger": lead}) for c in (1, 2) for lead in (0, 1, 2, 3)]
     # the block's module under MOKGEN_FWD_STAGGER=2 (tests/test_gpu_block.py: its own specs, their default clusters)
     variants += [(s, {**env.plan_options(), "stagger": 2}) for s in (load_spec("qwen3.5-35b-a3b"), tiny)]
-# PREWARM_EARLY=1 adds the forward's early row lookup (early_rows) of .ci/measure-v048 early: the A/Bs'
-# layers and kimi-k2.5's stand-in and tests/test_gpu_ep.py's early-rows test (CTAs alone and in pairs)
-if os.environ.get("PREWARM_EARLY"):
-    from mokgen import env
-
-    for spec in (load_spec("qwen3.5-35b-a3b"), load_spec("qwen3-30b-a3b"), bench.local_spec(load_spec("kimi-k2.5"), 8)[0]):
-        variants += [(spec, {**env.plan_options(), "cluster": c, "early_rows": e}) for c in (1, 2) for e in (False, True)]
 t0 = time.perf_counter()
 with ThreadPoolExecutor(jobs) as pool:
     bwd = pool.submit(bwd_gemm.build_library)
     mxg = pool.submit(mx_gemm.build_library)  # the MX GEMM library (the MX tests and the staged experts)
     runs = pool.map(lambda v: build.build(v[0], publish_generated=False, options=v[1]), variants)
     for (spec, options), res in zip(variants, runs):
-        extra = f" ({', '.join(f'{k} {options[k]}' for k in ('cluster', 'stagger', 'early_rows'))})" if options else ""
+        extra = f" ({', '.join(f'{k} {options[k]}' for k in ('cluster', 'stagger'))})" if options else ""
         print(f"{spec.name}{extra}: {'cached' if res.cached else 'built'} {res.seconds:.0f} s", flush=True)
     print(f"backward GEMMs: {bwd.result()}", flush=True)
     print(f"MX GEMMs: {mxg.result()}", flush=True)

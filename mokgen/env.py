@@ -26,7 +26,6 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_DISPATCH_JOIN": "1 (default) or 0: dispatch CTAs go on computing tiles after their last pull (flow schedule), or idle until the combine",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
     "MOKGEN_FWD_STAGGER": "0 (default: lockstep) to 3: the forward megakernel's consumer warpgroup 1 starts its tiles this many k-blocks after warpgroup 0, so one's epilogue overlaps the other's wgmma (BF16 builds, flow schedule; a build option the tuner also tries; lead 2 measured 0.993x the qwen3.5-35b-a3b layer's forward time on an H100, v0.47). The same bits at every value",
-    "MOKGEN_FWD_EARLY_ROWS": "0 (default) or 1: the forward megakernel's consumers look up their epilogue's output row addresses (a down tile's combine slots: each row's source and pair from the ring, then that source's buffer) while the k-loop runs rather than after it, where two such dependent-load chains per tile otherwise stall the epilogue (BF16 builds, flow schedule; a build option). The same bits",
     "MOKGEN_CLUSTER": "1 (every CTA loads its own operands) or 2 (flow-schedule CTA pairs share one by TMA multicast); default: 2 for hidden sizes from 5120, else 1",
     "MOKGEN_TUNED_DIR": "where `mokgen tune` writes tuned parameters, looked up before the package's own (default: <cache dir>/tuned)",
     "MOKGEN_TUNED": "0: ignore tuned parameters (the plan's defaults and these switches only; default 1)",
@@ -225,11 +224,6 @@ def fwd_stagger() -> int:
     return int(_choice("MOKGEN_FWD_STAGGER", ("0", "1", "2", "3")))
 
 
-def fwd_early_rows() -> bool:
-    """MOKGEN_FWD_EARLY_ROWS: 0 (default) or 1."""
-    return _choice("MOKGEN_FWD_EARLY_ROWS", ("0", "1")) == "1"
-
-
 def pull_unroll() -> int:
     return int(_choice("MOKGEN_PULL_UNROLL", ("12", "16", "8")))
 
@@ -342,8 +336,7 @@ def tuned_enabled() -> bool:
 #: plan option -> the switch that sets it
 PLAN_SWITCHES = {"gemm_core": "MOKGEN_GEMM_CORE", "schedule": "MOKGEN_SCHEDULE", "cluster": "MOKGEN_CLUSTER",
                  "fuse_shared": "MOKGEN_FUSE_SHARED", "block_k": "MOKGEN_BLOCK_K", "pull_unroll": "MOKGEN_PULL_UNROLL",
-                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN", "stagger": "MOKGEN_FWD_STAGGER",
-                 "early_rows": "MOKGEN_FWD_EARLY_ROWS"}
+                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN", "stagger": "MOKGEN_FWD_STAGGER"}
 
 
 def switch_set(option: str) -> bool:
@@ -365,7 +358,7 @@ def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
             "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode(),
-            "dispatch_join": dispatch_join(), "stagger": fwd_stagger(), "early_rows": fwd_early_rows()}
+            "dispatch_join": dispatch_join(), "stagger": fwd_stagger()}
 
 
 def bwd_sum() -> str:

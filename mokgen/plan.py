@@ -116,10 +116,6 @@ class Plan(BaseModel):
     # two stay that far apart, so one's epilogue overlaps the other's k-loop; hopper_gemm.cuh
     # StaggerPipe). 0: lockstep. BF16 builds on the Hopper core's flow schedule only.
     gemm_stagger: int = 0
-    # The consumers look up their epilogue's output row addresses (the down tiles' combine slots:
-    # two dependent loads per row) while the k-loop runs, instead of after it (hopper_gemm.cuh
-    # consume, kEarlyRows). BF16 builds on the Hopper core's flow schedule only. The same bits.
-    gemm_early_rows: bool = False
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -168,8 +164,7 @@ def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
               fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
-              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0,
-              early_rows: bool = False) -> Plan:
+              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
@@ -180,8 +175,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     dispatch's copy engine ("bulk": TMA bulk copies, Hopper core only); ``dispatch_join``: dispatch
     CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise);
     ``stagger``: the consumer warpgroups' lead in k-blocks (the Hopper core's flow schedule only,
-    0 otherwise; not for mxfp8); ``early_rows``: the epilogue's row addresses looked up during the
-    k-loop (the Hopper core's flow schedule only, False otherwise; not for mxfp8)."""
+    0 otherwise; not for mxfp8)."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES),
@@ -199,9 +193,6 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
             raise PlanError(f"{spec.name}: numerics mxfp8 runs without clusters (cluster 1), got {cluster}")
         if stagger:
             raise PlanError(f"{spec.name}: numerics mxfp8 runs its consumers in lockstep (stagger 0), got {stagger}")
-        if early_rows:
-            raise PlanError(f"{spec.name}: numerics mxfp8 has no early row lookup (the MX tile's epilogue), "
-                            "got early_rows True")
         cluster, fuse_shared = 1, False
     if stagger and gemm_core == "wgmma" and schedule == "flow":
         k_blocks = min(spec.hidden_size, spec.moe_intermediate_size) // block_k
@@ -238,7 +229,6 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         pull_mode=pull_mode,
         dispatch_join=bool(dispatch_join) and gemm_core == "wgmma" and schedule == "flow",
         gemm_stagger=stagger if gemm_core == "wgmma" and schedule == "flow" else 0,
-        gemm_early_rows=bool(early_rows) and gemm_core == "wgmma" and schedule == "flow",
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -374,23 +374,14 @@ def _toolchain_versions() -> dict[str, Optional[str]]:
     return out
 
 
-#: fixed plan options added after tuned files were shipped, with their defaults: a file whose
-#: plan_options lack one was made before the option existed, so at its default (v0.48: early_rows)
-LATE_OPTIONS = {"early_rows": False}
-
-
 def mismatch(meta: Any, current: dict[str, Any]) -> Optional[str]:
     """Why a tuned file's ``_metadata`` does not fit this installation (None if it does). The
-    CUDA and CUTLASS versions count only where both are known; a plan option of LATE_OPTIONS
-    that the file lacks reads as its default."""
+    CUDA and CUTLASS versions count only where both are known."""
     if not isinstance(meta, dict):
         return "it has no _metadata block"
     for name in ("format", "mokgen", "gpu", "templates", "plan_options"):
-        theirs = meta.get(name)
-        if name == "plan_options" and isinstance(theirs, dict):
-            theirs = {**{k: v for k, v in LATE_OPTIONS.items() if k in current.get(name, {})}, **theirs}
-        if theirs != current.get(name):
-            return f"{name} {theirs!r} (here {current.get(name)!r})"
+        if meta.get(name) != current.get(name):
+            return f"{name} {meta.get(name)!r} (here {current.get(name)!r})"
     for name in ("cuda", "cutlass"):
         if meta.get(name) and current.get(name) and meta[name] != current[name]:
             return f"{name} {meta[name]!r} (here {current[name]!r})"

@@ -292,57 +292,6 @@ def test_stagger_gives_the_same_bits(monkeypatch, cluster):
         assert len(keys) == 4
 
 
-@pytest.mark.nvcc  # builds variants: needs the compiler even where prebuilt wheels serve the defaults
-@pytest.mark.parametrize("cluster", ["1", "2"])
-def test_early_rows_give_the_same_bits(monkeypatch, cluster):
-    """MOKGEN_FWD_EARLY_ROWS=1 (the consumers look up their epilogue's row addresses once a tile's
-    first k-block has landed; hopper_gemm.cuh consume) against 0: the same values to the same
-    addresses, so the same bits. The virtual-rank forward on rings that wrap (a reused slot's meta
-    rows may be read only once the tile's operands landed), a rank with no tokens and a launch of
-    40 tokens; then a training step of qwen3.5-35b-a3b's block (at cluster 1 with the shared
-    expert's tiles in the megakernel; the save rows of g and u the backward reads): the same
-    output and gradient bits."""
-    from mokgen.block import MoEBlock
-
-    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
-    for spec in (load_spec("qwen3.5-35b-a3b"), load_spec(SMALL)):
-        wg, wu, wd = _weights(spec)
-        gen = torch.Generator(device="cuda").manual_seed(31)
-        for sizes in ([2100, 0, 1300, 700], [40]):
-            xs, ids, ws = _inputs(spec, sizes, gen)
-            runs = _switch_runs(monkeypatch, spec, (xs, ids, ws), (wg, wu, wd), "MOKGEN_FWD_EARLY_ROWS", ("0", "1"),
-                                ((256, 2), (1024, 3)))
-            first = runs["0", 256, 2]
-            _assert_close(spec, [first], [torch.cat(xs)], [torch.cat(ids)], [torch.cat(ws)], wg, wu, wd)
-            for cfg, out in runs.items():
-                assert torch.equal(out, first), f"{spec.name} {sizes} cluster {cluster}: bits differ for {cfg}"
-    _weights_cache.clear()
-    spec = load_spec("qwen3.5-35b-a3b")
-    monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
-    torch.manual_seed(7)
-    x = torch.randn(1000, spec.hidden_size, device="cuda").to(torch.bfloat16)
-    g = torch.randn_like(x)
-    steps, keys = [], set()
-    for value in ("0", "1"):
-        monkeypatch.setenv("MOKGEN_FWD_EARLY_ROWS", value)
-        block = MoEBlock(spec, max_tokens=1024)
-        assert block.experts.fuses_shared == (cluster == "1")
-        keys.add(block.experts._kernel.KEY)
-        names = ["out", "x"] + [n for n, _ in block.named_parameters()]
-        if steps:
-            block.load_state_dict(state)
-        else:
-            state = block.state_dict()
-        xl = x.clone().requires_grad_(True)
-        out = block(xl)
-        out.backward(g)
-        steps.append([out.detach(), xl.grad] + [p_.grad for p_ in block.parameters()])
-        del block
-    assert len(keys) == 2  # two kernels really ran (the switch reaches the build)
-    for n_, a, b in zip(names, *steps):
-        assert torch.equal(a, b), f"cluster {cluster}: {n_} bits differ"
-
-
 @pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
 def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the

@@ -323,7 +323,7 @@ def test_schedule_from_environment(monkeypatch):
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
                                   "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True,
-                                  "stagger": 0, "early_rows": False}
+                                  "stagger": 0}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -478,31 +478,4 @@ def test_stagger_option(monkeypatch):
     assert make_plan(spec, **env.plan_options()).gemm_stagger == 3
     monkeypatch.setenv("MOKGEN_FWD_STAGGER", "5")
     with pytest.raises(ToolchainError, match="MOKGEN_FWD_STAGGER must be 0 or 1 or 2 or 3, got '5'"):
-        env.plan_options()
-
-
-def test_early_rows_option(monkeypatch):
-    """The consumers' early row lookup: a build option of the Hopper core's flow schedule (False
-    elsewhere), refused for mxfp8, in the cache key, rendered into the kernel's Config, and set
-    by MOKGEN_FWD_EARLY_ROWS."""
-    from mokgen import env, render
-    from mokgen.errors import ToolchainError
-
-    spec = load_spec("qwen3.5-35b-a3b")
-    assert make_plan(spec).gemm_early_rows is False
-    assert make_plan(spec, early_rows=True).gemm_early_rows is True
-    assert make_plan(spec, early_rows=True, schedule="phased").gemm_early_rows is False
-    assert make_plan(spec, early_rows=True, gemm_core="mma_sync").gemm_early_rows is False
-    with pytest.raises(PlanError, match="numerics mxfp8 has no early row lookup"):
-        make_plan(spec.with_target(numerics="mxfp8"), early_rows=True)
-    assert cache_key(make_plan(spec, early_rows=True), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)
-    assert "static constexpr bool kEarlyRows = true;" in render.render(make_plan(spec, early_rows=True), "k")[
-        "moe_forward.cu"]
-    assert "static constexpr bool kEarlyRows = false;" in render.render(make_plan(spec), "k")["moe_forward.cu"]
-    assert env.plan_options()["early_rows"] is False and not env.switch_set("early_rows")
-    monkeypatch.setenv("MOKGEN_FWD_EARLY_ROWS", "1")
-    assert env.plan_options()["early_rows"] is True and env.switch_set("early_rows")
-    assert make_plan(spec, **env.plan_options()).gemm_early_rows is True
-    monkeypatch.setenv("MOKGEN_FWD_EARLY_ROWS", "yes")
-    with pytest.raises(ToolchainError, match="MOKGEN_FWD_EARLY_ROWS must be 0 or 1, got 'yes'"):
         env.plan_options()

@@ -313,23 +313,6 @@ def test_mismatch_skips_versions_this_machine_cannot_tell():
     assert tune_mod.mismatch(None, current) == "it has no _metadata block"
 
 
-def test_a_file_from_before_a_late_option_reads_as_its_default(tuned_dirs, monkeypatch):
-    """A file whose plan_options lack an option of LATE_OPTIONS (written before the option
-    existed) fits where the option is at its default, and not where a switch sets it otherwise."""
-    user, _ = tuned_dirs
-    spec = load_spec("qwen3-30b-a3b")
-    key = TuneKey.of(spec, gpu=GPU, ep=1, tokens=16384)
-    meta = _meta()
-    assert set(tune_mod.LATE_OPTIONS) <= set(meta["plan_options"])
-    for name in tune_mod.LATE_OPTIONS:
-        del meta["plan_options"][name]
-    tune_mod.write_json(user / key.relpath(), _doc(spec, key, Candidate(1, 32, 1024, 4), meta))
-    assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384).best == Candidate(1, 32, 1024, 4)
-    monkeypatch.setenv("MOKGEN_FWD_EARLY_ROWS", "1")
-    with pytest.warns(UserWarning, match=r"was made for plan_options .*'early_rows': False.*ignored"):
-        assert tune_mod.lookup(spec, gpu=GPU, ep=1, tokens=16384) is None
-
-
 def test_lookup_skips_unreadable_files_and_can_be_switched_off(tuned_dirs, monkeypatch):
     user, package = tuned_dirs
     spec = load_spec("qwen3-30b-a3b")
@@ -876,8 +859,7 @@ def test_shipped_tuned_files_fit_this_tree(monkeypatch):
         meta = doc["_metadata"]
         assert meta["templates"] == kernel, f"{path}: tuned with other kernel sources: re-tune or remove it"
         assert meta["mokgen"] == __version__ and meta["format"] == tune_mod.FORMAT, path
-        current = tune_mod.metadata(meta["gpu"])  # the plan options (a late one a file lacks: its default)
-        assert tune_mod.mismatch({**current, "plan_options": meta["plan_options"]}, current) is None, path
+        assert meta["plan_options"] == tune_mod.metadata(meta["gpu"])["plan_options"], path
         Candidate.from_json(doc["best"])
         assert path.parent.name in ALL_SPECS, path
 

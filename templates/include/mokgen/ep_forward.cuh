@@ -245,9 +245,9 @@ struct EpHopperTiles {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
   using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster,
-                              Cfg::kBlockK, Cfg::kStagger, Cfg::kEarlyRows>;
+                              Cfg::kBlockK, Cfg::kStagger>;
   using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
-                                Cfg::kCluster, Cfg::kBlockK, Cfg::kStagger, Cfg::kEarlyRows>;
+                                Cfg::kCluster, Cfg::kBlockK, Cfg::kStagger>;
   static_assert(Cfg::kStagger == 0 || Cfg::kFlow, "the consumers' stagger: the flow schedule only");
 };
 // MXFP8 (Cfg::kMx): the tiles of mx_tile.cuh, A as E4M3 rows plus scales (a stage: A codes, B bf16

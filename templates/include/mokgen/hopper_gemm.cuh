@@ -207,9 +207,8 @@ struct NoSaveRows {
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
 // kStagger: the consumers' stagger lead in k-blocks (0: lockstep; see StaggerPipe).
-// kEarlyRows: the epilogue's row addresses are looked up during the k-loop (see consume).
 template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1,
-          int kBlockK = 64, int kStagger = 0, bool kEarlyRows = false>
+          int kBlockK = 64, int kStagger = 0>
 struct HopperTile {
   static constexpr int kBM = 128;
   static constexpr int kBK = kBlockK;  // 64 (128-byte rows, SWIZZLE_128B) or 32 (64-byte rows, SWIZZLE_64B)
@@ -318,36 +317,12 @@ struct HopperTile {
   // abort_flag (optional, shared memory): read after the last k-block has landed; when set, the
   // epilogue writes nothing (the launch has failed; the pipeline still drains in step).
   // s_row (gated tiles): where the epilogue also stores g and u in bf16 (SaveRows above), beside h.
-  // kEarlyRows: c_row and s_row of this thread's two rows are called once the last k-block's
-  // wgmmas are issued, so a functor that loads its address (the down tiles' combine slots: the
-  // row's (source, pair) from the ring's meta, then the source's base) runs both rows' chains
-  // side by side under that k-block's MMAs; without it the epilogue waits on two such chains, one
-  // per row, the second behind the first row's stores, with the tensor core idle. Not earlier:
-  // v0.46 issued them before the first k-block and the k-loop grew by what the epilogue lost
-  // (9383 -> 10801 cycles a down tile, docs/perf-notes.md), consistent with each k-block's
-  // warpgroup arrive waiting for every load in flight; after the last k-block none follows. (And
-  // the ring's meta rows of a reused slot are this tile's only once its operands have landed.)
   template <class CRow, class SRow = NoSaveRows>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, CRow c_row,
                                     float clamp_limit, const volatile int* abort_flag = nullptr,
                                     SRow s_row = SRow{}) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
-    constexpr bool kSave = kGated && SRow::kMay;
-    bf16* row_out[2] = {nullptr, nullptr};   // kEarlyRows: c_row of this thread's rows (half 0, 1)
-    bf16* row_save[2] = {nullptr, nullptr};  // kEarlyRows and a save: s_row of them
-    auto resolve_rows = [&] {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wg * 64 + (t >> 5) * 16 + ((t & 31) >> 2) + half * 8;
-        if (r < rows) {
-          row_out[half] = c_row(r);
-          if constexpr (kSave) {
-            if (s_row.enabled()) row_save[half] = s_row(r);
-          }
-        }
-      }
-    };
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
     // retired and hand its stage back to the producer.
     int prev_stage = -1;
@@ -368,9 +343,6 @@ struct HopperTile {
                          kb > 0 || k16 > 0,
                          std::make_index_sequence<kAcc>{});
       cute::warpgroup_commit_batch();
-      if constexpr (kEarlyRows) {
-        if (kb == kKTiles - 1) resolve_rows();
-      }
       cute::warpgroup_wait<1>();
       fence_operands(acc);
       if (prev_stage >= 0) release(s, prev_stage, t);
@@ -397,25 +369,14 @@ struct HopperTile {
     const int q = lane & 3;
     constexpr int kGroups = kGated ? kAcc / 8 : kAcc / 4;  // output n8 groups per row
     static_assert(kGroups % 4 == 0, "groups come in blocks of 4");
-    if constexpr (kSave) {
-      if (s_row.enabled()) {
-        if constexpr (kEarlyRows)
-          save_pre_activations(acc, wg, rows, n0, [&](int half, int) { return row_save[half]; });
-        else
-          save_pre_activations(acc, wg, rows, n0, [&](int, int r) { return s_row(r); });
-      }
+    if constexpr (kGated && SRow::kMay) {
+      if (s_row.enabled()) save_pre_activations(acc, wg, rows, n0, s_row);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
-      const bool valid = r < rows;  // the same for the 4 lanes of a quad (rows only shrinks on abort)
-      bf16* out = nullptr;
-      if (valid) {
-        if constexpr (kEarlyRows)
-          out = row_out[half] + n0;
-        else
-          out = c_row(r) + n0;
-      }
+      const bool valid = r < rows;  // the same for the 4 lanes of a quad
+      bf16* out = valid ? c_row(r) + n0 : nullptr;
 #pragma unroll
       for (int b = 0; b < kGroups / 4; ++b) {
         uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b+3
@@ -438,17 +399,15 @@ struct HopperTile {
 
   // The gated epilogue's save (the backward's "save" policy): g and u of this thread's rows in
   // bf16, g at columns [n0, n0 + kBN) and u at [kN + n0, kN + n0 + kBN) of row s_row(r), with the
-  // same quad exchange as h (16-byte stores, 64 contiguous bytes per warp and row). save_row(half,
-  // r): the [g | u] row of this thread's row r (its half 0 or 1).
-  template <class SaveRow>
-  MOKGEN_DEVICE static void save_pre_activations(const float (&acc)[kAcc], int wg, int rows, int n0,
-                                                 const SaveRow& save_row) {
+  // same quad exchange as h (16-byte stores, 64 contiguous bytes per warp and row).
+  template <class SRow>
+  MOKGEN_DEVICE static void save_pre_activations(const float (&acc)[kAcc], int wg, int rows, int n0, const SRow& s_row) {
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
       const bool valid = r < rows;  // the same for the 4 lanes of a quad
-      bf16* out = valid ? save_row(half, r) : nullptr;
+      bf16* out = valid ? s_row(r) : nullptr;
 #pragma unroll
       for (int b = 0; b < kAcc / 32; ++b) {
         uint32_t wg_[4], wu_[4];  // this lane's 2 columns of gate / up groups 4b .. 4b+3
