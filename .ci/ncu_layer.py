@@ -4,7 +4,9 @@ and uniform routing). Usage, e.g. DRAM and L2 bytes of the third launch (docs/pe
   ncu --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct -k regex:ep_forward \
       --launch-skip 2 --launch-count 1 python3 .ci/ncu_layer.py qwen3.5-35b-a3b layer
 (WORKLOAD: layer = the whole layer at T = 16384, local = one EP8 rank's stand-in.) CTA-pair
-builds failed under ncu in v0.17 (an illegal instruction in the profiled launch)."""
+builds failed under ncu in v0.17 (an illegal instruction in the profiled launch) and again in
+v0.48 (a grid of 0 x 0 x 0, every metric nan): profile single CTAs, MOKGEN_CLUSTER=1 (v0.48's
+figures: docs/perf-notes.md)."""
 import sys
 
 from mokgen import bench, load_spec, tune
