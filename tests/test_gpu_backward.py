@@ -204,6 +204,16 @@ def _small_layer_problem(seed: int):
     return layer, x, ids, w, g
 
 
+def _small_spec_with_gemms():
+    """SMALL's spec; the test is skipped where mokgen's backward GEMMs do not run its shapes."""
+    from mokgen import bwd_gemm
+
+    spec = load_spec(SMALL)
+    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
+        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    return spec
+
+
 def _step_grads(layer, x, ids, w, g):
     """One fwd+bwd step from fresh gradients: the gradients of x, the routing weights and the
     layer's parameters, cloned."""
@@ -241,11 +251,7 @@ def test_joint_weight_grads_give_the_bits_of_two_launches(monkeypatch, policy):
     """MOKGEN_BWD_WEIGHTS_JOINT=1 (the gate's and up's weight gradients in one launch over their
     shared x rows) through MoELayer's backward (the custom op, whose outputs may not alias): the
     same gradient bits as two launches."""
-    from mokgen import bwd_gemm
-
-    spec = load_spec(SMALL)
-    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
-        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    _small_spec_with_gemms()
     layer, x, ids, w, g = _small_layer_problem(6)
     runs = []
     for joint in ("0", "1"):
@@ -260,21 +266,14 @@ def test_dh_swiglu_epilogue_through_the_layer(monkeypatch, dout):
     g and u prefetched into L2; dOut's rows gathered or through the token index): every
     gradient as close to the reference's autograd as the two passes' (which round dh to bf16
     first), and the same bits on a repeat."""
-    from mokgen import bwd_gemm
-
-    spec = load_spec(SMALL)
-    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
-        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    spec = _small_spec_with_gemms()
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
     monkeypatch.setenv("MOKGEN_BWD_DOUT", dout)
     layer, x, ids, w, g = _small_layer_problem(8)
     runs = {}
     for key, fuse in (("two", "0"), ("fused", "1"), ("again", "1")):
         monkeypatch.setenv("MOKGEN_BWD_DH_SWIGLU", fuse)
-        for t in (x, w, *layer.parameters()):
-            t.grad = None
-        layer(x, ids, w).backward(g)
-        runs[key] = [t.grad.clone() for t in (x, w, layer.w_gate, layer.w_up, layer.w_down)]
+        runs[key] = _step_grads(layer, x, ids, w, g)  # x, w, w_gate, w_up, w_down
     assert all(torch.equal(a, b) for a, b in zip(runs["fused"], runs["again"]))
     ref = _ref_grads(spec, x, ids, w, layer.w_gate, layer.w_up, layer.w_down, g)
     for name, f, t, r in zip(("x", "w", "w_gate", "w_up", "w_down"), runs["fused"], runs["two"], ref):
@@ -287,11 +286,7 @@ def test_x_rows_through_the_token_index_give_the_bits_of_the_copy(monkeypatch):
     through the token index, no gathered copy) where the backward does not read the ring
     (MOKGEN_BWD_RING=gather): the launch takes the index (spied), and every gradient has the
     bits of the gathered copy's."""
-    from mokgen import bwd_gemm
-
-    spec = load_spec(SMALL)
-    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
-        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    _small_spec_with_gemms()
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
     monkeypatch.setenv("MOKGEN_BWD_RING", "gather")
     layer, x, ids, w, g = _small_layer_problem(9)
@@ -310,11 +305,7 @@ def test_slot_sum_in_the_joint_launch_gives_the_bits_apart(monkeypatch, ring):
     through MoELayer's backward: every gradient has the bits of the separate sum; the launch takes
     the sum where its B comes by TMA (the ring's rows, or a gathered copy under MOKGEN_BWD_X=gather)
     and not where the kernel gathers x itself (MOKGEN_BWD_X=inline), which keeps the separate sum."""
-    from mokgen import bwd_gemm
-
-    spec = load_spec(SMALL)
-    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
-        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    _small_spec_with_gemms()
     monkeypatch.setenv("MOKGEN_BWD_POLICY", "save")
     monkeypatch.setenv("MOKGEN_BWD_RING", ring)
     layer, x, ids, w, g = _small_layer_problem(10)
@@ -354,9 +345,7 @@ def test_backward_reads_the_forward_ring_in_place(monkeypatch, policy):
     another forward of the layer in between, the backward gathers again, with the same bits."""
     from mokgen import bwd_gemm, ep
 
-    spec = load_spec(SMALL)
-    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
-        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    spec = _small_spec_with_gemms()
     layer, x, ids, w, g = _small_layer_problem(8)
     ids = ids.to(torch.int32)
     assert layer.ring_chunks * layer.chunk_rows >= ids.numel()
@@ -392,11 +381,7 @@ def test_backward_reads_the_forward_ring_in_place(monkeypatch, policy):
 def test_reuse_sizes_the_ring_to_hold_every_pair(monkeypatch):
     """bwd_ring "reuse": a ring asked for with fewer rows than max_tokens x top_k grows to hold
     them, and the backward reads it in place; "auto" with the small ring gathers. The bits agree."""
-    from mokgen import bwd_gemm
-
-    spec = load_spec(SMALL)
-    if not bwd_gemm.usable(spec.hidden_size, spec.moe_intermediate_size, torch.device("cuda")):
-        pytest.skip("mokgen's backward GEMMs do not run this spec's shapes")
+    spec = _small_spec_with_gemms()
     _, x, ids, w, g = _small_layer_problem(9)
     used = _spy_ring(monkeypatch)
     runs = []
