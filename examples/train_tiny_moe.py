@@ -32,7 +32,8 @@ class DecoderLayer(torch.nn.Module):
         self.norm1 = torch.nn.RMSNorm(H, device="cuda", dtype=torch.bfloat16)
         self.attn = torch.nn.MultiheadAttention(H, heads, batch_first=True, device="cuda", dtype=torch.bfloat16)
         self.norm2 = torch.nn.RMSNorm(H, device="cuda", dtype=torch.bfloat16)
-        self.mlp = MoEBlock(spec, device="cuda")  # the swapped-in MoE block
+        # the swapped-in MoE block; the model's blocks run on one set of the megakernel's buffers
+        self.mlp = MoEBlock(spec, device="cuda", share_buffers=True)
         self.use_reference = False
 
     def forward(self, h):

@@ -61,14 +61,17 @@ class MoEBlock(torch.nn.Module):
     ``group``: the EP process group (None: one rank). ``forward(hidden [..., H] bf16, token_ids=None)``
     returns the block output of the same shape (``token_ids [...]`` for a hash-routing router, see
     ``Router(hash_table=...)``); the routing of the last call is kept in ``last_routing``
-    (ids, weights) for auxiliary losses or inspection."""
+    (ids, weights) for auxiliary losses or inspection. ``share_buffers``: the routed experts run
+    on the persistent buffers of the model's other blocks of the same spec and geometry made
+    with it (``MoELayer(share_buffers=True)``): one set per model instead of one per block."""
 
-    def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None, device=None):
+    def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None, device=None,
+                 share_buffers: bool = False):
         super().__init__()
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         device = torch.device("cuda") if device is None else torch.device(device)
         self.router = Router(self.spec, device=device)
-        self.experts = MoELayer(self.spec, group, max_tokens=max_tokens, device=device)
+        self.experts = MoELayer(self.spec, group, max_tokens=max_tokens, device=device, share_buffers=share_buffers)
         self.shared = SharedExpertMLP(self.spec, device=device) if self.spec.shared_experts.count else None
         self.last_routing = None
 

@@ -99,6 +99,12 @@ class EpBuffers:
         # plain ints, fixed for the life of the buffers (torch.compile sees constants)
         self._addresses = (self.peer_ptrs, self.local.data_ptr(), self.local_bytes, self.ctl.data_ptr())
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory these buffers hold on this GPU (this rank's symmetric region, or all
+        virtual ranks' regions, the private regions and the control block)."""
+        return self.sym.numel() + self.local.numel() + self.ctl.numel()
+
     def ring_x(self, rows: int) -> torch.Tensor | None:
         """Rank 0's receive-ring x rows ``[rows, H]`` bf16 as a view of the private region, or None
         where the ring has fewer rows (or its layout is not known). Ring row i is received row i
@@ -512,6 +518,44 @@ def _ring(spec: MoESpec, chunk_rows: int | None, ring_chunks: int | None) -> tup
 MX_RING_ROWS_MULTIPLE = 4
 
 
+#: buffers that MoELayers made with ``share_buffers=True`` hold together, by what they must agree
+#: on (build, geometry, device, process group, CTA counts): an entry lives while a layer holds it
+_SHARED_BUFFERS: weakref.WeakValueDictionary[tuple, EpBuffers] = weakref.WeakValueDictionary()
+
+
+def _group_key(group):
+    """A process group as a dictionary key (None: one rank); groups hash by identity."""
+    if group is None:
+        return None
+    try:
+        hash(group)
+    except TypeError:
+        return ("id", id(group))
+    return group
+
+
+def layer_buffers(key: tuple, make, share: bool, group=None) -> tuple[EpBuffers, bool]:
+    """(buffers, shared from another layer) of a new MoELayer: ``make()``'s own buffers, or with
+    ``share`` the buffers that an existing layer of the same ``key`` holds (made once, by the
+    first such layer). Under a process group the ranks agree first: unless every rank holds an
+    entry for ``key``, every rank makes new buffers (a collective allocation) and those become
+    the entry, so no rank waits in a rendezvous that another skipped."""
+    found = _SHARED_BUFFERS.get(key) if share else None
+    if share and group is not None:
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if found is None else 1], device="cuda")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if int(flag.item()) == 0:
+            found = None
+    if found is not None:
+        return found, True
+    bufs = make()
+    if share:
+        _SHARED_BUFFERS[key] = bufs
+    return bufs, False
+
+
 #: buffers of virtual_ep_forward / experts_forward, most recently used last; bounded, since one
 #: entry of a large model holds gigabytes
 _virtual_cache: "OrderedDict[tuple, EpBuffers]" = OrderedDict()
@@ -766,22 +810,33 @@ class MoELayer(torch.nn.Module):
     same name can change it between calls. A multi-GPU layer always recomputes.
     ``bwd_ring``: ``"auto"``, ``"reuse"`` or ``"gather"`` (default: MOKGEN_BWD_RING, else auto),
     where a one-rank layer's backward takes its pairs' x rows: in place from the forward's
-    receive ring, where the ring still holds every received row and no other launch of this
-    layer ran in between (auto; eager mode: never under torch.compile or after a CUDA graph
+    receive ring, where the ring still holds every received row and no other launch on the
+    layer's buffers ran in between (auto; eager mode: never under torch.compile or after a CUDA graph
     capture of the layer; a ring whose size was not passed is grown to hold max_tokens x top_k
     rows where that takes at most AUTO_RING_GROWTH times its chunks); the same, with the ring
     sized to hold max_tokens x top_k rows so that it always does (reuse: 2 (H + I) + 16 bytes per row of memory for the life of the layer); or
     gathered again from x (gather). The bits are the same.
+    ``share_buffers``: run on the persistent buffers (``buffer_bytes``: the symmetric region with
+    the combine slots, the receive ring) of an existing layer made with the same argument, build,
+    geometry (max_tokens, ring, group) and CTA counts, instead of allocating its own: one set for
+    the MoE layers of a whole model instead of one each. The layers sharing them must run one
+    after the other in stream order, as a model's layers do (on one stream; every rank in the
+    same order); a backward under ``bwd_ring="auto"`` then reads the ring in place only for the
+    layer that launched last, and gathers x for the others (the same bits); ``bwd_ring="reuse"``
+    is refused. ``check_errors`` and ``stats`` report the last launch on the buffers.
     """
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
                  chunk_rows: int | None = None, ring_chunks: int | None = None,
                  dispatch_ctas: int | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS, device=None,
                  tuned: bool = True, build_options: dict | None = None, bwd_policy: str | None = None,
-                 bwd_ring: str | None = None):
+                 bwd_ring: str | None = None, share_buffers: bool = False):
         super().__init__()
         self.bwd_policy = bwd_policy  # checked once, by the property's setter
         self.bwd_ring = _bwd_ring(bwd_ring)
+        if share_buffers and self.bwd_ring == "reuse":
+            raise InputError("bwd_ring='reuse' keeps every row in the layer's own ring until its backward; with "
+                             "share_buffers=True another layer's forward overwrites it: use bwd_ring='auto' or 'gather'")
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
         if group is not None:
@@ -828,21 +883,32 @@ class MoELayer(torch.nn.Module):
         # Resolve the kernel and allocate the buffers now, outside any torch.compile region.
         with torch.cuda.device(device):
             self._kernel, self.build_options = _load_agreed(s, self.build_options, group, self.tuned_entry)
-            geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
-            self._ep = EpBuffers(self._kernel, geometry, device, group)
             self._ctas, self._dispatch = _ctas(self._kernel, 1, self.world)
+            if dispatch_ctas is not None:  # checked before any buffer exists
+                pair = int(self._kernel.LIB.mokgen_ep_cluster())
+                P = int(dispatch_ctas)
+                if not 1 <= P <= self._ctas - pair or P % pair:
+                    extra = f" and a multiple of {pair} (CTA pairs)" if pair > 1 else ""
+                    raise InputError(f"dispatch_ctas must be in 1..{self._ctas - pair}{extra} (this GPU runs "
+                                     f"{self._ctas} CTAs per rank), got {dispatch_ctas}")
+                self._dispatch = P
+            geometry = Geometry(self.world, 1, self.max_tokens, self.chunk_rows, self.ring_chunks)
+            key = (self._kernel.KEY, geometry, device, _group_key(group), self._ctas, self._dispatch)
+            #: whether this layer found its buffers made by another layer (share_buffers=True)
+            self._ep, self.buffers_shared = layer_buffers(
+                key, lambda: EpBuffers(self._kernel, geometry, device, group), bool(share_buffers), group)
+        self.share_buffers = bool(share_buffers)
         if self.world > 1:
             _EP_GROUPS[int(self._ep.addresses()[1])] = group
         elif self.build_options.get("pull_mode") != "gather":  # (which reads x in place: no ring rows)
             _RING_OWNERS[int(self._ep.addresses()[1])] = weakref.ref(self._ep)
-        if dispatch_ctas is not None:
-            pair = int(self._kernel.LIB.mokgen_ep_cluster())
-            P = int(dispatch_ctas)
-            if not 1 <= P <= self._ctas - pair or P % pair:
-                extra = f" and a multiple of {pair} (CTA pairs)" if pair > 1 else ""
-                raise InputError(f"dispatch_ctas must be in 1..{self._ctas - pair}{extra} (this GPU runs "
-                                 f"{self._ctas} CTAs per rank), got {dispatch_ctas}")
-            self._dispatch = P
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device memory of the megakernel's persistent buffers this layer runs on (its symmetric
+        region, private region and control block; mokgen.ep's module docstring). Layers made with
+        ``share_buffers=True`` and the same build, geometry and group hold one set between them."""
+        return self._ep.nbytes
 
     @property
     def bwd_policy(self) -> str:
@@ -953,8 +1019,8 @@ class MoEExperts(MoELayer):
     MoELayer's."""
 
     def __init__(self, spec: MoESpec | str, *, device=None, dtype: torch.dtype = torch.bfloat16,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, share_buffers: bool = False):
         spec = load_spec(spec) if isinstance(spec, str) else spec
         if dtype != torch.bfloat16:
             raise InputError(f"MoEExperts: dtype must be torch.bfloat16 for numerics {spec.target.numerics}")
-        super().__init__(spec, None, max_tokens=max_tokens, device=device)
+        super().__init__(spec, None, max_tokens=max_tokens, device=device, share_buffers=share_buffers)

@@ -460,6 +460,53 @@ def test_ring_reuse_bookkeeping(monkeypatch):
         env.bwd_ring()
 
 
+def test_shared_layer_buffers_pool(monkeypatch):
+    """mokgen.ep.layer_buffers: without share, always new buffers, never pooled; with it, the
+    first layer of a key makes them and the next find them, until the last holder is gone;
+    another key gets its own. MoELayer refuses share_buffers with the reused ring before any
+    device work, and groups become keys by identity."""
+    import gc
+
+    from mokgen import ep
+    from mokgen.errors import InputError
+
+    class Bufs:  # stands in for EpBuffers (anything weakly referenced)
+        pass
+
+    monkeypatch.setattr(ep, "_SHARED_BUFFERS", __import__("weakref").WeakValueDictionary())
+    made = []
+
+    def make():
+        made.append(Bufs())
+        return made[-1]
+
+    a, shared = ep.layer_buffers(("k", 1), make, False)
+    assert not shared and len(made) == 1 and len(ep._SHARED_BUFFERS) == 0
+    b, shared = ep.layer_buffers(("k", 1), make, True)
+    assert not shared and b is not a and len(made) == 2
+    c, shared = ep.layer_buffers(("k", 1), make, True)
+    assert shared and c is b and len(made) == 2
+    d, shared = ep.layer_buffers(("k", 2), make, True)
+    assert not shared and d is not b and len(made) == 3
+    e, shared = ep.layer_buffers(("k", 1), make, False)  # not asked to share: its own
+    assert not shared and e is not b
+    del b, c, made[:]
+    gc.collect()
+    assert ("k", 1) not in ep._SHARED_BUFFERS and ("k", 2) in ep._SHARED_BUFFERS
+    f, shared = ep.layer_buffers(("k", 1), make, True)
+    assert not shared and len(made) == 1
+
+    class Unhashable:
+        __hash__ = None
+
+    g = Unhashable()
+    assert ep._group_key(None) is None and ep._group_key(g) == ("id", id(g))
+    h = object()
+    assert ep._group_key(h) is h
+    with pytest.raises(InputError, match="bwd_ring='reuse' keeps every row .* share_buffers=True"):
+        ep.MoELayer("qwen3-30b-a3b", bwd_ring="reuse", share_buffers=True)
+
+
 def test_ring_rows_are_checked_and_ignored_off_mokgens_gemms():
     """experts_backward's ring_x: a wrong shape or dtype is a clear error; where mokgen's GEMMs
     do not run (here, on the CPU), the rows are gathered from x and ring_x is not read."""

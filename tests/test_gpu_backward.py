@@ -586,3 +586,68 @@ def test_the_shared_experts_backward_overlapped_and_in_place_gives_the_serial_bi
     assert torch.equal(dx, want[0])
     for got, ref in zip(grads, (want[2][0], want[3][0], want[4][0], want[1].reshape(T))):
         assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def _stack(spec, n, seed, **kwargs):
+    """``n`` MoELayers of ``spec`` (max_tokens 1024), layer i's weights drawn from seed + i."""
+    layers = []
+    for i in range(n):
+        torch.manual_seed(seed + i)
+        layers.append(MoELayer(spec, max_tokens=1024, device="cuda", **kwargs))
+    return layers
+
+
+def _stack_step(layers, x, ids, w, g):
+    """A model-like fwd+bwd through ``layers`` in turn (each layer's output the next one's
+    input, one routing for all), then the gradients of x, w and every layer's weights."""
+    leaves = [x, w, *(p for layer in layers for p in layer.parameters())]
+    for t in leaves:
+        t.grad = None
+    h = x
+    for layer in layers:
+        h = layer(h, ids, w)
+    h.backward(g)
+    return [t.grad.clone() for t in leaves]
+
+
+def test_layers_sharing_buffers_give_the_bits_of_their_own(monkeypatch):
+    """share_buffers=True: three layers of one build and geometry run on one set of buffers (one
+    allocation, the layers after the first find it), a fourth with another ring gets its own;
+    a stack of three gives the outputs and gradients of three layers with their own buffers,
+    bit for bit, over two steps. Under bwd_ring "auto" only the layer that launched last reads
+    the ring in place; the others gather x, where layers with their own rings all read in place."""
+    import gc
+
+    from mokgen import ep
+
+    spec = _small_spec_with_gemms()
+    _, x, ids, w, g = _small_layer_problem(11)
+    used = _spy_ring(monkeypatch)
+    own = _stack(spec, 3, 100)
+    want = [_stack_step(own, x, ids, w, g) for _ in range(2)]
+    assert used == [True] * 6
+    assert len({layer._ep.local.data_ptr() for layer in own}) == 3
+    before = torch.cuda.memory_allocated()
+    shared = _stack(spec, 3, 100, share_buffers=True)
+    grown = torch.cuda.memory_allocated() - before
+    params = sum(p.numel() * p.element_size() for layer in shared for p in layer.parameters())
+    assert [layer.buffers_shared for layer in shared] == [False, True, True]
+    assert len({id(layer._ep) for layer in shared}) == 1
+    assert grown <= params + shared[0].buffer_bytes + (1 << 20)  # one set of buffers, not three
+    other = MoELayer(spec, max_tokens=1024, device="cuda", chunk_rows=1024, ring_chunks=2, share_buffers=True)
+    assert not other.buffers_shared and other._ep is not shared[0]._ep
+    del used[:]
+    for _ in range(2):
+        got = _stack_step(shared, x, ids, w, g)
+        assert all(torch.equal(a, b) for a, b in zip(got, want[0]))
+    assert used == [True, False, False] * 2  # backward runs the last layer first
+    key = next(k for k, v in ep._SHARED_BUFFERS.items() if v is shared[0]._ep)
+    del shared, other
+    gc.collect()
+    assert key not in ep._SHARED_BUFFERS  # freed with the last layer that held them
+
+
+def test_shared_buffers_refuse_the_reused_ring():
+    spec = load_spec(SMALL)
+    with pytest.raises(Exception, match="share_buffers=True"):
+        MoELayer(spec, max_tokens=1024, device="cuda", bwd_ring="reuse", share_buffers=True)
