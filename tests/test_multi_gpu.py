@@ -361,6 +361,75 @@ def test_moe_layer_backward_across_gpus():
     assert len(report) == 2 * len(BWD_SPECS)
 
 
+# ---- layers sharing their buffers across GPUs ------------------------------------------------------
+
+def _share_worker(rank: int, world: int, port: int, results) -> None:
+    """Each rank: a stack of two MoELayers on one set of symmetric buffers (share_buffers=True:
+    the second layer finds the first's set on every rank, no second rendezvous) against two
+    layers with their own, same weights; the stack's output and gradients, bit for bit, and a
+    third shared layer made after the others are gone allocates afresh on every rank."""
+    try:
+        import mokgen
+        from mokgen.bench import expert_weights
+        from mokgen.spec import load_spec
+
+        device = _init_rank(rank, world, port)
+        report = {}
+        try:
+            spec = load_spec(BWD_SPECS[0])
+            values = expert_weights(spec, range(spec.num_experts // world * rank, spec.num_experts // world * (rank + 1)),
+                                    device)
+
+            def stack(share: bool) -> list:
+                layers = [mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device,
+                                          share_buffers=share) for _ in range(2)]
+                with torch.no_grad():
+                    for layer in layers:
+                        for p_, v in zip(layer.parameters(), values):
+                            p_.copy_(v)
+                return layers
+
+            x, ids, w = _rank_inputs(spec, 30, "uniform", 1024 if rank else 600, rank, world, device)
+            g = torch.randn(x.shape, generator=torch.Generator(device=device).manual_seed(77 + rank),
+                            device=device).to(torch.bfloat16)
+            runs = []
+            for share in (False, True):
+                layers = stack(share)
+                if share:
+                    assert [layer.buffers_shared for layer in layers] == [False, True]
+                    assert layers[0]._ep is layers[1]._ep
+                xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                out = layers[1](layers[0](xl, ids, wl), ids, wl)
+                out.backward(g)
+                runs.append([out.detach(), xl.grad, wl.grad, *(p_.grad for layer in layers for p_ in layer.parameters())])
+                del layers
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), f"rank {rank}: shared buffers changed the bits"
+            report["stack"] = "same bits"
+            third = mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device, share_buffers=True)
+            assert not third.buffers_shared
+            report["after"] = "new buffers"
+            del third
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, None, report))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, traceback.format_exc(), None))
+        raise
+
+
+def test_layers_share_buffers_across_gpus():
+    from mokgen import build as build_mod
+    from mokgen.spec import load_spec
+
+    world = _world()
+    assert world >= 2
+    build_mod.build(load_spec(BWD_SPECS[0]), publish_generated=False)
+    os.environ.update(NO_MULTICAST)
+    reports = run_ranks(_share_worker, world, 600, "share-rank")
+    assert all(r == {"stack": "same bits", "after": "new buffers"} for r in reports.values()), reports
+
+
 # ---- tuned entries across ranks -------------------------------------------------------------------
 
 TUNE_SPEC = "qwen3-30b-a3b"
