@@ -49,6 +49,10 @@ class Row:
     # fwd+bwd rows: the peak GPU memory of the timed steps above what was allocated before them
     # (GiB), the side's own activations, gradients and workspaces
     peak_gib: float | None = None
+    # fwd+bwd rows: device memory the side holds for its life outside the step (GiB): a MoELayer's
+    # persistent buffers (MoELayer.buffer_bytes: symmetric region with the combine slots, receive
+    # ring), allocated once at construction and so not in ``peak_gib``; PyTorch's pipeline, 0
+    held_gib: float | None = None
     # ``--numerics mxfp8`` rows: relative Frobenius error of the row's output on the first input
     # set against the float64 layer (mokgen.reference.experts_forward)
     error: float | None = None
@@ -498,6 +502,12 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
 
         impls[MX_MEGA_BWD_ROW] = mx_mega
         impls[MX_BWD_ROW] = mx_staged
+    # the layer each mokgen row runs, for the buffers it holds (the PyTorch rows hold none)
+    holders = {name: layer for name in impls if name.startswith("mokgen megakernel +")}
+    if RING_ROW in impls:
+        holders[RING_ROW] = ring_layer
+    if numerics == "mxfp8":
+        holders[MX_MEGA_BWD_ROW] = mx_layer
     rows = []
     flops = 3 * routed_flops(spec, tokens)
     for name, fn in impls.items():
@@ -507,11 +517,10 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
         torch.cuda.reset_peak_memory_stats()
         times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
         peak = torch.cuda.max_memory_allocated() - base
-        if name == RING_ROW:  # the ring it holds for the life of the layer, beyond the default's
-            peak += ring_layer._ep.local.numel() - layer._ep.local.numel()
+        held = holders[name].buffer_bytes if name in holders else 0
         ms = statistics.median(times)
         rows.append(Row(f"{workload} fwd+bwd", spec.name, tokens, name, ms, flops / ms / 1e9, times,
-                        peak_gib=peak / 2**30))
+                        peak_gib=peak / 2**30, held_gib=held / 2**30))
     return rows
 
 
@@ -528,7 +537,7 @@ def _ring_reuse_layer(spec: MoESpec, tokens: int, layer):
     """For the fwd+bwd bench: where ``layer``'s ring (as tuned) holds fewer rows than the pairs,
     so its backward gathers them, a copy of it with bwd_ring "reuse" (the ring grown to hold
     them, read in place by the backward); else None (the default row reads the ring already).
-    Its peak memory counts the larger ring."""
+    Its row's held memory (``Row.held_gib``) is its buffers with the larger ring."""
     from mokgen.ep import MoELayer
 
     if layer.world != 1 or layer.chunk_rows * layer.ring_chunks >= tokens * spec.top_k:

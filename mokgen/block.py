@@ -62,8 +62,9 @@ class MoEBlock(torch.nn.Module):
     returns the block output of the same shape (``token_ids [...]`` for a hash-routing router, see
     ``Router(hash_table=...)``); the routing of the last call is kept in ``last_routing``
     (ids, weights) for auxiliary losses or inspection. ``share_buffers``: the routed experts run
-    on the persistent buffers of the model's other blocks of the same spec and geometry made
-    with it (``MoELayer(share_buffers=True)``): one set per model instead of one per block."""
+    on the persistent buffers of the model's other blocks made with it whose build, geometry,
+    device, group and CTA counts are the same (``MoELayer(share_buffers=True)``, whose rules
+    apply): one set per model instead of one per block."""
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None, device=None,
                  share_buffers: bool = False):

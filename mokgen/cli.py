@@ -329,18 +329,22 @@ def _init_ep_group() -> bool:
 def bench_table(rows, ceiling: float, gpu: str) -> Table:
     """`mokgen bench`'s table: a row per implementation, each peer's time against the best mokgen
     row of its (workload, spec, tokens) group, and, where the rows are fwd+bwd ones, the peak
-    memory of each side above its inputs."""
+    memory of each side above its inputs and the memory it holds outside the step (a MoELayer's
+    persistent buffers)."""
     table = Table(title=f"mokgen bench on {gpu} (dense bf16 ceiling {ceiling:.0f} TFLOP/s)")
     peaks = any(r.peak_gib is not None for r in rows)
+    helds = any(r.held_gib is not None for r in rows)
     errors = any(r.error is not None for r in rows)
     for col in ("workload", "spec", "tokens", "implementation", "ms", "TFLOP/s", "% ceiling", "mokgen speedup",
-                *(("peak GiB",) if peaks else ()), *(("err vs fp64", "vs mokgen bf16") if errors else ())):
+                *(("peak GiB",) if peaks else ()), *(("held GiB",) if helds else ()),
+                *(("err vs fp64", "vs mokgen bf16") if errors else ())):
         table.add_column(col)
     for r in rows:
         group = [q for q in rows if (q.workload, q.spec, q.tokens) == (r.workload, r.spec, r.tokens)]
         best = min((q.ms for q in group if q.impl.startswith("mokgen")), default=None)
         speed = "" if r.impl.startswith("mokgen") or best is None else f"{r.ms / best:.2f}x"
         peak = ("" if r.peak_gib is None else f"+{r.peak_gib:.2f}",) if peaks else ()
+        held = ("" if r.held_gib is None else f"{r.held_gib:.2f}",) if helds else ()
         err = ()
         if errors:  # --numerics mxfp8: each row's error, and the MXFP8 row's speed over the BF16 megakernel
             # the BF16 megakernel's rows only: an MXFP8 megakernel row faster than BF16 is not the baseline
@@ -349,7 +353,7 @@ def bench_table(rows, ceiling: float, gpu: str) -> Table:
             ratio = f"{bf16 / r.ms:.2f}x" if "MXFP8" in r.impl and bf16 else ""
             err = ("" if r.error is None else f"{r.error:.2e}", ratio)
         table.add_row(r.workload, r.spec, str(r.tokens), r.impl, f"{r.ms:.3f}", f"{r.tflops:.0f}",
-                      f"{100 * r.tflops / ceiling:.0f}%", speed, *peak, *err)
+                      f"{100 * r.tflops / ceiling:.0f}%", speed, *peak, *held, *err)
     return table
 
 

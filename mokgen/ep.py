@@ -20,6 +20,7 @@ call (and on ``check_errors()``), so the forward itself never waits on the host.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections import OrderedDict
@@ -96,6 +97,8 @@ class EpBuffers:
         self.ring_untracked = False
         self._pending = None  # (pinned copy of the error record, event) of the last launch
         self._side = None  # the stream the error record's copy runs on (EpBuffers.watch)
+        self.watched_timeout_ms = None  # the last watched launch's wait bound (watch)
+        self.set_number = 0  # layer_buffers' number for a set it made (0: made elsewhere)
         # plain ints, fixed for the life of the buffers (torch.compile sees constants)
         self._addresses = (self.peer_ptrs, self.local.data_ptr(), self.local_bytes, self.ctl.data_ptr())
 
@@ -129,8 +132,10 @@ class EpBuffers:
         self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES].zero_()
         self._pending = None
 
-    def watch(self) -> None:
+    def watch(self, timeout_ms: float | None = None) -> None:
         """After a launch: copy the error record to pinned memory without blocking.
+        ``timeout_ms``: the launch's wait bound, kept for the message of an error it records
+        (``watched_timeout_ms``; buffers shared by layers report the launching layer's).
 
         The copy runs on a side stream that waits for the launch (an event), not on the caller's
         stream: a copy-engine operation between the forward and the next kernel on the compute
@@ -152,6 +157,7 @@ class EpBuffers:
             self._pinned.copy_(self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES], non_blocking=True)
             self._copied.record(self._side)
         self._pending = (self._pinned, self._copied)
+        self.watched_timeout_ms = timeout_ms
 
     def poll(self, *, block: bool) -> dict | None:
         """The error of the last watched launch, if its copy has arrived (or always, if block)."""
@@ -534,23 +540,43 @@ def _group_key(group):
     return group
 
 
-def layer_buffers(key: tuple, make, share: bool, group=None) -> tuple[EpBuffers, bool]:
+#: numbers the sets that layer_buffers makes, in order; the ranks of a group make theirs in the same
+#: order, so a set made together has the same number on every rank
+_SET_NUMBERS = itertools.count(1)
+
+
+def _agree(values: list[int], group) -> tuple[list[int], list[int]]:
+    """(minimum, maximum) of each of ``values`` over the ranks of ``group``: one all-reduce."""
+    import torch.distributed as dist
+
+    t = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    n = len(values)
+    return t[:n].tolist(), [-v for v in t[n:].tolist()]
+
+
+def layer_buffers(key: tuple, make, share: bool, group=None, agree=_agree) -> tuple[EpBuffers, bool]:
     """(buffers, shared from another layer) of a new MoELayer: ``make()``'s own buffers, or with
     ``share`` the buffers that an existing layer of the same ``key`` holds (made once, by the
-    first such layer). Under a process group the ranks agree first: unless every rank holds an
-    entry for ``key``, every rank makes new buffers (a collective allocation) and those become
-    the entry, so no rank waits in a rendezvous that another skipped."""
+    first such layer). Under a process group the ranks agree first (``agree``: minima and
+    maxima over the ranks, one all-reduce, whether or not they share): ``share`` must be the
+    same on every rank (else InputError on every rank, before any allocation), and a set is
+    reused only where every rank holds one for ``key`` and it is the same set everywhere (its
+    number, counted alike on every rank); otherwise every rank makes new buffers (a collective
+    allocation) and those become the entry. So no rank waits in a rendezvous that another
+    skipped, and no two ranks pair sets that were not made together."""
     found = _SHARED_BUFFERS.get(key) if share else None
-    if share and group is not None:
-        import torch.distributed as dist
-
-        flag = torch.tensor([0 if found is None else 1], device="cuda")
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if int(flag.item()) == 0:
+    if group is not None:
+        number = 0 if found is None else found.set_number
+        lo, hi = agree([int(bool(share)), int(found is not None), number], group)
+        if lo[0] != hi[0]:
+            raise InputError("share_buffers differs between the ranks of the group: every rank must pass the same value")
+        if lo[1] == 0 or lo[2] != hi[2]:
             found = None
     if found is not None:
         return found, True
     bufs = make()
+    bufs.set_number = next(_SET_NUMBERS)
     if share:
         _SHARED_BUFFERS[key] = bufs
     return bufs, False
@@ -812,7 +838,7 @@ class MoELayer(torch.nn.Module):
     where a one-rank layer's backward takes its pairs' x rows: in place from the forward's
     receive ring, where the ring still holds every received row and no other launch on the
     layer's buffers ran in between (auto; eager mode: never under torch.compile or after a CUDA graph
-    capture of the layer; a ring whose size was not passed is grown to hold max_tokens x top_k
+    capture of the layer or of one sharing its buffers; a ring whose size was not passed is grown to hold max_tokens x top_k
     rows where that takes at most AUTO_RING_GROWTH times its chunks); the same, with the ring
     sized to hold max_tokens x top_k rows so that it always does (reuse: 2 (H + I) + 16 bytes per row of memory for the life of the layer); or
     gathered again from x (gather). The bits are the same.
@@ -821,9 +847,12 @@ class MoELayer(torch.nn.Module):
     geometry (max_tokens, ring, group) and CTA counts, instead of allocating its own: one set for
     the MoE layers of a whole model instead of one each. The layers sharing them must run one
     after the other in stream order, as a model's layers do (on one stream; every rank in the
-    same order); a backward under ``bwd_ring="auto"`` then reads the ring in place only for the
-    layer that launched last, and gathers x for the others (the same bits); ``bwd_ring="reuse"``
-    is refused. ``check_errors`` and ``stats`` report the last launch on the buffers.
+    same order: a rank that launches another of them than its peers is not detected, where
+    layers with their own buffers would time out); a backward under ``bwd_ring="auto"`` then
+    reads the ring in place only for the layer that launched last, and gathers x for the others
+    (the same bits); ``bwd_ring="reuse"`` is refused (MOKGEN_BWD_RING=reuse gives way to auto,
+    with a warning). ``check_errors`` and ``stats`` report the last launch on the buffers. Under
+    a group every rank must pass the same ``share_buffers``.
     """
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None,
@@ -835,8 +864,15 @@ class MoELayer(torch.nn.Module):
         self.bwd_policy = bwd_policy  # checked once, by the property's setter
         self.bwd_ring = _bwd_ring(bwd_ring)
         if share_buffers and self.bwd_ring == "reuse":
-            raise InputError("bwd_ring='reuse' keeps every row in the layer's own ring until its backward; with "
-                             "share_buffers=True another layer's forward overwrites it: use bwd_ring='auto' or 'gather'")
+            if bwd_ring is not None:
+                raise InputError("bwd_ring='reuse' keeps every row in the layer's own ring until its backward; with "
+                                 "share_buffers=True another layer's forward overwrites it: use bwd_ring='auto' or "
+                                 "'gather'")
+            import warnings
+
+            warnings.warn("mokgen: MOKGEN_BWD_RING=reuse does not apply to a layer made with share_buffers=True "
+                          "(another layer's forward overwrites the ring); this layer uses bwd_ring='auto'", stacklevel=2)
+            self.bwd_ring = "auto"
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
         s = self.spec
         if group is not None:
@@ -930,7 +966,7 @@ class MoELayer(torch.nn.Module):
         if err is None and block:
             err = self._ep.read_error()
         if err is not None:
-            _raise(self._ep, err, self.timeout_ms)
+            _raise(self._ep, err, getattr(self._ep, "watched_timeout_ms", None) or self.timeout_ms)
 
     def stats(self) -> dict:
         """This rank's statistics of the last forward (blocks until it finished): rows received,
@@ -1003,7 +1039,7 @@ class MoELayer(torch.nn.Module):
             self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
         ), ([x], [ids32], [topk_weights], self.w_gate, self.w_up, self.w_down))[0]
         if not compiling and not capturing:
-            bufs.watch()
+            bufs.watch(self.timeout_ms)
         return out
 
     def extra_repr(self) -> str:

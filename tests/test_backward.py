@@ -493,7 +493,7 @@ def test_shared_layer_buffers_pool(monkeypatch):
     del b, c, made[:]
     gc.collect()
     assert ("k", 1) not in ep._SHARED_BUFFERS and ("k", 2) in ep._SHARED_BUFFERS
-    f, shared = ep.layer_buffers(("k", 1), make, True)
+    _, shared = ep.layer_buffers(("k", 1), make, True)
     assert not shared and len(made) == 1
 
     class Unhashable:
@@ -505,6 +505,81 @@ def test_shared_layer_buffers_pool(monkeypatch):
     assert ep._group_key(h) is h
     with pytest.raises(InputError, match="bwd_ring='reuse' keeps every row .* share_buffers=True"):
         ep.MoELayer("qwen3-30b-a3b", bwd_ring="reuse", share_buffers=True)
+
+
+def test_shared_layer_buffers_agree_across_ranks(monkeypatch):
+    """Under a process group, layer_buffers asks the ranks (one all-reduce of minima and maxima,
+    here a stand-in that plays the other ranks): a set is reused only where every rank holds one
+    and the same one (its number); a rank without one, or with another set, makes every rank
+    allocate afresh; ranks that disagree on share_buffers get an InputError before anything is
+    allocated; a layer that does not share still takes part in the all-reduce."""
+    import weakref
+
+    from mokgen import ep
+    from mokgen.errors import InputError
+
+    class Bufs:
+        pass
+
+    monkeypatch.setattr(ep, "_SHARED_BUFFERS", weakref.WeakValueDictionary())
+    others = {}  # what the other ranks report: share flag, hit flag, set number
+    calls = []
+
+    def agree(values, group):
+        calls.append((list(values), group))
+        rows = [values, [others.get("share", values[0]), others.get("hit", values[1]), others.get("number", values[2])]]
+        return [min(c) for c in zip(*rows)], [max(c) for c in zip(*rows)]
+
+    group = object()
+    made = []
+
+    def make():
+        made.append(Bufs())
+        return made[-1]
+
+    a, shared = ep.layer_buffers(("k",), make, True, group, agree)
+    assert not shared and calls[-1][0] == [1, 0, 0] and calls[-1][1] is group
+    b, shared = ep.layer_buffers(("k",), make, True, group, agree)  # every rank holds the same set
+    assert shared and b is a and calls[-1][0] == [1, 1, a.set_number]
+    others["hit"] = 0  # another rank lost its set: everyone allocates
+    c, shared = ep.layer_buffers(("k",), make, True, group, agree)
+    assert not shared and c is not a and ep._SHARED_BUFFERS[("k",)] is c
+    others.update(hit=1, number=c.set_number + 5)  # another rank holds a set made elsewhere
+    d, shared = ep.layer_buffers(("k",), make, True, group, agree)
+    assert not shared and d is not c
+    others.clear()
+    n = len(made)
+    _, shared = ep.layer_buffers(("j",), make, False, group, agree)  # not sharing: still asks
+    assert not shared and calls[-1][0] == [0, 0, 0] and len(made) == n + 1
+    others["share"] = 0
+    with pytest.raises(InputError, match="share_buffers differs between the ranks"):
+        ep.layer_buffers(("k",), make, True, group, agree)
+    assert len(made) == n + 1  # nothing allocated
+    assert len({x.set_number for x in made}) == len(made)  # numbered in order
+
+
+def test_env_reuse_gives_way_for_shared_buffers(monkeypatch):
+    """MOKGEN_BWD_RING=reuse in the environment does not refuse a sharing layer (as an explicit
+    bwd_ring='reuse' does): it warns and takes auto. Checked up to the first device step."""
+    from mokgen import ep
+
+    import sys
+
+    monkeypatch.setenv("MOKGEN_BWD_RING", "reuse")
+    seen = []
+
+    def stop(*args, **kwargs):  # the layer's choice so far, then out before any device work
+        seen.append(sys._getframe(1).f_locals["self"].bwd_ring)
+        raise RuntimeError("stop before any device work")
+
+    monkeypatch.setattr(ep, "_ring", stop)
+    with pytest.warns(UserWarning, match="MOKGEN_BWD_RING=reuse does not apply"), \
+            pytest.raises(RuntimeError, match="stop before"):
+        ep.MoELayer("qwen3-30b-a3b", share_buffers=True)
+    assert seen == ["auto"]
+    with pytest.raises(RuntimeError, match="stop before"):  # a layer of its own keeps the switch's reuse
+        ep.MoELayer("qwen3-30b-a3b")
+    assert seen == ["auto", "reuse"]
 
 
 def test_ring_rows_are_checked_and_ignored_off_mokgens_gemms():

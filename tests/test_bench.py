@@ -140,6 +140,10 @@ def test_bench_table_speedups_and_peak_memory_column():
            Row("layer fwd+bwd", "qwen3.5-35b-a3b", 16384, "torch._grouped_mm autograd", 14.5, 170.0, peak_gib=2.13)]
     text = render(fwd + bwd)
     assert "peak GiB" in text and "+2.19" in text and "+2.13" in text and "2.27x" in text
+    assert "held GiB" not in text  # rows that do not say what they hold
+    bwd[0].held_gib, bwd[1].held_gib = 1.19, 0.0
+    text = render(fwd + bwd)
+    assert "held GiB" in text and "1.19" in text and "0.00" in text
 
 
 def test_bench_table_mxfp8_columns():

@@ -617,9 +617,11 @@ def test_layers_sharing_buffers_give_the_bits_of_their_own(monkeypatch):
     bit for bit, over two steps. Under bwd_ring "auto" only the layer that launched last reads
     the ring in place; the others gather x, where layers with their own rings all read in place."""
     import gc
+    import weakref
 
     from mokgen import ep
 
+    monkeypatch.setattr(ep, "_SHARED_BUFFERS", weakref.WeakValueDictionary())  # no set left by another test
     spec = _small_spec_with_gemms()
     _, x, ids, w, g = _small_layer_problem(11)
     used = _spy_ring(monkeypatch)
@@ -648,6 +650,8 @@ def test_layers_sharing_buffers_give_the_bits_of_their_own(monkeypatch):
 
 
 def test_shared_buffers_refuse_the_reused_ring():
+    from mokgen.errors import InputError
+
     spec = load_spec(SMALL)
-    with pytest.raises(Exception, match="share_buffers=True"):
+    with pytest.raises(InputError, match="share_buffers=True"):
         MoELayer(spec, max_tokens=1024, device="cuda", bwd_ring="reuse", share_buffers=True)

@@ -377,15 +377,15 @@ def _share_worker(rank: int, world: int, port: int, results) -> None:
         report = {}
         try:
             spec = load_spec(BWD_SPECS[0])
-            values = expert_weights(spec, range(spec.num_experts // world * rank, spec.num_experts // world * (rank + 1)),
-                                    device)
+            mine = range(spec.num_experts // world * rank, spec.num_experts // world * (rank + 1))
+            values = [expert_weights(spec, mine, device, seed=1000 + 5000 * i) for i in range(2)]  # a set per layer
 
             def stack(share: bool) -> list:
                 layers = [mokgen.MoELayer(spec, group=dist.group.WORLD, max_tokens=1024, device=device,
                                           share_buffers=share) for _ in range(2)]
                 with torch.no_grad():
-                    for layer in layers:
-                        for p_, v in zip(layer.parameters(), values):
+                    for layer, vals in zip(layers, values):
+                        for p_, v in zip(layer.parameters(), vals):
                             p_.copy_(v)
                 return layers
 
