@@ -617,6 +617,30 @@ def _virtual_buffers(kernel, geometry: Geometry, device: torch.device) -> EpBuff
     return bufs
 
 
+def _shared_args(spec: MoESpec, shared, tokens: list[int], device) -> tuple:
+    """The op's shared-expert arguments (gate, up, down, scale) from ``virtual_ep_forward``'s
+    ``shared``: the weights checked, the per-rank scales checked and joined in rank order (the
+    op takes every rank's tokens' scales as one tensor), or None."""
+    if not isinstance(shared, (list, tuple)) or len(shared) != 4:
+        raise InputError("shared: expected (w_gate, w_up, w_down, scales)")
+    gate, up, down, scales = shared
+    H, I = spec.hidden_size, spec.moe_intermediate_size
+    _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))
+    _check(up, "shared w_up", shape=(I, H), dtypes=(torch.bfloat16,))
+    _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
+    for t, n in ((gate, "shared w_gate"), (up, "shared w_up"), (down, "shared w_down")):
+        _check_device(t, n, device)
+    scale = None
+    if scales is not None:
+        if not isinstance(scales, (list, tuple)) or len(scales) != len(tokens):
+            raise InputError(f"shared scales: expected None or a list of {len(tokens)} tensors (one per rank)")
+        for r, (sc, T) in enumerate(zip(scales, tokens)):
+            _check(sc, f"shared scales[{r}]", shape=(T,), dtypes=(torch.float32,))
+            _check_device(sc, f"shared scales[{r}]", device)
+        scale = scales[0] if len(scales) == 1 else torch.cat(list(scales))
+    return gate, up, down, scale
+
+
 def virtual_ep_forward(
     spec: MoESpec | str,
     xs,
@@ -633,6 +657,7 @@ def virtual_ep_forward(
     return_stats: bool = False,
     simulate_missing_rank: int | None = None,
     bwd_policy: str | None = None,
+    shared: tuple | None = None,
 ):
     """Run the expert-parallel megakernel with W = len(xs) virtual ranks on one GPU.
 
@@ -649,6 +674,11 @@ def virtual_ep_forward(
     time out after ``timeout_ms`` and this call raises KernelError naming rank and stage.
     ``bwd_policy``: ``"save"`` or ``"recompute"`` (default: MOKGEN_BWD_POLICY, else save): whether
     a forward that autograd records keeps g and u for the backward (mokgen.backward).
+    ``shared`` (builds that fuse the shared expert, ``FUSE_SHARED``): ``(w_gate [I, H], w_up [I, H],
+    w_down [H, I], scales)`` of the spec's shared expert, the same weights on every rank, and
+    ``scales`` None or a list of W tensors [T_r] fp32; each rank's outputs then include
+    ``scales[r][t] * shared_expert(xs[r][t])``, computed inside the launch on the rank's own tokens
+    as a MoELayer's (differentiable in all of them).
     """
     if isinstance(spec, str):
         spec = load_spec(spec)
@@ -680,17 +710,21 @@ def virtual_ep_forward(
         raise InputError(f"simulate_missing_rank must be in [0, {W}), got {simulate_missing_rank}")
     if not timeout_ms > 0:
         raise InputError(f"timeout_ms must be positive, got {timeout_ms}")
+    shared_args = _shared_args(spec, shared, tokens, device) if shared is not None else ()
     c, s = _ring(spec, chunk_rows, ring_chunks)
     policy = _bwd_policy(bwd_policy)
 
     kernel = load(spec)
+    if shared_args and not getattr(kernel, "FUSE_SHARED", False):
+        raise InputError("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, or a shared "
+                         "expert it cannot fuse; see mokgen.plan.can_fuse_shared)")
     with torch.cuda.device(device):
         geometry = Geometry(W, W, _capacity(max(tokens)), c, s)
         bufs = _virtual_buffers(kernel, geometry, device)
         ctas, dispatch = _ctas(kernel, W)
         e_loc = spec.num_experts // W
-        grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down)
-        tail = _tail_args(kernel, policy, True, (), grad_inputs)
+        grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down, *shared_args)
+        tail = _tail_args(kernel, policy, True, shared_args, grad_inputs)
         wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
         ids32 = [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids]
         outs = _call_op(kernel, grad_inputs, (

@@ -863,3 +863,28 @@ def test_an_mxfp8_ring_holds_a_multiple_of_four_rows():
     assert ep._ring(load_spec(SMALL), 1001, 1) == (1001, 1)  # bf16 rings have no such bound
     # an MXFP8 layer's backward recomputes through the staged experts: it reads no ring
     assert ep._ring_for_backward(spec, 1, 4096, 128, 4, "reuse") == 4
+
+
+def test_virtual_shared_expert_arguments(late):
+    """virtual_ep_forward(shared=...): the shared expert's weights and per-rank scales are
+    checked before any build (one-line InputErrors naming the argument); valid ones reach the
+    loader."""
+    args = late()
+    sh = [torch.zeros(I, H, dtype=torch.bfloat16), torch.zeros(I, H, dtype=torch.bfloat16),
+          torch.zeros(H, I, dtype=torch.bfloat16)]
+    dev = args["xs"][0].device
+    sh = [t.to(dev) for t in sh]
+    scales = [torch.ones(T, device=dev) for T in TOKENS]
+    with pytest.raises(LoadError):
+        _call(args, shared=(*sh, scales))
+    with pytest.raises(LoadError):
+        _call(args, shared=(*sh, None))
+    _expect_scalar(args, r"shared: expected \(w_gate, w_up, w_down, scales\)", shared=tuple(sh))
+    _expect_scalar(args, r"shared w_gate: shape must be \[256, 128\], got \[128, 256\]",
+                   shared=(sh[2], sh[1], sh[2], scales))
+    _expect_scalar(args, r"shared w_down: dtype must be torch.bfloat16", shared=(*sh[:2], sh[2].float(), scales))
+    _expect_scalar(args, r"shared scales: expected None or a list of 2 tensors \(one per rank\)",
+                   shared=(*sh, scales[:1]))
+    _expect_scalar(args, r"shared scales\[1\]: shape must be \[3\], got \[5\]", shared=(*sh, [scales[0], scales[0]]))
+    _expect_scalar(args, r"shared scales\[0\]: dtype must be torch.float32",
+                   shared=(*sh, [scales[0].bfloat16(), scales[1]]))
