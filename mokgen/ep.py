@@ -617,6 +617,19 @@ def _virtual_buffers(kernel, geometry: Geometry, device: torch.device) -> EpBuff
     return bufs
 
 
+#: a fused shared expert passed to a build that runs it in PyTorch
+_NOT_FUSED = ("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, CTA pairs, or a shared "
+              "expert it cannot fuse; see mokgen.plan.can_fuse_shared)")
+
+
+def _check_shared_weights(spec: MoESpec, gate, up, down) -> None:
+    """dtype, shape and layout of a fused shared expert's weights (w_gate / w_up [I, H], w_down [H, I])."""
+    H, I = spec.hidden_size, spec.moe_intermediate_size
+    _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))
+    _check(up, "shared w_up", shape=(I, H), dtypes=(torch.bfloat16,))
+    _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
+
+
 def _shared_args(spec: MoESpec, shared, tokens: list[int], device) -> tuple:
     """The op's shared-expert arguments (gate, up, down, scale) from ``virtual_ep_forward``'s
     ``shared``: the weights checked, the per-rank scales checked and joined in rank order (the
@@ -624,10 +637,7 @@ def _shared_args(spec: MoESpec, shared, tokens: list[int], device) -> tuple:
     if not isinstance(shared, (list, tuple)) or len(shared) != 4:
         raise InputError("shared: expected (w_gate, w_up, w_down, scales)")
     gate, up, down, scales = shared
-    H, I = spec.hidden_size, spec.moe_intermediate_size
-    _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))
-    _check(up, "shared w_up", shape=(I, H), dtypes=(torch.bfloat16,))
-    _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
+    _check_shared_weights(spec, gate, up, down)
     for t, n in ((gate, "shared w_gate"), (up, "shared w_up"), (down, "shared w_down")):
         _check_device(t, n, device)
     scale = None
@@ -716,8 +726,7 @@ def virtual_ep_forward(
 
     kernel = load(spec)
     if shared_args and not getattr(kernel, "FUSE_SHARED", False):
-        raise InputError("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, or a shared "
-                         "expert it cannot fuse; see mokgen.plan.can_fuse_shared)")
+        raise InputError(_NOT_FUSED)
     with torch.cuda.device(device):
         geometry = Geometry(W, W, _capacity(max(tokens)), c, s)
         bufs = _virtual_buffers(kernel, geometry, device)
@@ -1000,7 +1009,7 @@ class MoELayer(torch.nn.Module):
         if err is None and block:
             err = self._ep.read_error()
         if err is not None:
-            _raise(self._ep, err, getattr(self._ep, "watched_timeout_ms", None) or self.timeout_ms)
+            _raise(self._ep, err, self._ep.watched_timeout_ms or self.timeout_ms)
 
     def stats(self) -> dict:
         """This rank's statistics of the last forward (blocks until it finished): rows received,
@@ -1024,13 +1033,9 @@ class MoELayer(torch.nn.Module):
         shared_args = ()
         if shared is not None:
             if not self.fuses_shared:
-                raise InputError("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, CTA "
-                                 "pairs, or a shared expert it cannot fuse; see mokgen.plan.can_fuse_shared)")
+                raise InputError(_NOT_FUSED)
             gate, up, down, scale = shared
-            H, I = s.hidden_size, s.moe_intermediate_size
-            _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))
-            _check(up, "shared w_up", shape=(I, H), dtypes=(torch.bfloat16,))
-            _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
+            _check_shared_weights(s, gate, up, down)
             if scale is not None:
                 _check(scale, "shared scale", shape=(T,), dtypes=(torch.float32,))
             for t, n in ((gate, "shared w_gate"), (up, "shared w_up"), (down, "shared w_down"), (scale, "shared scale")):
