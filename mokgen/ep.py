@@ -618,8 +618,8 @@ def _virtual_buffers(kernel, geometry: Geometry, device: torch.device) -> EpBuff
 
 
 #: a fused shared expert passed to a build that runs it in PyTorch
-_NOT_FUSED = ("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, CTA pairs, or a shared "
-              "expert it cannot fuse; see mokgen.plan.can_fuse_shared)")
+_NOT_FUSED = ("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUSE_SHARED=0, or a shared expert "
+              "it cannot fuse; see mokgen.plan.can_fuse_shared)")
 
 
 def _check_shared_weights(spec: MoESpec, gate, up, down) -> None:

@@ -262,10 +262,11 @@ def smem_bytes(plan: Plan) -> int:
 def can_fuse_shared(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int = 1) -> bool:
     """Whether the megakernel can run ``spec``'s shared expert: one shared expert with the
     routed experts' intermediate size (its tiles reuse the routed tile types), on the Hopper
-    core's flow schedule without clusters."""
+    core's flow schedule, CTAs alone or in pairs (its pair-tiles share operands as the routed
+    ones do; ``cluster`` is kept for callers)."""
     se = spec.shared_experts
     return (se.count == 1 and se.intermediate_size == spec.moe_intermediate_size and gemm_core == "wgmma"
-            and schedule == "flow" and cluster == 1)
+            and schedule == "flow" and cluster in (1, 2))
 
 
 def _tiles(spec: MoESpec, gemm_core: str, block_k: int = 64) -> dict[str, Any]:

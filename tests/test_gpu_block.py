@@ -118,15 +118,17 @@ def _scaled_deepseek_v3():
     return spec_from_dict(d)
 
 
+@pytest.mark.parametrize("cluster", ["1", "2"])
 @pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "tiny", "dsv3-e16"])
-def test_fused_shared_expert_matches_the_reference_block(monkeypatch, name):
+def test_fused_shared_expert_matches_the_reference_block(monkeypatch, name, cluster):
     """MOKGEN_FUSE_SHARED=1: the shared expert runs inside the megakernel (its tiles first, the
-    combine adds scale[t] * y[t]). Output and gradients against the reference block, against
-    the unfused block on the same weights, and bitwise over 5 repeats."""
+    combine adds scale[t] * y[t]), CTAs alone or in pairs (its pair-tiles share operands as the
+    routed ones). Output and gradients against the reference block, against the unfused block
+    on the same weights, and bitwise over 5 repeats."""
     spec = {"tiny": lambda: mokgen.load_spec(str(EXAMPLES / "tiny-moe.yaml")), "dsv3-e16": _scaled_deepseek_v3,
             "qwen3.5-35b-a3b": lambda: mokgen.load_spec("qwen3.5-35b-a3b")}[name]()
     torch.manual_seed(5)
-    monkeypatch.setenv("MOKGEN_CLUSTER", "1")  # fusing needs no CTA pairs (the default from hidden 5120)
+    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
     monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
     fused = MoEBlock(spec, max_tokens=1024)
     assert fused.experts.fuses_shared

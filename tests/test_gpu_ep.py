@@ -341,6 +341,56 @@ def test_fused_shared_expert_on_virtual_ranks(monkeypatch, cluster):
         assert rel < 1e-2, f"{n_}: W = 4 against W = 1, relative {rel:.3e}"
 
 
+@pytest.mark.nvcc  # builds variants: needs the compiler even where prebuilt wheels serve the defaults
+@pytest.mark.parametrize("shape", ["h1152-i384", "qwen3.5-35b-a3b-e16"])
+def test_fused_shared_expert_in_cta_pairs_gives_the_bits_of_single_ctas(monkeypatch, shape):
+    """The fused shared expert's tiles as pair-tiles (tile_order.cuh's walk over its T rows: row
+    blocks 2p, 2p + 1 sharing the weight tile, the odd last block by column pairs sharing x's
+    rows, a partner of zero rows past an odd column count): MoELayer with the shared expert's
+    weights and scale under MOKGEN_CLUSTER=2 gives the output bits of single CTAs, for token
+    counts with an odd last block, a partial block and one block; and against the reference.
+    h1152-i384: 3 up and 9 down column tiles (zero-row partners in both kinds)."""
+    from mokgen.spec import spec_from_dict
+
+    if shape == "h1152-i384":
+        d = load_spec(SMALL).canonical_dict()
+        d.update(name="h1152-i384-shared-test", aliases=[], hidden_size=1152, moe_intermediate_size=384, num_experts=16,
+                 top_k=4, shared_experts={"count": 1, "intermediate_size": 384, "gate": "none"})
+    else:
+        d = load_spec("qwen3.5-35b-a3b").canonical_dict()
+        d.update(name="qwen35-e16-shared-test", aliases=[], num_experts=16, target={**d["target"], "max_ep_ranks": 1})
+    spec = spec_from_dict(d)
+    H, I, E, K = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.top_k
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    wg, wu, wd = _weights(spec)
+    sh = [(torch.randn(I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2)]
+    sh.append((torch.randn(H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16))
+    outs = {}
+    for cluster in ("1", "2"):
+        monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+        layer = MoELayer(spec, max_tokens=1024, device="cuda", tuned=False)
+        assert layer.fuses_shared and int(layer._kernel.LIB.mokgen_ep_cluster()) == int(cluster)
+        with torch.no_grad():
+            layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
+        got = []
+        for T in (333, 1000, 128, 77):  # odd last block, a partial block, one block, one short block
+            g2 = torch.Generator(device="cuda").manual_seed(T)
+            x = torch.randn(T, H, generator=g2, device="cuda").to(torch.bfloat16)
+            ids = torch.rand(T, E, generator=g2, device="cuda").topk(K, dim=-1).indices
+            w = torch.rand(T, K, generator=g2, device="cuda")
+            sc = torch.rand(T, generator=g2, device="cuda")
+            with torch.no_grad():
+                got.append((layer(x, ids, w, shared=(*sh, sc)), x, ids, w, sc))
+        outs[cluster] = got
+        del layer
+    for (a, x, ids, w, sc), (b, *_) in zip(outs["2"], outs["1"]):
+        assert torch.equal(a, b), f"T = {x.shape[0]}: CTA pairs differ from single CTAs"
+        want = reference.experts_forward(x, ids, w, wg, wu, wd, clamp_limit=spec.activation.clamp_limit).float()
+        want = want + sc[:, None] * reference.shared_expert_forward(x, *sh).float()
+        rel = ((a.float() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, f"T = {x.shape[0]}: relative error {rel:.3e} against the reference"
+
+
 @pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
 def test_hidden_size_with_128_column_down_tiles(monkeypatch):
     """H % 256 == 128 gives down tiles of 128 columns (32 KB stages) beside 48 KB up stages in the

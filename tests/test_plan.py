@@ -377,13 +377,15 @@ def test_fuse_shared_option(monkeypatch):
         se = spec.shared_experts
         want = se.count == 1 and se.intermediate_size == spec.moe_intermediate_size
         assert can_fuse_shared(spec) == want, name
-        # on by default wherever the plan can (not with the CTA pairs of the large hidden sizes)
-        assert make_plan(spec).fuse_shared == (want and make_plan(spec).gemm_cluster == 1), name
+        # on by default wherever the plan can, CTAs alone or in pairs (the large hidden sizes)
+        assert make_plan(spec).fuse_shared == want, name
         assert make_plan(spec, cluster=1).fuse_shared == want, name
+        assert make_plan(spec, cluster=2).fuse_shared == want, name
         assert make_plan(spec, fuse_shared=False).fuse_shared is False, name
-        assert make_plan(spec, fuse_shared=True).fuse_shared == (want and make_plan(spec).gemm_cluster == 1), name
+        assert make_plan(spec, fuse_shared=True).fuse_shared == want, name
+    assert make_plan(load_spec("kimi-k2.5")).gemm_cluster == 2 and make_plan(load_spec("kimi-k2.5")).fuse_shared
     spec = load_spec("qwen3.5-35b-a3b")
-    assert not make_plan(spec, fuse_shared=True, cluster=2).fuse_shared
+    assert make_plan(spec, fuse_shared=True, cluster=2).fuse_shared
     assert not make_plan(spec, fuse_shared=True, schedule="phased").fuse_shared
     assert not make_plan(spec, fuse_shared=True, gemm_core="mma_sync").fuse_shared
     assert cache_key(make_plan(spec, fuse_shared=False), **KEY_ARGS) != cache_key(make_plan(spec), **KEY_ARGS)

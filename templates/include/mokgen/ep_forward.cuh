@@ -745,16 +745,27 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           int t = 0;
           int want = next(-1);
           if constexpr (Cfg::kFuseShared) {
-            if (has_shared) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
-              const int blocks = (T + 127) / 128;
-              const int n_up = blocks * Up::kNTiles, n_all = n_up + blocks * Down::kNTiles;
-              for (; want < n_all; want = next(want)) {  // both CTAs of a pair run the tile (no share)
-                const bool up = want < n_up;
-                const int qq = up ? want : want - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
-                const int m = qq / nt * 128;
-                fn(up ? 2 : 3, -1, 0, min(128, T - m), m, qq % nt, int(sm90::kShareNone));
+            if (has_shared) {
+              if constexpr (kPair == 1) {  // tiles t = 0 .. n_all - 1: up (block-major, then column), then down
+                const int blocks = (T + 127) / 128;
+                const int n_up = blocks * Up::kNTiles, n_all = n_up + blocks * Down::kNTiles;
+                for (; want < n_all; want = next(want)) {
+                  const bool up = want < n_up;
+                  const int qq = up ? want : want - n_up, nt = up ? Up::kNTiles : Down::kNTiles;
+                  const int m = qq / nt * 128;
+                  fn(up ? 2 : 3, -1, 0, min(128, T - m), m, qq % nt, int(sm90::kShareNone));
+                }
+                t = n_all;
+              } else {
+                // CTA pairs: the shared expert's T token rows as one segment of pair-tiles
+                // (tile_order.cuh): row blocks 2p and 2p + 1 with one column tile (the pair
+                // shares the weight tile), the odd last block by column pairs (the pair shares
+                // its x rows; a partner of zero rows past the last column); all up tiles, then
+                // all down tiles
+                const int32_t seg[2] = {0, T};
+                t = walk_group_dealt<kPair>(seg, 1, 0, 0, T, 2, -1, Up::kNTiles, crank, t, want, next, fn);
+                t = walk_group_dealt<kPair>(seg, 1, 0, 0, T, 3, -1, Down::kNTiles, crank, t, want, next, fn);
               }
-              t = n_all;
             }
           }
           static_assert(int(sm90::kShareNone) == 0 && int(sm90::kShareB) == 1 && int(sm90::kShareA) == 2,
@@ -955,11 +966,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               MOKGEN_FWD_TRACE_ONLY(if (kind != 1) fwd_trace::set(tr_rec, 2, fwd_trace::clock());)
               if constexpr (Cfg::kFuseShared) {
                 if (kind == 2) {
-                  Up::produce(Up::carve(smem), pipe, &maps.sym_x[g], m, &maps.sh_gate, &maps.sh_up, n * Up::kBN);
+                  Up::produce(Up::carve(smem), pipe, &maps.sym_x[g], m, &maps.sh_gate, &maps.sh_up, n * Up::kBN, share,
+                              cc % kPair);
                   return;
                 }
                 if (kind == 3) {
-                  Down::produce(Down::carve(smem), pipe, &maps.shared_h[g], m, &maps.sh_down, nullptr, n * Down::kBN);
+                  Down::produce(Down::carve(smem), pipe, &maps.shared_h[g], m, &maps.sh_down, nullptr, n * Down::kBN,
+                                share, cc % kPair);
                   return;
                 }
               }
@@ -1233,8 +1246,8 @@ struct EpLauncher {
 
   static_assert(Cfg::kCluster == 1 || (Cfg::kCluster == 2 && Cfg::kWgmma && Cfg::kFlow),
                 "clusters of two need the Hopper core and the flow schedule");
-  static_assert(!Cfg::kFuseShared || (Cfg::kWgmma && Cfg::kFlow && Cfg::kCluster == 1),
-                "the fused shared expert needs the Hopper core's flow schedule without clusters");
+  static_assert(!Cfg::kFuseShared || (Cfg::kWgmma && Cfg::kFlow),
+                "the fused shared expert needs the Hopper core's flow schedule");
 
   // How the last launch went: 1 cooperative, 2 cooperative with clusters, 3 clusters without the
   // cooperative attribute (co-residency then rests on max_ctas(); every wait is bounded anyway).
