@@ -97,7 +97,7 @@ class Plan(BaseModel):
     gemm_cluster: int = 1
     # The shared expert inside the megakernel (its tiles first in the flow order, on the rank's
     # own tokens; the combine adds it): for one shared expert of the routed experts' size, under
-    # the flow schedule without clusters. make_plan fuses it wherever can_fuse_shared allows
+    # the flow schedule, CTAs alone or in pairs. make_plan fuses it wherever can_fuse_shared allows
     # (v0.6: the qwen3.5 blocks 3-14% faster over two runs; docs/perf-notes.md).
     fuse_shared: bool = False
     # Dispatch copy: 16-byte loads in flight per lane of a dispatch warp (ep_forward.cuh). 12 by

@@ -183,6 +183,62 @@ int main(int argc, char** argv) {
       if (mokgen::find_expert(eoff.data(), e_loc, r0) != mokgen::advance_expert(eoff.data(), e_loc, 0, r0))
         return fail("find_expert differs", trial);
   }
+  // The fused shared expert's pair-tiles (walk_shared_pairs_dealt): for every token count to
+  // 1300 and column-tile counts 1-5 (up) and 1-9 (down), the two CTAs of a pair get the same
+  // sequence of tiles (kind, share; the shared column when they share the weight tile, the
+  // shared rows when they share x's), every real (block, column) of each kind once, rows within
+  // [1, 128] and T's, each block's up tiles exactly up_tiles times (what its down tiles wait
+  // for), every up tile before every down tile, and a block pair's down tiles after all of its
+  // own up tiles and before the next pair's up tiles end (block pairs in turn).
+  for (int T = 0; T <= 1300; T += T < 300 ? 1 : 7)
+    for (int up_tiles = 1; up_tiles <= 5; ++up_tiles)
+      for (int down_tiles = 1; down_tiles <= 9; down_tiles += 2) {
+        std::vector<Tile> got[2];
+        for (int crank = 0; crank < 2; ++crank) {
+          int want = 0;
+          const int end = mokgen::walk_shared_pairs_dealt(T, up_tiles, down_tiles, crank, 0, want,
+                                                          [](int w) { return w + 1; },
+                                                          [&](int k, int c, int le, int rows, int m, int n, int s) {
+                                                            got[crank].emplace_back(k, c, le, rows, m, n, s);
+                                                          });
+          if (end != int(got[crank].size()) || want != end) return fail("shared walk's running index", T);
+        }
+        if (got[0].size() != got[1].size()) return fail("shared walk: the pair's CTAs get other tile counts", T);
+        const int blocks = (T + 127) / 128;
+        std::vector<int> seen_up(blocks * up_tiles, 0), seen_down(blocks * down_tiles, 0), bumps(blocks, 0);
+        bool down_begun = false;
+        for (size_t i = 0; i < got[0].size(); ++i) {
+          const Tile& a = got[0][i];
+          const Tile& b = got[1][i];
+          const int kind = std::get<0>(a), share = std::get<6>(a);
+          if (kind != std::get<0>(b) || share != std::get<6>(b)) return fail("shared walk: the pair's tiles differ", T);
+          if (share == 1 && std::get<5>(a) != std::get<5>(b)) return fail("shared walk: a shared weight tile differs", T);
+          if (share == 2 && std::get<4>(a) != std::get<4>(b)) return fail("shared walk: shared x rows differ", T);
+          if (kind == 3) down_begun = true;
+          else if (down_begun) return fail("shared walk: an up tile after a down tile", T);
+          for (const Tile* tl : {&a, &b}) {
+            const int rows = std::get<3>(*tl), m = std::get<4>(*tl), n = std::get<5>(*tl);
+            if (rows == 0) continue;  // a pair's partner of zero rows
+            const int nt = kind == 2 ? up_tiles : down_tiles;
+            if (m % 128 || m / 128 >= blocks || rows != std::min(128, T - m) || n < 0 || n >= nt)
+              return fail("shared walk: a tile outside the rows or columns", T);
+            if (++(kind == 2 ? seen_up : seen_down)[m / 128 * nt + n] != 1) return fail("shared walk: a tile twice", T);
+            if (kind == 2) ++bumps[m / 128];
+          }
+          checked += 2;
+        }
+        for (int v : seen_up) if (v != 1) return fail("shared walk: an up tile missing", T);
+        for (int v : seen_down) if (v != 1) return fail("shared walk: a down tile missing", T);
+        for (int v : bumps) if (v != up_tiles) return fail("shared walk: a block's up tiles counted wrong", T);
+        // block pairs in turn: the up tiles of blocks 2p, 2p + 1 are one contiguous run of indices
+        int last_pair = -1;
+        for (const Tile& tl : got[0])
+          if (std::get<0>(tl) == 2) {
+            const int pair = std::get<4>(tl) / 256;
+            if (pair < last_pair) return fail("shared walk: block pairs out of turn", T);
+            last_pair = pair;
+          }
+      }
   std::printf("ok %ld\n", checked);
   return 0;
 }

@@ -757,14 +757,8 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 }
                 t = n_all;
               } else {
-                // CTA pairs: the shared expert's T token rows as one segment of pair-tiles
-                // (tile_order.cuh): row blocks 2p and 2p + 1 with one column tile (the pair
-                // shares the weight tile), the odd last block by column pairs (the pair shares
-                // its x rows; a partner of zero rows past the last column); all up tiles, then
-                // all down tiles
-                const int32_t seg[2] = {0, T};
-                t = walk_group_dealt<kPair>(seg, 1, 0, 0, T, 2, -1, Up::kNTiles, crank, t, want, next, fn);
-                t = walk_group_dealt<kPair>(seg, 1, 0, 0, T, 3, -1, Down::kNTiles, crank, t, want, next, fn);
+                // CTA pairs: pair-tiles over the T token rows, block pairs in turn (tile_order.cuh)
+                t = walk_shared_pairs_dealt(T, Up::kNTiles, Down::kNTiles, crank, t, want, next, fn);
               }
             }
           }

@@ -150,6 +150,28 @@ MOKGEN_HOST_DEVICE int walk_flow_tiles(const int32_t* eoff, int e_loc, int n_row
                                       deal, fn);
 }
 
+// The fused shared expert's tiles for CTA pairs (ep_forward.cuh): its T token rows as pair-tiles
+// of walk_group_dealt (row blocks 2p and 2p + 1 with one column tile, the pair sharing the weight
+// tile; an odd last block by column pairs, sharing its x rows, with a zero-row partner past an
+// odd column count), 256 rows at a time, so that a block pair's up tiles end together and its
+// down tiles can start (as the single CTAs' block-major walk allows); all up tiles (kind 2), then
+// all down tiles (kind 3). fn(kind, -1, 0, rows, m (token row), n, share); any deal. Returns t
+// past the last tile.
+template <class Next, class Fn>
+MOKGEN_HOST_DEVICE int walk_shared_pairs_dealt(int T, int up_tiles, int down_tiles, int crank, int t, int& want,
+                                               Next&& next, Fn&& fn) {
+  const int32_t seg[2] = {0, T};
+#pragma unroll 1
+  for (int kind = 2; kind < 4; ++kind)
+#pragma unroll 1
+    for (int r = 0; r < T; r += 256)
+      t = walk_group_dealt<2>(seg, 1, 0, r, imin(T, r + 256), kind, -1, kind == 2 ? up_tiles : down_tiles, crank, t,
+                              want, next, [&](int k, int c, int le, int rows, int m, int n, int share) {
+                                fn(k, c, le, rows, m + r, n, share);
+                              });
+  return t;
+}
+
 // Tiles of one group, all units (CTAs alone): sum over the experts overlapping [r0, r1) of
 // their 128-row blocks in it, times n_tiles.
 MOKGEN_HOST_DEVICE int group_tiles(const int32_t* eoff, int e_loc, int r0, int r1, int n_tiles) {
