@@ -292,55 +292,6 @@ def test_stagger_gives_the_same_bits(monkeypatch, cluster):
         assert len(keys) == 4
 
 
-#: CTA shapes under which the megakernel fuses the shared expert (mokgen.plan.can_fuse_shared)
-SHARED_CLUSTERS = ("1",)
-
-
-@pytest.mark.parametrize("cluster", SHARED_CLUSTERS)
-def test_fused_shared_expert_on_virtual_ranks(monkeypatch, cluster):
-    """The fused shared expert at W > 1 (virtual_ep_forward(shared=...)): each rank's shared
-    tiles run on its own tokens inside the launch, beside the dispatch. W in {1, 2, 4}, an empty
-    rank, one-rank skew: every W gives the bits of W = 1 on the same tokens (rank by rank, the
-    scales split alike), and the reference's values; the gradients of a W = 4 call (x, routing
-    weights, scales, the shared weights) against the W = 1 call's."""
-    from mokgen.spec import spec_from_dict
-
-    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
-    d = load_spec("qwen3.5-35b-a3b").canonical_dict()
-    d.update(name="qwen35-e16-vshared-test", aliases=[], num_experts=16, target={**d["target"], "max_ep_ranks": 8})
-    spec = spec_from_dict(d)
-    H, I = spec.hidden_size, spec.moe_intermediate_size
-    wg, wu, wd = _weights(spec)
-    gen = torch.Generator(device="cuda").manual_seed(43)
-    sh = [(torch.randn(I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2)]
-    sh.append((torch.randn(H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16))
-    sizes = [300, 0, 200, 457]
-    xs, ids, ws = _inputs(spec, sizes, gen, skew="one_rank")
-    scales = [torch.rand(T, generator=gen, device="cuda") for T in sizes]
-    x1, i1, w1, s1 = (torch.cat(t) for t in (xs, ids, ws, scales))
-    one = virtual_ep_forward(spec, [x1], [i1], [w1], wg, wu, wd, shared=(*sh, [s1]))[0]
-    want = reference.experts_forward(x1, i1, w1, wg, wu, wd, clamp_limit=spec.activation.clamp_limit).float()
-    want = want + s1[:, None] * reference.shared_expert_forward(x1, *sh).float()
-    assert ((one.float() - want).norm() / want.norm()).item() < REL_TOL
-    for W, parts in ((2, [500, 457]), (4, sizes)):
-        cut = lambda t, parts=parts: list(torch.split(t, parts))  # noqa: E731
-        outs = virtual_ep_forward(spec, cut(x1), cut(i1), cut(w1), wg, wu, wd, shared=(*sh, cut(s1)))
-        assert torch.equal(torch.cat(outs), one), f"W = {W} differs from W = 1"
-    g = torch.randn(x1.shape, generator=gen, device="cuda").to(torch.bfloat16)
-    grads = []
-    for parts in ([x1.shape[0]], sizes):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x1, w1, s1, *sh)]
-        cut = lambda t, parts=parts: list(torch.split(t, parts))  # noqa: E731
-        outs = virtual_ep_forward(spec, cut(leaves[0]), cut(i1), cut(leaves[1]), wg, wu, wd,
-                                  shared=(*leaves[3:], cut(leaves[2])))
-        torch.cat(outs).backward(g)
-        grads.append([t.grad for t in leaves])
-    for n_, a, b in zip(("x", "weights", "scales", "shared w_gate", "shared w_up", "shared w_down"), *grads):
-        assert a is not None and a.shape == b.shape, n_
-        rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-        assert rel < 1e-2, f"{n_}: W = 4 against W = 1, relative {rel:.3e}"
-
-
 @pytest.mark.nvcc  # builds variants: needs the compiler even where prebuilt wheels serve the defaults
 @pytest.mark.parametrize("shape", ["h1152-i384", "qwen3.5-35b-a3b-e16"])
 def test_fused_shared_expert_in_cta_pairs_gives_the_bits_of_single_ctas(monkeypatch, shape):
@@ -392,6 +343,55 @@ def test_fused_shared_expert_in_cta_pairs_gives_the_bits_of_single_ctas(monkeypa
         want = want + sc[:, None] * reference.shared_expert_forward(x, *sh).float()
         rel = ((a.float() - want).norm() / want.norm()).item()
         assert rel < 2e-2, f"T = {x.shape[0]}: relative error {rel:.3e} against the reference"
+
+
+#: CTA shapes under which the megakernel fuses the shared expert (mokgen.plan.can_fuse_shared)
+SHARED_CLUSTERS = ("1", "2")
+
+
+@pytest.mark.parametrize("cluster", SHARED_CLUSTERS)
+def test_fused_shared_expert_on_virtual_ranks(monkeypatch, cluster):
+    """The fused shared expert at W > 1 (virtual_ep_forward(shared=...)): each rank's shared
+    tiles run on its own tokens inside the launch, beside the dispatch. W in {1, 2, 4}, an empty
+    rank, one-rank skew: every W gives the bits of W = 1 on the same tokens (rank by rank, the
+    scales split alike), and the reference's values; the gradients of a W = 4 call (x, routing
+    weights, scales, the shared weights) against the W = 1 call's."""
+    from mokgen.spec import spec_from_dict
+
+    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+    d = load_spec("qwen3.5-35b-a3b").canonical_dict()
+    d.update(name="qwen35-e16-vshared-test", aliases=[], num_experts=16, target={**d["target"], "max_ep_ranks": 8})
+    spec = spec_from_dict(d)
+    H, I = spec.hidden_size, spec.moe_intermediate_size
+    wg, wu, wd = _weights(spec)
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    sh = [(torch.randn(I, H, generator=gen, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2)]
+    sh.append((torch.randn(H, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16))
+    sizes = [300, 0, 200, 457]
+    xs, ids, ws = _inputs(spec, sizes, gen, skew="one_rank")
+    scales = [torch.rand(T, generator=gen, device="cuda") for T in sizes]
+    x1, i1, w1, s1 = (torch.cat(t) for t in (xs, ids, ws, scales))
+    one = virtual_ep_forward(spec, [x1], [i1], [w1], wg, wu, wd, shared=(*sh, [s1]))[0]
+    want = reference.experts_forward(x1, i1, w1, wg, wu, wd, clamp_limit=spec.activation.clamp_limit).float()
+    want = want + s1[:, None] * reference.shared_expert_forward(x1, *sh).float()
+    assert ((one.float() - want).norm() / want.norm()).item() < REL_TOL
+    for W, parts in ((2, [500, 457]), (4, sizes)):
+        cut = lambda t, parts=parts: list(torch.split(t, parts))  # noqa: E731
+        outs = virtual_ep_forward(spec, cut(x1), cut(i1), cut(w1), wg, wu, wd, shared=(*sh, cut(s1)))
+        assert torch.equal(torch.cat(outs), one), f"W = {W} differs from W = 1"
+    g = torch.randn(x1.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    grads = []
+    for parts in ([x1.shape[0]], sizes):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x1, w1, s1, *sh)]
+        cut = lambda t, parts=parts: list(torch.split(t, parts))  # noqa: E731
+        outs = virtual_ep_forward(spec, cut(leaves[0]), cut(i1), cut(leaves[1]), wg, wu, wd,
+                                  shared=(*leaves[3:], cut(leaves[2])))
+        torch.cat(outs).backward(g)
+        grads.append([t.grad for t in leaves])
+    for n_, a, b in zip(("x", "weights", "scales", "shared w_gate", "shared w_up", "shared w_down"), *grads):
+        assert a is not None and a.shape == b.shape, n_
+        rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+        assert rel < 1e-2, f"{n_}: W = 4 against W = 1, relative {rel:.3e}"
 
 
 @pytest.mark.nvcc  # builds a variant: needs the compiler even where prebuilt wheels serve the defaults
