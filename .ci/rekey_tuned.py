@@ -10,7 +10,11 @@ measurements valid exactly when the default builds' SASS is unchanged. This scri
 `templates` value to the new digest (the value only: the rest of each file stays byte for byte);
 if any differs it re-keys nothing and exits 1 (re-tune instead; mokgen/tuned/README.md).
 
-Usage: python3 .ci/rekey_tuned.py REV [SPEC ...]
+`--only`: re-key only the files of the named specs (mokgen/tuned/<spec>/), for an edit that
+changes some specs' builds and not others' (those others are re-tuned, or re-keyed on their own
+measured evidence, docs/perf-notes.md).
+
+Usage: python3 .ci/rekey_tuned.py REV [--only] [SPEC ...]
   default specs: qwen3-30b-a3b kimi-k2.5 qwen3.5-35b-a3b glm-5.2 deepseek-v3 (the default builds:
   single CTAs and CTA pairs, with and without the fused shared expert); CUOBJDUMP=path if
   cuobjdump is not on PATH
@@ -28,12 +32,14 @@ TUNED = ROOT / "mokgen" / "tuned"
 DEFAULT_SPECS = ("qwen3-30b-a3b", "kimi-k2.5", "qwen3.5-35b-a3b", "glm-5.2", "deepseek-v3")
 
 
-def rekey(tuned_dir: Path, digest: str) -> list[Path]:
-    """Rewrite every ``*/*.json`` under ``tuned_dir`` whose ``_metadata.templates`` is not
-    ``digest`` to name it; returns the files changed. Only the value's text is replaced (once, in
-    its "templates" field), and the result is parsed again to check it."""
+def rekey(tuned_dir: Path, digest: str, specs: list[str] | None = None) -> list[Path]:
+    """Rewrite every ``*/*.json`` under ``tuned_dir`` (only ``<spec>/*.json`` of ``specs`` where
+    given) whose ``_metadata.templates`` is not ``digest`` to name it; returns the files changed.
+    Only the value's text is replaced (once, in its "templates" field), and the result is parsed
+    again to check it."""
     changed = []
-    for path in sorted(tuned_dir.glob("*/*.json")):
+    paths = tuned_dir.glob("*/*.json") if specs is None else [p for s in specs for p in tuned_dir.glob(f"{s}/*.json")]
+    for path in sorted(paths):
         text = path.read_text()
         before = json.loads(text)
         old = before["_metadata"]["templates"]
@@ -56,7 +62,17 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         print(__doc__[__doc__.index("Usage:"):].strip(), file=sys.stderr)
         return 2
-    rev, specs = sys.argv[1], sys.argv[2:] or list(DEFAULT_SPECS)
+    rev, rest = sys.argv[1], sys.argv[2:]
+    only = "--only" in rest
+    specs = [a for a in rest if a != "--only"]
+    if only and not specs:
+        print("rekey_tuned: --only needs the specs whose files to re-key", file=sys.stderr)
+        return 2
+    unknown = [s for s in specs if only and not (TUNED / s).is_dir()]
+    if unknown:
+        print(f"rekey_tuned: no tuned files for {', '.join(unknown)} under {TUNED}", file=sys.stderr)
+        return 2
+    specs = specs or list(DEFAULT_SPECS)
     same = subprocess.run([sys.executable, str(ROOT / ".ci" / "sass_same.py"), rev, *specs], cwd=ROOT)
     if same.returncode != 0:
         print("rekey_tuned: the SASS differs from REV's (or the check failed): nothing re-keyed; re-tune",
@@ -66,7 +82,7 @@ def main() -> int:
     from mokgen import render
 
     digest = render.kernel_digest()
-    changed = rekey(TUNED, digest)
+    changed = rekey(TUNED, digest, specs if only else None)
     print(f"rekey_tuned: {len(changed)} file(s) re-keyed to {digest[:12]}")
     return 0
 

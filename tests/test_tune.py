@@ -889,6 +889,13 @@ def test_rekey_tool_rewrites_only_the_digest(tmp_path):
     assert json.loads(stale.read_text())["_metadata"]["templates"] == new
     assert fresh.stat().st_mtime_ns == before
     assert tool.rekey(tmp_path, new) == []
+    # --only: the named specs' files alone (another spec's stale file is left as it was)
+    other = tmp_path / "c" / "z.json"
+    other.parent.mkdir()
+    other.write_text(text)
+    stale.write_text(text)
+    assert tool.rekey(tmp_path, new, ["a"]) == [stale]
+    assert other.read_text() == text
 
 
 @pytest.mark.gpu
