@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -119,6 +120,14 @@ def _human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it (generated/NAME), else whole."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 @main.command()
@@ -248,7 +257,7 @@ def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_
             click.echo(f"  ptxas: {'no spills' if not bad else '; '.join(bad)}"
                        f"{'' if not serial else f'; wgmma serialized in {len(serial)} kernel(s)'} "
                        f"(report in {result.entry / 'build.log'})")
-        click.echo(f"  generated/{result.name}/ holds the sources and a link to the library")
+        click.echo(f"  {_shown(env.generated_dir() / result.name)}/ holds the sources and a link to the library")
 
 
 @main.command()
@@ -379,8 +388,6 @@ def bench_table(rows, ceiling: float, gpu: str) -> Table:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True)
 def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward, numerics, out_dir) -> None:
     """Time mokgen against PyTorch on the same inputs (needs an sm_90 GPU)."""
-    from pathlib import Path
-
     from mokgen.errors import InputError
     from mokgen.spec import bundled_specs
 
@@ -474,8 +481,6 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="dist", show_default=True)
 def wheel(spec_refs, all_specs, archs, out_dir) -> None:
     """Build a prebuilt wheel per SPEC: compiled kernels, binding, spec and metadata."""
-    from pathlib import Path
-
     from mokgen import package
     from mokgen.errors import InputError
     from mokgen.spec import bundled_specs
@@ -559,8 +564,6 @@ def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_
     """Pick tile, pipeline and overlap parameters per SPEC on this GPU (mokgen.tune): build and
     time every candidate of the search space against the plan's defaults, write the tuned file
     that `mokgen.MoELayer` and `mokgen build --ep/--tokens` then use, print default vs tuned."""
-    from pathlib import Path
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mokgen import tune as tune_mod

@@ -194,6 +194,7 @@ def test_build_command(tmp_path, monkeypatch):
     assert out.startswith(f"{name}: ")
     assert "compiled" in out or "cache hit" in out
     assert (generated / name / f"lib{name}.so").resolve().is_file()
+    assert f"  {generated / name}/ holds the sources" in out  # the directory written, not ./generated
     code, out, err = invoke("build", "--json", SMALL)
     assert code == 0, err
     doc = json.loads(out.strip().splitlines()[-1])
