@@ -573,8 +573,9 @@ def torch_block(x, block, clamp_limit=None):
 
 def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 2, backward: bool = False) -> list[Row]:
     """Whole MoE block on one GPU (issue 8): ``mokgen.MoEBlock`` (compiled router selection,
-    megakernel, shared expert in PyTorch for now) against ``torch_block`` on the same weights,
-    plus the shared expert MLP alone (the most a fused shared expert can save). ``backward``:
+    megakernel, the shared expert inside it where the build fuses it, else in PyTorch; see
+    ``MOKGEN_FUSE_SHARED``) against ``torch_block`` on the same weights, plus the shared expert
+    MLP alone (the most a fused shared expert can save). ``backward``:
     forward + backward under autograd, FLOPs counted as 3x the forward's."""
     from mokgen.block import MoEBlock
 
