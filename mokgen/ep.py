@@ -622,12 +622,13 @@ _NOT_FUSED = ("shared=: this build runs the shared expert in PyTorch (MOKGEN_FUS
               "it cannot fuse; see mokgen.plan.can_fuse_shared)")
 
 
-def _check_shared_weights(spec: MoESpec, gate, up, down) -> None:
-    """dtype, shape and layout of a fused shared expert's weights (w_gate / w_up [I, H], w_down [H, I])."""
+def _check_shared_weights(spec: MoESpec, gate, up, down, device) -> None:
+    """dtype, shape, layout and device of a fused shared expert's weights (w_gate / w_up [I, H],
+    w_down [H, I])."""
     H, I = spec.hidden_size, spec.moe_intermediate_size
-    _check(gate, "shared w_gate", shape=(I, H), dtypes=(torch.bfloat16,))
-    _check(up, "shared w_up", shape=(I, H), dtypes=(torch.bfloat16,))
-    _check(down, "shared w_down", shape=(H, I), dtypes=(torch.bfloat16,))
+    for t, n, shape in ((gate, "shared w_gate", (I, H)), (up, "shared w_up", (I, H)), (down, "shared w_down", (H, I))):
+        _check(t, n, shape=shape, dtypes=(torch.bfloat16,))
+        _check_device(t, n, device)
 
 
 def _shared_args(spec: MoESpec, shared, tokens: list[int], device) -> tuple:
@@ -637,9 +638,7 @@ def _shared_args(spec: MoESpec, shared, tokens: list[int], device) -> tuple:
     if not isinstance(shared, (list, tuple)) or len(shared) != 4:
         raise InputError("shared: expected (w_gate, w_up, w_down, scales)")
     gate, up, down, scales = shared
-    _check_shared_weights(spec, gate, up, down)
-    for t, n in ((gate, "shared w_gate"), (up, "shared w_up"), (down, "shared w_down")):
-        _check_device(t, n, device)
+    _check_shared_weights(spec, gate, up, down, device)
     scale = None
     if scales is not None:
         if not isinstance(scales, (list, tuple)) or len(scales) != len(tokens):
@@ -1035,12 +1034,10 @@ class MoELayer(torch.nn.Module):
             if not self.fuses_shared:
                 raise InputError(_NOT_FUSED)
             gate, up, down, scale = shared
-            _check_shared_weights(s, gate, up, down)
+            _check_shared_weights(s, gate, up, down, bufs.device)
             if scale is not None:
                 _check(scale, "shared scale", shape=(T,), dtypes=(torch.float32,))
-            for t, n in ((gate, "shared w_gate"), (up, "shared w_up"), (down, "shared w_down"), (scale, "shared scale")):
-                if t is not None:
-                    _check_device(t, n, bufs.device)
+                _check_device(scale, "shared scale", bufs.device)
             shared_args = (gate, up, down, scale)
         for t, n in ((x, "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
             _check_device(t, n, bufs.device)
