@@ -1,6 +1,6 @@
 """Backward of the routed experts: the PyTorch baseline behind the megakernel's autograd.
 
-Step 1 of the backward plan (docs/architecture.md, "Backward plan"): gradients for the tokens,
+Step 1 of the backward plan (docs/architecture.md, "Backward (issue 5): the design and what is built"): gradients for the tokens,
 the routing weights and the expert weights, recomputing the forward's intermediates from the
 saved inputs (the "recompute" policy), in fixed-order, atomic-free PyTorch, so they are bitwise
 reproducible run to run. The backward megakernel (pull of dOut, push of dX, per-(expert, tile)
