@@ -1,10 +1,13 @@
-"""Backward of the routed experts: the PyTorch baseline behind the megakernel's autograd.
+"""Backward of the routed experts, behind the megakernel's autograd.
 
-Step 1 of the backward plan (docs/architecture.md, "Backward (issue 5): the design and what is built"): gradients for the tokens,
-the routing weights and the expert weights, recomputing the forward's intermediates from the
-saved inputs (the "recompute" policy), in fixed-order, atomic-free PyTorch, so they are bitwise
-reproducible run to run. The backward megakernel (pull of dOut, push of dX, per-(expert, tile)
-weight-gradient CTAs) will replace it behind the same interface.
+The backward of docs/architecture.md ("Backward (issue 5): the design and what is built"):
+gradients for the tokens, the routing weights and the expert weights, in fixed-order,
+atomic-free kernels, so they are bitwise reproducible run to run. The forward's pre-activations
+are saved by its epilogue or recomputed (the policy, below). The GEMMs are mokgen's own Hopper
+kernels where they apply and torch._grouped_mm elsewhere (the two paths, below); the chain of
+GEMMs also runs as one persistent launch (``MOKGEN_BWD_FUSED=1``, measured no faster, off by
+default). The ring-walking backward megakernel of the design (pull of dOut, push of dX) is not
+built: this module's interface is where it would go.
 
 Math, per (token t, slot j) pair with expert e = ids[t, j] and row x = x[t]:
     g = x Wg[e]^T, u = x Wu[e]^T, h = swiglu(g, u), y = h Wd[e]^T, out[t] = sum_j w[t, j] y
