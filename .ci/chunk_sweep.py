@@ -50,5 +50,5 @@ for chunk in args.chunks or [defaults["chunk_rows"]]:
                 ms = statistics.median(bench.time_cuda(lambda i: layer(x, ids, w), n_inputs=1))
             print(f"{args.spec} {args.workload} chunk_rows {chunk:5d} ring {ring} dispatch {layer._dispatch:3d} "
                   f"of {layer._ctas}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-            del layer
+            layer = None  # the timing lambda closes over the name
             torch.cuda.empty_cache()

@@ -47,7 +47,7 @@ for name in sys.argv[1:] or bundled_specs():
     out = mx_experts.experts_forward_train(x, ids, w, wg, wu, wd, clamp)
     out.backward(d_out)
     grads = [t.grad.double() for t in (x, w, wg, wu, wd)]
-    del layer
+    layer = None  # frees the BF16 layer (bf16_step closes over the name)
     try:  # float64 autograd of kimi-k2.5's local layer needs more than an H100's 80 GB (v0.43)
         ref = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
         ref_out = reference.experts_forward(ref[0], ids, ref[1], *ref[2:], clamp_limit=clamp,

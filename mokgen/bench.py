@@ -857,7 +857,7 @@ def bench_ep(spec: MoESpec, tokens_per_rank: int, *, iters: int = 20, skew: bool
             link["bytes per token: MXFP8 rows"] = (mx_remote, None, mx_remote / tokens_per_rank)
             del mx_layer
         ring = max(1, -(-max(max_received) // layer.chunk_rows))
-        del layer
+        layer = None  # frees it (the timing lambdas above close over the name)
         big = make_layer(ring_chunks=ring)
         for _ in range(3):
             big(*inputs[0])

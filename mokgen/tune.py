@@ -603,7 +603,7 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
             out = layer(*inputs[0])
         layer.check_errors()  # a launch that timed out fails the candidate
         same_bits(out, c.label())
-        del layer
+        layer = None  # frees it before the next candidate (the timing lambda closes over the name)
         return statistics.median(times)
 
     return time_one
