@@ -21,7 +21,9 @@ Workloads (more come with the Hopper GEMM core):
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -59,6 +61,9 @@ class Row:
     # virtual-rank megakernel rows: bytes of rows dispatched between ranks per token, counted by
     # the kernel (every rank's rows pulled from another rank, times the row's bytes in its numerics)
     bytes_per_token: float | None = None
+    # a row's one-line finding, printed under the table (the block bench's time saved by the fused
+    # shared expert)
+    note: str | None = None
 
 
 PHASES = ("pull_start_ms", "pull_ms", "push_ms", "done_ms")
@@ -575,12 +580,21 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     """Whole MoE block on one GPU (issue 8): ``mokgen.MoEBlock`` (compiled router selection,
     megakernel, the shared expert inside it where the build fuses it, else in PyTorch; see
     ``MOKGEN_FUSE_SHARED``) against ``torch_block`` on the same weights, plus the shared expert
-    MLP alone (the most a fused shared expert can save). ``backward``:
-    forward + backward under autograd, FLOPs counted as 3x the forward's."""
+    MLP alone (the most a fused shared expert can save). Where the block fuses its shared expert,
+    a second MoEBlock with the same weights runs it as a PyTorch MLP beside the megakernel
+    (``MOKGEN_FUSE_SHARED=0``'s build), and the mokgen row's ``note`` gives the time the fusion
+    saved. The rows are timed in interleaved rounds, so that comparison is a same-run one.
+    ``backward``: forward + backward under autograd, FLOPs counted as 3x the forward's."""
     from mokgen.block import MoEBlock
 
     block = MoEBlock(spec, max_tokens=tokens, device="cuda")
     block.experts.check_ids = False
+    unfused = None
+    if block.shared is not None and block.experts.fuses_shared:
+        with _environ("MOKGEN_FUSE_SHARED", "0"):
+            unfused = MoEBlock(spec, max_tokens=tokens, device="cuda")
+        _share_tensors(unfused, block)  # one set of weights on the GPU (kimi-k2.5's experts: 34 GB)
+        unfused.experts.check_ids = False
     gen = torch.Generator(device="cuda").manual_seed(4)
     inputs = []
     for _ in range(n_inputs):
@@ -588,30 +602,80 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         inputs.append((x.requires_grad_(backward), torch.randn_like(x)))
     clamp = spec.activation.clamp_limit
 
-    def run(f):
+    def run(f, module):
         if not backward:
             return lambda i: f(inputs[i][0])
 
         def step(i):  # gradients start at None every step (as bench_layer_backward's)
-            for t in (inputs[i][0], *block.parameters()):
+            for t in (inputs[i][0], *module.parameters()):
                 t.grad = None
             f(inputs[i][0]).backward(inputs[i][1])
         return step
 
-    impls = {"mokgen MoEBlock": run(block), "PyTorch block (torch._grouped_mm)": run(lambda x: torch_block(x, block, clamp))}
+    impls = {"mokgen MoEBlock": run(block, block),
+             "PyTorch block (torch._grouped_mm)": run(lambda x: torch_block(x, block, clamp), block)}
+    if unfused is not None:
+        impls[UNFUSED_BLOCK_ROW] = run(unfused, unfused)
     if block.shared is not None:
-        impls["shared expert MLP alone (PyTorch)"] = run(block.shared)
+        impls["shared expert MLP alone (PyTorch)"] = run(block.shared, block.shared)
+    with torch.set_grad_enabled(backward):
+        times = interleaved_times(impls, n_inputs=n_inputs, iters=iters)
     rows = []
     scale = 3 if backward else 1
     wl = "block fwd+bwd" if backward else "block"
-    with torch.set_grad_enabled(backward):
-        for name, fn in impls.items():
-            times = time_cuda(fn, n_inputs=n_inputs, iters=iters)
-            ms = statistics.median(times)
-            flops = block_flops(spec, tokens) if "alone" not in name else (
-                6.0 * tokens * spec.hidden_size * spec.shared_experts.count * spec.shared_experts.intermediate_size)
-            rows.append(Row(wl, spec.name, tokens, name, ms, scale * flops / ms / 1e9, times))
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        flops = block_flops(spec, tokens) if "alone" not in name else (
+            6.0 * tokens * spec.hidden_size * spec.shared_experts.count * spec.shared_experts.intermediate_size)
+        rows.append(Row(wl, spec.name, tokens, name, ms, scale * flops / ms / 1e9, ts))
+    if unfused is not None:
+        fused_ms, mlp_ms = rows[0].ms, statistics.median(times[UNFUSED_BLOCK_ROW])
+        rows[0].note = (f"{wl} {spec.name}: the shared expert inside the megakernel saved {mlp_ms - fused_ms:.3f} ms "
+                        f"({100 * (mlp_ms - fused_ms) / mlp_ms:.1f}%) against it as a PyTorch MLP beside the "
+                        f"megakernel ({fused_ms:.3f} against {mlp_ms:.3f} ms, medians of {len(rows[0].ms_all)} "
+                        f"steps timed in interleaved rounds)")
     return rows
+
+
+UNFUSED_BLOCK_ROW = "mokgen MoEBlock, shared expert as a PyTorch MLP"
+
+
+def interleaved_times(impls: dict[str, Callable[[int], object]], *, n_inputs: int, iters: int,
+                      rounds: int = 4) -> dict[str, list[float]]:
+    """``iters`` timed calls of each of ``impls`` (ms), taken in ``rounds`` rounds that visit every
+    impl in turn, so a drift of the clock or the power cap over the run falls on all of them alike."""
+    per = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    out = {name: [] for name in impls}
+    for n in per:
+        for name, fn in impls.items():
+            if n:
+                out[name] += time_cuda(fn, n_inputs=n_inputs, iters=n)
+    return out
+
+
+def _share_tensors(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Makes every parameter and buffer of ``dst`` the same tensor as ``src``'s of the same name
+    (two modules of one structure), freeing ``dst``'s own."""
+    modules = dict(src.named_modules())
+    for name, m in dst.named_modules():
+        for table in (m._parameters, m._buffers):
+            for key, t in table.items():
+                if t is not None:
+                    table[key] = getattr(modules[name], key)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """Sets one environment variable for the ``with`` block, restoring what was there."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2,

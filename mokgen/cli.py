@@ -452,7 +452,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
         return
     console.print(bench_table(rows, ceiling, torch.cuda.get_device_name()))
     for r in rows:
-        for line in (b.phase_line(r), b.bytes_line(r)):
+        for line in (b.phase_line(r), b.bytes_line(r), r.note):
             if line:
                 click.echo(line)
     if links:

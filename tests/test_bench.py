@@ -211,3 +211,59 @@ def test_remote_bytes_count_rows_as_their_numerics_carries_them():
     assert _remote_bytes(spec, ids_all, 0, 2) == 3 * 2 * 2048
     assert _remote_bytes(spec, ids_all, 0, 2, "mxfp8") == 3 * (2048 + 64)
     assert _remote_bytes(spec, ids_all, 1, 2) == 2 * 2 * 2048  # experts 64 and 65 of rank 0's tokens
+
+
+def test_interleaved_times_visit_every_side_in_turn(monkeypatch):
+    """The block bench's rounds: each side timed in turn, round after round, ``iters`` in all."""
+    from mokgen import bench
+
+    calls = []
+
+    def fake_time_cuda(fn, *, n_inputs, iters):
+        calls.append((fn, iters))
+        return [float(len(calls))] * iters
+
+    monkeypatch.setattr(bench, "time_cuda", fake_time_cuda)
+    impls = {"a": "A", "b": "B", "c": "C"}
+    out = bench.interleaved_times(impls, n_inputs=2, iters=10, rounds=4)
+    assert [fn for fn, _ in calls] == list("ABC") * 4
+    assert [n for _, n in calls] == [3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2]
+    assert {k: len(v) for k, v in out.items()} == {"a": 10, "b": 10, "c": 10}
+    assert out["b"][:3] == [2.0] * 3 and out["b"][3:6] == [5.0] * 3  # its first and second rounds
+    calls.clear()
+    out = bench.interleaved_times({"a": "A"}, n_inputs=1, iters=2, rounds=4)  # fewer calls than rounds
+    assert [n for _, n in calls] == [1, 1] and len(out["a"]) == 2
+
+
+def test_share_tensors_leaves_one_set_of_weights():
+    import torch
+
+    from mokgen import bench
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+    src, dst = make(), make()
+    bench._share_tensors(dst, src)
+    for (n1, a), (n2, b) in zip(src.state_dict(keep_vars=True).items(), dst.state_dict(keep_vars=True).items()):
+        assert n1 == n2 and a is b
+    assert {id(p) for p in dst.parameters()} == {id(p) for p in src.parameters()}
+    x = torch.randn(5, 4)
+    src.eval(), dst.eval()
+    assert torch.equal(src(x), dst(x))
+
+
+def test_environ_sets_and_restores(monkeypatch):
+    import os
+
+    from mokgen import bench
+
+    monkeypatch.delenv("MOKGEN_FUSE_SHARED", raising=False)
+    with bench._environ("MOKGEN_FUSE_SHARED", "0"):
+        assert os.environ["MOKGEN_FUSE_SHARED"] == "0"
+    assert "MOKGEN_FUSE_SHARED" not in os.environ
+    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
+    with pytest.raises(RuntimeError):
+        with bench._environ("MOKGEN_FUSE_SHARED", "0"):
+            raise RuntimeError("inside")
+    assert os.environ["MOKGEN_FUSE_SHARED"] == "1"

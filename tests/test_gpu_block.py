@@ -104,8 +104,13 @@ def test_bench_block_peer_matches_the_reference_block():
     assert rel < 2e-2
     for backward in (False, True):
         rows = bench.bench_block(spec, 256, iters=20, backward=backward)
-        assert [r.impl for r in rows][:2] == ["mokgen MoEBlock", "PyTorch block (torch._grouped_mm)"]
+        # this spec's block fuses its shared expert, so the bench also times it as a PyTorch MLP
+        # beside the megakernel (the same weights) and notes the time saved
+        assert [r.impl for r in rows] == ["mokgen MoEBlock", "PyTorch block (torch._grouped_mm)",
+                                          bench.UNFUSED_BLOCK_ROW, "shared expert MLP alone (PyTorch)"]
         assert all(r.ms > 0 and len(r.ms_all) == 20 for r in rows)
+        assert "the shared expert inside the megakernel saved" in rows[0].note
+        assert f"against {rows[2].ms:.3f} ms" in rows[0].note
 
 
 def _scaled_deepseek_v3():
