@@ -48,7 +48,7 @@ for chunk in args.chunks or [defaults["chunk_rows"]]:
                 layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
                 layer.check_ids = False
                 ms = statistics.median(bench.time_cuda(lambda i: layer(x, ids, w), n_inputs=1))
-            print(f"{args.spec} {args.workload} chunk_rows {chunk:5d} ring {ring} dispatch {layer._dispatch:3d} "
+            print(f"{args.spec} {args.workload} chunk_rows {chunk:5d} ring {ring} dispatch {layer.dispatch_ctas:3d} "
                   f"of {layer._ctas}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
             layer = None  # the timing lambda closes over the name
             torch.cuda.empty_cache()

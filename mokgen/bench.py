@@ -21,9 +21,7 @@ Workloads (more come with the Hopper GEMM core):
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -548,7 +546,7 @@ def _ring_reuse_layer(spec: MoESpec, tokens: int, layer):
     if layer.world != 1 or layer.chunk_rows * layer.ring_chunks >= tokens * spec.top_k:
         return None
     other = MoELayer(spec, max_tokens=tokens, device="cuda", chunk_rows=layer.chunk_rows, ring_chunks=layer.ring_chunks,
-                     dispatch_ctas=layer._dispatch, build_options=layer.build_options, tuned=False, bwd_ring="reuse")
+                     dispatch_ctas=layer.dispatch_ctas, build_options=layer.build_options, tuned=False, bwd_ring="reuse")
     with torch.no_grad():
         other.w_gate.copy_(layer.w_gate), other.w_up.copy_(layer.w_up), other.w_down.copy_(layer.w_down)
     other.check_ids = False
@@ -581,9 +579,9 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     megakernel, the shared expert inside it where the build fuses it, else in PyTorch; see
     ``MOKGEN_FUSE_SHARED``) against ``torch_block`` on the same weights, plus the shared expert
     MLP alone (the most a fused shared expert can save). Where the block fuses its shared expert,
-    a second MoEBlock with the same weights runs it as a PyTorch MLP beside the megakernel
-    (``MOKGEN_FUSE_SHARED=0``'s build), and the mokgen row's ``note`` gives the time the fusion
-    saved. The rows are timed in interleaved rounds, so that comparison is a same-run one.
+    a second MoEBlock with the same weights runs it as a PyTorch MLP beside the megakernel (the
+    first one's build options with ``fuse_shared`` off, and its chunk rows, ring and dispatch
+    CTAs), and the mokgen row's ``note`` gives the time the fusion saved. The rows are timed in interleaved rounds, so that comparison is a same-run one.
     ``backward``: forward + backward under autograd, FLOPs counted as 3x the forward's."""
     from mokgen.block import MoEBlock
 
@@ -591,8 +589,10 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     block.experts.check_ids = False
     unfused = None
     if block.shared is not None and block.experts.fuses_shared:
-        with _environ("MOKGEN_FUSE_SHARED", "0"):
-            unfused = MoEBlock(spec, max_tokens=tokens, device="cuda")
+        ex = block.experts  # the same build and run-time values but the fusion (a tuned entry's too)
+        unfused = MoEBlock(spec, max_tokens=tokens, device="cuda", layer_kwargs=dict(
+            build_options={**ex.build_options, "fuse_shared": False}, chunk_rows=ex.chunk_rows,
+            ring_chunks=ex.ring_chunks, dispatch_ctas=ex.dispatch_ctas))
         _share_tensors(unfused, block)  # one set of weights on the GPU (kimi-k2.5's experts: 34 GB)
         unfused.experts.check_ids = False
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -662,20 +662,6 @@ def _share_tensors(dst: torch.nn.Module, src: torch.nn.Module) -> None:
             for key, t in table.items():
                 if t is not None:
                     table[key] = getattr(modules[name], key)
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str):
-    """Sets one environment variable for the ``with`` block, restoring what was there."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def bench_virtual(spec: MoESpec, tokens_per_rank: int, world: int = 8, *, iters: int = 20, n_inputs: int = 2,

@@ -64,15 +64,22 @@ class MoEBlock(torch.nn.Module):
     (ids, weights) for auxiliary losses or inspection. ``share_buffers``: the routed experts run
     on the persistent buffers of the model's other blocks made with it whose build, geometry,
     device, group and CTA counts are the same (``MoELayer(share_buffers=True)``, whose rules
-    apply): one set per model instead of one per block."""
+    apply): one set per model instead of one per block. ``layer_kwargs``: further MoELayer
+    arguments for the routed experts (``chunk_rows``, ``ring_chunks``, ``dispatch_ctas``,
+    ``tuned``, ``build_options``, ``bwd_policy``, ``bwd_ring``, ``timeout_ms``)."""
 
     def __init__(self, spec: MoESpec | str, group=None, *, max_tokens: int | None = None, device=None,
-                 share_buffers: bool = False):
+                 share_buffers: bool = False, layer_kwargs: dict | None = None):
         super().__init__()
         self.spec = load_spec(spec) if isinstance(spec, str) else spec
+        layer_kwargs = dict(layer_kwargs or {})
+        taken = sorted(set(layer_kwargs) & {"group", "max_tokens", "device", "share_buffers", "spec"})
+        if taken:
+            raise InputError(f"layer_kwargs: {', '.join(taken)} are MoEBlock's own arguments; pass them to MoEBlock")
         device = torch.device("cuda") if device is None else torch.device(device)
         self.router = Router(self.spec, device=device)
-        self.experts = MoELayer(self.spec, group, max_tokens=max_tokens, device=device, share_buffers=share_buffers)
+        self.experts = MoELayer(self.spec, group, max_tokens=max_tokens, device=device, share_buffers=share_buffers,
+                                **layer_kwargs)
         self.shared = SharedExpertMLP(self.spec, device=device) if self.spec.shared_experts.count else None
         self.last_routing = None
 

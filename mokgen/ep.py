@@ -982,6 +982,12 @@ class MoELayer(torch.nn.Module):
             _RING_OWNERS[int(self._ep.addresses()[1])] = weakref.ref(self._ep)
 
     @property
+    def dispatch_ctas(self) -> int:
+        """How many of the rank's CTAs pull rows (the caller's value, the tuned entry's or the
+        default), before they join the compute under the plan's ``dispatch_join``."""
+        return self._dispatch
+
+    @property
     def buffer_bytes(self) -> int:
         """Device memory of the megakernel's persistent buffers this layer runs on (its symmetric
         region, private region and control block; mokgen.ep's module docstring). Layers made with

@@ -252,18 +252,3 @@ def test_share_tensors_leaves_one_set_of_weights():
     src.eval(), dst.eval()
     assert torch.equal(src(x), dst(x))
 
-
-def test_environ_sets_and_restores(monkeypatch):
-    import os
-
-    from mokgen import bench
-
-    monkeypatch.delenv("MOKGEN_FUSE_SHARED", raising=False)
-    with bench._environ("MOKGEN_FUSE_SHARED", "0"):
-        assert os.environ["MOKGEN_FUSE_SHARED"] == "0"
-    assert "MOKGEN_FUSE_SHARED" not in os.environ
-    monkeypatch.setenv("MOKGEN_FUSE_SHARED", "1")
-    with pytest.raises(RuntimeError):
-        with bench._environ("MOKGEN_FUSE_SHARED", "0"):
-            raise RuntimeError("inside")
-    assert os.environ["MOKGEN_FUSE_SHARED"] == "1"

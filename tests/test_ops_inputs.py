@@ -180,3 +180,12 @@ def test_can_sync_is_true_outside_compile_and_capture_even_without_cuda():
     from mokgen.ops import _can_sync
 
     assert _can_sync() is True
+
+
+def test_block_layer_kwargs_that_repeat_its_own_arguments_are_refused():
+    """MoEBlock(layer_kwargs=...) passes MoELayer arguments through; the ones MoEBlock takes itself
+    are refused by name before anything is allocated or built."""
+    from mokgen.block import MoEBlock
+
+    with pytest.raises(InputError, match=r"layer_kwargs: device, max_tokens are MoEBlock's own arguments"):
+        MoEBlock(SPEC, layer_kwargs={"max_tokens": 4, "device": "cuda", "chunk_rows": 128})
