@@ -581,7 +581,9 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     MLP alone (the most a fused shared expert can save). Where the block fuses its shared expert,
     a second MoEBlock with the same weights runs it as a PyTorch MLP beside the megakernel (the
     first one's build options with ``fuse_shared`` off, and its chunk rows, ring and dispatch
-    CTAs), and the mokgen row's ``note`` gives the time the fusion saved. The rows are timed in interleaved rounds, so that comparison is a same-run one.
+    CTAs), and the mokgen row's ``note`` gives the time the fusion saved and the fused block's
+    time over the other's in ABBA blocks (``abba_blocks``, ``block_ratio``: a bootstrap 95%
+    interval). The rows are timed in interleaved rounds, so every comparison is a same-run one.
     ``backward``: forward + backward under autograd, FLOPs counted as 3x the forward's."""
     from mokgen.block import MoEBlock
 
@@ -630,11 +632,19 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         rows.append(Row(wl, spec.name, tokens, name, ms, scale * flops / ms / 1e9, ts))
     if unfused is not None:
         fused_ms, mlp_ms = rows[0].ms, statistics.median(times[UNFUSED_BLOCK_ROW])
+        sides = (impls[UNFUSED_BLOCK_ROW], impls["mokgen MoEBlock"])  # A the MLP, B the fused: B / A
+        with torch.set_grad_enabled(backward):  # the project's A/B method on top: ABBA blocks, bootstrap interval
+            pairs = abba_blocks(lambda side, i: time_launch(lambda: sides[side](i % n_inputs)), SAVED_ABBA_BLOCKS)
+        ratio, lo, hi = block_ratio(pairs)
         rows[0].note = (f"{wl} {spec.name}: the shared expert inside the megakernel saved {mlp_ms - fused_ms:.3f} ms "
                         f"({100 * (mlp_ms - fused_ms) / mlp_ms:.1f}%) against it as a PyTorch MLP beside the "
                         f"megakernel ({fused_ms:.3f} against {mlp_ms:.3f} ms, medians of {len(rows[0].ms_all)} "
-                        f"steps timed in interleaved rounds)")
+                        f"steps timed in interleaved rounds); fused / PyTorch MLP {ratio:.4f} [{lo:.4f}, {hi:.4f}] "
+                        f"over {len(pairs)} ABBA blocks")
     return rows
+
+
+SAVED_ABBA_BLOCKS = 10  # the block bench's fused-against-MLP A/B (bench_block)
 
 
 UNFUSED_BLOCK_ROW = "mokgen MoEBlock, shared expert as a PyTorch MLP"

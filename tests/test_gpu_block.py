@@ -111,6 +111,7 @@ def test_bench_block_peer_matches_the_reference_block():
         assert all(r.ms > 0 and len(r.ms_all) == 20 for r in rows)
         assert "the shared expert inside the megakernel saved" in rows[0].note
         assert f"against {rows[2].ms:.3f} ms" in rows[0].note
+        assert f"over {bench.SAVED_ABBA_BLOCKS} ABBA blocks" in rows[0].note
 
 
 def _scaled_deepseek_v3():
