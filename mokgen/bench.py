@@ -620,8 +620,12 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         impls[UNFUSED_BLOCK_ROW] = run(unfused, unfused)
     if block.shared is not None:
         impls["shared expert MLP alone (PyTorch)"] = run(block.shared, block.shared)
+    pairs = None
     with torch.set_grad_enabled(backward):
         times = interleaved_times(impls, n_inputs=n_inputs, iters=iters)
+        if unfused is not None:  # the project's A/B method on top: ABBA blocks, bootstrap interval
+            sides = (impls[UNFUSED_BLOCK_ROW], impls["mokgen MoEBlock"])  # A the MLP, B the fused: B / A
+            pairs = abba_blocks(lambda side, i: time_launch(lambda: sides[side](i % n_inputs)), SAVED_ABBA_BLOCKS)
     rows = []
     scale = 3 if backward else 1
     wl = "block fwd+bwd" if backward else "block"
@@ -630,11 +634,8 @@ def bench_block(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         flops = block_flops(spec, tokens) if "alone" not in name else (
             6.0 * tokens * spec.hidden_size * spec.shared_experts.count * spec.shared_experts.intermediate_size)
         rows.append(Row(wl, spec.name, tokens, name, ms, scale * flops / ms / 1e9, ts))
-    if unfused is not None:
-        fused_ms, mlp_ms = rows[0].ms, statistics.median(times[UNFUSED_BLOCK_ROW])
-        sides = (impls[UNFUSED_BLOCK_ROW], impls["mokgen MoEBlock"])  # A the MLP, B the fused: B / A
-        with torch.set_grad_enabled(backward):  # the project's A/B method on top: ABBA blocks, bootstrap interval
-            pairs = abba_blocks(lambda side, i: time_launch(lambda: sides[side](i % n_inputs)), SAVED_ABBA_BLOCKS)
+    if pairs is not None:
+        fused_ms, mlp_ms = rows[0].ms, next(r.ms for r in rows if r.impl == UNFUSED_BLOCK_ROW)
         ratio, lo, hi = block_ratio(pairs)
         rows[0].note = (f"{wl} {spec.name}: the shared expert inside the megakernel saved {mlp_ms - fused_ms:.3f} ms "
                         f"({100 * (mlp_ms - fused_ms) / mlp_ms:.1f}%) against it as a PyTorch MLP beside the "
@@ -654,12 +655,11 @@ def interleaved_times(impls: dict[str, Callable[[int], object]], *, n_inputs: in
                       rounds: int = 4) -> dict[str, list[float]]:
     """``iters`` timed calls of each of ``impls`` (ms), taken in ``rounds`` rounds that visit every
     impl in turn, so a drift of the clock or the power cap over the run falls on all of them alike."""
-    per = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    per = [n for n in (iters // rounds + (r < iters % rounds) for r in range(rounds)) if n]
     out = {name: [] for name in impls}
     for n in per:
         for name, fn in impls.items():
-            if n:
-                out[name] += time_cuda(fn, n_inputs=n_inputs, iters=n)
+            out[name] += time_cuda(fn, n_inputs=n_inputs, iters=n)
     return out
 
 
