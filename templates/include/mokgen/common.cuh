@@ -83,6 +83,28 @@ MOKGEN_DEVICE uint4 pack_bf16x8(const float (&f)[8]) {
   return w;
 }
 
+// ---- 16-byte accesses of data used once, after a long time or never in this launch -------------
+// The forward's combine slots (written by a down tile's epilogue, read once by the owner's
+// reduction after the last push) and the pre-activations saved for the backward pass through L2
+// with everything else; with MOKGEN_STREAM_ONCE (a measuring macro, docs/perf-notes.md v0.53)
+// they are stored and loaded "cached streaming" (st.global.cs / ld.global.cs: evict-first in L2),
+// so they leave L2 before the weights, ring rows and x rows that are read again soon. Plain
+// accesses otherwise, so the default build's machine code is unchanged.
+MOKGEN_DEVICE void store_once(void* p, const uint4& v) {
+#ifdef MOKGEN_STREAM_ONCE
+  __stcs(reinterpret_cast<uint4*>(p), v);
+#else
+  *reinterpret_cast<uint4*>(p) = v;
+#endif
+}
+MOKGEN_DEVICE uint4 load_once(const void* p) {
+#ifdef MOKGEN_STREAM_ONCE
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
 // ---- SwiGLU with the optional clamp (gate <= L, -L <= up <= L), fp32 ----------------------------
 // silu(gate) * up with the fast division (__fdividef: within 2 ulp; a zero where the divisor
 // passes 2^126, a gate below about -87, whose true quotient is below 2^-119 in magnitude). The
