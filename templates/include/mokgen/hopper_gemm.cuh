@@ -396,7 +396,7 @@ struct HopperTile {
           if constexpr (kGated)  // h: read next by this row block's down tiles
             *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
           else  // a combine slot (or the shared expert's row): read once, by the owner's reduction
-            store_once(out + 8 * (4 * b + q), v);
+            store_16<kStreamSlots>(out + 8 * (4 * b + q), v);
         }
       }
     }
@@ -425,8 +425,8 @@ struct HopperTile {
         const uint4 vg = quad_transpose(wg_, q), vu = quad_transpose(wu_, q);
         if (valid) {
           const int col = n0 + 8 * (4 * b + q);
-          store_once(out + col, vg);  // read by the backward, after the forward
-          store_once(out + kN + col, vu);
+          store_16<kStreamSave>(out + col, vg);  // read by the backward, after the forward
+          store_16<kStreamSave>(out + kN + col, vu);
         }
       }
     }
