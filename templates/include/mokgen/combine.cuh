@@ -48,7 +48,7 @@ MOKGEN_DEVICE void combine_tokens(const bf16* slots, const int32_t* ids, const f
         vec[u] = int(f % kV);
         const bf16* row = slots + int64_t(tok[u]) * kK * kH + vec[u] * 8;
 #pragma unroll
-        for (int j = 0; j < kK; ++j) x[u][j] = load_16<kStreamCombine>(row + int64_t(j) * kH);  // each slot is read once
+        for (int j = 0; j < kK; ++j) x[u][j] = *reinterpret_cast<const uint4*>(row + int64_t(j) * kH);
 #pragma unroll
         for (int j = 0; j < kK; ++j) {
           id[u][j] = __ldg(ids + int64_t(tok[u]) * kK + j);

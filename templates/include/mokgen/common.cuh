@@ -83,49 +83,6 @@ MOKGEN_DEVICE uint4 pack_bf16x8(const float (&f)[8]) {
   return w;
 }
 
-// ---- 16-byte accesses of data used once, after a long time or not in this launch ---------------
-// The forward's combine slots (written by a down tile's epilogue, read once by the owner's
-// reduction after the last push) and the pre-activations saved for the backward pass through L2
-// beside the weights, ring rows and x rows that are read again soon. Measuring macros (docs/perf-
-// notes.md v0.53) store or load them "cached streaming" (st.global.cs / ld.global.cs: evict-first
-// in L2): MOKGEN_STREAM_SLOTS the slot stores, MOKGEN_STREAM_SAVE the saved pre-activations'
-// stores, MOKGEN_STREAM_COMBINE the reduction's slot loads, MOKGEN_STREAM_ONCE all three. Without
-// them the accesses are plain, and the default build's machine code is what it was.
-#ifdef MOKGEN_STREAM_ONCE
-#define MOKGEN_STREAM_SLOTS
-#define MOKGEN_STREAM_SAVE
-#define MOKGEN_STREAM_COMBINE
-#endif
-#ifdef MOKGEN_STREAM_SLOTS
-inline constexpr bool kStreamSlots = true;
-#else
-inline constexpr bool kStreamSlots = false;
-#endif
-#ifdef MOKGEN_STREAM_SAVE
-inline constexpr bool kStreamSave = true;
-#else
-inline constexpr bool kStreamSave = false;
-#endif
-#ifdef MOKGEN_STREAM_COMBINE
-inline constexpr bool kStreamCombine = true;
-#else
-inline constexpr bool kStreamCombine = false;
-#endif
-template <bool kStream>
-MOKGEN_DEVICE void store_16(void* p, const uint4& v) {
-  if constexpr (kStream)
-    __stcs(reinterpret_cast<uint4*>(p), v);
-  else
-    *reinterpret_cast<uint4*>(p) = v;
-}
-template <bool kStream>
-MOKGEN_DEVICE uint4 load_16(const void* p) {
-  if constexpr (kStream)
-    return __ldcs(reinterpret_cast<const uint4*>(p));
-  else
-    return *reinterpret_cast<const uint4*>(p);
-}
-
 // ---- SwiGLU with the optional clamp (gate <= L, -L <= up <= L), fp32 ----------------------------
 // silu(gate) * up with the fast division (__fdividef: within 2 ulp; a zero where the divisor
 // passes 2^126, a gate below about -87, whose true quotient is below 2^-119 in magnitude). The

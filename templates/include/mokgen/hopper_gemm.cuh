@@ -392,12 +392,7 @@ struct HopperTile {
           }
         }
         const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
-        if (valid) {
-          if constexpr (kGated)  // h: read next by this row block's down tiles
-            *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
-          else  // a combine slot (or the shared expert's row): read once, by the owner's reduction
-            store_16<kStreamSlots>(out + 8 * (4 * b + q), v);
-        }
+        if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
       }
     }
   }
@@ -425,8 +420,8 @@ struct HopperTile {
         const uint4 vg = quad_transpose(wg_, q), vu = quad_transpose(wu_, q);
         if (valid) {
           const int col = n0 + 8 * (4 * b + q);
-          store_16<kStreamSave>(out + col, vg);  // read by the backward, after the forward
-          store_16<kStreamSave>(out + kN + col, vu);
+          *reinterpret_cast<uint4*>(out + col) = vg;
+          *reinterpret_cast<uint4*>(out + kN + col) = vu;
         }
       }
     }
