@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from mokgen import bench
 from mokgen.ep import MoELayer
 from mokgen.spec import load_spec
-from timed_lib import TimedLib, gpu_ahead_ms  # .ci/timed_lib.py, beside this script
+from timed_lib import TimedLib, gpu_ahead_ms, stamp_host_path  # .ci/timed_lib.py, beside this script
 
 name, workload = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
@@ -55,21 +55,7 @@ mod.LIB = TimedLib(mod.LIB, marks)
 # stamps along the host path (host clock at each point, per call): the module's forward entered,
 # the error poll entered and left, the binding's implementation entered, the launch call
 stamps = {}
-
-
-def _stamped(fn, at, after=None):
-    def wrapper(*args, **kwargs):
-        stamps[at] = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if after is not None:
-            stamps[after] = time.perf_counter()
-        return out
-    return wrapper
-
-
-layer.forward = _stamped(layer.forward, "forward")
-layer.check_errors = _stamped(layer.check_errors, "poll", "polled")
-mod._ep_forward = _stamped(mod._ep_forward, "binding")
+stamp_host_path(layer, stamps)
 STAGES = (("t0", "forward"), ("forward", "poll"), ("poll", "polled"), ("polled", "binding"), ("binding", "launch"),
           ("launch", "launched"))
 med = statistics.median

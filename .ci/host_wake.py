@@ -22,7 +22,7 @@ import torch
 
 from mokgen import bench, bwd_gemm
 from mokgen.spec import load_spec
-from timed_lib import TimedLib  # .ci/timed_lib.py, beside this script
+from timed_lib import TimedLib, stamp_host_path  # .ci/timed_lib.py, beside this script
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-35b-a3b"
 workload = sys.argv[2] if len(sys.argv) > 2 else "layer"
@@ -35,21 +35,7 @@ mod = layer._kernel
 marks = {}
 mod.LIB = TimedLib(mod.LIB, marks)
 stamps = {}
-
-
-def _stamped(fn, at, after=None):
-    def wrapper(*args, **kw):
-        stamps[at] = time.perf_counter()
-        out = fn(*args, **kw)
-        if after is not None:
-            stamps[after] = time.perf_counter()
-        return out
-    return wrapper
-
-
-layer.forward = _stamped(layer.forward, "forward")
-layer.check_errors = _stamped(layer.check_errors, "poll", "polled")
-mod._ep_forward = _stamped(mod._ep_forward, "binding")
+stamp_host_path(layer, stamps)
 STAGES = ("t0", "reset", "forward", "poll", "polled", "binding", "launch")
 clamp = spec.activation.clamp_limit
 
@@ -99,9 +85,7 @@ def measure(fn, prelude, n=30, gc_off=False):
             ms.append(start.elapsed_time(end))
             launch.append(1e3 * (marks.get("launch", t0) - t0))
             if fn is ours:
-                stamps["t0"], stamps["launch"] = t0, marks["launch"]
-                for a_, b_ in zip(STAGES, STAGES[1:]):
-                    stages.setdefault(f"{a_}->{b_}", []).append(1e3 * (stamps[b_] - stamps[a_]))
+                add_stages(t0)
     finally:
         gc.enable()
     return ms, launch
@@ -111,21 +95,25 @@ med = statistics.median
 stages = {}
 
 
+def add_stages(t0):
+    """The last call's stage durations (ms) into ``stages``, from its start ``t0`` to its launch."""
+    stamps["t0"], stamps["launch"] = t0, marks["launch"]
+    for a_, b_ in zip(STAGES, STAGES[1:]):
+        stages.setdefault(f"{a_}->{b_}", []).append(1e3 * (stamps[b_] - stamps[a_]))
+
+
 def stage_line():
     return "         stages, median (min) ms: " + ", ".join(f"{k} {med(v):.4f} ({min(v):.4f})" for k, v in stages.items())
 
 
 print(f"== {spec.name} {workload}: {tokens} rows, {torch.cuda.get_device_name()}, MoELayer kwargs {kwargs}")
 for label, fn in (("mokgen", ours), ("pytorch", peer)):
-    for pname, prelude in preludes.items():
-        ms, launch = measure(fn, prelude)
+    for pname, prelude, gc_off in (*((p_, f_, False) for p_, f_ in preludes.items()), ("gc-off", preludes["sync"], True)):
+        ms, launch = measure(fn, prelude, gc_off=gc_off)
         extra = f"; to the forward's launch {med(launch):.3f} ms (min {min(launch):.3f})" if label == "mokgen" else ""
         print(f"{label:8s} {pname:6s} step {med(ms):.3f} ms (min {min(ms):.3f}){extra}")
-        if label == "mokgen":
+        if label == "mokgen" and not gc_off:
             print(stage_line())
-    ms, launch = measure(fn, preludes["sync"], gc_off=True)
-    extra = f"; to the forward's launch {med(launch):.3f} ms (min {min(launch):.3f})" if label == "mokgen" else ""
-    print(f"{label:8s} gc-off step {med(ms):.3f} ms (min {min(ms):.3f}){extra}")
 
 # the forward alone (autograd recording, no backward): each call after a synchronize, then back to
 # back (no synchronize between calls: the host path in a loop)
@@ -141,9 +129,7 @@ for sync in (True, False):
         stamps["reset"] = t0
         out = layer(x, ids, w)
         loop.append(1e3 * (marks["launch"] - t0))
-        stamps["t0"], stamps["launch"] = t0, marks["launch"]
-        for a_, b_ in zip(STAGES, STAGES[1:]):
-            stages.setdefault(f"{a_}->{b_}", []).append(1e3 * (stamps[b_] - stamps[a_]))
+        add_stages(t0)
         del out
     torch.cuda.synchronize()
     print(f"forward  {'synced' if sync else 'loop  '} to the launch {med(loop):.3f} ms (min {min(loop):.3f}), "
