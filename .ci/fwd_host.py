@@ -117,7 +117,7 @@ with torch.no_grad():
 
     bufs = layer._ep
 
-    def watch_v028():
+    def watch_v028(timeout_ms=None):  # the tree's watch takes the launch's wait bound (v0.49)
         compute = torch.cuda.current_stream(bufs.device)
         if bufs._side is None:
             bufs._side = torch.cuda.Stream(bufs.device)
@@ -130,6 +130,7 @@ with torch.no_grad():
             event = torch.cuda.Event()
             event.record(bufs._side)
         bufs._pending = (pinned, event)
+        bufs.watched_timeout_ms = timeout_ms
 
     def launch_v028(entry, device, *args):
         with torch.cuda.device(device):
