@@ -164,9 +164,10 @@ class EpBuffers:
         if self._pending is None:
             return None
         pinned, event = self._pending
-        if not block and not event.query():
+        if block:
+            event.synchronize()
+        elif not event.query():  # (a query that returns True needs no synchronize after it)
             return None
-        event.synchronize()
         self._pending = None
         return abi.parse_error(pinned.numpy().tobytes())
 
@@ -455,10 +456,68 @@ def _mx_train(kernel, launch, xs, topk_ids, topk_weights, w_gate, w_up, w_down) 
 def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple) -> list:
     """The megakernel op on ``args`` (``_op``'s form for ``grad_inputs``); an MXFP8 build's call
     that autograd records goes through ``_mx_train`` with ``mx_inputs`` (xs, topk_ids,
-    topk_weights, w_gate, w_up, w_down: the caller's, unconverted)."""
+    topk_weights, w_gate, w_up, w_down: the caller's, unconverted). An eager call that autograd
+    records launches first and is recorded after (``_launch_then_record``)."""
     if _mx_training(kernel, grad_inputs):
         return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs)
-    return _op(kernel, _records_grad(grad_inputs))(*args)
+    grad = _records_grad(grad_inputs)
+    if grad and not torch.compiler.is_compiling():
+        outs = _launch_then_record(kernel, args)
+        if outs is not None:
+            return outs
+    return _op(kernel, grad)(*args)
+
+
+#: the op's required arguments (xs .. silent_rank) and its optional ones' defaults (shared_gate,
+#: shared_up, shared_down, shared_scale, save_gu), as the binding declares them
+_OP_REQUIRED = 18
+_OP_OPTIONAL_DEFAULTS = (None, None, None, None, False)
+
+
+class _LaunchedEp(torch.autograd.Function):
+    """The autograd record of an eager megakernel call that has already launched
+    (``_launch_then_record``). Its forward only records: the binding's ``_ep_setup_context``
+    saves what the backward needs (the inputs, and the pre-activations where the launch saved
+    them), and the launch's outputs become this node's. The backward is the binding's
+    ``_ep_grads``, so the saved tensors, the gradients and their bits are those of the binding's
+    own eager Function (``EP_EAGER``), which records before it launches. Inputs: the kernel
+    module, the op's 23 arguments, the launch's outputs (none of the three is a tensor argument
+    of the node), then the tensors that get gradients, in ``EP_EAGER``'s order (xs, topk_ids,
+    topk_weights, w_gate, w_up, w_down, the shared expert's given tensors)."""
+
+    @staticmethod
+    def forward(ctx, kernel, inputs, outs, *tensors):
+        kernel._ep_setup_context(ctx, inputs, outs)
+        ctx.kernel = kernel
+        if inputs[-1]:  # save_gu: the pre-activations are saved for the backward, not differentiated
+            ctx.mark_non_differentiable(outs[-1])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dxs, dws, dwg, dwu, dwd, shared_grads = ctx.kernel._ep_grads(ctx, grads)
+        n = ctx.counts[0]
+        return (None, None, None, *dxs, *([None] * n), *dws, *dwg, *dwu, *dwd,
+                *(g for g, given in zip(shared_grads, ctx.shared) if given))
+
+
+def _launch_then_record(kernel, args: tuple) -> list | None:
+    """The op on ``args`` (its positional arguments, the optional ones possibly left off) under
+    autograd, in eager mode: the binding's implementation launches the kernel, then
+    ``_LaunchedEp`` records the call. Recording first (``EP_EAGER``, an autograd.Function around
+    the launch) put the Function's host work, about 25 us in a loop and three times that at the
+    start of a training step, between the step's start and the launch, where an idle GPU waits
+    for it (docs/perf-notes.md v0.54). None where the binding lacks the pieces (a build older
+    than them): the caller then takes ``EP_EAGER``."""
+    raw = getattr(kernel, "_ep_forward", None)
+    if raw is None or not hasattr(kernel, "_ep_setup_context") or not hasattr(kernel, "_ep_grads"):
+        return None
+    optional = list(args[_OP_REQUIRED:]) + list(_OP_OPTIONAL_DEFAULTS[len(args) - _OP_REQUIRED:])
+    inputs = (*args[:_OP_REQUIRED], *optional)
+    outs = raw(*inputs)
+    lists = args[:6]
+    tensors = [t for lst in lists for t in lst] + [t for t in optional[:4] if t is not None]
+    return list(_LaunchedEp.apply(kernel, inputs, outs, *tensors))
 
 
 @torch.compiler.disable
@@ -472,7 +531,8 @@ def _mx_operands(w_gate, w_up, w_down):
 def _op(kernel, grad: bool = True):
     """The megakernel's entry: the registered op (EP_OP) while torch.compile traces, else its
     eager form (EP_EAGER: the same implementation and backward without the custom op's dispatch,
-    about half a millisecond less CPU before each launch; builds made before it have EP_OP only).
+    about half a millisecond less CPU before each launch; builds made before it have EP_OP only;
+    ``_call_op`` takes ``_launch_then_record`` before it where the binding allows).
     ``grad`` False (eager, no autograd graph to record: grad mode off or no input requiring
     grad): the binding's implementation itself (``_ep_forward``, what both wrap), without the
     autograd.Function around it, whose apply cost about 45 us of host time before each launch
@@ -1065,13 +1125,15 @@ class MoELayer(torch.nn.Module):
         tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args, grad_inputs)
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         # what this launch leaves in the ring, for the backward (ring_rows_of): known in eager
-        # mode only; a compiled call forgets the last key, a captured one stops the tracking
+        # mode only; a compiled call forgets the last key, a captured one stops the tracking.
+        # An eager call's key is taken after its launch (host time the GPU no longer waits for);
+        # until then the ring holds no tracked rows, so a launch that fails claims none.
         if compiling:
             bufs.ring_key = None
         elif capturing:
             bufs.ring_key, bufs.ring_untracked = None, True
         else:
-            bufs.ring_key = _ring_key(x, ids32) if self.bwd_ring != "gather" else None
+            bufs.ring_key = None
         wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down)
         out = _call_op(self._kernel, grad_inputs, (
             [x], [ids32],
@@ -1081,6 +1143,8 @@ class MoELayer(torch.nn.Module):
             self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
         ), ([x], [ids32], [topk_weights], self.w_gate, self.w_up, self.w_down))[0]
         if not compiling and not capturing:
+            if self.bwd_ring != "gather":
+                bufs.ring_key = _ring_key(x, ids32)
             bufs.watch(self.timeout_ms)
         return out
 

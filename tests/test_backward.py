@@ -716,10 +716,14 @@ def test_op_autograd_with_saved_pre_activations(monkeypatch):
 
 @pytest.mark.parametrize("fuse, tail", [(False, "none"), (False, "save"), (True, "scale"), (True, "no-scale")])
 def test_eager_form_has_the_registered_ops_gradients(monkeypatch, fuse, tail):
-    """EP_EAGER (what MoELayer calls outside torch.compile: the op's implementation and backward
-    as a plain autograd.Function) against EP_OP through the dispatcher, with one CPU stand-in for
-    the megakernel behind both: the same outputs and the same gradients for x, the routing
-    weights, the experts and the shared expert, with and without the saved pre-activations."""
+    """EP_EAGER (the op's implementation and backward as a plain autograd.Function) and
+    mokgen.ep's launch-then-record form (what MoELayer calls outside torch.compile where autograd
+    records: the implementation first, then ``_LaunchedEp`` around its outputs) against EP_OP
+    through the dispatcher, with one CPU stand-in for the megakernel behind all three: the same
+    outputs and the same gradients for x, the routing weights, the experts and the shared
+    expert, with and without the saved pre-activations."""
+    from mokgen import ep as ep_mod
+
     spec, kernel, (E, I, H, K) = _tiny_kernel(monkeypatch, fuse)
     gen = torch.Generator().manual_seed(12)
     T = 7
@@ -758,13 +762,62 @@ def test_eager_form_has_the_registered_ops_gradients(monkeypatch, fuse, tail):
         return [o.detach() for o in outs], [t.grad for t in leaves]
 
     outs_op, grads_op = run(kernel.EP_OP)
-    outs_eager, grads_eager = run(kernel.EP_EAGER)
-    assert len(outs_op) == len(outs_eager) == (2 if tail == "save" else 1)
-    for a, b in zip(outs_op, outs_eager):
-        assert torch.equal(a, b)
-    assert all(g is not None for g in grads_eager)
-    for a, b in zip(grads_op, grads_eager):
-        assert torch.equal(a, b)
+    for form in (kernel.EP_EAGER, lambda *args: ep_mod._launch_then_record(kernel, args)):
+        outs_eager, grads_eager = run(form)
+        assert len(outs_op) == len(outs_eager) == (2 if tail == "save" else 1)
+        for a, b in zip(outs_op, outs_eager):
+            assert torch.equal(a, b)
+        assert all(g is not None for g in grads_eager)
+        for a, b in zip(grads_op, grads_eager):
+            assert torch.equal(a, b)
+        if tail == "save":
+            assert not outs_eager[1].requires_grad  # the pre-activations get no gradient
+
+
+def test_a_recorded_eager_call_launches_before_autograd_records_it(monkeypatch):
+    """mokgen.ep._call_op under autograd, eager: the binding's implementation (the launch) runs
+    before the binding's _ep_setup_context (the autograd node's work), so that work is host time
+    after the launch; the outputs carry the node, and its backward is the binding's _ep_grads,
+    one gradient per tensor input. Without autograd the implementation runs alone, and a binding
+    without the pieces falls back to EP_EAGER (which records first)."""
+    from types import SimpleNamespace
+
+    from mokgen import ep as ep_mod
+
+    order = []
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.rand(3, 2, requires_grad=True)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    wg, wu, wd = (torch.randn(2, 4, 4, requires_grad=True) for _ in range(3))
+
+    def raw(xs, ids_, ws, *rest):
+        order.append("launch")
+        assert len(rest) in (3 + 12, 3 + 12 + 5)  # w_gate .. w_down, the 12 scalars, the optional ones
+        return [xs[0].detach() * 2]
+
+    def setup(ctx, inputs, outs):
+        order.append("record")
+        ctx.counts, ctx.shared = (1, 1), (False,) * 4
+
+    def grads(ctx, gs):
+        order.append("backward")
+        return [gs[0] * 2], [torch.ones_like(w)], [torch.zeros_like(wg)], [torch.zeros_like(wu)], \
+            [torch.zeros_like(wd)], (None,) * 4
+
+    k = SimpleNamespace(_ep_forward=raw, _ep_setup_context=setup, _ep_grads=grads, EP_EAGER="eager", EP_OP="op")
+    args = ([x], [ids], [w], [wg], [wu], [wd], *([0] * 12))
+    out = ep_mod._call_op(k, (x, w, wg, wu, wd), args, ())[0]
+    assert order == ["launch", "record"]
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert order == ["launch", "record", "backward"]
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and torch.equal(w.grad, torch.ones_like(w))
+    order.clear()
+    with torch.no_grad():
+        out = ep_mod._call_op(k, (x, w, wg, wu, wd), args, ())[0]
+    assert order == ["launch"] and out.grad_fn is None
+    old = SimpleNamespace(_ep_forward=raw, EP_EAGER=lambda *a: ["eager"], EP_OP="op")
+    assert ep_mod._call_op(old, (x, w, wg, wu, wd), args, ()) == ["eager"]
 
 
 def test_entry_without_a_graph_is_the_binding_itself(monkeypatch):

@@ -888,3 +888,38 @@ def test_virtual_shared_expert_arguments(late):
     _expect_scalar(args, r"shared scales\[1\]: shape must be \[3\], got \[5\]", shared=(*sh, [scales[0], scales[0]]))
     _expect_scalar(args, r"shared scales\[0\]: dtype must be torch.float32",
                    shared=(*sh, [scales[0].bfloat16(), scales[1]]))
+
+
+def test_error_poll_reads_the_watched_record_once():
+    """EpBuffers.poll, MoELayer's look at the last launch's error record (copied to pinned memory
+    after the launch, mokgen.ep.EpBuffers.watch): without blocking it reports nothing while the
+    copy has not arrived and keeps it pending; once the copy's event has completed it parses the
+    record without a synchronize (the query said it is done) and clears it, so a record is read
+    once; blocking synchronizes first; an error record comes back as its fields."""
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.syncs = done, 0
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.syncs += 1
+            self.done = True
+
+    bufs = ep_mod.EpBuffers.__new__(ep_mod.EpBuffers)
+    bufs._pending = None
+    assert bufs.poll(block=False) is None and bufs.poll(block=True) is None
+    record = torch.tensor(list(struct.pack("<iiiiQ", 1, 3, 2, 5, 9)), dtype=torch.uint8)
+    assert record.numel() == abi.ERROR_BYTES
+    ev = Event(False)
+    bufs._pending = (record, ev)
+    assert bufs.poll(block=False) is None and bufs._pending is not None and ev.syncs == 0
+    ev.done = True
+    assert bufs.poll(block=False) == {"code": 1, "rank": 3, "stage": 2, "peer": 5, "epoch": 9}
+    assert ev.syncs == 0 and bufs._pending is None
+    assert bufs.poll(block=False) is None  # read once
+    ev = Event(False)
+    bufs._pending = (torch.zeros(abi.ERROR_BYTES, dtype=torch.uint8), ev)
+    assert bufs.poll(block=True) is None and ev.syncs == 1 and bufs._pending is None
