@@ -96,6 +96,7 @@ class EpBuffers:
         #: set for good once a launch went where the host cannot follow it (a CUDA graph capture)
         self.ring_untracked = False
         self._pending = None  # (pinned copy of the error record, event) of the last launch
+        self._pinned = self._code = None  # the pinned record and its code field (watch makes them)
         self._side = None  # the stream the error record's copy runs on (EpBuffers.watch)
         self.watched_timeout_ms = None  # the last watched launch's wait bound (watch)
         self.set_number = 0  # layer_buffers' number for a set it made (0: made elsewhere)
@@ -130,6 +131,8 @@ class EpBuffers:
 
     def clear_error(self) -> None:
         self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES].zero_()
+        if self._pinned is not None:  # (no copy is in flight: poll synchronized before it reported)
+            self._pinned.zero_()
         self._pending = None
 
     def watch(self, timeout_ms: float | None = None) -> None:
@@ -140,16 +143,16 @@ class EpBuffers:
         The copy runs on a side stream that waits for the launch (an event), not on the caller's
         stream: a copy-engine operation between the forward and the next kernel on the compute
         stream held that kernel back (0.34 ms of a kimi-k2.5 fwd+bwd step, docs/perf-notes.md
-        v0.11). The record is read by ``poll`` once the side stream's event has completed. The
-        pinned buffer and both events are made once and reused: only the last launch's record
-        is ever read (``_pending`` names it), and the side stream orders each copy after the
-        one before, so a reused buffer is never written while the host reads it (the host reads
-        only a completed copy, and the next copy is enqueued by the next watch, after that read
-        or in place of it). v0.28 made a pinned tensor and two events per launch (host time
-        after each launch; docs/perf-notes.md v0.29)."""
+        v0.11). ``poll`` reads the record. The pinned buffer (zeros until a copy lands) and both
+        events are made once and reused; the side stream orders each copy after the one before,
+        so the buffer holds the latest record that has landed. The kernel's record stays set
+        until ``clear_error``, so every copy after a failed launch carries its error: a record
+        whose copy has not landed by one poll is seen by a later one. v0.28 made a pinned tensor
+        and two events per launch (host time after each launch; docs/perf-notes.md v0.29)."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-            self._pinned = torch.empty(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
+            self._pinned = torch.zeros(abi.ERROR_BYTES, dtype=torch.uint8, pin_memory=True)
+            self._code = self._pinned.numpy().view("<i4")  # the record's first field, its error code
             self._launched, self._copied = torch.cuda.Event(), torch.cuda.Event()
         self._launched.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
@@ -160,14 +163,22 @@ class EpBuffers:
         self.watched_timeout_ms = timeout_ms
 
     def poll(self, *, block: bool) -> dict | None:
-        """The error of the last watched launch, if its copy has arrived (or always, if block)."""
+        """The error recorded by the watched launches: with ``block``, once the last watch's copy
+        has landed; without, None unless a landed copy holds an error (then it waits for the
+        last copy and reads that). Without blocking this reads one int from pinned memory: no
+        CUDA call, where an event query cost 0.03 ms of host time at the start of a training
+        step (docs/perf-notes.md v0.54). A copy landing during the read changes only whether
+        this poll or a later one sees its error, never what is reported."""
         if self._pending is None:
             return None
         pinned, event = self._pending
-        if block:
-            event.synchronize()
-        elif not event.query():  # (a query that returns True needs no synchronize after it)
-            return None
+        if not block:
+            if self._code is not None:
+                if not self._code[0]:
+                    return None
+            elif not event.query():  # a record watched by other means than watch (.ci/fwd_host.py)
+                return None
+        event.synchronize()
         self._pending = None
         return abi.parse_error(pinned.numpy().tobytes())
 

@@ -891,17 +891,20 @@ def test_virtual_shared_expert_arguments(late):
 
 
 def test_error_poll_reads_the_watched_record_once():
-    """EpBuffers.poll, MoELayer's look at the last launch's error record (copied to pinned memory
-    after the launch, mokgen.ep.EpBuffers.watch): without blocking it reports nothing while the
-    copy has not arrived and keeps it pending; once the copy's event has completed it parses the
-    record without a synchronize (the query said it is done) and clears it, so a record is read
-    once; blocking synchronizes first; an error record comes back as its fields."""
+    """EpBuffers.poll, MoELayer's look at the launches' error record (copied to pinned memory after
+    each launch, mokgen.ep.EpBuffers.watch): without blocking it reads the pinned record's code
+    and reports nothing while it is 0, without a CUDA call (the copy may not have landed: the
+    kernel's record stays set, so a later copy carries an error); a nonzero code waits for the
+    last copy, reports the record's fields once and clears the pending record; blocking always
+    waits first; clear_error zeroes the pinned record too, so a reported error is not seen
+    again. A record watched by other means (no code view) falls back to the event's query."""
 
     class Event:
         def __init__(self, done):
-            self.done, self.syncs = done, 0
+            self.done, self.syncs, self.queries = done, 0, 0
 
         def query(self):
+            self.queries += 1
             return self.done
 
         def synchronize(self):
@@ -909,17 +912,29 @@ def test_error_poll_reads_the_watched_record_once():
             self.done = True
 
     bufs = ep_mod.EpBuffers.__new__(ep_mod.EpBuffers)
-    bufs._pending = None
+    bufs._pending = bufs._pinned = bufs._code = None
+    bufs.ctl = torch.zeros(abi.ERROR_OFFSET + abi.ERROR_BYTES, dtype=torch.uint8)
     assert bufs.poll(block=False) is None and bufs.poll(block=True) is None
-    record = torch.tensor(list(struct.pack("<iiiiQ", 1, 3, 2, 5, 9)), dtype=torch.uint8)
-    assert record.numel() == abi.ERROR_BYTES
+    bufs._pinned = torch.zeros(abi.ERROR_BYTES, dtype=torch.uint8)
+    bufs._code = bufs._pinned.numpy().view("<i4")
     ev = Event(False)
-    bufs._pending = (record, ev)
-    assert bufs.poll(block=False) is None and bufs._pending is not None and ev.syncs == 0
-    ev.done = True
+    bufs._pending = (bufs._pinned, ev)
+    assert bufs.poll(block=False) is None and bufs._pending is not None
+    assert ev.syncs == 0 and ev.queries == 0  # no CUDA call while the code is 0
+    bufs._pinned.copy_(torch.tensor(list(struct.pack("<iiiiQ", 1, 3, 2, 5, 9)), dtype=torch.uint8))
+    bufs.ctl[abi.ERROR_OFFSET] = 1
     assert bufs.poll(block=False) == {"code": 1, "rank": 3, "stage": 2, "peer": 5, "epoch": 9}
-    assert ev.syncs == 0 and bufs._pending is None
-    assert bufs.poll(block=False) is None  # read once
+    assert ev.syncs == 1 and bufs._pending is None
+    assert bufs.poll(block=False) is None  # reported once
+    bufs._pending = (bufs._pinned, Event(True))
+    bufs.clear_error()  # what _raise does after the report
+    assert bufs._pending is None and not bufs._pinned.any() and not bufs.ctl.any()
+    ev = Event(False)
+    bufs._pending = (bufs._pinned, ev)
+    assert bufs.poll(block=True) is None and ev.syncs == 1 and bufs._pending is None
+    bufs._code = None
     ev = Event(False)
     bufs._pending = (torch.zeros(abi.ERROR_BYTES, dtype=torch.uint8), ev)
-    assert bufs.poll(block=True) is None and ev.syncs == 1 and bufs._pending is None
+    assert bufs.poll(block=False) is None and ev.queries == 1 and bufs._pending is not None
+    ev.done = True
+    assert bufs.poll(block=False) is None and bufs._pending is None

@@ -520,6 +520,38 @@ def test_moe_layer_single_rank_eager_compile_graph_and_one_launch():
     layer.check_errors()
 
 
+def test_moe_layer_reports_a_recorded_error_once_at_its_next_call():
+    """MoELayer's error path without blocking (v0.54: EpBuffers.poll reads the pinned record's
+    code, with no CUDA call while it is 0): a timeout the kernel records (written here into the
+    layer's error record, as the kernel's Waiter::fail does) reaches the host with the next
+    launch's copy and is raised, once, as a KernelError naming the rank and stage, at the call
+    after; the call after that runs and gives the same bits as before."""
+    import struct
+
+    from mokgen import abi
+
+    spec = load_spec(SMALL)
+    layer = MoELayer(spec, max_tokens=512, chunk_rows=256, ring_chunks=2)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    (x,), (i,), (w,) = _inputs(spec, [300], gen)
+    i = i.to(torch.int32)
+    with torch.no_grad():
+        first = layer(x, i, w).clone()
+        torch.cuda.synchronize()
+        layer.check_errors(block=False)  # nothing recorded
+        record = torch.tensor(list(struct.pack("<iiiiQ", 1, 0, 2, 0, 7)), dtype=torch.uint8, device="cuda")
+        layer._ep.ctl[abi.ERROR_OFFSET:abi.ERROR_OFFSET + abi.ERROR_BYTES].copy_(record)
+        layer(x, i, w)  # its watch copies the record now set
+        torch.cuda.synchronize()
+        with pytest.raises(KernelError, match="rank 0"):
+            layer(x, i, w)
+        layer.check_errors(block=False)  # reported once: the record and its pinned copy are cleared
+        again = layer(x, i, w)
+        torch.cuda.synchronize()
+        layer.check_errors(block=True)
+    assert torch.equal(again, first)
+
+
 @pytest.mark.slow
 def test_soak_2000_random_calls():
     """Random specs (the small ones), W, token counts, skew and ring geometry; every call checked
