@@ -480,7 +480,8 @@ def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple) -> list:
 
 
 #: the op's required arguments (xs .. silent_rank) and its optional ones' defaults (shared_gate,
-#: shared_up, shared_down, shared_scale, save_gu), as the binding declares them
+#: shared_up, shared_down, shared_scale, save_gu), as the binding declares them (its own
+#: _OPTIONAL_DEFAULTS is taken where it has one)
 _OP_REQUIRED = 18
 _OP_OPTIONAL_DEFAULTS = (None, None, None, None, False)
 
@@ -523,7 +524,8 @@ def _launch_then_record(kernel, args: tuple) -> list | None:
     raw = getattr(kernel, "_ep_forward", None)
     if raw is None or not hasattr(kernel, "_ep_setup_context") or not hasattr(kernel, "_ep_grads"):
         return None
-    optional = list(args[_OP_REQUIRED:]) + list(_OP_OPTIONAL_DEFAULTS[len(args) - _OP_REQUIRED:])
+    defaults = getattr(kernel, "_OPTIONAL_DEFAULTS", _OP_OPTIONAL_DEFAULTS)
+    optional = list(args[_OP_REQUIRED:]) + list(defaults[len(args) - _OP_REQUIRED:])
     inputs = (*args[:_OP_REQUIRED], *optional)
     outs = raw(*inputs)
     lists = args[:6]
