@@ -1141,12 +1141,9 @@ class MoELayer(torch.nn.Module):
         # mode only; a compiled call forgets the last key, a captured one stops the tracking.
         # An eager call's key is taken after its launch (host time the GPU no longer waits for);
         # until then the ring holds no tracked rows, so a launch that fails claims none.
-        if compiling:
-            bufs.ring_key = None
-        elif capturing:
-            bufs.ring_key, bufs.ring_untracked = None, True
-        else:
-            bufs.ring_key = None
+        bufs.ring_key = None
+        if capturing:
+            bufs.ring_untracked = True
         wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down)
         out = _call_op(self._kernel, grad_inputs, (
             [x], [ids32],
