@@ -131,7 +131,9 @@ class EpBuffers:
 
     def clear_error(self) -> None:
         self.ctl[abi.ERROR_OFFSET : abi.ERROR_OFFSET + abi.ERROR_BYTES].zero_()
-        if self._pinned is not None:  # (no copy is in flight: poll synchronized before it reported)
+        if self._pending is not None:  # a watched copy may still be in flight (an error read by
+            self._pending[1].synchronize()  # read_error): it lands before its buffer is zeroed
+        if self._pinned is not None:
             self._pinned.zero_()
         self._pending = None
 

@@ -896,8 +896,8 @@ def test_error_poll_reads_the_watched_record_once():
     and reports nothing while it is 0, without a CUDA call (the copy may not have landed: the
     kernel's record stays set, so a later copy carries an error); a nonzero code waits for the
     last copy, reports the record's fields once and clears the pending record; blocking always
-    waits first; clear_error zeroes the pinned record too, so a reported error is not seen
-    again. A record watched by other means (no code view) falls back to the event's query."""
+    waits first; clear_error waits for a copy still in flight and zeroes the pinned record too,
+    so a reported error is not seen again. A record watched by other means (no code view) falls back to the event's query."""
 
     class Event:
         def __init__(self, done):
@@ -926,9 +926,10 @@ def test_error_poll_reads_the_watched_record_once():
     assert bufs.poll(block=False) == {"code": 1, "rank": 3, "stage": 2, "peer": 5, "epoch": 9}
     assert ev.syncs == 1 and bufs._pending is None
     assert bufs.poll(block=False) is None  # reported once
-    bufs._pending = (bufs._pinned, Event(True))
-    bufs.clear_error()  # what _raise does after the report
-    assert bufs._pending is None and not bufs._pinned.any() and not bufs.ctl.any()
+    ev = Event(False)
+    bufs._pending = (bufs._pinned, ev)  # an error read by read_error while a copy is in flight
+    bufs.clear_error()  # what _raise does after the report: the copy lands, then its buffer is zeroed
+    assert ev.syncs == 1 and bufs._pending is None and not bufs._pinned.any() and not bufs.ctl.any()
     ev = Event(False)
     bufs._pending = (bufs._pinned, ev)
     assert bufs.poll(block=True) is None and ev.syncs == 1 and bufs._pending is None
