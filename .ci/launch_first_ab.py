@@ -106,7 +106,7 @@ def grads(side: int):
     set_side(side)
     _, out = step(0)
     x, _, w, _ = inputs[0]
-    return [out.detach().clone(), x.grad.clone(), w.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+    return [out.detach().clone(), x.grad.clone(), w.grad.clone(), *(p.grad.clone() for p in params)]
 
 
 ga, gb = grads(0), grads(1)

@@ -391,17 +391,22 @@ def _mx_cached(w: torch.Tensor):
     return hit[1] if hit is not None and hit[0] == version else None
 
 
+def _is_mx(kernel) -> bool:
+    """Whether ``kernel`` is an MXFP8 build."""
+    return getattr(kernel, "NUMERICS", "bf16") == "mxfp8"
+
+
 def _weights_for(kernel, w_gate, w_up, w_down):
     """The expert weights as ``kernel`` takes them: as given (bf16 builds), or for an MXFP8 build
     their MX values (``_mx_operand``)."""
-    if getattr(kernel, "NUMERICS", "bf16") != "mxfp8":
+    if not _is_mx(kernel):
         return w_gate, w_up, w_down
     return _mx_operands(w_gate, w_up, w_down)
 
 
 def _mx_training(kernel, grad_inputs) -> bool:
     """Whether this launch is an MXFP8 build's under autograd (``_MXTraining`` then records it)."""
-    return getattr(kernel, "NUMERICS", "bf16") == "mxfp8" and _records_grad(grad_inputs)
+    return _is_mx(kernel) and _records_grad(grad_inputs)
 
 
 class _MXTraining(torch.autograd.Function):
@@ -471,9 +476,9 @@ def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple) -> list:
     that autograd records goes through ``_mx_train`` with ``mx_inputs`` (xs, topk_ids,
     topk_weights, w_gate, w_up, w_down: the caller's, unconverted). An eager call that autograd
     records launches first and is recorded after (``_launch_then_record``)."""
-    if _mx_training(kernel, grad_inputs):
-        return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs)
     grad = _records_grad(grad_inputs)
+    if grad and _is_mx(kernel):  # _mx_training, with grad already known
+        return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs)
     if grad and not torch.compiler.is_compiling():
         outs = _launch_then_record(kernel, args)
         if outs is not None:
@@ -481,20 +486,18 @@ def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple) -> list:
     return _op(kernel, grad)(*args)
 
 
-#: the op's required arguments (xs .. silent_rank) and its optional ones' defaults (shared_gate,
-#: shared_up, shared_down, shared_scale, save_gu), as the binding declares them (its own
-#: _OPTIONAL_DEFAULTS is taken where it has one)
+#: the op's required arguments (xs .. silent_rank); the optional ones follow (shared_gate,
+#: shared_up, shared_down, shared_scale, save_gu: the binding's _OPTIONAL_DEFAULTS)
 _OP_REQUIRED = 18
-_OP_OPTIONAL_DEFAULTS = (None, None, None, None, False)
 
 
 class _LaunchedEp(torch.autograd.Function):
     """The autograd record of an eager megakernel call that has already launched
     (``_launch_then_record``). Its forward only records: the binding's ``_ep_setup_context``
     saves what the backward needs (the inputs, and the pre-activations where the launch saved
-    them), and the launch's outputs become this node's. The backward is the binding's
-    ``_ep_grads``, so the saved tensors, the gradients and their bits are those of the binding's
-    own eager Function (``EP_EAGER``), which records before it launches. Inputs: the kernel
+    them), and the launch's outputs become this node's. The backward is the binding's own eager
+    Function's (``_EagerEp``, behind ``EP_EAGER``, which records before it launches), so the saved
+    tensors, the gradients and their bits are the same. Inputs: the kernel
     module, the op's 23 arguments, the launch's outputs (none of the three is a tensor argument
     of the node), then the tensors that get gradients, in ``EP_EAGER``'s order (xs, topk_ids,
     topk_weights, w_gate, w_up, w_down, the shared expert's given tensors)."""
@@ -509,10 +512,8 @@ class _LaunchedEp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        dxs, dws, dwg, dwu, dwd, shared_grads = ctx.kernel._ep_grads(ctx, grads)
-        n = ctx.counts[0]
-        return (None, None, None, *dxs, *([None] * n), *dws, *dwg, *dwu, *dwd,
-                *(g for g, given in zip(shared_grads, ctx.shared) if given))
+        # _EagerEp's gradients lead with its one non-tensor input's None; here there are three
+        return (None, None, *ctx.kernel._EagerEp.backward(ctx, *grads))
 
 
 def _launch_then_record(kernel, args: tuple) -> list | None:
@@ -524,10 +525,9 @@ def _launch_then_record(kernel, args: tuple) -> list | None:
     for it (docs/perf-notes.md v0.54). None where the binding lacks the pieces (a build older
     than them): the caller then takes ``EP_EAGER``."""
     raw = getattr(kernel, "_ep_forward", None)
-    if raw is None or not hasattr(kernel, "_ep_setup_context") or not hasattr(kernel, "_ep_grads"):
+    if raw is None or not all(hasattr(kernel, a) for a in ("_ep_setup_context", "_EagerEp", "_OPTIONAL_DEFAULTS")):
         return None
-    defaults = getattr(kernel, "_OPTIONAL_DEFAULTS", _OP_OPTIONAL_DEFAULTS)
-    optional = list(args[_OP_REQUIRED:]) + list(defaults[len(args) - _OP_REQUIRED:])
+    optional = list(args[_OP_REQUIRED:]) + list(kernel._OPTIONAL_DEFAULTS[len(args) - _OP_REQUIRED:])
     inputs = (*args[:_OP_REQUIRED], *optional)
     outs = raw(*inputs)
     lists = args[:6]

@@ -777,8 +777,8 @@ def test_eager_form_has_the_registered_ops_gradients(monkeypatch, fuse, tail):
 def test_a_recorded_eager_call_launches_before_autograd_records_it(monkeypatch):
     """mokgen.ep._call_op under autograd, eager: the binding's implementation (the launch) runs
     before the binding's _ep_setup_context (the autograd node's work), so that work is host time
-    after the launch; the outputs carry the node, and its backward is the binding's _ep_grads,
-    one gradient per tensor input. Without autograd the implementation runs alone, and a binding
+    after the launch; the outputs carry the node, and its backward is the binding's
+    _EagerEp.backward, one gradient per tensor input. Without autograd the implementation runs alone, and a binding
     without the pieces falls back to EP_EAGER (which records first)."""
     from types import SimpleNamespace
 
@@ -799,12 +799,13 @@ def test_a_recorded_eager_call_launches_before_autograd_records_it(monkeypatch):
         order.append("record")
         ctx.counts, ctx.shared = (1, 1), (False,) * 4
 
-    def grads(ctx, gs):
+    def backward(ctx, *gs):  # as the binding's _EagerEp.backward: its layout's None, then per tensor
         order.append("backward")
-        return [gs[0] * 2], [torch.ones_like(w)], [torch.zeros_like(wg)], [torch.zeros_like(wu)], \
-            [torch.zeros_like(wd)], (None,) * 4
+        return (None, gs[0] * 2, None, torch.ones_like(w), torch.zeros_like(wg), torch.zeros_like(wu),
+                torch.zeros_like(wd))
 
-    k = SimpleNamespace(_ep_forward=raw, _ep_setup_context=setup, _ep_grads=grads, EP_EAGER="eager", EP_OP="op")
+    k = SimpleNamespace(_ep_forward=raw, _ep_setup_context=setup, _EagerEp=SimpleNamespace(backward=backward),
+                        _OPTIONAL_DEFAULTS=(None,) * 4 + (False,), EP_EAGER="eager", EP_OP="op")
     args = ([x], [ids], [w], [wg], [wu], [wd], *([0] * 12))
     out = ep_mod._call_op(k, (x, w, wg, wu, wd), args, ())[0]
     assert order == ["launch", "record"]
