@@ -23,7 +23,8 @@ it, with the shipped tuned entry where one fits (issue 7's same-run comparison o
 the defaults; A should then set nothing).
 
 Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
-                                   [--blocks N] [--backward] [--check-bits] [--out FILE.json]
+                                   [--blocks N] [--backward] [--check-bits] [--numerics mxfp8]
+                                   [--out FILE.json]
   WORKLOAD  SPEC:local (the bench's local stand-in, EP from bench.LOCAL_EP) or SPEC:layer[:TOKENS]
             (default 16384)
   --a/--b   plan options, runtime arguments or MOKGEN_* settings, e.g. narrow_tiles=0 or
@@ -31,6 +32,8 @@ Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V
             or define=NAME[+NAME...]: that side's library built with -DNAME (a measuring macro
             of the kernel sources; its own cache entry)
   --blocks  ABBA blocks per workload (default 100: 400 launches)
+  --numerics  the workloads' numerics (default: the spec's, bf16); mxfp8: both sides are the
+            megakernel's MXFP8 build (v0.55: its CTA pairs, `--b cluster=2`)
 Both variants use the plan's defaults (no tuned entry) where they set nothing."""
 
 import argparse
@@ -103,8 +106,9 @@ def apply_env(envs: dict, keys) -> None:
             os.environ.pop(k, None)
 
 
-def workload(text: str):
-    """'SPEC:local' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows, real spec, EP degree)."""
+def workload(text: str, numerics: str | None = None):
+    """'SPEC:local' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows, real spec, EP degree), the
+    spec in ``numerics`` where given."""
     parts = text.split(":")
     name, kind = parts[0], parts[1] if len(parts) > 1 else "local"
     real = load_spec(name)
@@ -115,6 +119,9 @@ def workload(text: str):
         spec, rows = real, int(parts[2]) if len(parts) > 2 else 16384
     else:
         sys.exit(f"ab_variants: workload kind must be local or layer, got {kind!r}")
+    if numerics:
+        spec = spec.with_target(numerics=numerics)
+        return f"{name} {kind} {rows} {numerics}", spec, rows, real, ep
     return f"{name} {kind} {rows}", spec, rows, real, ep
 
 
@@ -139,6 +146,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=100)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--numerics", choices=("bf16", "mxfp8"), default=None)
     ap.add_argument("--check-bits", action="store_true",
                     help="after timing, run both sides on one input set and exit 1 unless their outputs (and, "
                          "with --backward, the gradients of x, the routing weights and the three weights) are "
@@ -150,7 +158,9 @@ def main() -> None:
     env_keys = set(va[2]) | set(vb[2])
     for k in env_keys:  # a side's settings are its own, not the caller's environment's
         os.environ.pop(k, None)
-    work = [workload(w) for w in args.workloads]
+    if args.numerics and args.b == "tuned":
+        sys.exit("ab_variants: --b tuned takes the spec's own numerics; leave out --numerics")
+    work = [workload(w, args.numerics) for w in args.workloads]
     # every build first, in parallel (the cache makes MoELayer's own load instant; a tuned
     # entry's build is made by its layer)
     sides = list({id(va): va, id(vb): vb}.values())

@@ -24,8 +24,9 @@ ABI_VERSION = 7
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
 #: numerics the megakernel implements: bf16, and mxfp8 (rows as E4M3 codes + E8M0 scales through the
-#: dispatch and h, mx_tile.cuh; the Hopper core's flow schedule without clusters or the fused shared
-#: expert; its backward is the staged MXFP8 experts', mokgen.ep._MXTraining)
+#: dispatch and h, mx_tile.cuh; the Hopper core's flow schedule without the fused shared expert,
+#: single CTAs unless cluster 2 is asked for (v0.55); its backward is the staged MXFP8 experts',
+#: mokgen.ep._MXTraining)
 IMPLEMENTED_NUMERICS = ("bf16", "mxfp8")
 #: filename-safe tags of the architectures
 ARCH_TAGS = {"sm_90a": "sm90a"}
@@ -175,7 +176,8 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     dispatch's copy engine ("bulk": TMA bulk copies, Hopper core only); ``dispatch_join``: dispatch
     CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise);
     ``stagger``: the consumer warpgroups' lead in k-blocks (the Hopper core's flow schedule only,
-    0 otherwise; not for mxfp8)."""
+    0 otherwise; not for mxfp8). Numerics mxfp8: the Hopper core's flow schedule with k-blocks
+    of 64 and the copy dispatch, no fused shared expert, and single CTAs unless ``cluster`` is 2."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES),
@@ -189,11 +191,11 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
                                     ("block_k", block_k, 64), ("pull_mode", pull_mode, "copy")):
             if value != want:
                 raise PlanError(f"{spec.name}: numerics mxfp8 needs {option} {want}, got {value!r}")
-        if cluster not in (None, 1):
-            raise PlanError(f"{spec.name}: numerics mxfp8 runs without clusters (cluster 1), got {cluster}")
         if stagger:
             raise PlanError(f"{spec.name}: numerics mxfp8 runs its consumers in lockstep (stagger 0), got {stagger}")
-        cluster, fuse_shared = 1, False
+        # CTA pairs (mx_tile.cuh, v0.55) only when asked for: the default stays single CTAs until
+        # the pairs are measured on a GPU (docs/perf-notes.md v0.55)
+        cluster, fuse_shared = 1 if cluster is None else cluster, False
     if stagger and gemm_core == "wgmma" and schedule == "flow":
         k_blocks = min(spec.hidden_size, spec.moe_intermediate_size) // block_k
         if stagger > k_blocks:

@@ -80,6 +80,38 @@ def test_mx_megakernel_gives_the_same_bits_for_every_w_and_ring():
             assert all(torch.equal(a, b) for a, b in zip(four, again))
 
 
+@pytest.mark.nvcc  # builds the pairs' variant: needs the compiler even where prebuilt wheels serve the defaults
+@pytest.mark.parametrize("inter", [768, 640])
+def test_mx_cta_pairs_give_the_single_ctas_bits(monkeypatch, inter):
+    """MOKGEN_CLUSTER=2 on an MXFP8 build (mx_tile.cuh's CTA pairs, v0.55): each pair-tile's
+    shared operand is multicast, B for row blocks m and m + 1, A's codes and scales for column
+    tiles n and n + 1 of a segment's odd last block. The tiles' sums are the single CTAs', so the
+    bits must be too: W = 1 and W = 4 (one rank without tokens, skewed routing), several rings.
+    I = 640 gives 5 up column tiles, so a pair-tile of an odd last block has no n + 1 and its
+    second CTA runs a tile of zero rows beside the multicasts."""
+    from mokgen.load import load
+    from mokgen.spec import spec_from_dict
+
+    d = load_spec(SMALL).canonical_dict()
+    d.update(name=f"mx-pairs-i{inter}", aliases=[], moe_intermediate_size=inter)
+    spec = spec_from_dict(d).with_target(numerics="mxfp8")
+    weights = _problem(spec, [1], seed=3)[3]
+    cases = {1: _problem(spec, [1500], seed=4, skew=True)[:3],
+             4: _problem(spec, [900, 0, 433, 1201], seed=5, skew=True)[:3]}
+    runs = {}
+    for cluster in ("1", "2"):
+        monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+        assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster)
+        for w, (xs, ids, ws) in cases.items():
+            for chunk, ring in ((256, 2), (1024, 3)):
+                with torch.no_grad():
+                    runs[cluster, w, chunk, ring] = torch.cat(
+                        virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=chunk, ring_chunks=ring))
+    for (cluster, w, chunk, ring), out in runs.items():
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, runs["1", w, 256, 2]), f"cluster {cluster}, W = {w}, ring {ring} x {chunk}: bits differ"
+
+
 def _staged_grads(spec, xs, ids, ws, weights, d_outs):
     """experts_forward_train's gradients (x, topk_weights, w_gate, w_up, w_down) on the ranks'
     tokens concatenated in rank order: what an MXFP8 launch's backward returns."""

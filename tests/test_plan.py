@@ -174,19 +174,24 @@ def test_figures_errors_are_one_line_plan_errors(name, kwargs, pattern):
 # ---- make_plan --------------------------------------------------------------------------------
 
 
-def test_make_plan_mxfp8_takes_the_hopper_flow_schedule_without_clusters_or_fusion():
+def test_make_plan_mxfp8_takes_the_hopper_flow_schedule_without_fusion_and_pairs_on_request():
     """numerics mxfp8 (mx_tile.cuh in the megakernel): the defaults' clusters and fused shared
-    expert are dropped; options the MX tiles do not have are refused with one line."""
+    expert are dropped, CTA pairs are built when asked for (v0.55); options the MX tiles do not
+    have are refused with one line."""
     spec = load_spec("qwen3.5-35b-a3b").with_target(numerics="mxfp8")  # fuses its shared expert in bf16
     plan = make_plan(spec)
     assert plan.numerics == "mxfp8" and plan.gemm_cluster == 1 and not plan.fuse_shared
     assert plan.gemm_core == "wgmma" and plan.schedule == "flow" and plan.gemm_block_k == 64
-    assert make_plan(load_spec("kimi-k2.5").with_target(numerics="mxfp8")).gemm_cluster == 1
+    kimi = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    assert make_plan(kimi).gemm_cluster == 1  # bf16 builds of kimi-k2.5 pair by default
+    paired = make_plan(kimi, cluster=2)
+    assert paired.gemm_cluster == 2 and paired.numerics == "mxfp8" and not paired.fuse_shared
+    assert smem_bytes(paired) == smem_bytes(make_plan(kimi))  # pairs share operands, not stages
     # a stage: A's 128 x 64 codes, B's 256 x 64 bf16, the k128 block's scales, 1024-aligned
     assert smem_bytes(plan) == plan.gemm_stages * 41984 + 2 * plan.gemm_stages * 8 + 1024
     for options, what in (({"gemm_core": "mma_sync"}, "gemm_core wgmma"), ({"schedule": "phased"}, "schedule flow"),
                           ({"block_k": 32}, "block_k 64"), ({"pull_mode": "bulk"}, "pull_mode copy"),
-                          ({"cluster": 2}, "without clusters")):
+                          ({"stagger": 1}, "in lockstep")):
         with pytest.raises(PlanError, match=what) as info:
             make_plan(spec, **options)
         assert "\n" not in str(info.value) and str(info.value).startswith(f"{spec.name}: ")

@@ -251,18 +251,19 @@ struct EpHopperTiles {
   static_assert(Cfg::kStagger == 0 || Cfg::kFlow, "the consumers' stagger: the flow schedule only");
 };
 // MXFP8 (Cfg::kMx): the tiles of mx_tile.cuh, A as E4M3 rows plus scales (a stage: A codes, B bf16
-// MX values, the k128 block's A scales), under the flow schedule without clusters
+// MX values, the k128 block's A scales), under the flow schedule, single CTAs or CTA pairs
 template <class Cfg>
 struct EpHopperTiles<Cfg, true> {
   // the gated tile's own stride: B tiles are 128 or 256 rows, so its 256 rows make the larger stage
   static constexpr int kStride =
       sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256>::kStageStride;
-  using Up = sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride>;
-  using Down = sm90::MxTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride>;
+  using Up = sm90::MxTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster>;
+  using Down = sm90::MxTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
+                            Cfg::kCluster>;
   static_assert(Cfg::kStagger == 0, "MXFP8 builds: the consumers run in lockstep (the MX tile has no stagger)");
-  static_assert(Cfg::kFlow && Cfg::kCluster == 1 && !Cfg::kFuseShared && Cfg::kBlockK == 64 && !Cfg::kPullBulk,
-                "MXFP8 builds: the Hopper core's flow schedule, no clusters, no fused shared expert, k-blocks of 64, "
-                "the copy dispatch");
+  static_assert(Cfg::kFlow && !Cfg::kFuseShared && Cfg::kBlockK == 64 && !Cfg::kPullBulk,
+                "MXFP8 builds: the Hopper core's flow schedule, no fused shared expert, k-blocks of 64, the copy "
+                "dispatch");
 };
 template <class Cfg>
 struct EpCore<Cfg, true> {

@@ -18,7 +18,12 @@
 // blocks of a row is one MX block, held by the four lanes of a quad (8 values each), which agree
 // on its amax by two shuffles; the codes are exchanged so that each lane stores 8 contiguous codes
 // and lane 0 of the quad the block's scale (mx::quantize_block's bits).
-// Clusters (multicast) and 32-wide k-blocks are not supported yet.
+// Clusters of two (kCluster = 2, v0.55): as HopperTile's pairs, the two CTAs run two tiles that
+// share one operand and each CTA's producer multicasts its half of that operand into both CTAs'
+// stages. kShareB (row blocks m, m + 1, one column tile): the B half `crank`; kShareA (one row
+// block, column tiles n, n + 1): the A codes' half `crank`, and crank 0 multicasts the scales' box
+// (both tiles have the same first row). The barriers, the stage release to the peer and the
+// multicast itself are HopperTile's. 32-wide k-blocks are not supported.
 #pragma once
 
 #include "hopper_gemm.cuh"
@@ -60,7 +65,7 @@ struct MxRowsBlocked {
   }
 };
 
-template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0>
+template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1>
 struct MxTile {
   static constexpr int kBM = 128;
   static constexpr int kBK = 64;
@@ -88,9 +93,10 @@ struct MxTile {
   static constexpr int kABox = kBM / 2;
   static constexpr int kBBox = kBNB / 2;
 
-  // HopperTile's stride-free parts: the barriers' carve and init, the stage release, the quad
+  // HopperTile's stride-free parts: the barriers' carve and init (the empty barriers count the
+  // peer's consumers in a pair), the stage release (to the peer too), the multicast, the quad
   // exchange (its own stage sizes are bf16 A's and play no part here)
-  using Base = HopperTile<kN, kK, kGated, kHasClamp, kStages, kBNB>;
+  using Base = HopperTile<kN, kK, kGated, kHasClamp, kStages, kBNB, 0, kCluster>;
   using Smem = typename Base::Smem;
   using Pipe = PipeState<kStages>;
 
@@ -99,11 +105,11 @@ struct MxTile {
 
   // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate, and the
   // row of A's blocked scales); b_row0: first B row of map_b0 and map_b1 (gate and up rows of a
-  // gated tile) or of map_b0 alone (both halves). HopperTile's signature, A an MxA; share and
-  // crank (clusters) are not supported and ignored.
+  // gated tile) or of map_b0 alone (both halves). HopperTile's signature, A an MxA. share / crank
+  // (kCluster == 2): the operand this tile shares with the peer's tile, and this CTA's rank in the
+  // cluster (see the header comment); each CTA's full barrier still receives kStageBytes.
   MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const MxA& a, int a_row0, const CUtensorMap* map_b0,
-                                    const CUtensorMap* map_b1, int b_row0, int /*share*/ = kShareNone,
-                                    int /*crank*/ = 0) {
+                                    const CUtensorMap* map_b1, int b_row0, int share = kShareNone, int crank = 0) {
     for (int kb = 0; kb < kKTiles; ++kb) {
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
@@ -117,10 +123,25 @@ struct MxTile {
       for (int h = 0; h < 2; ++h) {
         const CUtensorMap* mb = kGated && h ? map_b1 : map_b0;
         const int b_row = kGated ? b_row0 : b_row0 + h * kBBox;
-        cute::SM90_TMA_LOAD_2D::copy(a.map, full, 0, st + h * (kABox * kBK), k0, a_row0 + h * kABox);
-        cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, st + kABytes + h * (kBBox * kBK * 2), k0, b_row);
+        unsigned char* sa = st + h * (kABox * kBK);
+        unsigned char* sb = st + kABytes + h * (kBBox * kBK * 2);
+        if (kCluster == 2 && share == kShareA) {
+          if (h == crank) Base::multicast(a.map, full, sa, k0, a_row0 + h * kABox);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(a.map, full, 0, sa, k0, a_row0 + h * kABox);
+        }
+        if (kCluster == 2 && share == kShareB) {
+          if (h == crank) Base::multicast(mb, full, sb, k0, b_row);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, sb, k0, b_row);
+        }
       }
-      cute::SM90_TMA_LOAD_2D::copy(a.scales, full, 0, st + kABytes + kBBytes, a_row0 & ~3, k0 / 128);
+      unsigned char* ss = st + kABytes + kBBytes;
+      if (kCluster == 2 && share == kShareA) {
+        if (crank == 0) Base::multicast(a.scales, full, ss, a_row0 & ~3, k0 / 128);
+      } else {
+        cute::SM90_TMA_LOAD_2D::copy(a.scales, full, 0, ss, a_row0 & ~3, k0 / 128);
+      }
       pipe.advance();
     }
   }
