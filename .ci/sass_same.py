@@ -5,6 +5,7 @@ anonymous-namespace hashes (which follow the file path) taken out. Used before r
 mokgen/tuned/ to a new kernel digest (mokgen/tuned/README.md). CPU only.
 
 Usage: python3 .ci/sass_same.py REV SPEC [SPEC ...]   (CUOBJDUMP=path if not on PATH)
+  SPEC:mxfp8 compares the spec's MXFP8 build instead (its default plan)
 Prints one line per spec, "same" or "DIFFERENT (n lines)"; exits 1 if any differs.
 """
 
@@ -26,16 +27,18 @@ ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_(\d+_\w+?)_[0-9a-f]{8}")
 def _sass(tree: Path, spec: str, out: Path) -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(tree), MOKGEN_GENERATED_DIR=str(out / "gen"))
     code = ("import sys; from mokgen import build as b, render as r; from mokgen.spec import load_spec; "
-            "p, k, _ = b.plan_and_key(load_spec(sys.argv[1])); f = r.render(p, k); "
+            "n, _, num = sys.argv[1].partition(':'); s = load_spec(n); "
+            "s = s.with_target(numerics=num) if num else s; "
+            "p, k, _ = b.plan_and_key(s); f = r.render(p, k); "
             "sys.stdout.write(f['moe_forward.cu'])")
     src = subprocess.run([sys.executable, "-c", code, spec], env=env, cwd=tree, check=True, capture_output=True,
                          text=True).stdout
-    cu = out / f"{spec}.cu"
+    cu = out / f"{spec.replace(':', '-')}.cu"
     cu.write_text(src)
     import cutlass_library  # the headers the build uses
 
     cutlass_inc = Path(cutlass_library.__file__).parent / "source" / "include"
-    cubin = out / f"{spec}.cubin"
+    cubin = out / f"{spec.replace(':', '-')}.cubin"
     subprocess.run(["nvcc", "-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
                     "-Xcompiler", "-fno-gnu-unique", "-I", str(tree / "templates" / "include"), "-I",
                     str(cutlass_inc), str(cu), "-o", str(cubin)], check=True, capture_output=True)
