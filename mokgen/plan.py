@@ -25,7 +25,7 @@ ABI_VERSION = 7
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
 #: numerics the megakernel implements: bf16, and mxfp8 (rows as E4M3 codes + E8M0 scales through the
 #: dispatch and h, mx_tile.cuh; the Hopper core's flow schedule without the fused shared expert,
-#: single CTAs unless cluster 2 is asked for (v0.55); its backward is the staged MXFP8 experts',
+#: single CTAs unless cluster 2 is asked for (v0.55, measured slower); its backward is the staged MXFP8 experts',
 #: mokgen.ep._MXTraining)
 IMPLEMENTED_NUMERICS = ("bf16", "mxfp8")
 #: filename-safe tags of the architectures
@@ -193,8 +193,8 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
                 raise PlanError(f"{spec.name}: numerics mxfp8 needs {option} {want}, got {value!r}")
         if stagger:
             raise PlanError(f"{spec.name}: numerics mxfp8 runs its consumers in lockstep (stagger 0), got {stagger}")
-        # CTA pairs (mx_tile.cuh, v0.55) only when asked for: the default stays single CTAs until
-        # the pairs are measured on a GPU (docs/perf-notes.md v0.55)
+        # CTA pairs (mx_tile.cuh, v0.55) only when asked for: they measured 7% slower than single
+        # CTAs on an H100 (kimi-k2.5 and deepseek-v3 local, docs/perf-notes.md v0.55)
         cluster, fuse_shared = 1 if cluster is None else cluster, False
     if stagger and gemm_core == "wgmma" and schedule == "flow":
         k_blocks = min(spec.hidden_size, spec.moe_intermediate_size) // block_k

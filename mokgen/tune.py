@@ -234,8 +234,8 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     options = env.plan_options()
     # an axis whose switch is set stays at the switch's value (the build would override it)
     pairs_possible = options["gemm_core"] == "wgmma" and options["schedule"] == "flow"
-    # the MX tiles: k-blocks of 64 and the copy dispatch; their CTA pairs (v0.55) are not searched
-    # until measured on a GPU (docs/perf-notes.md v0.55)
+    # the MX tiles: k-blocks of 64 and the copy dispatch; their CTA pairs (v0.55) are not searched:
+    # 7% slower than single CTAs on an H100 (docs/perf-notes.md v0.55)
     mx = spec.target.numerics == "mxfp8"
     clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not mx and not env.switch_set("cluster")
                                  else [])
