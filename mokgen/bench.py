@@ -293,8 +293,10 @@ def bench_local(spec: MoESpec, ep: int | None = None, *, tokens_per_gpu: int = 2
     """Workload (a): one rank's expert work after dispatch (ep from LOCAL_EP, default 8)."""
     ep = LOCAL_EP.get(spec.name, 8) if ep is None else ep
     local, rows = local_spec(spec, ep, tokens_per_gpu)
+    # the MXFP8 megakernel takes the real spec's MXFP8 tuned entry where one exists (mokgen tune --numerics mxfp8)
+    mx_kwargs = local_layer_kwargs(spec.with_target(numerics="mxfp8"), ep, tokens_per_gpu) if numerics == "mxfp8" else None
     out = bench_layer(local, rows, iters=iters, loop=loop, layer_kwargs=local_layer_kwargs(spec, ep, tokens_per_gpu),
-                      numerics=numerics)
+                      numerics=numerics, mx_layer_kwargs=mx_kwargs)
     for r in out:
         r.workload = f"local EP{ep}"
     return out
@@ -309,9 +311,12 @@ MX_MEGA_ROW = "mokgen megakernel MXFP8 (W=1)"
 
 
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True,
-                layer_kwargs: dict | None = None, numerics: str = "bf16") -> list[Row]:
+                layer_kwargs: dict | None = None, numerics: str = "bf16",
+                mx_layer_kwargs: dict | None = None) -> list[Row]:
     """mokgen against its peers on ``spec``'s layer at ``tokens`` tokens on one GPU.
-    ``layer_kwargs``: MoELayer arguments of a tuned entry found for another spec (bench_local).
+    ``layer_kwargs``: MoELayer arguments of a tuned entry found for another spec (bench_local);
+    ``mx_layer_kwargs``: the same for the MXFP8 megakernel (an MXFP8 tuned entry). A megakernel
+    row that runs a tuned entry says so in its name.
     ``numerics="mxfp8"`` adds the MXFP8 experts (mokgen.mx_experts, weights quantized once before
     the timing) and, for them and the BF16 megakernel, the error against the float64 layer."""
     from mokgen.ep import MoELayer
@@ -330,6 +335,7 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
     # a tuned entry (mokgen tune) in use is named in the row
     tuned = layer.tuned_entry is not None or layer_kwargs is not None
     ours = "mokgen megakernel (W=1" + (", tuned)" if tuned else ")")
+    mx_row = MX_MEGA_ROW  # numerics mxfp8: the MXFP8 megakernel's row (", tuned)" with a tuned entry)
     impls = {
         ours: lambda i: layer(*inputs[i]),
         "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),
@@ -341,11 +347,14 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         impls[MX_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp, check_ids=False)
         impls[MX_FP8_ROW] = lambda i: mx_experts.experts_forward(*inputs[i], mxw, clamp, form="quad",
                                                                 check_ids=False)
-        mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda")
+        mx_layer = MoELayer(spec.with_target(numerics="mxfp8"), max_tokens=tokens, device="cuda",
+                            **(mx_layer_kwargs or {}))
         with torch.no_grad():
             mx_layer.w_gate.copy_(wg), mx_layer.w_up.copy_(wu), mx_layer.w_down.copy_(wd)
         mx_layer.check_ids = False
-        impls[MX_MEGA_ROW] = lambda i: mx_layer(*inputs[i])
+        if mx_layer.tuned_entry is not None or mx_layer_kwargs is not None:
+            mx_row = MX_MEGA_ROW[:-1] + ", tuned)"
+        impls[mx_row] = lambda i: mx_layer(*inputs[i])
     elif numerics != "bf16":
         raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
     if loop:
@@ -365,7 +374,7 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
 
             exact = reference.experts_forward(*inputs[0], wg, wu, wd, clamp_limit=clamp, acc_dtype=torch.float64)
             for r in rows:
-                if r.impl in (ours, MX_ROW, MX_FP8_ROW, MX_MEGA_ROW):
+                if r.impl in (ours, MX_ROW, MX_FP8_ROW, mx_row):
                     got = impls[r.impl](0).double()
                     r.error = ((got - exact).norm() / exact.norm()).item()
             del exact

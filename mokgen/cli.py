@@ -559,8 +559,10 @@ def prebuilt(as_json: bool) -> None:
               show_default=True,
               help="how a winner other than the defaults is confirmed: interleaved ABBA blocks of single launches "
                    "in one process (one GPU; under torchrun the rounds), or alternated rounds of medians")
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None,
+              help="override target.numerics: tune the spec's MXFP8 megakernel (its own tuned file)")
 def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_run, chunk_sweep, chunks,
-         plot_dir, confirm) -> None:
+         plot_dir, confirm, numerics) -> None:
     """Pick tile, pipeline and overlap parameters per SPEC on this GPU (mokgen.tune): build and
     time every candidate of the search space against the plan's defaults, write the tuned file
     that `mokgen.MoELayer` and `mokgen build --ep/--tokens` then use, print default vs tuned."""
@@ -573,7 +575,7 @@ def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_
     refs = list(bundled_specs()) if all_specs else list(spec_refs)
     if not refs:
         raise InputError("name at least one SPEC, or pass --all")
-    specs = [_spec(r) for r in refs]
+    specs = [_spec(r, numerics) for r in refs]
     try:
         sizes = [int(c) for c in chunks.split(",") if c.strip()]
     except ValueError:

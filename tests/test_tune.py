@@ -665,6 +665,26 @@ def test_cli_dry_run_lists_candidates_and_pruned(tuned_dirs):
     assert "then the stagger pass: the winner at lead(s) 2, 3" in out
 
 
+def test_cli_numerics_tunes_the_mxfp8_megakernels_space(tuned_dirs):
+    """`mokgen tune --numerics mxfp8` searches the MXFP8 build's space (single CTAs, k-blocks of
+    64: what the MX tiles build and are measured best at), not the BF16 one; its entries are
+    keyed by numerics, so they never stand in for the BF16 file."""
+    from test_cli import invoke
+
+    spec = load_spec("kimi-k2.5")
+    code, out, err = invoke("tune", "kimi-k2.5", "--numerics", "mxfp8", "--ep", "8", "--dry-run")
+    assert code == 0, err
+    mx = search_space(spec.with_target(numerics="mxfp8"), ep=8, tokens=2048).candidates
+    bf16 = search_space(spec, ep=8, tokens=2048).candidates
+    assert f"{len(mx)} candidates" in out and len(mx) < len(bf16)
+    assert "cluster 2" not in out and "BK 32" not in out and "cluster 1, BK 64, chunk 16384" in out
+    code, out, err = invoke("tune", "kimi-k2.5", "--ep", "8", "--dry-run")
+    assert code == 0 and "cluster 2" in out, err
+    mx_key = TuneKey.of(spec.with_target(numerics="mxfp8"), gpu=GPU, ep=8, tokens=2048, workload="local")
+    assert mx_key.relpath() == Path("kimi-k2.5/nvidia-h200-mxfp8-ep8-t2048-local.json")
+    assert mx_key.relpath() != TuneKey.of(spec, gpu=GPU, ep=8, tokens=2048, workload="local").relpath()
+
+
 @pytest.mark.parametrize("args,message", [
     ((), "name at least one SPEC"),
     (("qwen3-30b-a3b", "--ep", "3"), "--ep 3 must divide num_experts (128)"),
