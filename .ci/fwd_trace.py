@@ -29,6 +29,8 @@ prints:
             dependency waits, the part of them before their row block's last up tile ended, and
             the spread of a block's up tiles' ends
 FWD_TRACE_TILES (default 160): tiles traced per CTA; a CTA with more is reported as truncated.
+FWD_TRACE_NUMERICS=mxfp8: the spec's MXFP8 megakernel instead (mx_tile.cuh records the same waits and
+k-loop ends, v0.55; its tuned entry is the MXFP8 file where one matches).
 FWD_TRACE_OUT=DIR saves the raw records there (fwd-trace.pt: int64 [CTAs, tiles + 1, 3, 8]).
 The trace build keeps the dispatch CTAs out of the compute (plan dispatch_join is off there:
 their records hold their chunks), so its compute span is a little longer than the plain build's.
@@ -59,6 +61,9 @@ TILES = int(os.environ.get("FWD_TRACE_TILES", "160"))
 name = sys.argv[1] if len(sys.argv) > 1 else "kimi-k2.5"
 workload = sys.argv[2] if len(sys.argv) > 2 else "local"
 real = load_spec(name)
+NUMERICS = os.environ.get("FWD_TRACE_NUMERICS")
+if NUMERICS:
+    real = real.with_target(numerics=NUMERICS)
 TUNED = os.environ.get("FWD_TRACE_TUNED", "1") == "1"
 # the layer's arguments: the stand-in of (a) takes the real spec's tuned entry (as the bench does);
 # the real spec of (b) looks its own up (tuned=True), as the bench's layer does
@@ -66,6 +71,8 @@ kwargs = {"tuned": False}
 if workload == "local":
     ep = bench.LOCAL_EP.get(real.name, 8)
     spec, tokens = bench.local_spec(real, ep)
+    if NUMERICS:
+        spec = spec.with_target(numerics=NUMERICS)
     if TUNED:
         kwargs = bench.local_layer_kwargs(real, ep) or kwargs
 else:

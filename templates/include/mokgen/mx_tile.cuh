@@ -110,8 +110,11 @@ struct MxTile {
   // cluster (see the header comment); each CTA's full barrier still receives kStageBytes.
   MOKGEN_DEVICE static void produce(const Smem& s, Pipe& pipe, const MxA& a, int a_row0, const CUtensorMap* map_b0,
                                     const CUtensorMap* map_b1, int b_row0, int share = kShareNone, int crank = 0) {
+    MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)  // trace builds: the waits for empty stages
     for (int kb = 0; kb < kKTiles; ++kb) {
+      MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
       mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1u);
+      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       uint64_t* full = &s.full[pipe.stage];
       // the scales' shift, a plain store that the arrival below releases to the consumers (their
@@ -144,6 +147,7 @@ struct MxTile {
       }
       pipe.advance();
     }
+    MOKGEN_FWD_TRACE_ONLY(fwd_trace::s_waited[0] = tr_waited;)
   }
 
   // Consumer warpgroup wg (0/1): all k-blocks of one tile, then the epilogue for rows
@@ -158,8 +162,11 @@ struct MxTile {
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
     uint32_t a[2][4];
     int prev_stage = -1;
+    MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)  // trace builds: the waits for full stages
     for (int kb = 0; kb < kKTiles; ++kb) {
+      MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
       mbar_wait(&s.full[pipe.stage], pipe.phase);
+      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sb = st + kABytes;
       const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kABytes + kBBytes) +
@@ -196,6 +203,7 @@ struct MxTile {
     }
     cute::warpgroup_wait<0>();
     fence_operands(acc);
+    MOKGEN_FWD_TRACE_ONLY(fwd_trace::s_kloop_end[1 + wg] = fwd_trace::clock(); fwd_trace::s_waited[1 + wg] = tr_waited;)
     Base::release(s, prev_stage, t);
     if (abort_flag != nullptr && *abort_flag) rows = 0;
     if constexpr (kGated) {
