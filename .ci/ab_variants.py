@@ -121,8 +121,7 @@ def workload(text: str, numerics: str | None = None):
         sys.exit(f"ab_variants: workload kind must be local or layer, got {kind!r}")
     if numerics:
         spec = spec.with_target(numerics=numerics)
-        return f"{name} {kind} {rows} {numerics}", spec, rows, real, ep
-    return f"{name} {kind} {rows}", spec, rows, real, ep
+    return f"{name} {kind} {rows}" + (f" {numerics}" if numerics else ""), spec, rows, real, ep
 
 
 def tuned_layer(spec, rows, real, ep):

@@ -70,9 +70,7 @@ TUNED = os.environ.get("FWD_TRACE_TUNED", "1") == "1"
 kwargs = {"tuned": False}
 if workload == "local":
     ep = bench.LOCAL_EP.get(real.name, 8)
-    spec, tokens = bench.local_spec(real, ep)
-    if NUMERICS:
-        spec = spec.with_target(numerics=NUMERICS)
+    spec, tokens = bench.local_spec(real, ep)  # in real's numerics
     if TUNED:
         kwargs = bench.local_layer_kwargs(real, ep) or kwargs
 else:

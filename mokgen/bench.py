@@ -310,6 +310,12 @@ MX_FP8_ROW = "mokgen MXFP8 experts (staged, FP8 quad)"
 MX_MEGA_ROW = "mokgen megakernel MXFP8 (W=1)"
 
 
+def _tuned_row(name: str, layer, layer_kwargs: dict | None) -> str:
+    """A megakernel row's name, "(..., tuned)" where the layer runs a tuned entry (mokgen tune): its
+    own lookup's, or one passed in as ``layer_kwargs`` (bench_local)."""
+    return name[:-1] + ", tuned)" if layer.tuned_entry is not None or layer_kwargs is not None else name
+
+
 def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 3, loop: bool = True,
                 layer_kwargs: dict | None = None, numerics: str = "bf16",
                 mx_layer_kwargs: dict | None = None) -> list[Row]:
@@ -332,10 +338,8 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
     layer.check_ids = False
     clamp = spec.activation.clamp_limit
-    # a tuned entry (mokgen tune) in use is named in the row
-    tuned = layer.tuned_entry is not None or layer_kwargs is not None
-    ours = "mokgen megakernel (W=1" + (", tuned)" if tuned else ")")
-    mx_row = MX_MEGA_ROW  # numerics mxfp8: the MXFP8 megakernel's row (", tuned)" with a tuned entry)
+    ours = _tuned_row("mokgen megakernel (W=1)", layer, layer_kwargs)
+    mx_row = MX_MEGA_ROW  # numerics mxfp8: the MXFP8 megakernel's row
     impls = {
         ours: lambda i: layer(*inputs[i]),
         "torch._grouped_mm": lambda i: torch_grouped_mm_pipeline(*inputs[i], wg, wu, wd, clamp),
@@ -352,8 +356,7 @@ def bench_layer(spec: MoESpec, tokens: int, *, iters: int = 20, n_inputs: int = 
         with torch.no_grad():
             mx_layer.w_gate.copy_(wg), mx_layer.w_up.copy_(wu), mx_layer.w_down.copy_(wd)
         mx_layer.check_ids = False
-        if mx_layer.tuned_entry is not None or mx_layer_kwargs is not None:
-            mx_row = MX_MEGA_ROW[:-1] + ", tuned)"
+        mx_row = _tuned_row(MX_MEGA_ROW, mx_layer, mx_layer_kwargs)
         impls[mx_row] = lambda i: mx_layer(*inputs[i])
     elif numerics != "bf16":
         raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")
