@@ -11,7 +11,7 @@
 // (a TMA box of A's blocked scale plane [K / 128, rows, 4]; see kScaleBoxRows for why it is 132
 // rows from the 4-aligned row at or below the tile's first). Each consumer decodes its rows'
 // codes into the wgmma's register A fragments (mx_decode.cuh) and issues one m64nkBNBk16 wgmma
-// per 16 k, the previous one kept in flight.
+// per 16 k, the previous one kept in flight (kADepth).
 //
 // Epilogues: the down tile (not gated) writes bf16 rows as HopperTile's does. The gated tile
 // computes h = swiglu(gate, up) and quantizes it to MXFP8 in place of bf16 h: each of its 32-column
@@ -90,6 +90,15 @@ struct MxTile {
   static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
   static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
   static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
+  // A fragments in flight: the consumer decodes k16 step i + 1 while steps i - kADepth + 2 .. i are
+  // still in the tensor core. 2 (the default): one wgmma in flight while the next is decoded.
+  // MOKGEN_MX_A_DEPTH=4 (a measuring macro, v0.56): three in flight, 8 more registers.
+#ifdef MOKGEN_MX_A_DEPTH
+  static constexpr int kADepth = MOKGEN_MX_A_DEPTH;
+#else
+  static constexpr int kADepth = 2;
+#endif
+  static_assert(kADepth == 2 || kADepth == 4, "A fragments in flight: 2 or 4 (k16 steps of a k-block, unrolled)");
   static constexpr int kABox = kBM / 2;
   static constexpr int kBBox = kBNB / 2;
 
@@ -160,7 +169,7 @@ struct MxTile {
     float acc[kAcc];
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
-    uint32_t a[2][4];
+    uint32_t a[kADepth][4];
     int prev_stage = -1;
     MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)  // trace builds: the waits for full stages
     for (int kb = 0; kb < kKTiles; ++kb) {
@@ -182,7 +191,7 @@ struct MxTile {
         const uint32_t c0 = *reinterpret_cast<const uint32_t*>(st + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
         const uint32_t c1 =
             *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
-        uint32_t(&f)[4] = a[k16 & 1];
+        uint32_t(&f)[4] = a[k16 % kADepth];
         f[0] = mxd::decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
         f[1] = mxd::decode2(c1, m1b, m2b);        // row r0 + 8
         f[2] = mxd::decode2(c0 >> 16, m1a, m2a);  // row r0, slots 2q + 8, 2q + 9
@@ -193,7 +202,7 @@ struct MxTile {
         mxd::wgmma_rs<kBNB>(f, smem_desc_k<128>(sb + k16 * 32), acc, kb > 0 || k16 > 0,
                             std::make_index_sequence<kAcc>{});
         cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();  // the step before retired: its A registers are free again
+        cute::warpgroup_wait<kADepth - 1>();  // the step kADepth - 1 back retired: its A registers are free
         mxd::fence_a(f);
       }
       fence_operands(acc);
