@@ -16,8 +16,9 @@ measured evidence, docs/perf-notes.md).
 
 Usage: python3 .ci/rekey_tuned.py REV [--only] [SPEC ...]
   default specs: qwen3-30b-a3b kimi-k2.5 qwen3.5-35b-a3b glm-5.2 deepseek-v3 (the default builds:
-  single CTAs and CTA pairs, with and without the fused shared expert); CUOBJDUMP=path if
-  cuobjdump is not on PATH
+  single CTAs and CTA pairs, with and without the fused shared expert), and each one's MXFP8 build
+  where it has an MXFP8 tuned file (kimi-k2.5, deepseek-v3); CUOBJDUMP=path if cuobjdump is not
+  on PATH
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TUNED = ROOT / "mokgen" / "tuned"
 DEFAULT_SPECS = ("qwen3-30b-a3b", "kimi-k2.5", "qwen3.5-35b-a3b", "glm-5.2", "deepseek-v3")
+
+
+def checked_builds(specs) -> list[str]:
+    """The builds whose SASS must be unchanged to re-key ``specs``' files: each spec's default (BF16)
+    build, and its MXFP8 build (SPEC:mxfp8) where mokgen/tuned/SPEC holds an MXFP8 file (v0.56:
+    without it, an edit that changed only the MXFP8 build re-keyed the MXFP8 files)."""
+    out = []
+    for spec in specs:
+        out.append(spec)
+        if any(TUNED.glob(f"{spec}/*-mxfp8-*.json")):
+            out.append(f"{spec}:mxfp8")
+    return out
 
 
 def rekey(tuned_dir: Path, digest: str, specs: list[str] | None = None) -> list[Path]:
@@ -73,7 +86,7 @@ def main() -> int:
         print(f"rekey_tuned: no tuned files for {', '.join(unknown)} under {TUNED}", file=sys.stderr)
         return 2
     specs = specs or list(DEFAULT_SPECS)
-    same = subprocess.run([sys.executable, str(ROOT / ".ci" / "sass_same.py"), rev, *specs], cwd=ROOT)
+    same = subprocess.run([sys.executable, str(ROOT / ".ci" / "sass_same.py"), rev, *checked_builds(specs)], cwd=ROOT)
     if same.returncode != 0:
         print("rekey_tuned: the SASS differs from REV's (or the check failed): nothing re-keyed; re-tune",
               file=sys.stderr)

@@ -916,6 +916,11 @@ def test_rekey_tool_rewrites_only_the_digest(tmp_path):
     stale.write_text(text)
     assert tool.rekey(tmp_path, new, ["a"]) == [stale]
     assert other.read_text() == text
+    # the SASS checked first: a spec's MXFP8 build too where it ships an MXFP8 file
+    mx_specs = sorted({p.parent.name for p in tune_mod.PACKAGE_TUNED.glob("*/*-mxfp8-*.json")})
+    bf16_only = sorted({p.parent.name for p in tune_mod.PACKAGE_TUNED.glob("*/*.json")} - set(mx_specs))
+    assert mx_specs and bf16_only
+    assert tool.checked_builds([mx_specs[0], bf16_only[0]]) == [mx_specs[0], f"{mx_specs[0]}:mxfp8", bf16_only[0]]
 
 
 @pytest.mark.gpu

@@ -53,6 +53,16 @@ __device__ __forceinline__ uint32_t decode2(uint32_t w, uint32_t m1, uint32_t m2
   return t;
 }
 
+// A 32-bit load from shared memory by its shared-window address: LDS in SASS. The MX tile's stage
+// pointers reach it through the megakernel's carve as generic pointers, which compile to generic
+// loads (LD.E, a 64-bit address each) where the bf16-math GEMM's own `extern __shared__` stages
+// give LDS (v0.56). volatile: kept after the full barrier's wait, as the generic load was.
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 __device__ __forceinline__ void multipliers(uint32_t s, uint32_t& m1, uint32_t& m2) {
   const uint32_t lo = s < 142u ? s : 142u, hi = s > 142u ? s : 142u;
   const uint32_t b1 = s == 255u ? 0x7fc0u : (lo + 112u) << 7;  // 2^(lo - 15)

@@ -178,9 +178,17 @@ struct MxTile {
       MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sb = st + kABytes;
+#ifdef MOKGEN_MX_LDS
+      // the stage's words by shared-window addresses (LDS; mx_decode.cuh lds32)
+      const uint32_t sst = smem_u32(st);
+      const uint32_t sc = sst + kABytes + kBBytes + 4u * mxd::lds32(sst + kShiftOffset);
+      const uint32_t wa0 = mxd::lds32(sc + 4u * r0), wa1 = mxd::lds32(sc + 4u * (r0 + 8));
+      const auto code = [&](int r, int k16) { return mxd::lds32(sst + r * 64 + ((k16 ^ ((r >> 1) & 3)) << 4) + 4 * q); };
+#else
       const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kABytes + kBBytes) +
                            *reinterpret_cast<const int*>(st + kShiftOffset);
       const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
+#endif
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16) {
         const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
@@ -188,9 +196,13 @@ struct MxTile {
         mxd::multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
         mxd::multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
         // the k16 chunk of rows r0 and r0 + 8 (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
+#ifdef MOKGEN_MX_LDS
+        const uint32_t c0 = code(r0, k16), c1 = code(r0 + 8, k16);
+#else
         const uint32_t c0 = *reinterpret_cast<const uint32_t*>(st + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
         const uint32_t c1 =
             *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
+#endif
         uint32_t(&f)[4] = a[k16 % kADepth];
         f[0] = mxd::decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
         f[1] = mxd::decode2(c1, m1b, m2b);        // row r0 + 8
