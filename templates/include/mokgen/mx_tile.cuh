@@ -92,7 +92,8 @@ struct MxTile {
   static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
   // A fragments in flight: the consumer decodes k16 step i + 1 while steps i - kADepth + 2 .. i are
   // still in the tensor core. 2 (the default): one wgmma in flight while the next is decoded.
-  // MOKGEN_MX_A_DEPTH=4 (a measuring macro, v0.56): three in flight, 8 more registers.
+  // MOKGEN_MX_A_DEPTH=4 (a measuring macro, v0.56): three in flight, 8 more registers; measured level
+  // (0.9998-1.0024 alone, 0.991 after the LDS loads: docs/perf-notes.md v0.56).
 #ifdef MOKGEN_MX_A_DEPTH
   static constexpr int kADepth = MOKGEN_MX_A_DEPTH;
 #else
@@ -178,36 +179,42 @@ struct MxTile {
       MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sb = st + kABytes;
-#ifdef MOKGEN_MX_LDS
-      // the stage's words by shared-window addresses (LDS; mx_decode.cuh lds32)
+      // the stage's words by shared-window addresses: LDS (mx_decode.cuh lds32; generic loads,
+      // LD.E, before v0.56: 0.965-0.980 of their time, docs/perf-notes.md v0.56)
       const uint32_t sst = smem_u32(st);
       const uint32_t sc = sst + kABytes + kBBytes + 4u * mxd::lds32(sst + kShiftOffset);
       const uint32_t wa0 = mxd::lds32(sc + 4u * r0), wa1 = mxd::lds32(sc + 4u * (r0 + 8));
+      // the k16 chunk of row r (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
       const auto code = [&](int r, int k16) { return mxd::lds32(sst + r * 64 + ((k16 ^ ((r >> 1) & 3)) << 4) + 4 * q); };
-#else
-      const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kABytes + kBBytes) +
-                           *reinterpret_cast<const int*>(st + kShiftOffset);
-      const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
-#endif
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16) {
+#if defined(MOKGEN_MX_SS_A)
+        // measuring build (wrong results): no A decode, no A fragments; an SS wgmma reads the
+        // codes' bytes in shared memory as bf16 A (64-byte rows: k16 steps 0 and 1 only)
+        (void)wa0, (void)wa1, (void)code;
+        fence_operands(acc);
+        cute::warpgroup_arrive();
+        wgmma_call<kBNB>(smem_desc_k<64>(st + wg * 64 * 64 + (k16 & 1) * 32), smem_desc_k<128>(sb + k16 * 32), acc,
+                         kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<kADepth - 1>();
+        continue;
+#endif
         const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
         uint32_t m1a, m2a, m1b, m2b;
         mxd::multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
         mxd::multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
-        // the k16 chunk of rows r0 and r0 + 8 (64-byte rows, SWIZZLE_64B: chunk c at c ^ (r / 2 % 4))
-#ifdef MOKGEN_MX_LDS
         const uint32_t c0 = code(r0, k16), c1 = code(r0 + 8, k16);
-#else
-        const uint32_t c0 = *reinterpret_cast<const uint32_t*>(st + r0 * 64 + ((k16 ^ ((r0 >> 1) & 3)) << 4) + 4 * q);
-        const uint32_t c1 =
-            *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * 64 + ((k16 ^ (((r0 + 8) >> 1) & 3)) << 4) + 4 * q);
-#endif
         uint32_t(&f)[4] = a[k16 % kADepth];
+#if defined(MOKGEN_MX_NO_DECODE)
+        // measuring build (wrong results): the codes' words as the A fragments, undecoded
+        f[0] = c0, f[1] = c1, f[2] = c0 ^ m1a, f[3] = c1 ^ m1b;
+#else
         f[0] = mxd::decode2(c0, m1a, m2a);        // row r0, k slots 2q, 2q + 1
         f[1] = mxd::decode2(c1, m1b, m2b);        // row r0 + 8
         f[2] = mxd::decode2(c0 >> 16, m1a, m2a);  // row r0, slots 2q + 8, 2q + 9
         f[3] = mxd::decode2(c1 >> 16, m1b, m2b);
+#endif
         mxd::fence_a(f);
         fence_operands(acc);
         cute::warpgroup_arrive();
