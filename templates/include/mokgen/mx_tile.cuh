@@ -170,9 +170,72 @@ struct MxTile {
     float acc[kAcc];
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
-    uint32_t a[kADepth][4];
     int prev_stage = -1;
     MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)  // trace builds: the waits for full stages
+#if defined(MOKGEN_MX_BATCH)
+    // A variant (v0.56): a k-block's four A fragments decoded together, then one fence, its four
+    // wgmmas in one commit group and the wait for the k-block before (HopperTile's structure: one
+    // k-block in flight), the fragments double-buffered by k-block parity (32 registers). The same
+    // wgmmas in the same order as the default, so the same bits.
+    uint32_t ab[2][kBK / 16][4];
+    const auto kblock = [&](int kb, auto buffer) {
+      constexpr int B = decltype(buffer)::value;
+      MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
+      mbar_wait(&s.full[pipe.stage], pipe.phase);
+      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
+      const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
+      const unsigned char* sb = st + kABytes;
+      const uint32_t sst = smem_u32(st);
+      const uint32_t sc = sst + kABytes + kBBytes + 4u * mxd::lds32(sst + kShiftOffset);
+      const uint32_t wa0 = mxd::lds32(sc + 4u * r0), wa1 = mxd::lds32(sc + 4u * (r0 + 8));
+      const auto code = [&](int r, int k16) { return mxd::lds32(sst + r * 64 + ((k16 ^ ((r >> 1) & 3)) << 4) + 4 * q); };
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) {
+#if defined(MOKGEN_MX_SS_A)
+        (void)wa0, (void)wa1, (void)code;
+#else
+        const int blk = 2 * (kb & 1) + k16 / 2;
+        uint32_t m1a, m2a, m1b, m2b;
+        mxd::multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
+        mxd::multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
+        const uint32_t c0 = code(r0, k16), c1 = code(r0 + 8, k16);
+        uint32_t(&f)[4] = ab[B][k16];
+        f[0] = mxd::decode2(c0, m1a, m2a);
+        f[1] = mxd::decode2(c1, m1b, m2b);
+        f[2] = mxd::decode2(c0 >> 16, m1a, m2a);
+        f[3] = mxd::decode2(c1 >> 16, m1b, m2b);
+        mxd::fence_a(f);
+#endif
+      }
+      fence_operands(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) {
+#if defined(MOKGEN_MX_SS_A)
+        // measuring build (wrong results): HopperTile's structure with the codes' bytes as bf16 A
+        wgmma_call<kBNB>(smem_desc_k<64>(st + wg * 64 * 64 + (k16 & 1) * 32), smem_desc_k<128>(sb + k16 * 32), acc,
+                         kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+#else
+        mxd::wgmma_rs<kBNB>(ab[B][k16], smem_desc_k<128>(sb + k16 * 32), acc, kb > 0 || k16 > 0,
+                            std::make_index_sequence<kAcc>{});
+#endif
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();  // the k-block before retired: its stage and its fragments are free
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) mxd::fence_a(ab[B ^ 1][k16]);
+      fence_operands(acc);
+      if (prev_stage >= 0) Base::release(s, prev_stage, t);
+      prev_stage = pipe.stage;
+      pipe.advance();
+    };
+    static_assert(kKTiles % 2 == 0, "k-blocks in pairs (K is a multiple of 128)");
+    for (int kb = 0; kb < kKTiles; kb += 2) {
+      kblock(kb, std::integral_constant<int, 0>{});
+      kblock(kb + 1, std::integral_constant<int, 1>{});
+    }
+#else
+    uint32_t a[kADepth][4];
     for (int kb = 0; kb < kKTiles; ++kb) {
       MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
       mbar_wait(&s.full[pipe.stage], pipe.phase);
@@ -229,6 +292,7 @@ struct MxTile {
       prev_stage = pipe.stage;
       pipe.advance();
     }
+#endif
     cute::warpgroup_wait<0>();
     fence_operands(acc);
     MOKGEN_FWD_TRACE_ONLY(fwd_trace::s_kloop_end[1 + wg] = fwd_trace::clock(); fwd_trace::s_waited[1 + wg] = tr_waited;)
