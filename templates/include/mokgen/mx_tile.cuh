@@ -10,8 +10,8 @@
 // rows then 128 w_up rows), and the four E8M0 scales of the stage's k128 block for the 128 rows
 // (a TMA box of A's blocked scale plane [K / 128, rows, 4]; see kScaleBoxRows for why it is 132
 // rows from the 4-aligned row at or below the tile's first). Each consumer decodes its rows'
-// codes into the wgmma's register A fragments (mx_decode.cuh) and issues one m64nkBNBk16 wgmma
-// per 16 k, the previous one kept in flight (kADepth).
+// codes into the wgmma's register A fragments (mx_decode.cuh), a k-block's four at a time, and
+// issues the k-block's four m64nkBNBk16 wgmmas as one commit group, the k-block before kept in flight.
 //
 // Epilogues: the down tile (not gated) writes bf16 rows as HopperTile's does. The gated tile
 // computes h = swiglu(gate, up) and quantizes it to MXFP8 in place of bf16 h: each of its 32-column
@@ -90,16 +90,6 @@ struct MxTile {
   static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
   static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
   static_assert(!kGated || kBNB == 256, "gated tiles pair 128 gate and 128 up rows");
-  // A fragments in flight: the consumer decodes k16 step i + 1 while steps i - kADepth + 2 .. i are
-  // still in the tensor core. 2 (the default): one wgmma in flight while the next is decoded.
-  // MOKGEN_MX_A_DEPTH=4 (a measuring macro, v0.56): three in flight, 8 more registers; measured level
-  // (0.9998-1.0024 alone, 0.991 after the LDS loads: docs/perf-notes.md v0.56).
-#ifdef MOKGEN_MX_A_DEPTH
-  static constexpr int kADepth = MOKGEN_MX_A_DEPTH;
-#else
-  static constexpr int kADepth = 2;
-#endif
-  static_assert(kADepth == 2 || kADepth == 4, "A fragments in flight: 2 or 4 (k16 steps of a k-block, unrolled)");
   static constexpr int kABox = kBM / 2;
   static constexpr int kBBox = kBNB / 2;
 
@@ -172,71 +162,15 @@ struct MxTile {
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
     int prev_stage = -1;
     MOKGEN_FWD_TRACE_ONLY(unsigned tr_waited = 0;)  // trace builds: the waits for full stages
-#if defined(MOKGEN_MX_BATCH)
-    // A variant (v0.56): a k-block's four A fragments decoded together, then one fence, its four
-    // wgmmas in one commit group and the wait for the k-block before (HopperTile's structure: one
-    // k-block in flight), the fragments double-buffered by k-block parity (32 registers). The same
-    // wgmmas in the same order as the default, so the same bits.
-    uint32_t ab[2][kBK / 16][4];
+    // A k-block's four A fragments are decoded together, then one fence, its four wgmmas in one
+    // commit group and the wait for the k-block before: one k-block in flight, HopperTile's
+    // structure. The fragments are double-buffered by k-block parity (32 registers), so the
+    // decode of k-block kb overlaps the wgmmas of kb - 1. (Before v0.56: a fence, a commit group
+    // and a wait per k16 step, one step in flight; the same wgmmas in the same order, so the same
+    // bits, 0.984-0.995 of the time on an H100, docs/perf-notes.md v0.56.)
+    uint32_t a[2][kBK / 16][4];
     const auto kblock = [&](int kb, auto buffer) {
       constexpr int B = decltype(buffer)::value;
-      MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
-      mbar_wait(&s.full[pipe.stage], pipe.phase);
-      MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
-      const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
-      const unsigned char* sb = st + kABytes;
-      const uint32_t sst = smem_u32(st);
-      const uint32_t sc = sst + kABytes + kBBytes + 4u * mxd::lds32(sst + kShiftOffset);
-      const uint32_t wa0 = mxd::lds32(sc + 4u * r0), wa1 = mxd::lds32(sc + 4u * (r0 + 8));
-      const auto code = [&](int r, int k16) { return mxd::lds32(sst + r * 64 + ((k16 ^ ((r >> 1) & 3)) << 4) + 4 * q); };
-#pragma unroll
-      for (int k16 = 0; k16 < kBK / 16; ++k16) {
-#if defined(MOKGEN_MX_SS_A)
-        (void)wa0, (void)wa1, (void)code;
-#else
-        const int blk = 2 * (kb & 1) + k16 / 2;
-        uint32_t m1a, m2a, m1b, m2b;
-        mxd::multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
-        mxd::multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
-        const uint32_t c0 = code(r0, k16), c1 = code(r0 + 8, k16);
-        uint32_t(&f)[4] = ab[B][k16];
-        f[0] = mxd::decode2(c0, m1a, m2a);
-        f[1] = mxd::decode2(c1, m1b, m2b);
-        f[2] = mxd::decode2(c0 >> 16, m1a, m2a);
-        f[3] = mxd::decode2(c1 >> 16, m1b, m2b);
-        mxd::fence_a(f);
-#endif
-      }
-      fence_operands(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int k16 = 0; k16 < kBK / 16; ++k16) {
-#if defined(MOKGEN_MX_SS_A)
-        // measuring build (wrong results): HopperTile's structure with the codes' bytes as bf16 A
-        wgmma_call<kBNB>(smem_desc_k<64>(st + wg * 64 * 64 + (k16 & 1) * 32), smem_desc_k<128>(sb + k16 * 32), acc,
-                         kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
-#else
-        mxd::wgmma_rs<kBNB>(ab[B][k16], smem_desc_k<128>(sb + k16 * 32), acc, kb > 0 || k16 > 0,
-                            std::make_index_sequence<kAcc>{});
-#endif
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<1>();  // the k-block before retired: its stage and its fragments are free
-#pragma unroll
-      for (int k16 = 0; k16 < kBK / 16; ++k16) mxd::fence_a(ab[B ^ 1][k16]);
-      fence_operands(acc);
-      if (prev_stage >= 0) Base::release(s, prev_stage, t);
-      prev_stage = pipe.stage;
-      pipe.advance();
-    };
-    static_assert(kKTiles % 2 == 0, "k-blocks in pairs (K is a multiple of 128)");
-    for (int kb = 0; kb < kKTiles; kb += 2) {
-      kblock(kb, std::integral_constant<int, 0>{});
-      kblock(kb + 1, std::integral_constant<int, 1>{});
-    }
-#else
-    uint32_t a[kADepth][4];
-    for (int kb = 0; kb < kKTiles; ++kb) {
       MOKGEN_FWD_TRACE_ONLY(const unsigned tr0 = fwd_trace::clock32();)
       mbar_wait(&s.full[pipe.stage], pipe.phase);
       MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
@@ -252,23 +186,14 @@ struct MxTile {
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16) {
 #if defined(MOKGEN_MX_SS_A)
-        // measuring build (wrong results): no A decode, no A fragments; an SS wgmma reads the
-        // codes' bytes in shared memory as bf16 A (64-byte rows: k16 steps 0 and 1 only)
         (void)wa0, (void)wa1, (void)code;
-        fence_operands(acc);
-        cute::warpgroup_arrive();
-        wgmma_call<kBNB>(smem_desc_k<64>(st + wg * 64 * 64 + (k16 & 1) * 32), smem_desc_k<128>(sb + k16 * 32), acc,
-                         kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<kADepth - 1>();
-        continue;
-#endif
+#else
         const int blk = 2 * (kb & 1) + k16 / 2;  // the 32-block of the k128 block's four
         uint32_t m1a, m2a, m1b, m2b;
         mxd::multipliers((wa0 >> (8 * blk)) & 0xffu, m1a, m2a);
         mxd::multipliers((wa1 >> (8 * blk)) & 0xffu, m1b, m2b);
         const uint32_t c0 = code(r0, k16), c1 = code(r0 + 8, k16);
-        uint32_t(&f)[4] = a[k16 % kADepth];
+        uint32_t(&f)[4] = a[B][k16];
 #if defined(MOKGEN_MX_NO_DECODE)
         // measuring build (wrong results): the codes' words as the A fragments, undecoded
         f[0] = c0, f[1] = c1, f[2] = c0 ^ m1a, f[3] = c1 ^ m1b;
@@ -279,20 +204,36 @@ struct MxTile {
         f[3] = mxd::decode2(c1 >> 16, m1b, m2b);
 #endif
         mxd::fence_a(f);
-        fence_operands(acc);
-        cute::warpgroup_arrive();
-        mxd::wgmma_rs<kBNB>(f, smem_desc_k<128>(sb + k16 * 32), acc, kb > 0 || k16 > 0,
-                            std::make_index_sequence<kAcc>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<kADepth - 1>();  // the step kADepth - 1 back retired: its A registers are free
-        mxd::fence_a(f);
+#endif
       }
       fence_operands(acc);
-      if (prev_stage >= 0) Base::release(s, prev_stage, t);  // its last wgmma retired above
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) {
+#if defined(MOKGEN_MX_SS_A)
+        // measuring build (wrong results): no A fragments; an SS wgmma reads the codes' bytes in
+        // shared memory as bf16 A (64-byte rows: k16 steps 0 and 1 only)
+        wgmma_call<kBNB>(smem_desc_k<64>(st + wg * 64 * 64 + (k16 & 1) * 32), smem_desc_k<128>(sb + k16 * 32), acc,
+                         kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+#else
+        mxd::wgmma_rs<kBNB>(a[B][k16], smem_desc_k<128>(sb + k16 * 32), acc, kb > 0 || k16 > 0,
+                            std::make_index_sequence<kAcc>{});
+#endif
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();  // the k-block before retired: its stage and its fragments are free
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) mxd::fence_a(a[B ^ 1][k16]);
+      fence_operands(acc);
+      if (prev_stage >= 0) Base::release(s, prev_stage, t);
       prev_stage = pipe.stage;
       pipe.advance();
+    };
+    static_assert(kKTiles % 2 == 0, "k-blocks in pairs (K is a multiple of 128)");
+    for (int kb = 0; kb < kKTiles; kb += 2) {
+      kblock(kb, std::integral_constant<int, 0>{});
+      kblock(kb + 1, std::integral_constant<int, 1>{});
     }
-#endif
     cute::warpgroup_wait<0>();
     fence_operands(acc);
     MOKGEN_FWD_TRACE_ONLY(fwd_trace::s_kloop_end[1 + wg] = fwd_trace::clock(); fwd_trace::s_waited[1 + wg] = tr_waited;)
