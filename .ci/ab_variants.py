@@ -97,6 +97,15 @@ def defines(opts: dict):
         build.BASE_FLAGS = saved
 
 
+def build_side(opts: dict, specs, jobs: int = 4) -> list:
+    """One side's libraries for ``specs`` under its plan options and define= flags, in parallel
+    through the build cache (also .ci/prebuild-ab.py's, on the CPU machine); the build results."""
+    with defines(opts) as plan_opts:
+        options = env.plan_options_with(plan_opts)
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(lambda spec: build.build(spec, publish_generated=False, options=options), specs))
+
+
 def apply_env(envs: dict, keys) -> None:
     """The environment of one side: its MOKGEN_* settings set, the other side's keys removed."""
     for k in keys:
@@ -164,11 +173,7 @@ def main() -> None:
     # entry's build is made by its layer)
     sides = list({id(va): va, id(vb): vb}.values())
     for v in sides:  # a side's -D flags are a global of build: one side's builds at a time
-        with defines(v[0]) as opts:
-            options = env.plan_options_with(opts)
-            with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda spec: build.build(spec, publish_generated=False, options=options),
-                              [spec for _, spec, _, _, _ in work]))
+        build_side(v[0], [spec for _, spec, _, _, _ in work])
     results, bad_bits = [], []
     for label, spec, rows, real, ep in work:
         wg, wu, wd = bench._weights(spec)

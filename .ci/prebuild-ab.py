@@ -5,13 +5,10 @@ call does not compile them: each side's library for each workload, as ab_variant
 WORKLOAD[,WORKLOAD...] VARIANT [VARIANT ...]  (VARIANT: ab_variants' --a / --b text; '' the defaults)"""
 import argparse
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_variants import defines, parse_variant, workload  # noqa: E402
-
-from mokgen import build, env  # noqa: E402
+from ab_variants import build_side, parse_variant, workload  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("workloads")
@@ -20,10 +17,5 @@ ap.add_argument("--numerics", choices=("bf16", "mxfp8"), default=None)
 args = ap.parse_args()
 specs = [workload(w, args.numerics)[1] for w in args.workloads.split(",")]
 for text in args.variants:
-    opts = parse_variant(text)[0]
-    with defines(opts) as plan_opts:
-        options = env.plan_options_with(plan_opts)
-        with ThreadPoolExecutor(2) as pool:
-            for spec, res in zip(specs, pool.map(lambda s: build.build(s, publish_generated=False, options=options), specs)):
-                print(f"{spec.name} [{text or 'defaults'}]: {'cached' if res.cached else 'built'} {res.seconds:.0f} s",
-                      flush=True)
+    for spec, res in zip(specs, build_side(parse_variant(text)[0], specs, jobs=2)):
+        print(f"{spec.name} [{text or 'defaults'}]: {'cached' if res.cached else 'built'} {res.seconds:.0f} s", flush=True)

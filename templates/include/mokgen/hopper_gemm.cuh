@@ -289,20 +289,23 @@ struct HopperTile {
         const int b_row = kGated ? b_row0 : b_row0 + h * kBBox;
         unsigned char* sa = st + h * (kABox * kBK * 2);
         unsigned char* sb = st + kABytes + h * (kBBox * kBK * 2);
-        if (kCluster == 2 && share == kShareA) {
-          if (h == crank) multicast(map_a, full, sa, k0, a_row0 + h * kABox);
-        } else {
-          cute::SM90_TMA_LOAD_2D::copy(map_a, full, 0, sa, k0, a_row0 + h * kABox);
-        }
-        if (kCluster == 2 && share == kShareB) {
-          if (h == crank) multicast(mb, full, sb, k0, b_row);
-        } else {
-          cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, sb, k0, b_row);
-        }
+        load_box(map_a, full, sa, k0, a_row0 + h * kABox, share == kShareA, h == crank);
+        load_box(mb, full, sb, k0, b_row, share == kShareB, h == crank);
       }
       pipe.advance();
     }
     MOKGEN_FWD_TRACE_ONLY(fwd_trace::s_waited[0] = tr_waited;)
+  }
+
+  // One box of a stage: where the pair shares it (shared, kCluster == 2), multicast by the CTA
+  // whose half it is (mine) into both CTAs; otherwise a plain TMA load into this CTA.
+  MOKGEN_DEVICE static void load_box(const CUtensorMap* map, uint64_t* full, void* smem, int c0, int c1, bool shared,
+                                     bool mine) {
+    if (kCluster == 2 && shared) {
+      if (mine) multicast(map, full, smem, c0, c1);
+    } else {
+      cute::SM90_TMA_LOAD_2D::copy(map, full, 0, smem, c0, c1);
+    }
   }
 
   // One box into the same offset of both CTAs of the pair; each CTA's full barrier (same offset)

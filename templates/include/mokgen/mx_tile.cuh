@@ -128,16 +128,8 @@ struct MxTile {
         const int b_row = kGated ? b_row0 : b_row0 + h * kBBox;
         unsigned char* sa = st + h * (kABox * kBK);
         unsigned char* sb = st + kABytes + h * (kBBox * kBK * 2);
-        if (kCluster == 2 && share == kShareA) {
-          if (h == crank) Base::multicast(a.map, full, sa, k0, a_row0 + h * kABox);
-        } else {
-          cute::SM90_TMA_LOAD_2D::copy(a.map, full, 0, sa, k0, a_row0 + h * kABox);
-        }
-        if (kCluster == 2 && share == kShareB) {
-          if (h == crank) Base::multicast(mb, full, sb, k0, b_row);
-        } else {
-          cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, sb, k0, b_row);
-        }
+        Base::load_box(a.map, full, sa, k0, a_row0 + h * kABox, share == kShareA, h == crank);
+        Base::load_box(mb, full, sb, k0, b_row, share == kShareB, h == crank);
       }
       unsigned char* ss = st + kABytes + kBBytes;
       if (kCluster == 2 && share == kShareA) {
