@@ -234,6 +234,11 @@ def main() -> None:
             same = len(got[0]) == len(got[1]) and all(torch.equal(a, b) for a, b in zip(*got))
             print(f"{label:34s} bits: {'the same' if same else 'DIFFERENT'} ({len(got[0])} tensors)", flush=True)
             if not same:
+                for i, (a, b) in enumerate(zip(*got)):  # how far apart: relative Frobenius and the largest difference
+                    d = (a.double() - b.double())
+                    rel = (d.norm() / a.double().norm().clamp_min(1e-300)).item()
+                    print(f"{label:34s}   tensor {i}: relative difference {rel:.3e}, largest {d.abs().max().item():.3e}, "
+                          f"{int((a != b).sum())} of {a.numel()} elements differ", flush=True)
                 bad_bits.append(label)
         ratio, lo, hi = bench.block_ratio(pairs)
         r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks, "backward": args.backward,

@@ -112,6 +112,25 @@ struct CfgMx : std::false_type {};
 template <class Cfg>
 struct CfgMx<Cfg, std::void_t<decltype(Cfg::kMx)>> : std::bool_constant<Cfg::kMx> {};
 
+// MXFP8 builds come in two forms (docs/architecture.md, "The megakernel's MXFP8 path"):
+// - codes (the default): the ring holds E4M3 codes and blocked scales, and the expert tiles are
+//   mx_tile.cuh's MxTile, which decodes A in its consumers' registers;
+// - expanded (MOKGEN_MX_EXPAND, v0.57): rows still travel as codes and scales, but the pull
+//   writes their exact MX values into the ring as bf16 (k permuted within each 16 as the bf16
+//   MX weights are), the up tiles store h as its MX values in bf16 (MxRoundedRows), and the
+//   expert tiles are the bf16 builds' HopperTiles: the same products, no decode in the k-loops.
+#if defined(MOKGEN_MX_EXPAND)
+constexpr bool kMxExpandBuild = true;
+#else
+constexpr bool kMxExpandBuild = false;
+#endif
+// an MXFP8 build whose ring and h hold codes (MxTile)
+template <class Cfg>
+struct CfgMxCodes : std::bool_constant<CfgMx<Cfg>::value && !kMxExpandBuild> {};
+// an MXFP8 build whose ring and h hold bf16 MX values (HopperTile)
+template <class Cfg>
+struct CfgMxExpand : std::bool_constant<CfgMx<Cfg>::value && kMxExpandBuild> {};
+
 // The MXFP8 builds' extra offsets (Cfg::kMx), as empty bases for the others: the bf16 builds'
 // layouts, and so their kernel parameters, stay as they were.
 template <bool kMx>
@@ -155,7 +174,7 @@ struct SymLayout : SymMxOffsets<CfgMx<Cfg>::value> {
 
 // Byte offsets inside a rank's private region.
 template <class Cfg>
-struct LocalLayout : LocalMxOffsets<CfgMx<Cfg>::value> {
+struct LocalLayout : LocalMxOffsets<CfgMxCodes<Cfg>::value> {
   size_t bar_rank, bar_compute, tile_next, stats, chunk_landed, chunk_free, chunk_arrived, chunk_done, block_done,
       recv_expert_offset, recv_base, recv_src_off, ring_meta, ring_x, ring_h, route_hist, total;
   MOKGEN_HOST_DEVICE LocalLayout(int world, int chunk_rows, int ring_chunks) {
@@ -176,11 +195,11 @@ struct LocalLayout : LocalMxOffsets<CfgMx<Cfg>::value> {
     recv_base = take(4 * (Cfg::kExperts + 1));
     recv_src_off = take(4 * Cfg::kExperts);
     ring_meta = take(8 * ring_rows);
-    // ring rows and h rows: bf16, or (CfgMx<Cfg>::value) E4M3 codes plus E8M0 scales in the tiles'
-    // blocked layout [K / 128, ring_rows, 4] (a k128 block's scales of consecutive rows together)
-    ring_x = take((CfgMx<Cfg>::value ? 1 : sizeof(bf16)) * ring_rows * Cfg::kHidden);
-    ring_h = take((CfgMx<Cfg>::value ? 1 : sizeof(bf16)) * ring_rows * Cfg::kInter);
-    if constexpr (CfgMx<Cfg>::value) {
+    // ring rows and h rows: bf16, or (CfgMxCodes<Cfg>::value) E4M3 codes plus E8M0 scales in the
+    // tiles' blocked layout [K / 128, ring_rows, 4] (a k128 block's scales of consecutive rows together)
+    ring_x = take((CfgMxCodes<Cfg>::value ? 1 : sizeof(bf16)) * ring_rows * Cfg::kHidden);
+    ring_h = take((CfgMxCodes<Cfg>::value ? 1 : sizeof(bf16)) * ring_rows * Cfg::kInter);
+    if constexpr (CfgMxCodes<Cfg>::value) {
       this->ring_x_scales = take(ring_rows * Cfg::kHidden / 32);
       this->ring_h_scales = take(ring_rows * Cfg::kInter / 32);
     }
@@ -240,7 +259,7 @@ struct EpCore<Cfg, false> {
   using Down = GemmTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages>;
   static constexpr int kThreads = 256;
 };
-template <class Cfg, bool kMx = Cfg::kMx>
+template <class Cfg, bool kMx = CfgMxCodes<Cfg>::value>
 struct EpHopperTiles {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
@@ -541,9 +560,10 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           remote += src != rank;
         }
         __syncthreads();
-        uint4* to = Cfg::kMx ? reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(ring_x) + (int64_t(slot) * C + (b0 - r0)) * kH)
-                             : reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
-        if constexpr (Cfg::kMx) {
+        uint4* to = CfgMxCodes<Cfg>::value
+                        ? reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(ring_x) + (int64_t(slot) * C + (b0 - r0)) * kH)
+                        : reinterpret_cast<uint4*>(ring_x + (int64_t(slot) * C + (b0 - r0)) * kH);  // the batch's rows
+        if constexpr (CfgMxCodes<Cfg>::value) {
           // the rows' scales, a 4-byte word per k128 block, into the ring's blocked plane
           // [H / 128, ring_rows, 4]
           const uint32_t* const* s_sfrom = reinterpret_cast<const uint32_t* const*>(smem) + kBatch;
@@ -573,14 +593,31 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         const int n_vecs = (b1 - b0) * kVecs;  // < 2^31: kBatch rows of at most 2^20 vectors
         for (int v0 = warp * 32 * kPullUnroll + lane; v0 < n_vecs; v0 += kEpThreads * kPullUnroll) {
           uint4 r[kPullUnroll];
+          [[maybe_unused]] uint32_t sw[kPullUnroll];  // expanded MXFP8: the vector's k128 scale word
 #pragma unroll
           for (int u = 0; u < kPullUnroll; ++u) {
             const int v = v0 + u * 32;
-            if (v < n_vecs) r[u] = s_from[v / kVecs][v % kVecs];
+            if (v < n_vecs) {
+              r[u] = s_from[v / kVecs][v % kVecs];
+              if constexpr (CfgMxExpand<Cfg>::value)
+                sw[u] = reinterpret_cast<const uint32_t* const*>(smem)[kBatch + v / kVecs][(v % kVecs) / 8];
+            }
           }
 #pragma unroll
-          for (int u = 0; u < kPullUnroll; ++u)
-            if (v0 + u * 32 < n_vecs) to[v0 + u * 32] = r[u];
+          for (int u = 0; u < kPullUnroll; ++u) {
+            const int v = v0 + u * 32;
+            if (v >= n_vecs) continue;
+            if constexpr (CfgMxExpand<Cfg>::value) {
+              // the vector's 16 codes (one k16 step, half of a 32-block) as their bf16 MX values,
+              // k permuted as the bf16 MX weights are (mx_tile.cuh, mx_expand16)
+              uint4 lo, hi;
+              sm90::mx_expand16(r[u], (sw[u] >> (8 * ((v % kVecs) / 2 % 4))) & 0xffu, lo, hi);
+              to[2 * v] = lo;
+              to[2 * v + 1] = hi;
+            } else {
+              to[v] = r[u];
+            }
+          }
         }
         __syncthreads();  // s_from is reused by the next batch
       }
@@ -676,14 +713,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
       // MXFP8: the up tiles' h as codes and blocked scales (mx_tile.cuh), and the A operands
       // (codes' map, scales) of the up and down tiles
       [[maybe_unused]] auto mx_h_rows = [ring_h, loc, &L, C, R](int64_t row0) {
-        if constexpr (Cfg::kMx)
+        if constexpr (CfgMxCodes<Cfg>::value)
           return sm90::MxRowsBlocked{reinterpret_cast<uint8_t*>(ring_h), at<uint8_t>(loc, L.ring_h_scales), kI, C * R,
                                      int(row0)};
         else
           return row0;
       };
       [[maybe_unused]] auto a_operand = [](const CUtensorMap* map, const CUtensorMap* scales) {
-        if constexpr (Cfg::kMx)
+        if constexpr (CfgMxCodes<Cfg>::value)
           return sm90::MxA{map, scales};
         else
           return map;
@@ -1024,9 +1061,12 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag);
               }
             } else if (kind == 0) {
-              if constexpr (Cfg::kMx)
+              if constexpr (CfgMxCodes<Cfg>::value)
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, mx_h_rows(row0), Cfg::kClampLimit,
                             abort_flag);
+              else if constexpr (CfgMxExpand<Cfg>::value)
+                Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, sm90::MxRoundedRows<kI>{ring_h + row0 * kI},
+                            Cfg::kClampLimit, abort_flag);
               else
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag,
                             SaveRows<kI>{p.save_gu, meta + row0, true});
@@ -1193,13 +1233,13 @@ struct EpLauncher {
         // the A operands: bf16 rows, or (MXFP8) E4M3 codes in 64-byte boxes and their scale planes
         // (in sym_x / shared_h, unused by these builds)
         bool a_ok = true;
-        if constexpr (Cfg::kMx)
+        if constexpr (CfgMxCodes<Cfg>::value)
           a_ok = sm90::encode_scales_2d(&m.sym_x[r], p.local[r] + L.ring_x_scales, ring_rows, Cfg::kHidden / 128) ==
                      CUDA_SUCCESS &&
                  sm90::encode_scales_2d(&m.shared_h[r], p.local[r] + L.ring_h_scales, ring_rows, Cfg::kInter / 128) ==
                      CUDA_SUCCESS;
         a_ok = a_ok &&
-            (Cfg::kMx ? sm90::encode_codes_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kBK,
+            (CfgMxCodes<Cfg>::value ? sm90::encode_codes_2d(&m.ring_x[r], p.local[r] + L.ring_x, ring_rows, Cfg::kHidden, Up::kBK,
                                              Up::kABox) == CUDA_SUCCESS &&
                            sm90::encode_codes_2d(&m.ring_h[r], p.local[r] + L.ring_h, ring_rows, Cfg::kInter, Down::kBK,
                                                  Down::kABox) == CUDA_SUCCESS

@@ -203,6 +203,14 @@ struct NoSaveRows {
   MOKGEN_DEVICE bf16* operator()(int) const { return nullptr; }
 };
 
+// Output rows whose gated epilogue rounds h to MXFP8 (the expanded MXFP8 builds' h rows,
+// mx_tile.cuh MxRoundedRows): C::kRoundsMx, and C::store_block(h, q, out) stores a row's
+// 32-column block from the quad's 8 values per lane.
+template <class C, class = void>
+struct RoundsMx : std::false_type {};
+template <class C>
+struct RoundsMx<C, std::void_t<decltype(C::kRoundsMx)>> : std::bool_constant<C::kRoundsMx> {};
+
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
@@ -380,22 +388,37 @@ struct HopperTile {
       const int r = wg * 64 + w * 16 + (lane >> 2) + half * 8;
       const bool valid = r < rows;  // the same for the 4 lanes of a quad
       bf16* out = valid ? c_row(r) + n0 : nullptr;
+      if constexpr (kGated && RoundsMx<CRow>::value) {  // h as MX values (expanded MXFP8 builds)
 #pragma unroll
-      for (int b = 0; b < kGroups / 4; ++b) {
-        uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b+3
+        for (int b = 0; b < kGroups / 4; ++b) {
+          float h[8];  // this lane's 2 columns of groups 4b .. 4b+3: one 32-column block
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int i = 4 * b + u;
-          if constexpr (kGated) {  // gate in groups 0..15, up 16 groups later
-            word[u] = pack_bf16x2(
-                swiglu<kHasClamp>(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], clamp_limit),
-                swiglu<kHasClamp>(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], clamp_limit));
-          } else {
-            word[u] = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+          for (int u = 0; u < 4; ++u) {
+            const int i = 4 * b + u;
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              h[2 * u + e] = swiglu<kHasClamp>(acc[4 * i + 2 * half + e], acc[4 * (i + 16) + 2 * half + e], clamp_limit);
           }
+          CRow::store_block(h, q, valid ? out + 32 * b : nullptr);
         }
-        const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
-        if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
+      } else {
+#pragma unroll
+        for (int b = 0; b < kGroups / 4; ++b) {
+          uint32_t word[4];  // this lane's 2 columns of groups 4b .. 4b+3
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int i = 4 * b + u;
+            if constexpr (kGated) {  // gate in groups 0..15, up 16 groups later
+              word[u] = pack_bf16x2(
+                  swiglu<kHasClamp>(acc[4 * i + 2 * half], acc[4 * (i + 16) + 2 * half], clamp_limit),
+                  swiglu<kHasClamp>(acc[4 * i + 2 * half + 1], acc[4 * (i + 16) + 2 * half + 1], clamp_limit));
+            } else {
+              word[u] = pack_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+            }
+          }
+          const uint4 v = quad_transpose(word, q);  // group 4b + q, columns 0..7
+          if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * b + q)) = v;
+        }
       }
     }
   }

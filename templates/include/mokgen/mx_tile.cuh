@@ -65,6 +65,70 @@ struct MxRowsBlocked {
   }
 };
 
+// ---- expanded MXFP8 builds (MOKGEN_MX_EXPAND; ep_forward.cuh, CfgMxExpand) --------------------
+// The ring and h hold bf16 MX values with k permuted within each 16 as the bf16 MX weights
+// (mx_decode.cuh): word position P < 4 of a k16 step holds the pair of k 4P, 4P + 1, position
+// 4 + P the pair of k 4P + 2, 4P + 3, which is where MxTile's register fragments put them. The
+// bf16 tiles' SS wgmmas then multiply the same values in the same k slots as MxTile's RS ones.
+
+// 16 E4M3 codes of one k16 step (16 bytes, k order) with their block's E8M0 scale s -> the
+// step's 16 bf16 MX values in the permuted order: lo = positions 0..7, hi = positions 8..15.
+MOKGEN_DEVICE void mx_expand16(const uint4& codes, uint32_t s, uint4& lo, uint4& hi) {
+  uint32_t m1, m2;
+  mxd::multipliers(s, m1, m2);
+  lo = make_uint4(mxd::decode2(codes.x, m1, m2), mxd::decode2(codes.y, m1, m2), mxd::decode2(codes.z, m1, m2),
+                  mxd::decode2(codes.w, m1, m2));
+  hi = make_uint4(mxd::decode2(codes.x >> 16, m1, m2), mxd::decode2(codes.y >> 16, m1, m2),
+                  mxd::decode2(codes.z >> 16, m1, m2), mxd::decode2(codes.w >> 16, m1, m2));
+}
+
+// The up tiles' h rows of an expanded build (HopperTile's gated epilogue, RoundsMx): each 32-column
+// block of a row quantized as MxTile::quantize_h quantizes it (mx::quantize_block's bits), then
+// stored as its bf16 MX values (the decode MxTile's down tiles apply to those codes), k permuted.
+template <int kLd>
+struct MxRoundedRows {
+  static constexpr bool kRoundsMx = true;
+  bf16* base;
+  MOKGEN_DEVICE bf16* operator()(int r) const { return base + int64_t(r) * kLd; }
+
+  // One 32-column block of a row, held by the 4 lanes of a quad: lane q's h[2u + e] is column
+  // 8u + 2q + e. out: the block's first column in the row (nullptr: compute, store nothing; the
+  // same for the 4 lanes). Lane q stores 16 bytes: the word positions 4 (q & 1) .. + 3 of the
+  // block's k16 step q >> 1.
+  MOKGEN_DEVICE static void store_block(const float (&h)[8], int q, bf16* out) {
+    uint32_t amax = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t m = mx::float_bits(h[i]) & 0x7fffffffu;
+      amax = m > amax ? m : amax;
+    }
+    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const bool finite = amax < 0x7f800000u;  // mx::quantize_block's scale rule, as quantize_h
+    const int exp_field = int(amax >> 23);
+    int sc = exp_field == 0 ? -127 : exp_field - 127 - 8;
+    sc = sc < -127 ? -127 : sc;
+    const float inv = mx::bits_float(uint32_t(127 - sc) << 23);
+    uint32_t m1, m2;
+    mxd::multipliers(finite ? uint32_t(sc + 127) : uint32_t(mx::kE8M0Nan), m1, m2);
+    uint32_t word[4];  // group u's pair of this lane, decoded
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      uint16_t pair;
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(h[2 * u + 1] * inv), "f"(h[2 * u] * inv));
+      word[u] = mxd::decode2(finite ? pair : uint32_t(mx::kE4M3Nan | (mx::kE4M3Nan << 8)), m1, m2);
+    }
+    // k16 step m = q >> 1 (groups 2m, 2m + 1), positions of parity p = q & 1: the pairs of lanes
+    // p and p + 2 (this lane and lane q ^ 2), groups 2m and 2m + 1, in that order
+    const int m = q >> 1;
+    const uint32_t s0 = m ? word[0] : word[2], s1 = m ? word[1] : word[3];  // the partner's step
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, s0, 2), r1 = __shfl_xor_sync(0xffffffffu, s1, 2);
+    const uint32_t a0 = m ? word[2] : word[0], a1 = m ? word[3] : word[1];
+    const uint4 v = m ? make_uint4(r0, a0, r1, a1) : make_uint4(a0, r0, a1, r1);
+    if (out != nullptr) *reinterpret_cast<uint4*>(out + 16 * m + 8 * (q & 1)) = v;
+  }
+};
+
 template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1>
 struct MxTile {
   static constexpr int kBM = 128;
