@@ -79,7 +79,7 @@ LOCAL_FIELDS = ("bar_rank", "bar_compute", "tile_next", "stats", "chunk_landed",
 
 
 def local_layout(experts: int, hidden: int, inter: int, world: int, chunk_rows: int, ring_chunks: int,
-                 numerics: str = "bf16") -> dict[str, int]:
+                 numerics: str = "bf16", mx_form: str = "codes") -> dict[str, int]:
     """mokgen::LocalLayout<Cfg> (ep_forward.cuh): the byte offset of each array in a rank's
     private region, and ``total``. The backward reads the receive ring's x rows in place through
     it (mokgen.ep.EpBuffers.ring_x); EpBuffers checks ``total`` and ``stats`` against the
@@ -87,12 +87,15 @@ def local_layout(experts: int, hidden: int, inter: int, world: int, chunk_rows: 
     field with the compiled header."""
     e_loc = experts // world
     ring_rows = chunk_rows * ring_chunks
-    elem = 1 if numerics == "mxfp8" else 2  # ring rows and h: E4M3 codes (plus scale planes) or bf16
+    # ring rows and h: E4M3 codes plus scale planes (an MXFP8 build's codes form), else bf16 (its
+    # expanded form, v0.57, holds the rows' bf16 MX values)
+    codes = numerics == "mxfp8" and mx_form == "codes"
+    elem = 1 if codes else 2
     sizes = [8, 8, 8, 8 * LAYOUT_STAT_SLOTS, 8 * ring_chunks, 8 * ring_chunks, 8 * ring_chunks, 8 * ring_chunks,
              8 * ring_rows, 4 * (e_loc + 1), 4 * (experts + 1), 4 * experts, 8 * ring_rows, elem * ring_rows * hidden,
              elem * ring_rows * inter, 4 * ROUTE_PARTS * experts]
     fields = list(LOCAL_FIELDS)
-    if numerics == "mxfp8":  # the scale planes, taken after ring_h
+    if codes:  # the scale planes, taken after ring_h
         fields[15:15] = ["ring_x_scales", "ring_h_scales"]
         sizes[15:15] = [ring_rows * hidden // 32, ring_rows * inter // 32]
     out, at = {}, 0

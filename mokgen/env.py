@@ -22,6 +22,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
     "MOKGEN_FUSE_SHARED": "1 or 0: the shared expert inside the megakernel where the plan allows, or in PyTorch (default: inside wherever the plan allows)",
     "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
+    "MOKGEN_MX_FORM": "codes (default) or expand: an MXFP8 build's ring as E4M3 codes decoded in the tiles, or as the rows' bf16 MX values multiplied by the bf16 tiles (the same bits)",
     "MOKGEN_PULL_MODE": "copy (default: 16-byte loads and stores by every dispatch thread) or bulk (TMA bulk copies through shared memory) for the dispatch's row copy",
     "MOKGEN_DISPATCH_JOIN": "1 (default) or 0: dispatch CTAs go on computing tiles after their last pull (flow schedule), or idle until the combine",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
@@ -232,6 +233,11 @@ def pull_mode() -> str:
     return _choice("MOKGEN_PULL_MODE", ("copy", "bulk"))
 
 
+def mx_form() -> str:
+    """MOKGEN_MX_FORM: an MXFP8 build's form, ``codes`` (default) or ``expand`` (plan.MX_FORMS)."""
+    return _choice("MOKGEN_MX_FORM", ("codes", "expand"))
+
+
 def dispatch_join() -> bool:
     """MOKGEN_DISPATCH_JOIN: 1 (default) or 0."""
     return _choice("MOKGEN_DISPATCH_JOIN", ("1", "0")) == "1"
@@ -336,7 +342,8 @@ def tuned_enabled() -> bool:
 #: plan option -> the switch that sets it
 PLAN_SWITCHES = {"gemm_core": "MOKGEN_GEMM_CORE", "schedule": "MOKGEN_SCHEDULE", "cluster": "MOKGEN_CLUSTER",
                  "fuse_shared": "MOKGEN_FUSE_SHARED", "block_k": "MOKGEN_BLOCK_K", "pull_unroll": "MOKGEN_PULL_UNROLL",
-                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN", "stagger": "MOKGEN_FWD_STAGGER"}
+                 "pull_mode": "MOKGEN_PULL_MODE", "dispatch_join": "MOKGEN_DISPATCH_JOIN", "stagger": "MOKGEN_FWD_STAGGER",
+                 "mx_form": "MOKGEN_MX_FORM"}
 
 
 def switch_set(option: str) -> bool:
@@ -358,7 +365,7 @@ def plan_options() -> dict:
     """Build options chosen by the environment, as make_plan keyword arguments."""
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
             "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode(),
-            "dispatch_join": dispatch_join(), "stagger": fwd_stagger()}
+            "dispatch_join": dispatch_join(), "stagger": fwd_stagger(), "mx_form": mx_form()}
 
 
 def bwd_sum() -> str:

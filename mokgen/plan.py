@@ -117,6 +117,12 @@ class Plan(BaseModel):
     # two stay that far apart, so one's epilogue overlaps the other's k-loop; hopper_gemm.cuh
     # StaggerPipe). 0: lockstep. BF16 builds on the Hopper core's flow schedule only.
     gemm_stagger: int = 0
+    # MXFP8 builds' form (ep_forward.cuh CfgMxCodes / CfgMxExpand; docs/architecture.md): "codes"
+    # (the ring holds E4M3 codes and scales, the tiles are mx_tile.cuh's MxTile, which decodes A in
+    # its consumers) or "expand" (the pull writes the rows' bf16 MX values into the ring, h is
+    # stored as its MX values in bf16, the tiles are the bf16 HopperTiles: the same bits, v0.57).
+    # "codes" for bf16 plans.
+    mx_form: str = "codes"
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -148,6 +154,8 @@ PULL_MODES = ("copy", "bulk")
 #: the consumers' stagger leads a plan takes (k-blocks; below every core's 4 stages, and within
 #: a down tile's k-blocks: the bundled specs' smallest is 8)
 STAGGERS = (0, 1, 2, 3)
+#: MXFP8 builds' forms (Plan.mx_form)
+MX_FORMS = ("codes", "expand")
 
 
 #: hidden size from which CTA pairs (gemm_cluster 2) are the default. Measured on the H200 (v0.6,
@@ -165,7 +173,7 @@ def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
               fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
-              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0) -> Plan:
+              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0, mx_form: str = "codes") -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
@@ -177,11 +185,12 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise);
     ``stagger``: the consumer warpgroups' lead in k-blocks (the Hopper core's flow schedule only,
     0 otherwise; not for mxfp8). Numerics mxfp8: the Hopper core's flow schedule with k-blocks
-    of 64 and the copy dispatch, no fused shared expert, and single CTAs unless ``cluster`` is 2."""
+    of 64 and the copy dispatch, no fused shared expert, and single CTAs unless ``cluster`` is 2;
+    ``mx_form`` its form (MX_FORMS: "codes", the default, or "expand"; ignored for bf16)."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES),
-                                   ("stagger", stagger, STAGGERS)):
+                                   ("stagger", stagger, STAGGERS), ("mx_form", mx_form, MX_FORMS)):
         if value not in allowed and not (option == "cluster" and value is None):
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
     if pull_mode == "bulk" and gemm_core != "wgmma":
@@ -231,6 +240,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         pull_mode=pull_mode,
         dispatch_join=bool(dispatch_join) and gemm_core == "wgmma" and schedule == "flow",
         gemm_stagger=stagger if gemm_core == "wgmma" and schedule == "flow" else 0,
+        mx_form=mx_form if t.numerics == "mxfp8" else "codes",
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,
@@ -249,11 +259,11 @@ def smem_bytes(plan: Plan) -> int:
     """Dynamic shared memory per CTA of ``plan``'s megakernel, as EpForward::kSmemBytes computes
     it (ep_forward.cuh, hopper_gemm.cuh, grouped_gemm.cuh): the GEMM stage ring (both tile kinds
     step through one ring with the larger stage) or the routing prologue's histograms."""
-    if plan.gemm_core == "wgmma" and plan.numerics == "mxfp8":  # E4M3 A, bf16 B, the k128 block's A scales
+    if plan.gemm_core == "wgmma" and plan.numerics == "mxfp8" and plan.mx_form == "codes":  # E4M3 A, bf16 B, A scales
         # the scales' box of 132 rows (mx_tile.cuh kScaleBoxRows) and the shift word's 16 bytes
         stride = (128 * 64 + max(256, plan.gemm_block_n_down) * 64 * 2 + 132 * 4 + 16 + 1023) // 1024 * 1024
         gemm, threads = plan.gemm_stages * stride + 2 * plan.gemm_stages * 8 + 1024, 384
-    elif plan.gemm_core == "wgmma":
+    elif plan.gemm_core == "wgmma":  # bf16, and mxfp8's expanded form (the bf16 HopperTiles)
         stride = (128 + max(256, plan.gemm_block_n_down)) * plan.gemm_block_k * 2
         gemm, threads = plan.gemm_stages * stride + 2 * plan.gemm_stages * 8 + 1024, 384
     else:

@@ -62,7 +62,7 @@ from typing import Any, Callable, Optional, Sequence
 from mokgen import env
 from mokgen._version import __version__
 from mokgen.errors import InputError, KernelError, PlanError
-from mokgen.plan import PULL_MODES, SMEM_LIMIT, ep_defaults, make_plan, smem_bytes
+from mokgen.plan import MX_FORMS, PULL_MODES, SMEM_LIMIT, ep_defaults, make_plan, smem_bytes
 from mokgen.spec import MoESpec
 
 #: relative difference below which two timings are a tie (the lower candidate index wins)
@@ -106,7 +106,8 @@ FORMAT = 1
 class Candidate:
     """One setting of the tunable parameters. ``dispatch_ctas`` None: the layer's default.
     ``pull_mode``: the dispatch's copy engine (a build option, tried only with real transfers).
-    ``stagger``: the consumers' stagger lead (a build option, tried by the second pass)."""
+    ``stagger``: the consumers' stagger lead (a build option, tried by the second pass).
+    ``mx_form``: an MXFP8 build's form (plan.MX_FORMS; "codes" for bf16)."""
 
     cluster: int
     block_k: int
@@ -115,10 +116,12 @@ class Candidate:
     dispatch_ctas: Optional[int] = None
     pull_mode: str = "copy"
     stagger: int = 0
+    mx_form: str = "codes"
 
     def build_options(self) -> dict[str, Any]:
         """The make_plan keyword arguments this candidate sets."""
-        return {"cluster": self.cluster, "block_k": self.block_k, "pull_mode": self.pull_mode, "stagger": self.stagger}
+        return {"cluster": self.cluster, "block_k": self.block_k, "pull_mode": self.pull_mode, "stagger": self.stagger,
+                "mx_form": self.mx_form}
 
     def build_key(self) -> tuple:
         """The build this candidate needs, hashable (candidates with equal keys share a library)."""
@@ -132,8 +135,9 @@ class Candidate:
         d = "default" if self.dispatch_ctas is None else str(self.dispatch_ctas)
         pull = ", bulk pull" if self.pull_mode == "bulk" else ""
         stagger = f", stagger {self.stagger}" if self.stagger else ""
+        form = ", expanded MX rows" if self.mx_form == "expand" else ""
         return (f"cluster {self.cluster}, BK {self.block_k}, chunk {self.chunk_rows}, ring {self.ring_chunks}, "
-                f"dispatch {d}{pull}{stagger}")
+                f"dispatch {d}{pull}{stagger}{form}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,16 +145,19 @@ class Candidate:
     @classmethod
     def from_json(cls, doc: Any) -> "Candidate":
         fields = set(cls.__dataclass_fields__)
-        # files written before pull_mode (v0.7) or the stagger (v0.47) was tuned lack the field:
-        # they ran the copy, in lockstep
-        if not isinstance(doc, dict) or not fields - {"pull_mode", "stagger"} <= set(doc) <= fields:
+        # files written before pull_mode (v0.7), the stagger (v0.47) or the MX form (v0.57) was
+        # tuned lack the field: they ran the copy, in lockstep, MXFP8 builds as codes
+        if not isinstance(doc, dict) or not fields - {"pull_mode", "stagger", "mx_form"} <= set(doc) <= fields:
             raise ValueError(f"a candidate has the fields {sorted(cls.__dataclass_fields__)}, got {doc!r}")
-        from mokgen.plan import BLOCK_KS, CLUSTERS, PULL_MODES, STAGGERS
+        from mokgen.plan import BLOCK_KS, CLUSTERS, MX_FORMS, PULL_MODES, STAGGERS
 
         doc = dict(doc)
         pull_mode = doc.pop("pull_mode", "copy")
         if pull_mode not in PULL_MODES:
             raise ValueError(f"candidate field pull_mode must be one of {PULL_MODES}, got {pull_mode!r}")
+        mx_form = doc.pop("mx_form", "codes")
+        if mx_form not in MX_FORMS:
+            raise ValueError(f"candidate field mx_form must be one of {MX_FORMS}, got {mx_form!r}")
 
         allowed = {"cluster": CLUSTERS, "block_k": BLOCK_KS, "stagger": STAGGERS}
         limits = {"chunk_rows": 1 << 20, "ring_chunks": 1024, "dispatch_ctas": 1024}
@@ -163,7 +170,7 @@ class Candidate:
                 raise ValueError(f"candidate field {name} must be one of {allowed[name]}, got {value}")
             if name in limits and not 1 <= value <= limits[name]:
                 raise ValueError(f"candidate field {name} must be in 1..{limits[name]}, got {value}")
-        return cls(**doc, pull_mode=pull_mode)
+        return cls(**doc, pull_mode=pull_mode, mx_form=mx_form)
 
 
 def token_bucket(tokens: int) -> int:
@@ -215,7 +222,7 @@ def default_candidate(spec: MoESpec) -> Candidate:
     plan = make_plan(spec, **env.plan_options())
     d = ep_defaults(spec)
     return Candidate(plan.gemm_cluster, plan.gemm_block_k, d["chunk_rows"], d["ring_chunks"], None, plan.pull_mode,
-                     plan.gemm_stagger)
+                     plan.gemm_stagger, plan.mx_form)
 
 
 @dataclass
@@ -234,11 +241,13 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     options = env.plan_options()
     # an axis whose switch is set stays at the switch's value (the build would override it)
     pairs_possible = options["gemm_core"] == "wgmma" and options["schedule"] == "flow"
-    # the MX tiles: k-blocks of 64 and the copy dispatch; their CTA pairs (v0.55) are not searched:
-    # 7% slower than single CTAs on an H100 (docs/perf-notes.md v0.55)
+    # the MX builds: k-blocks of 64 and the copy dispatch, in both forms (v0.57); CTA pairs only in
+    # the expanded form: MxTile's measured 4-7% slower than its single CTAs on an H100 (v0.55,
+    # v0.56), the expanded form's 3-19% faster (v0.57; docs/perf-notes.md)
     mx = spec.target.numerics == "mxfp8"
-    clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not mx and not env.switch_set("cluster")
-                                 else [])
+    clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not env.switch_set("cluster") else [])
+    forms = [base.mx_form] + ([f for f in MX_FORMS if f != base.mx_form] if mx and not env.switch_set("mx_form")
+                              else [])
     block_ks = [base.block_k] + ([b for b in (64, 32) if b != base.block_k]
                                  if options["gemm_core"] == "wgmma" and not mx and not env.switch_set("block_k")
                                  else [])
@@ -256,9 +265,11 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     holding = base.chunk_rows if base.chunk_rows >= rows else min((c for c in chunks if c >= rows), default=None)
     H, I = spec.hidden_size, spec.moe_intermediate_size
     space = Space([])
-    for cluster, block_k, pull_mode in ((c, b, m) for c in clusters for b in block_ks for m in pulls):
+    builds = [(c, b, m, f) for c in clusters for b in block_ks for m in pulls for f in forms
+              if not (mx and f == "codes" and c == 2 and c != base.cluster)]  # no MxTile pairs unless pinned
+    for cluster, block_k, pull_mode, mx_form in builds:
         plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k, "pull_mode": pull_mode,
-                                  "stagger": base.stagger})
+                                  "stagger": base.stagger, "mx_form": mx_form})
         build_why = None  # a reason that prunes every candidate of this build
         if smem_bytes(plan) > SMEM_LIMIT:
             build_why = f"shared memory: {smem_bytes(plan)} B per CTA > {SMEM_LIMIT}"
@@ -269,7 +280,7 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
             for ring in rings:
                 same = _same_ring(ring, rings, n)
                 for p in dispatch:
-                    c = Candidate(cluster, block_k, chunk, ring, p, pull_mode, base.stagger)
+                    c = Candidate(cluster, block_k, chunk, ring, p, pull_mode, base.stagger, mx_form)
                     why = build_why
                     if why is None and c != base and holding is not None and chunk >= rows and chunk != holding:
                         why = f"chunk of {chunk} rows: a rank has {rows}, the chunk of {holding} holds them all"
@@ -335,7 +346,7 @@ def choose(times: list[Optional[float]], noise: float = NOISE) -> int:
 
 #: the build options the tuner chooses: not among a file's fixed plan options (a switch that pins
 #: one is recorded under "pinned"). pull_mode stays among the fixed ones (see metadata)
-TUNED_OPTIONS = ("cluster", "block_k", "stagger")
+TUNED_OPTIONS = ("cluster", "block_k", "stagger", "mx_form")
 
 
 def metadata(gpu: str) -> dict[str, Any]:

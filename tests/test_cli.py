@@ -301,6 +301,7 @@ def test_render_mxfp8_sets_the_kernels_numerics(private_dirs):
     assert code == 0, err
     cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
     assert cu and "static constexpr bool kMx = true;" in cu[0].read_text()
+    assert "static constexpr bool kMxExpand = false;" in cu[0].read_text()
     code, out, err = invoke("render", "kimi-k2.5")
     cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
     assert code == 0 and "static constexpr bool kMx = false;" in cu[0].read_text()

@@ -558,6 +558,7 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
     for i, (e, h, inter, *_rest) in enumerate(cases):
         lines.append(f"struct Cfg{i} {{ static constexpr int kExperts = {e}, kHidden = {h}, kInter = {inter}; }};")
         lines.append(f"struct Mx{i} : Cfg{i} {{ static constexpr bool kMx = true; }};")  # MXFP8 builds' layout
+        lines.append(f"struct MxE{i} : Mx{i} {{ static constexpr bool kMxExpand = true; }};")  # its expanded form
     lines.append("int main() {")
     for i, (_e, _h, _i, w, c, r) in enumerate(cases):
         lines.append(f"  {{ mokgen::LocalLayout<Cfg{i}> L({w}, {c}, {r});")
@@ -566,6 +567,9 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
         lines.append(f"  }}\n  {{ mokgen::LocalLayout<Mx{i}> L({w}, {c}, {r});")
         for name in (*abi.LOCAL_FIELDS, "ring_x_scales", "ring_h_scales", "total"):
             lines.append(f'    std::printf("mx{i} {name} %zu\\n", L.{name});')
+        lines.append(f"  }}\n  {{ mokgen::LocalLayout<MxE{i}> L({w}, {c}, {r});")
+        for name in (*abi.LOCAL_FIELDS, "total"):
+            lines.append(f'    std::printf("mxe{i} {name} %zu\\n", L.{name});')
         lines.append("  }")
     lines += ["  return 0;", "}"]
     (tmp_path / "layout.cu").write_text("\n".join(lines) + "\n")
@@ -582,6 +586,8 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
         assert abi.local_layout(*case) == got[str(i)], case
         assert abi.local_layout(*case, numerics="mxfp8") == got[f"mx{i}"], case
         assert got[f"mx{i}"]["ring_x_scales"] > got[f"mx{i}"]["ring_h"]  # the MXFP8 planes exist
+        # the expanded form (v0.57): the ring holds bf16 MX values, the bf16 layout
+        assert abi.local_layout(*case, numerics="mxfp8", mx_form="expand") == got[f"mxe{i}"] == got[str(i)], case
     # the region's size as the library computes it, for the built spec
     spec, lib = load_spec(SMALL), _library()
     for W, C, S in ((1, 8192, 4), (1, 1024, 64), (2, 512, 3)):

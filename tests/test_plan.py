@@ -189,9 +189,13 @@ def test_make_plan_mxfp8_takes_the_hopper_flow_schedule_without_fusion_and_pairs
     assert smem_bytes(paired) == smem_bytes(make_plan(kimi))  # pairs share operands, not stages
     # a stage: A's 128 x 64 codes, B's 256 x 64 bf16, the k128 block's scales, 1024-aligned
     assert smem_bytes(plan) == plan.gemm_stages * 41984 + 2 * plan.gemm_stages * 8 + 1024
+    # the expanded form (v0.57): the bf16 HopperTiles' stage, A's and B's bf16 (128 + 256) x 64
+    assert plan.mx_form == "codes" and make_plan(spec, mx_form="expand").mx_form == "expand"
+    assert smem_bytes(make_plan(spec, mx_form="expand")) == plan.gemm_stages * 49152 + 2 * plan.gemm_stages * 8 + 1024
+    assert make_plan(load_spec("kimi-k2.5"), mx_form="expand").mx_form == "codes"  # bf16 plans have one form
     for options, what in (({"gemm_core": "mma_sync"}, "gemm_core wgmma"), ({"schedule": "phased"}, "schedule flow"),
                           ({"block_k": 32}, "block_k 64"), ({"pull_mode": "bulk"}, "pull_mode copy"),
-                          ({"stagger": 1}, "in lockstep")):
+                          ({"stagger": 1}, "in lockstep"), ({"mx_form": "fp8"}, "mx_form must be one of codes, expand")):
         with pytest.raises(PlanError, match=what) as info:
             make_plan(spec, **options)
         assert "\n" not in str(info.value) and str(info.value).startswith(f"{spec.name}: ")

@@ -47,7 +47,7 @@ def test_token_bucket():
 def test_candidate_json_round_trip_and_validation():
     c = Candidate(2, 32, 4096, 8, 16)
     assert Candidate.from_json(json.loads(json.dumps(c.to_json()))) == c
-    assert c.build_options() == {"cluster": 2, "block_k": 32, "pull_mode": "copy", "stagger": 0}
+    assert c.build_options() == {"cluster": 2, "block_k": 32, "pull_mode": "copy", "stagger": 0, "mx_form": "codes"}
     bulk = Candidate(2, 32, 4096, 8, 16, "bulk")
     assert Candidate.from_json(bulk.to_json()) == bulk and bulk.build_options()["pull_mode"] == "bulk"
     assert "bulk pull" in bulk.label() and "bulk" not in c.label()
@@ -59,6 +59,11 @@ def test_candidate_json_round_trip_and_validation():
     lead = Candidate(2, 32, 4096, 8, 16, "copy", 3)
     assert Candidate.from_json(lead.to_json()) == lead and lead.build_options()["stagger"] == 3
     assert "stagger 3" in lead.label() and "stagger" not in c.label()
+    # nor before the MX form was (v0.57): MXFP8 builds ran as codes
+    assert Candidate.from_json({k: v for k, v in c.to_json().items() if k != "mx_form"}) == c
+    expand = Candidate(2, 64, 4096, 4, None, "copy", 0, "expand")
+    assert Candidate.from_json(expand.to_json()) == expand and expand.build_options()["mx_form"] == "expand"
+    assert "expanded MX rows" in expand.label() and "expanded" not in c.label()
     assert c.runtime() == {"chunk_rows": 4096, "ring_chunks": 8, "dispatch_ctas": 16}
     for bad in ({**c.to_json(), "extra": 1}, {k: v for k, v in c.to_json().items() if k != "ring_chunks"},
                 {**c.to_json(), "chunk_rows": 0}, {**c.to_json(), "block_k": "64"}, {**c.to_json(), "cluster": True},
@@ -66,7 +71,8 @@ def test_candidate_json_round_trip_and_validation():
                 {**c.to_json(), "block_k": 48}, {**c.to_json(), "chunk_rows": (1 << 20) + 1},
                 {**c.to_json(), "ring_chunks": 1025}, {**c.to_json(), "pull_mode": "dma"},
                 {**c.to_json(), "pull_mode": None}, {**c.to_json(), "stagger": 4}, {**c.to_json(), "stagger": -1},
-                {**c.to_json(), "stagger": True}, {**c.to_json(), "stagger": None}):
+                {**c.to_json(), "stagger": True}, {**c.to_json(), "stagger": None}, {**c.to_json(), "mx_form": "fp8"},
+                {**c.to_json(), "mx_form": None}):
         with pytest.raises(ValueError):
             Candidate.from_json(bad)
 
@@ -677,7 +683,10 @@ def test_cli_numerics_tunes_the_mxfp8_megakernels_space(tuned_dirs):
     mx = search_space(spec.with_target(numerics="mxfp8"), ep=8, tokens=2048).candidates
     bf16 = search_space(spec, ep=8, tokens=2048).candidates
     assert f"{len(mx)} candidates" in out and len(mx) < len(bf16)
-    assert "cluster 2" not in out and "BK 32" not in out and "cluster 1, BK 64, chunk 16384" in out
+    assert "BK 32" not in out and "cluster 1, BK 64, chunk 16384" in out
+    # CTA pairs only with the expanded rows (MxTile's pairs measured slower, v0.55-v0.56)
+    pair_lines = [line for line in out.splitlines() if "cluster 2" in line]
+    assert pair_lines and all("expanded MX rows" in line for line in pair_lines)
     code, out, err = invoke("tune", "kimi-k2.5", "--ep", "8", "--dry-run")
     assert code == 0 and "cluster 2" in out, err
     mx_key = TuneKey.of(spec.with_target(numerics="mxfp8"), gpu=GPU, ep=8, tokens=2048, workload="local")
@@ -946,11 +955,16 @@ def test_pair_timer_times_both_layers_in_abba_blocks():
 
 
 def test_the_mxfp8_space_keeps_to_what_the_mx_tiles_build():
-    """numerics mxfp8: no cluster pairs, no 32-wide k-blocks, no bulk dispatch among the
-    candidates (make_plan refuses them), the rings and chunks searched as for bf16."""
+    """numerics mxfp8: no 32-wide k-blocks, no bulk dispatch among the candidates (make_plan
+    refuses them); both forms (v0.57), CTA pairs only in the expanded one (MxTile's pairs measured
+    slower); the rings and chunks searched as for bf16; MOKGEN_MX_FORM holds the form's axis."""
     from mokgen.spec import load_spec
 
     spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
     space = search_space(spec, ep=8, tokens=2048, distributed=True)
-    assert space.candidates and {(c.cluster, c.block_k, c.pull_mode) for c in space.candidates} == {(1, 64, "copy")}
+    assert space.candidates[0].mx_form == "codes" and space.candidates[0].cluster == 1
+    builds = {(c.cluster, c.block_k, c.pull_mode, c.mx_form) for c in space.candidates}
+    assert builds == {(1, 64, "copy", "codes"), (1, 64, "copy", "expand"), (2, 64, "copy", "expand")}
     assert len({(c.chunk_rows, c.ring_chunks) for c in space.candidates}) > 1
+    # bf16 specs have one form
+    assert {c.mx_form for c in search_space(load_spec("kimi-k2.5"), ep=8, tokens=2048).candidates} == {"codes"}

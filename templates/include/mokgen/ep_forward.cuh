@@ -112,24 +112,31 @@ struct CfgMx : std::false_type {};
 template <class Cfg>
 struct CfgMx<Cfg, std::void_t<decltype(Cfg::kMx)>> : std::bool_constant<Cfg::kMx> {};
 
-// MXFP8 builds come in two forms (docs/architecture.md, "The megakernel's MXFP8 path"):
+// MXFP8 builds come in two forms (plan mx_form; docs/architecture.md, "The megakernel's MXFP8 path"):
 // - codes (the default): the ring holds E4M3 codes and blocked scales, and the expert tiles are
 //   mx_tile.cuh's MxTile, which decodes A in its consumers' registers;
-// - expanded (MOKGEN_MX_EXPAND, v0.57): rows still travel as codes and scales, but the pull
-//   writes their exact MX values into the ring as bf16 (k permuted within each 16 as the bf16
-//   MX weights are), the up tiles store h as its MX values in bf16 (MxRoundedRows), and the
-//   expert tiles are the bf16 builds' HopperTiles: the same products, no decode in the k-loops.
+// - expand (Cfg::kMxExpand, v0.57): rows still travel as codes and scales, but the pull writes
+//   their exact MX values into the ring as bf16 (k permuted within each 16 as the bf16 MX
+//   weights are), the up tiles store h as its MX values in bf16 (MxRoundedRows), and the expert
+//   tiles are the bf16 builds' HopperTiles: the same products, no decode in the k-loops.
+// MOKGEN_MX_EXPAND (v0.57's measuring macro, kept so that its commands still run) forces the
+// expanded form on an MXFP8 build.
 #if defined(MOKGEN_MX_EXPAND)
 constexpr bool kMxExpandBuild = true;
 #else
 constexpr bool kMxExpandBuild = false;
 #endif
-// an MXFP8 build whose ring and h hold codes (MxTile)
+// Cfg::kMxExpand, false where a configuration does not say
+template <class Cfg, class = void>
+struct CfgMxExpandAsked : std::false_type {};
 template <class Cfg>
-struct CfgMxCodes : std::bool_constant<CfgMx<Cfg>::value && !kMxExpandBuild> {};
+struct CfgMxExpandAsked<Cfg, std::void_t<decltype(Cfg::kMxExpand)>> : std::bool_constant<Cfg::kMxExpand> {};
 // an MXFP8 build whose ring and h hold bf16 MX values (HopperTile)
 template <class Cfg>
-struct CfgMxExpand : std::bool_constant<CfgMx<Cfg>::value && kMxExpandBuild> {};
+struct CfgMxExpand : std::bool_constant<CfgMx<Cfg>::value && (kMxExpandBuild || CfgMxExpandAsked<Cfg>::value)> {};
+// an MXFP8 build whose ring and h hold codes (MxTile)
+template <class Cfg>
+struct CfgMxCodes : std::bool_constant<CfgMx<Cfg>::value && !CfgMxExpand<Cfg>::value> {};
 
 // The MXFP8 builds' extra offsets (Cfg::kMx), as empty bases for the others: the bf16 builds'
 // layouts, and so their kernel parameters, stay as they were.
