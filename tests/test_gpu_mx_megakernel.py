@@ -112,15 +112,15 @@ def test_mx_cta_pairs_give_the_single_ctas_bits(monkeypatch, inter):
         assert torch.equal(out, runs["1", w, 256, 2]), f"cluster {cluster}, W = {w}, ring {ring} x {chunk}: bits differ"
 
 
-@pytest.mark.nvcc  # builds the measuring macro's variant
+@pytest.mark.nvcc  # builds the expanded form's variants
 @pytest.mark.parametrize("cluster", ["1", "2"])
 def test_the_expanded_mx_build_gives_the_codes_builds_bits(monkeypatch, cluster):
-    """MOKGEN_MX_EXPAND (v0.57, a measuring build; ep_forward.cuh CfgMxExpand): the pull writes the
-    rows' bf16 MX values into the ring, the up tiles store h as its MX values in bf16, and the bf16
-    HopperTiles multiply them: the same values in the same k slots as MxTile's decoded fragments,
-    so the default build's bits. W = 1 and W = 4 (one rank without tokens, skewed routing), two
-    rings, single CTAs and pairs."""
-    from mokgen import build
+    """Plan mx_form "expand" (MOKGEN_MX_FORM; v0.57, ep_forward.cuh CfgMxExpand): the pull writes
+    the rows' bf16 MX values into the ring, the up tiles store h as its MX values in bf16, and the
+    bf16 HopperTiles multiply them: the same values in the same k slots as MxTile's decoded
+    fragments, so the codes form's bits. W = 1 and W = 4 (one rank without tokens, skewed
+    routing), two rings, single CTAs and pairs (the codes form's pairs give its single CTAs' bits,
+    test_mx_cta_pairs_give_the_single_ctas_bits)."""
     from mokgen.load import load
 
     spec = _spec()
@@ -128,11 +128,10 @@ def test_the_expanded_mx_build_gives_the_codes_builds_bits(monkeypatch, cluster)
     cases = {1: _problem(spec, [1100], seed=7, skew=True)[:3],
              4: _problem(spec, [500, 0, 257, 1033], seed=8, skew=True)[:3]}
     monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
-    base = list(build.BASE_FLAGS)
     runs = {}
-    for form, flags in (("codes", []), ("expanded", ["-DMOKGEN_MX_EXPAND"])):
-        monkeypatch.setattr(build, "BASE_FLAGS", [*base, *flags])
-        assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster)
+    for form in ("codes", "expand"):
+        monkeypatch.setenv("MOKGEN_MX_FORM", form)
+        assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster) and load(spec).MX_FORM == form
         for w, (xs, ids, ws) in cases.items():
             for chunk, ring in ((256, 3), (2048, 2)):
                 with torch.no_grad():
