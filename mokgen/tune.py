@@ -242,7 +242,7 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     # an axis whose switch is set stays at the switch's value (the build would override it)
     pairs_possible = options["gemm_core"] == "wgmma" and options["schedule"] == "flow"
     # the MX builds: k-blocks of 64 and the copy dispatch, in both forms (v0.57); CTA pairs only in
-    # the expanded form: MxTile's measured 4-7% slower than its single CTAs on an H100 (v0.55,
+    # the expanded form: MxTile's measured 4-8% slower than its single CTAs on an H100 (v0.55,
     # v0.56), the expanded form's 3-19% faster (v0.57; docs/perf-notes.md)
     mx = spec.target.numerics == "mxfp8"
     clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not env.switch_set("cluster") else [])
