@@ -332,7 +332,7 @@ def test_schedule_from_environment(monkeypatch):
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
                                   "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True,
-                                  "stagger": 0}
+                                  "stagger": 0, "mx_form": "codes"}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -427,6 +427,14 @@ def test_pull_mode_option(monkeypatch):
         make_plan(spec, gemm_core="mma_sync", pull_mode="bulk")
     _check_switch(monkeypatch, "MOKGEN_PULL_MODE", "pull_mode", "bulk", "bulk", "tma",
                   "MOKGEN_PULL_MODE must be copy or bulk")
+
+
+def test_mx_form_option(monkeypatch):
+    """MOKGEN_MX_FORM: an MXFP8 build's form (v0.57), codes by default; bf16 plans have one form."""
+    spec = load_spec("deepseek-v3").with_target(numerics="mxfp8")
+    assert make_plan(spec).mx_form == "codes" and make_plan(spec, mx_form="expand").mx_form == "expand"
+    _check_switch(monkeypatch, "MOKGEN_MX_FORM", "mx_form", "expand", "expand", "fp8",
+                  "MOKGEN_MX_FORM must be codes or expand")
 
 
 def test_dispatch_join_option(monkeypatch):
