@@ -80,6 +80,18 @@ def test_mx_megakernel_gives_the_same_bits_for_every_w_and_ring():
             assert all(torch.equal(a, b) for a, b in zip(four, again))
 
 
+def _runs_over_cases_and_rings(spec, cases, weights, rings):
+    """(W, chunk rows, ring chunks) -> the launch's outputs, every rank's concatenated, for each
+    case W -> (xs, ids, ws) and each ring, under the current build."""
+    out = {}
+    for w, (xs, ids, ws) in cases.items():
+        for chunk, ring in rings:
+            with torch.no_grad():
+                out[w, chunk, ring] = torch.cat(
+                    virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=chunk, ring_chunks=ring))
+    return out
+
+
 @pytest.mark.nvcc  # builds the pairs' variant: needs the compiler even where prebuilt wheels serve the defaults
 @pytest.mark.parametrize("inter", [768, 640])
 def test_mx_cta_pairs_give_the_single_ctas_bits(monkeypatch, inter):
@@ -102,11 +114,8 @@ def test_mx_cta_pairs_give_the_single_ctas_bits(monkeypatch, inter):
     for cluster in ("1", "2"):
         monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
         assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster)
-        for w, (xs, ids, ws) in cases.items():
-            for chunk, ring in ((256, 2), (1024, 3)):
-                with torch.no_grad():
-                    runs[cluster, w, chunk, ring] = torch.cat(
-                        virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=chunk, ring_chunks=ring))
+        for key, out in _runs_over_cases_and_rings(spec, cases, weights, ((256, 2), (1024, 3))).items():
+            runs[(cluster, *key)] = out
     for (cluster, w, chunk, ring), out in runs.items():
         assert torch.isfinite(out).all()
         assert torch.equal(out, runs["1", w, 256, 2]), f"cluster {cluster}, W = {w}, ring {ring} x {chunk}: bits differ"
@@ -132,11 +141,8 @@ def test_the_expanded_mx_build_gives_the_codes_builds_bits(monkeypatch, cluster)
     for form in ("codes", "expand"):
         monkeypatch.setenv("MOKGEN_MX_FORM", form)
         assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster) and load(spec).MX_FORM == form
-        for w, (xs, ids, ws) in cases.items():
-            for chunk, ring in ((256, 3), (2048, 2)):
-                with torch.no_grad():
-                    runs[form, w, chunk, ring] = torch.cat(
-                        virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=chunk, ring_chunks=ring))
+        for key, out in _runs_over_cases_and_rings(spec, cases, weights, ((256, 3), (2048, 2))).items():
+            runs[(form, *key)] = out
     for (form, w, chunk, ring), out in runs.items():
         assert torch.isfinite(out).all()
         assert torch.equal(out, runs["codes", w, chunk, ring]), f"{form}, W = {w}, ring {ring} x {chunk}: bits differ"
