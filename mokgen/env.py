@@ -22,7 +22,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_SCHEDULE": "flow (default: tiles flow across chunks, per-block dependencies) or phased (barriers per chunk phase)",
     "MOKGEN_FUSE_SHARED": "1 or 0: the shared expert inside the megakernel where the plan allows, or in PyTorch (default: inside wherever the plan allows)",
     "MOKGEN_PULL_UNROLL": "12 (default), 16 or 8: 16-byte loads in flight per lane of the dispatch copy",
-    "MOKGEN_MX_FORM": "codes (default) or expand: an MXFP8 build's ring as E4M3 codes decoded in the tiles, or as the rows' bf16 MX values multiplied by the bf16 tiles (the same bits)",
+    "MOKGEN_MX_FORM": "codes or expand (default: expand in CTA pairs where the plan pairs BF16 builds, else codes in single CTAs): an MXFP8 build's ring as E4M3 codes decoded in the tiles, or as the rows' bf16 MX values multiplied by the bf16 tiles (the same bits)",
     "MOKGEN_PULL_MODE": "copy (default: 16-byte loads and stores by every dispatch thread) or bulk (TMA bulk copies through shared memory) for the dispatch's row copy",
     "MOKGEN_DISPATCH_JOIN": "1 (default) or 0: dispatch CTAs go on computing tiles after their last pull (flow schedule), or idle until the combine",
     "MOKGEN_BLOCK_K": "64 (default: 4 stages of 48 KB) or 32 (9 stages of 24 KB) for the Hopper core's k-blocks",
@@ -233,9 +233,10 @@ def pull_mode() -> str:
     return _choice("MOKGEN_PULL_MODE", ("copy", "bulk"))
 
 
-def mx_form() -> str:
-    """MOKGEN_MX_FORM: an MXFP8 build's form, ``codes`` (default) or ``expand`` (plan.MX_FORMS)."""
-    return _choice("MOKGEN_MX_FORM", ("codes", "expand"))
+def mx_form() -> str | None:
+    """MOKGEN_MX_FORM: an MXFP8 build's form, ``codes`` or ``expand`` (plan.MX_FORMS), or None
+    (unset: the plan's default_mx_form)."""
+    return _choice("MOKGEN_MX_FORM", ("codes", "expand")) if _get("MOKGEN_MX_FORM") else None
 
 
 def dispatch_join() -> bool:

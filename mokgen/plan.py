@@ -171,9 +171,26 @@ def default_cluster(spec: MoESpec, gemm_core: str = "wgmma", schedule: str = "fl
     return 2 if gemm_core == "wgmma" and schedule == "flow" and spec.hidden_size >= CLUSTER_MIN_HIDDEN else 1
 
 
+def default_mx_form(spec: MoESpec, cluster: int | None, mx_form: str | None) -> tuple[int, str]:
+    """An MXFP8 build's (CTAs per cluster, form) where the caller leaves either to the plan (None).
+    The expanded form in CTA pairs where the BF16 rule pairs (hidden from CLUSTER_MIN_HIDDEN),
+    else MxTile's codes in single CTAs. Measured on an H100 against codes in single CTAs (docs/
+    perf-notes.md v0.58): expanded pairs 0.956 (kimi-k2.5 local), 0.898 (deepseek-v3 local);
+    MxTile in pairs 4-8% slower than alone (v0.55, v0.56), the expanded form alone 1.24x slower on
+    kimi-k2.5 (v0.57). A form without a cluster takes its own: pairs only for the expanded form
+    where the BF16 rule pairs; a cluster without a form takes the form that measured best there."""
+    pairs = default_cluster(spec) == 2
+    if mx_form is None:
+        mx_form = ("expand" if pairs else "codes") if cluster is None else ("expand" if cluster == 2 else "codes")
+    if cluster is None:
+        cluster = 2 if mx_form == "expand" and pairs else 1
+    return cluster, mx_form
+
+
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
               fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
-              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0, mx_form: str = "codes") -> Plan:
+              pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0,
+              mx_form: str | None = None) -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
@@ -185,13 +202,13 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     CTAs compute after their last pull (the Hopper core's flow schedule only; False otherwise);
     ``stagger``: the consumer warpgroups' lead in k-blocks (the Hopper core's flow schedule only,
     0 otherwise; not for mxfp8). Numerics mxfp8: the Hopper core's flow schedule with k-blocks
-    of 64 and the copy dispatch, no fused shared expert, and single CTAs unless ``cluster`` is 2;
-    ``mx_form`` its form (MX_FORMS: "codes", the default, or "expand"; ignored for bf16)."""
+    of 64 and the copy dispatch, no fused shared expert; ``mx_form`` its form (MX_FORMS: "codes" or
+    "expand"; ignored for bf16), and with ``cluster`` and ``mx_form`` None, ``default_mx_form``."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES),
                                    ("stagger", stagger, STAGGERS), ("mx_form", mx_form, MX_FORMS)):
-        if value not in allowed and not (option == "cluster" and value is None):
+        if value not in allowed and not (option in ("cluster", "mx_form") and value is None):
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
     if pull_mode == "bulk" and gemm_core != "wgmma":
         raise PlanError(f"{spec.name}: pull_mode bulk needs the Hopper core (gemm_core wgmma), got {gemm_core}")
@@ -202,9 +219,8 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
                 raise PlanError(f"{spec.name}: numerics mxfp8 needs {option} {want}, got {value!r}")
         if stagger:
             raise PlanError(f"{spec.name}: numerics mxfp8 runs its consumers in lockstep (stagger 0), got {stagger}")
-        # CTA pairs (mx_tile.cuh, v0.55) only when asked for: they measured 7% slower than single
-        # CTAs on an H100 (kimi-k2.5 and deepseek-v3 local, docs/perf-notes.md v0.55)
-        cluster, fuse_shared = 1 if cluster is None else cluster, False
+        cluster, mx_form = default_mx_form(spec, cluster, mx_form)
+        fuse_shared = False
     if stagger and gemm_core == "wgmma" and schedule == "flow":
         k_blocks = min(spec.hidden_size, spec.moe_intermediate_size) // block_k
         if stagger > k_blocks:
@@ -240,7 +256,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         pull_mode=pull_mode,
         dispatch_join=bool(dispatch_join) and gemm_core == "wgmma" and schedule == "flow",
         gemm_stagger=stagger if gemm_core == "wgmma" and schedule == "flow" else 0,
-        mx_form=mx_form if t.numerics == "mxfp8" else "codes",
+        mx_form=mx_form if t.numerics == "mxfp8" else "codes",  # resolved above for mxfp8
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

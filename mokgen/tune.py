@@ -266,7 +266,7 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     H, I = spec.hidden_size, spec.moe_intermediate_size
     space = Space([])
     builds = [(c, b, m, f) for c in clusters for b in block_ks for m in pulls for f in forms
-              if not (mx and f == "codes" and c == 2 and c != base.cluster)]  # no MxTile pairs unless pinned
+              if not (mx and f == "codes" and c == 2 and (c, f) != (base.cluster, base.mx_form))]  # MxTile pairs: pinned only
     for cluster, block_k, pull_mode, mx_form in builds:
         plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k, "pull_mode": pull_mode,
                                   "stagger": base.stagger, "mx_form": mx_form})

@@ -111,9 +111,10 @@ def test_mx_cta_pairs_give_the_single_ctas_bits(monkeypatch, inter):
     cases = {1: _problem(spec, [1500], seed=4, skew=True)[:3],
              4: _problem(spec, [900, 0, 433, 1201], seed=5, skew=True)[:3]}
     runs = {}
+    monkeypatch.setenv("MOKGEN_MX_FORM", "codes")  # MxTile's pairs: a cluster alone would take the expanded form (v0.58)
     for cluster in ("1", "2"):
         monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
-        assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster)
+        assert int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster) and load(spec).MX_FORM == "codes"
         for key, out in _runs_over_cases_and_rings(spec, cases, weights, ((256, 2), (1024, 3))).items():
             runs[(cluster, *key)] = out
     for (cluster, w, chunk, ring), out in runs.items():

@@ -175,18 +175,17 @@ def test_figures_errors_are_one_line_plan_errors(name, kwargs, pattern):
 
 
 def test_make_plan_mxfp8_takes_the_hopper_flow_schedule_without_fusion_and_pairs_on_request():
-    """numerics mxfp8 (mx_tile.cuh in the megakernel): the defaults' clusters and fused shared
-    expert are dropped, CTA pairs are built when asked for (v0.55); options the MX tiles do not
-    have are refused with one line."""
+    """numerics mxfp8 (mx_tile.cuh in the megakernel): the fused shared expert is dropped, MxTile's
+    CTA pairs are built when asked for (v0.55); options the MX tiles do not have are refused with
+    one line. The clusters and forms left to the plan follow default_mx_form (v0.58)."""
     spec = load_spec("qwen3.5-35b-a3b").with_target(numerics="mxfp8")  # fuses its shared expert in bf16
     plan = make_plan(spec)
     assert plan.numerics == "mxfp8" and plan.gemm_cluster == 1 and not plan.fuse_shared
     assert plan.gemm_core == "wgmma" and plan.schedule == "flow" and plan.gemm_block_k == 64
     kimi = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
-    assert make_plan(kimi).gemm_cluster == 1  # bf16 builds of kimi-k2.5 pair by default
-    paired = make_plan(kimi, cluster=2)
+    paired = make_plan(kimi, cluster=2, mx_form="codes")
     assert paired.gemm_cluster == 2 and paired.numerics == "mxfp8" and not paired.fuse_shared
-    assert smem_bytes(paired) == smem_bytes(make_plan(kimi))  # pairs share operands, not stages
+    assert smem_bytes(paired) == smem_bytes(make_plan(kimi, cluster=1))  # pairs share operands, not stages
     # a stage: A's 128 x 64 codes, B's 256 x 64 bf16, the k128 block's scales, 1024-aligned
     assert smem_bytes(plan) == plan.gemm_stages * 41984 + 2 * plan.gemm_stages * 8 + 1024
     # the expanded form (v0.57): the bf16 HopperTiles' stage, A's and B's bf16 (128 + 256) x 64
@@ -332,7 +331,7 @@ def test_schedule_from_environment(monkeypatch):
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
                                   "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True,
-                                  "stagger": 0, "mx_form": "codes"}
+                                  "stagger": 0, "mx_form": None}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -430,11 +429,43 @@ def test_pull_mode_option(monkeypatch):
 
 
 def test_mx_form_option(monkeypatch):
-    """MOKGEN_MX_FORM: an MXFP8 build's form (v0.57), codes by default; bf16 plans have one form."""
+    """MOKGEN_MX_FORM: an MXFP8 build's form (v0.57); bf16 plans have one form."""
     spec = load_spec("deepseek-v3").with_target(numerics="mxfp8")
-    assert make_plan(spec).mx_form == "codes" and make_plan(spec, mx_form="expand").mx_form == "expand"
+    assert make_plan(spec, mx_form="codes").mx_form == "codes" and make_plan(spec, mx_form="expand").mx_form == "expand"
     _check_switch(monkeypatch, "MOKGEN_MX_FORM", "mx_form", "expand", "expand", "fp8",
                   "MOKGEN_MX_FORM must be codes or expand")
+
+
+def test_mxfp8_default_form_and_cluster_by_the_pair_rule(monkeypatch):
+    """v0.58 (docs/perf-notes.md): an MXFP8 build left to the plan takes the expanded form in CTA
+    pairs where the BF16 rule pairs (hidden from CLUSTER_MIN_HIDDEN) and MxTile's codes in single
+    CTAs elsewhere; a cluster asked for takes the form measured best there, a form asked for its
+    own cluster (pairs only for the expanded form where the rule pairs); the switches do the same."""
+    from mokgen import env
+    from mokgen.plan import CLUSTER_MIN_HIDDEN, default_mx_form
+
+    for name in sorted(bundled_specs()):
+        spec = load_spec(name).with_target(numerics="mxfp8")
+        big = spec.hidden_size >= CLUSTER_MIN_HIDDEN
+        plan = make_plan(spec)
+        assert (plan.gemm_cluster, plan.mx_form) == ((2, "expand") if big else (1, "codes")), name
+        assert (make_plan(spec, cluster=1).mx_form, make_plan(spec, cluster=2).mx_form) == ("codes", "expand"), name
+        assert make_plan(spec, mx_form="codes").gemm_cluster == 1, name
+        assert make_plan(spec, mx_form="expand").gemm_cluster == (2 if big else 1), name
+        assert (make_plan(spec, cluster=2, mx_form="codes").gemm_cluster,
+                make_plan(spec, cluster=1, mx_form="expand").mx_form) == (2, "expand"), name
+        assert default_mx_form(spec, None, None) == (plan.gemm_cluster, plan.mx_form)
+        assert make_plan(load_spec(name)).mx_form == "codes"  # bf16 plans have one form
+    kimi = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    monkeypatch.setenv("MOKGEN_MX_FORM", "codes")
+    plan = make_plan(kimi, **env.plan_options())
+    assert (plan.gemm_cluster, plan.mx_form) == (1, "codes")
+    monkeypatch.delenv("MOKGEN_MX_FORM")
+    monkeypatch.setenv("MOKGEN_CLUSTER", "1")
+    plan = make_plan(kimi, **env.plan_options())
+    assert (plan.gemm_cluster, plan.mx_form) == (1, "codes")
+    monkeypatch.delenv("MOKGEN_CLUSTER")
+    assert env.plan_options()["mx_form"] is None
 
 
 def test_dispatch_join_option(monkeypatch):

@@ -960,11 +960,13 @@ def test_the_mxfp8_space_keeps_to_what_the_mx_tiles_build():
     slower); the rings and chunks searched as for bf16; MOKGEN_MX_FORM holds the form's axis."""
     from mokgen.spec import load_spec
 
+    three = {(1, 64, "copy", "codes"), (1, 64, "copy", "expand"), (2, 64, "copy", "expand")}
+    for name, default in (("kimi-k2.5", (2, "expand")), ("qwen3-30b-a3b", (1, "codes"))):  # v0.58's defaults
+        spec = load_spec(name).with_target(numerics="mxfp8")
+        space = search_space(spec, ep=8, tokens=2048, distributed=True)
+        assert (space.candidates[0].cluster, space.candidates[0].mx_form) == default, name
+        assert {(c.cluster, c.block_k, c.pull_mode, c.mx_form) for c in space.candidates} == three, name
     spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
-    space = search_space(spec, ep=8, tokens=2048, distributed=True)
-    assert space.candidates[0].mx_form == "codes" and space.candidates[0].cluster == 1
-    builds = {(c.cluster, c.block_k, c.pull_mode, c.mx_form) for c in space.candidates}
-    assert builds == {(1, 64, "copy", "codes"), (1, 64, "copy", "expand"), (2, 64, "copy", "expand")}
     assert len({(c.chunk_rows, c.ring_chunks) for c in space.candidates}) > 1
     # bf16 specs have one form
     assert {c.mx_form for c in search_space(load_spec("kimi-k2.5"), ep=8, tokens=2048).candidates} == {"codes"}
