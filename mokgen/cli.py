@@ -169,7 +169,9 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
     if doc["plan"]:
         p = doc["plan"]
         table.add_row("tiles", f"BM {p['gemm_block_m']}, BN up {p['gemm_block_n_up']} / down {p['gemm_block_n_down']}, "
-                      f"BK {p['gemm_block_k']}, stages {p['gemm_stages']}")
+                      f"BK {p['gemm_block_k']}, stages {p['gemm_stages']}"
+                      + (", CTA pairs" if p["gemm_cluster"] == 2 else "")
+                      + (f", MX form {p['mx_form']}" if p["numerics"] == "mxfp8" else ""))
     else:
         table.add_row("plan", doc["plan_error"])
     f = figs

@@ -118,10 +118,14 @@ def test_show_mxfp8_shows_its_plan():
     assert code == 0, err
     doc = json.loads(out)
     assert doc["name"] == "moe_kimi-k2.5_mxfp8_h7168_i2048_e384_k8_sm90a"
-    assert doc["plan"]["numerics"] == "mxfp8" and doc["plan"]["gemm_cluster"] == 1
+    # v0.58's default: the expanded form in CTA pairs where BF16 builds pair
+    assert doc["plan"]["numerics"] == "mxfp8" and doc["plan"]["gemm_cluster"] == 2
+    assert doc["plan"]["mx_form"] == "expand"
     assert doc["figures"]["local_experts"] == 384
     code, out, err = invoke("show", "kimi-k2.5", "--numerics", "mxfp8")
-    assert code == 0, err and "mxfp8" in out
+    assert code == 0 and "mxfp8" in out, err
+    code, out, err = run_module("show", "kimi-k2.5", "--numerics", "mxfp8", env={"COLUMNS": "200"})
+    assert code == 0 and "stages 4, CTA pairs, MX form expand" in out, err
 
 
 # ---- doctor, version ---------------------------------------------------------------------------
@@ -301,7 +305,10 @@ def test_render_mxfp8_sets_the_kernels_numerics(private_dirs):
     assert code == 0, err
     cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
     assert cu and "static constexpr bool kMx = true;" in cu[0].read_text()
-    assert "static constexpr bool kMxExpand = false;" in cu[0].read_text()
+    assert "static constexpr bool kMxExpand = true;" in cu[0].read_text()  # v0.58's default for kimi-k2.5
+    code, out, err = invoke("render", "--numerics", "mxfp8", "qwen3-30b-a3b")
+    cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
+    assert code == 0 and "static constexpr bool kMxExpand = false;" in cu[0].read_text()  # codes below 5120
     code, out, err = invoke("render", "kimi-k2.5")
     cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
     assert code == 0 and "static constexpr bool kMx = false;" in cu[0].read_text()
