@@ -181,7 +181,7 @@ def default_mx_form(spec: MoESpec, cluster: int | None, mx_form: str | None) -> 
     where the BF16 rule pairs; a cluster without a form takes the form that measured best there."""
     pairs = default_cluster(spec) == 2
     if mx_form is None:
-        mx_form = ("expand" if pairs else "codes") if cluster is None else ("expand" if cluster == 2 else "codes")
+        mx_form = "expand" if (pairs if cluster is None else cluster == 2) else "codes"
     if cluster is None:
         cluster = 2 if mx_form == "expand" and pairs else 1
     return cluster, mx_form

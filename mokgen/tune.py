@@ -265,8 +265,9 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     holding = base.chunk_rows if base.chunk_rows >= rows else min((c for c in chunks if c >= rows), default=None)
     H, I = spec.hidden_size, spec.moe_intermediate_size
     space = Space([])
+    mxtile_pairs = (2, "codes")  # built only where the defaults are pinned to them
     builds = [(c, b, m, f) for c in clusters for b in block_ks for m in pulls for f in forms
-              if not (mx and f == "codes" and c == 2 and (c, f) != (base.cluster, base.mx_form))]  # MxTile pairs: pinned only
+              if not (mx and (c, f) == mxtile_pairs and (base.cluster, base.mx_form) != mxtile_pairs)]
     for cluster, block_k, pull_mode, mx_form in builds:
         plan = make_plan(spec, **{**options, "cluster": cluster, "block_k": block_k, "pull_mode": pull_mode,
                                   "stagger": base.stagger, "mx_form": mx_form})
