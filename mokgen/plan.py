@@ -24,10 +24,9 @@ ABI_VERSION = 7
 #: filename-safe tags of the numerics (CONVENTIONS.md: one table, used by build_name)
 DTYPE_TAGS = {"bf16": "bf16", "mxfp8": "mxfp8"}
 #: numerics the megakernel implements: bf16, and mxfp8 (rows as E4M3 codes + E8M0 scales through the
-#: dispatch; the Hopper core's flow schedule without the fused shared expert, in one of two forms,
-#: MxTile's codes (mx_tile.cuh) or the rows expanded to bf16 for the BF16 tiles, chosen with the
-#: cluster by default_mx_form (v0.58); its backward is the staged MXFP8 experts',
-#: mokgen.ep._MXTraining)
+#: dispatch; the Hopper core's flow schedule without the fused shared expert, in the form of
+#: Plan.mx_form, chosen with the cluster by default_mx_form; its backward is the staged MXFP8
+#: experts', mokgen.ep._MXTraining)
 IMPLEMENTED_NUMERICS = ("bf16", "mxfp8")
 #: filename-safe tags of the architectures
 ARCH_TAGS = {"sm_90a": "sm90a"}
