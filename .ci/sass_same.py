@@ -52,6 +52,10 @@ def main() -> int:
         print(__doc__.strip().splitlines()[-3], file=sys.stderr)
         return 2
     rev, specs = sys.argv[1], sys.argv[2:]
+    cuobjdump = os.environ.get("CUOBJDUMP", "cuobjdump")
+    if shutil.which(cuobjdump) is None:  # before the worktree and the first build, not after them
+        print(f"error: {cuobjdump!r} not found; put cuobjdump on PATH or set CUOBJDUMP=path", file=sys.stderr)
+        return 2
     differ = 0
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
