@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: an anonymous namespace's mangled name: its hashes follow the compiled file's path
 ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_(\d+_\w+?)_[0-9a-f]{8}")
+#: the disassembler (CUOBJDUMP=path where it is not on PATH)
+CUOBJDUMP = os.environ.get("CUOBJDUMP", "cuobjdump")
 
 
 def _sass(tree: Path, spec: str, out: Path) -> list[str]:
@@ -42,7 +44,7 @@ def _sass(tree: Path, spec: str, out: Path) -> list[str]:
     subprocess.run(["nvcc", "-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
                     "-Xcompiler", "-fno-gnu-unique", "-I", str(tree / "templates" / "include"), "-I",
                     str(cutlass_inc), str(cu), "-o", str(cubin)], check=True, capture_output=True)
-    dump = subprocess.run([os.environ.get("CUOBJDUMP", "cuobjdump"), "--dump-sass", str(cubin)], check=True,
+    dump = subprocess.run([CUOBJDUMP, "--dump-sass", str(cubin)], check=True,
                           capture_output=True, text=True).stdout
     return [ANON.sub(r"ANON_\1", line) for line in dump.splitlines()]
 
@@ -52,9 +54,8 @@ def main() -> int:
         print(__doc__.strip().splitlines()[-3], file=sys.stderr)
         return 2
     rev, specs = sys.argv[1], sys.argv[2:]
-    cuobjdump = os.environ.get("CUOBJDUMP", "cuobjdump")
-    if shutil.which(cuobjdump) is None:  # before the worktree and the first build, not after them
-        print(f"error: {cuobjdump!r} not found; put cuobjdump on PATH or set CUOBJDUMP=path", file=sys.stderr)
+    if shutil.which(CUOBJDUMP) is None:  # before the worktree and the first build, not after them
+        print(f"error: {CUOBJDUMP!r} not found; put cuobjdump on PATH or set CUOBJDUMP=path", file=sys.stderr)
         return 2
     differ = 0
     with tempfile.TemporaryDirectory() as tmp:
