@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from mokgen.ep import MoELayer
+from mokgen.ep import MoELayer, cuda_device
 from mokgen.errors import InputError
 from mokgen.reference import shared_expert_forward, swiglu
 from mokgen.router import Router
@@ -76,7 +76,7 @@ class MoEBlock(torch.nn.Module):
         taken = sorted(set(layer_kwargs) & {"group", "max_tokens", "device", "share_buffers", "spec"})
         if taken:
             raise InputError(f"layer_kwargs: {', '.join(taken)} are MoEBlock's own arguments; pass them to MoEBlock")
-        device = torch.device("cuda") if device is None else torch.device(device)
+        device = cuda_device(device, "MoEBlock")
         self.router = Router(self.spec, device=device)
         self.experts = MoELayer(self.spec, group, max_tokens=max_tokens, device=device, share_buffers=share_buffers,
                                 **layer_kwargs)

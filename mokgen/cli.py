@@ -55,8 +55,42 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except MokgenError as err:
             _fail(str(err))
+        except OSError as err:  # a directory that cannot be written, a file in the way, a full disk
+            _fail(_os_error_line(err))
         except KeyboardInterrupt:
             _fail("interrupted")
+
+
+def _os_error_line(err: OSError) -> str:
+    """``PATH: what went wrong`` for an OSError, without the errno's bracket."""
+    what = err.strerror or str(err)
+    where = ": ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    return f"{where}: {what}" if where else what
+
+
+def _check_out_dir(path: str, option: str) -> Path:
+    """An output folder checked before any long work: a folder that can be written to, or one that
+    can be made (nothing is made here; a probe file is written and removed in the nearest existing
+    folder). Raises InputError naming ``option``."""
+    import tempfile
+
+    from mokgen.errors import InputError
+
+    out = Path(path).expanduser()
+    probe = out
+    while not probe.exists():
+        if probe.is_symlink():  # a dangling link where the folder should be
+            raise InputError(f"{option} {path}: {probe} is a broken symbolic link")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise InputError(f"{option} {path}: {probe} is not a directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".mokgen-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise InputError(f"{option} {path}: cannot write in {probe} ({err.strerror or err})") from None
+    return out
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -143,10 +177,11 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
     spec = _spec(spec_ref, numerics)
     figs = figures(spec, ep=ep, tokens=tokens)
     doc = {"name": build_name(spec), "spec": spec.canonical_dict(), "figures": figs}
+    options = env.plan_options()  # a bad MOKGEN_* switch is an error here as in render and build
     try:
         from mokgen.plan import make_plan
 
-        doc["plan"] = make_plan(spec, **env.plan_options()).compile_fields()
+        doc["plan"] = make_plan(spec, **options).compile_fields()
     except MokgenError as err:  # e.g. mxfp8 declared but not implemented: still show the figures
         doc["plan"] = None
         doc["plan_error"] = str(err)
@@ -189,7 +224,8 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
 
 @main.command("render")
 @click.argument("spec_ref", metavar="SPEC")
-@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None)
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None,
+              help="override target.numerics (bf16 or mxfp8: the MXFP8 build)")
 def render_cmd(spec_ref: str, numerics: str | None) -> None:
     """Render the generated sources into generated/<name>/ (no compilation)."""
     from mokgen import build as build_mod
@@ -207,7 +243,8 @@ def render_cmd(spec_ref: str, numerics: str | None) -> None:
 @main.command("build")
 @click.argument("spec_refs", metavar="SPEC...", nargs=-1, required=True)
 @click.option("--force", is_flag=True, help="rebuild even when the cache has the build")
-@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None)
+@click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None,
+              help="override target.numerics (bf16 or mxfp8: the MXFP8 build)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON line per build")
 @click.option("--ep", type=click.IntRange(min=1), default=None,
               help="with --tokens: build the tuned variant for this EP degree (mokgen tune), if one exists")
@@ -225,6 +262,8 @@ def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_
     if ep is not None or tokens is not None or gpu is not None:
         if ep is None or tokens is None:
             raise InputError("a tuned build needs both --ep and --tokens")
+        if gpu is not None and not gpu.strip():
+            raise InputError("--gpu needs a GPU name, as torch.cuda.get_device_name() gives it")
         if gpu is None:
             import torch
 
@@ -407,6 +446,7 @@ def bench(spec_refs, all_specs, workload, tokens, iters, no_loop, skew, backward
     if backward and not set(workloads) <= {"layer", "local", "block"}:
         raise InputError("--backward times the layer, local and block workloads only (pass --workload layer, local "
                          "or block)")
+    _check_out_dir(out_dir, "--out")  # before the benchmark, not after it
     import torch
 
     if not torch.cuda.is_available():
@@ -491,6 +531,8 @@ def wheel(spec_refs, all_specs, archs, out_dir) -> None:
     if not refs:
         raise InputError("name at least one SPEC, or pass --all")
     specs = [_spec(r) for r in refs]  # validate everything first
+    archs = tuple(dict.fromkeys(archs))  # `--arch sm_90a --arch sm_90a` builds it once
+    _check_out_dir(out_dir, "--out")
     from rich.progress import Progress
 
     with Progress(console=err_console, transient=True) as progress:
@@ -563,7 +605,8 @@ def prebuilt(as_json: bool) -> None:
                    "in one process (one GPU; under torchrun the rounds), or alternated rounds of medians")
 @click.option("--numerics", type=click.Choice(["bf16", "mxfp8"]), default=None,
               help="override target.numerics: tune the spec's MXFP8 megakernel (its own tuned file)")
-def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_run, chunk_sweep, chunks,
+@click.pass_context
+def tune(ctx, spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_run, chunk_sweep, chunks,
          plot_dir, confirm, numerics) -> None:
     """Pick tile, pipeline and overlap parameters per SPEC on this GPU (mokgen.tune): build and
     time every candidate of the search space against the plan's defaults, write the tuned file
@@ -584,6 +627,11 @@ def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_
         raise InputError(f"--chunks must be comma-separated integers, got {chunks!r}") from None
     if not sizes or min(sizes) < 1:
         raise InputError(f"--chunks must be positive integers, got {chunks!r}")
+    given = [option for option, param in (("--chunks", "chunks"), ("--plots", "plot_dir"))
+             if ctx.get_parameter_source(param) is click.core.ParameterSource.COMMANDLINE]
+    if given and not chunk_sweep:
+        raise InputError(f"{' and '.join(given)} {'belongs' if len(given) == 1 else 'belong'} to --chunk-sweep "
+                         "(pass it, or leave them out)")
     group, main_rank = None, True
     if not dry_run and "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
@@ -621,6 +669,10 @@ def tune(spec_refs, all_specs, ep, tokens, iters, no_resume, out_dir, jobs, dry_
 
     if not torch.cuda.is_available():
         raise InputError("mokgen tune times candidates on a CUDA GPU; none is visible (--dry-run shows the space)")
+    if chunk_sweep:
+        _check_out_dir(plot_dir, "--plots")
+    else:  # where the tuned files go, before the first candidate is built
+        _check_out_dir(out_dir or str(env.tuned_dir()), "--out" if out_dir else "MOKGEN_TUNED_DIR")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     if chunk_sweep:
         from mokgen import bench as b

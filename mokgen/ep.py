@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -930,6 +931,18 @@ def _load_agreed(spec: MoESpec, options: dict, group, entry):
     return kernel, options
 
 
+def cuda_device(device, who: str) -> torch.device:
+    """``device`` (None: the current CUDA device) as a CUDA device with its index, or an InputError
+    naming ``who`` when it is not a CUDA device or no GPU is visible (not torch's assertion)."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise InputError(f"{who}: device must be a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise InputError(f"{who}: no CUDA GPU is visible (torch.cuda.is_available() is False); it runs on an "
+                         "sm_90 GPU (`mokgen build` compiles without one)")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 class MoELayer(torch.nn.Module):
     """The routed experts of one expert-parallel rank, run by the megakernel.
 
@@ -1001,16 +1014,14 @@ class MoELayer(torch.nn.Module):
         if self.world > abi.MAX_WORLD or s.num_experts % self.world:
             raise InputError(f"EP degree {self.world} must divide num_experts ({s.num_experts}) and be <= {abi.MAX_WORLD}")
         self.group = group
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral)):
+            raise InputError(f"max_tokens must be an int, got {max_tokens!r}")  # never truncated or parsed
         self.max_tokens = s.target.max_tokens_per_rank if max_tokens is None else int(max_tokens)
         if not 1 <= self.max_tokens <= s.target.max_tokens_per_rank:
             raise InputError(f"max_tokens must be in 1..{s.target.max_tokens_per_rank}, got {self.max_tokens}")
         _ring(s, chunk_rows, ring_chunks)  # explicit values are checked before anything else happens
         ring_given = ring_chunks is not None
-        device = torch.device("cuda") if device is None else torch.device(device)
-        if device.type != "cuda":
-            raise InputError(f"MoELayer: device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = cuda_device(device, type(self).__name__)
         #: the tuned entry in use (mokgen.tune.Entry), or None: the plan's defaults
         with torch.cuda.device(device):  # its collectives (under a group) run on this layer's GPU
             self.tuned_entry, build_options, (chunk_rows, ring_chunks, dispatch_ctas) = _tuned_choice(

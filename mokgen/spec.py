@@ -46,6 +46,9 @@ __all__ = [
 NAME_PATTERN = r"^[a-z0-9][a-z0-9.\-]{0,62}$"
 #: hidden_size and every intermediate size must be a multiple of this (the kernels' tile alignment).
 TILE_ALIGN = 128
+#: hidden_size and every intermediate size are at most this (over 4x the widest bundled one, 7168): a
+#: bound that stops a mistyped size before it plans terabytes of weights
+MAX_WIDTH = 32768
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 MAX_TOKENS_PER_RANK = 1_048_576
@@ -70,6 +73,8 @@ def _tile_rule(value: int) -> str | None:
             f"must be a positive multiple of {TILE_ALIGN} (the kernels' tile alignment), "
             f"got {value}"
         )
+    if value > MAX_WIDTH:
+        return f"must be at most {MAX_WIDTH}, got {value}"
     return None
 
 
@@ -417,7 +422,11 @@ def resolve_spec(ref: str | os.PathLike) -> Path:
     else:
         raise SpecError(f"spec reference must be a name or a path, got {type(ref).__name__}")
     if not path.exists():
-        raise SpecError(f"{path}: spec file not found")
+        stem = path.name[:-len(path.suffix)] if path.suffix in (".yaml", ".yml") else None
+        hint = ""
+        if stem and (stem in bundled_specs() or stem in bundled_aliases()):  # `kimi-k2.5.yaml` from another dir
+            hint = f" (the bundled spec is named without a path or suffix: {stem!r})"
+        raise SpecError(f"{path}: spec file not found{hint}")
     if not path.is_file():
         raise SpecError(f"{path}: spec path is not a file")
     return path

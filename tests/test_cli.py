@@ -312,3 +312,91 @@ def test_render_mxfp8_sets_the_kernels_numerics(private_dirs):
     code, out, err = invoke("render", "kimi-k2.5")
     cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
     assert code == 0 and "static constexpr bool kMx = false;" in cu[0].read_text()
+
+
+# ---- the file system: folders that cannot be written are one-line errors too --------------------------
+
+
+def _file_in_the_way(tmp_path: Path) -> Path:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    return blocker
+
+
+def test_generated_dir_under_a_file_is_one_line(tmp_path, private_dirs, monkeypatch):
+    """An OSError (here NotADirectoryError from making generated/NAME under a regular file) is the
+    `error: PATH: reason` line, not a traceback; the cache stays empty."""
+    blocker = _file_in_the_way(tmp_path)
+    monkeypatch.setenv("MOKGEN_GENERATED_DIR", str(blocker / "generated"))
+    line = _one_error_line(*invoke("render", SMALL))
+    assert str(blocker) in line and "Not a directory" in line, line
+    assert blocker.read_text() == "not a folder\n"
+    _nothing_written(private_dirs[0], private_dirs[1])
+
+
+def test_cache_dir_that_is_a_file_is_one_line_before_compiling(tmp_path, private_dirs, monkeypatch):
+    blocker = _file_in_the_way(tmp_path)
+    monkeypatch.setenv("MOKGEN_CACHE_DIR", str(blocker))
+    line = _one_error_line(*invoke("build", SMALL))
+    assert str(blocker) in line, line
+    _nothing_written(*private_dirs)
+
+
+@pytest.mark.parametrize("command", [["bench", SMALL], ["wheel", SMALL]])
+def test_out_under_a_file_is_refused_before_the_work(command, tmp_path, private_dirs):
+    """bench and wheel check --out before timing or compiling anything (bench used to write its results
+    only at the end, so a bad --out lost a whole run); nothing is made."""
+    blocker = _file_in_the_way(tmp_path)
+    line = _one_error_line(*invoke(*command, "--out", str(blocker / "sub" / "out")))
+    assert f"--out {blocker / 'sub' / 'out'}: {blocker} is not a directory" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no cache, no generated/, no out/
+
+
+def test_out_check_leaves_no_probe_and_makes_no_folder(tmp_path):
+    from mokgen.cli import _check_out_dir
+
+    out = _check_out_dir(str(tmp_path / "x" / "y"), "--out")
+    assert out == tmp_path / "x" / "y" and list(tmp_path.iterdir()) == []
+
+
+def test_show_refuses_a_bad_environment_switch(monkeypatch, private_dirs):
+    """A bad MOKGEN_* switch is an error in show as in render and build (it used to print inside the
+    table with exit code 0)."""
+    monkeypatch.setenv("MOKGEN_SCHEDULE", "foo")
+    for command in ("show", "render"):
+        line = _one_error_line(*invoke(command, SMALL))
+        assert "MOKGEN_SCHEDULE must be flow or phased, got 'foo'" in line, line
+    _nothing_written(*private_dirs)
+
+
+def test_build_refuses_an_empty_gpu_name(private_dirs):
+    line = _one_error_line(*invoke("build", SMALL, "--ep", "1", "--tokens", "4096", "--gpu", " "))
+    assert "--gpu needs a GPU name" in line
+    _nothing_written(*private_dirs)
+
+
+def test_numerics_option_is_described_in_help():
+    for command in ("render", "build"):
+        code, out, _ = invoke(command, "--help")
+        assert code == 0 and "override target.numerics" in out, out
+
+
+def test_wheel_builds_each_arch_once(tmp_path, monkeypatch):
+    """`--arch sm_90a --arch sm_90a` asks for one build, not two listed twice in the wheel's metadata."""
+    from mokgen import package
+
+    seen = []
+
+    def fake_build_wheel(spec, *, out_dir, archs, log):
+        seen.append(archs)
+        return out_dir / f"{spec.name}.whl"
+
+    monkeypatch.setattr(package, "build_wheel", fake_build_wheel)
+    code, out, err = invoke("wheel", SMALL, "--arch", "sm_90a", "--arch", "sm_90a", "--out", str(tmp_path))
+    assert code == 0, err
+    assert seen == [("sm_90a",)]
+
+
+def test_bundled_name_with_a_suffix_gets_a_hint(private_dirs):
+    line = _one_error_line(*invoke("show", "kimi-k2.5.yaml"))
+    assert "spec file not found (the bundled spec is named without a path or suffix: 'kimi-k2.5')" in line

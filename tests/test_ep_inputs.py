@@ -386,10 +386,33 @@ def test_ring_geometry(late, kw, value, pattern):
     ({"max_tokens": 16385}, r"max_tokens must be in 1\.\.16384, got 16385"),
     ({"chunk_rows": 0, "device": "cpu"}, r"chunk_rows must be in"),
     ({"ring_chunks": 2000, "device": "cpu"}, r"ring_chunks must be in"),
+    ({"max_tokens": 1.5}, r"max_tokens must be an int, got 1\.5"),  # was truncated to 1
+    ({"max_tokens": "4096"}, r"max_tokens must be an int, got '4096'"),  # was parsed
+    ({"max_tokens": True}, r"max_tokens must be an int, got True"),
 ])
 def test_moe_layer_rejects_bad_arguments_before_loading(no_build, kwargs, pattern):
     with pytest.raises(InputError, match=pattern):
         mokgen.MoELayer(SPEC, **kwargs)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mokgen.MoELayer(SPEC, max_tokens=64),
+    lambda: mokgen.MoEExperts(SPEC, device="cuda", max_tokens=64),
+    lambda: mokgen.MoEBlock(SPEC, max_tokens=64),
+], ids=["MoELayer", "MoEExperts", "MoEBlock"])
+def test_modules_without_a_gpu_say_so(no_build, make, request):
+    """Without a visible GPU each module raises mokgen's InputError, naming itself (torch's own
+    AssertionError "Torch not compiled with CUDA enabled" escaped every documented except clause)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    name = request.node.callspec.id
+    with pytest.raises(InputError, match=rf"^{name}: no CUDA GPU is visible"):
+        make()
+
+
+def test_experts_device_error_names_the_class(no_build):
+    with pytest.raises(InputError, match=r"^MoEExperts: device must be a CUDA device, got cpu"):
+        mokgen.MoEExperts(SPEC, device="cpu")
 
 
 # ---- mokgen.abi ---------------------------------------------------------------------------------------

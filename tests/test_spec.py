@@ -365,3 +365,13 @@ def test_in_memory_validation_errors_are_spec_errors():
         spec_from_dict(_variant(num_experts=2048))
     with pytest.raises(pydantic.ValidationError):
         MoESpec(**_variant(top_k=0))  # direct construction raises pydantic's own error
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "moe_intermediate_size", "shared_experts__intermediate_size"])
+def test_widths_have_an_upper_bound(tmp_path, field):
+    """A mistyped width (an extra digit) is refused instead of planning terabytes of weights."""
+    changes = {field: 1048576}
+    if field.startswith("shared"):
+        changes["shared_experts__count"] = 1
+    message = _load_error(_write(tmp_path, _variant(**changes)))
+    assert f"{field.replace('__', '.')}: must be at most 32768, got 1048576" in message

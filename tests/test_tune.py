@@ -699,6 +699,8 @@ def test_cli_numerics_tunes_the_mxfp8_megakernels_space(tuned_dirs):
     (("qwen3-30b-a3b", "--ep", "3"), "--ep 3 must divide num_experts (128)"),
     (("qwen3-30b-a3b", "--chunks", "1,x"), "--chunks must be comma-separated integers"),
     (("qwen3-30b-a3b", "--chunks", "0"), "--chunks must be positive integers"),
+    (("qwen3-30b-a3b", "--chunks", "1024,2048"), "--chunks belongs to --chunk-sweep"),
+    (("qwen3-30b-a3b", "--chunks", "1024", "--plots", "p"), "--chunks and --plots belong to --chunk-sweep"),
 ])
 def test_cli_bad_input_is_one_line(tuned_dirs, args, message):
     from test_cli import _one_error_line, invoke
