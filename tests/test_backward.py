@@ -93,7 +93,6 @@ def test_virtual_ranks_split_and_join():
         ep_op_backward(saved, grads)
 
 
-@pytest.mark.nvcc
 def _two_rank_lists(spec, sizes, gen):
     """The op's per-rank lists for two virtual ranks (fp64, CPU): xs, topk_ids, topk_weights and
     each rank's half of the experts' w_gate, w_up, w_down."""
@@ -117,6 +116,7 @@ class _Ctx:
         self.materialize_grads = value
 
 
+@pytest.mark.nvcc  # compiles the binding through load()
 def test_generated_binding_autograd_plumbing():
     """The autograd functions registered by the generated binding (setup_context + backward),
     called directly with CPU tensors: saved lists are sliced back correctly, and every input of
@@ -226,6 +226,7 @@ def _tiny_kernel(monkeypatch, fuse: bool):
     return spec, kernel, (spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, spec.top_k)
 
 
+@pytest.mark.nvcc  # compiles the binding through load()
 def test_generated_binding_autograd_with_the_fused_shared_expert(monkeypatch):
     """A MOKGEN_FUSE_SHARED build's autograd (CPU tensors, called directly): with the shared
     expert's weights and per-token scale among the op's inputs, the gradients are the routed
@@ -258,6 +259,7 @@ def test_generated_binding_autograd_with_the_fused_shared_expert(monkeypatch):
     assert shared[0].abs().sum() > 0 and out[21].abs().sum() > 0
 
 
+@pytest.mark.nvcc  # compiles the binding through load()
 @pytest.mark.parametrize("fuse", [False, True])
 def test_op_autograd_through_the_dispatcher(monkeypatch, fuse):
     """The generated op under real autograd (a CPU kernel registered for the test; only the
@@ -674,6 +676,7 @@ def test_policy_switches(monkeypatch):
         env.bwd_sum()
 
 
+@pytest.mark.nvcc  # compiles the binding through load()
 def test_op_autograd_with_saved_pre_activations(monkeypatch):
     """The generated op under real autograd with save_gu=True (a CPU kernel stands in for the
     megakernel and returns the outputs plus the pairs' pre-activations): the extra output is
@@ -714,6 +717,7 @@ def test_op_autograd_with_saved_pre_activations(monkeypatch):
     assert _rel(wrong[0], saved[0]) > 0.1
 
 
+@pytest.mark.nvcc  # compiles the binding through load()
 @pytest.mark.parametrize("fuse, tail", [(False, "none"), (False, "save"), (True, "scale"), (True, "no-scale")])
 def test_eager_form_has_the_registered_ops_gradients(monkeypatch, fuse, tail):
     """EP_EAGER (the op's implementation and backward as a plain autograd.Function) and

@@ -45,16 +45,21 @@ def _problem(spec_name, T, top_k, seed, hot=3):
 ], ids=["one-group", "expert-groups", "lag2-clamp", "lag3", "one-pair"])
 def test_fused_backward_has_the_bits_of_the_separate_launches(monkeypatch, spec_name, T, top_k, clamp, chunk, lag):
     x, ids, w, wg, wu, wd, g, saved = _problem(spec_name, T, top_k, seed=29 + T + lag)
+    launches = []  # the fused launch's calls: both sides must be what they claim to be
+    fused = bwd_gemm.fused_backward
+    monkeypatch.setattr(bwd_gemm, "fused_backward", lambda *a, **k: launches.append(k) or fused(*a, **k))
     monkeypatch.setenv("MOKGEN_BWD_GEMM", "1")
     monkeypatch.setenv("MOKGEN_BWD_DOUT", "gather")
     monkeypatch.setenv("MOKGEN_BWD_FUSED", "0")
     want = experts_backward(x, ids, w, wg, wu, wd, g, clamp_limit=clamp, saved_gu=saved)
     assert all(t is not None for t in want)
+    assert launches == []  # the separate launches
     monkeypatch.setenv("MOKGEN_BWD_FUSED", "1")
     monkeypatch.setenv("MOKGEN_BWD_FUSED_CHUNK", str(chunk))
     monkeypatch.setenv("MOKGEN_BWD_FUSED_LAG", str(lag))
-    for _ in range(3):
+    for i in range(3):
         got = experts_backward(x, ids, w, wg, wu, wd, g, clamp_limit=clamp, saved_gu=saved)
+        assert len(launches) == i + 1, "MOKGEN_BWD_FUSED=1 did not take the fused launch"
         for name, a, b in zip(("dx", "d_weights", "dW_gate", "dW_up", "dW_down"), got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert torch.equal(a, b), name

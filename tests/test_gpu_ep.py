@@ -73,14 +73,18 @@ def _assert_close(spec, outs, xs, ids, ws, wg, wu, wd):
 
 def _switch_runs(monkeypatch, spec, inputs, weights, var, values, rings):
     """The virtual-rank forward of ``inputs`` (xs, ids, ws) with switch ``var`` at each of
-    ``values`` and each (chunk_rows, ring_chunks) of ``rings``: {(value, chunk, ring): output}."""
+    ``values`` and each (chunk_rows, ring_chunks) of ``rings``: {(value, chunk, ring): output}.
+    Each value must give its own build (else a test comparing them would compare a kernel with
+    itself)."""
     (xs, ids, ws), (wg, wu, wd) = inputs, weights
-    runs = {}
+    runs, keys = {}, set()
     for value in values:
         monkeypatch.setenv(var, value)
+        keys.add(load(spec).KEY)
         for chunk, ring in rings:
             runs[value, chunk, ring] = torch.cat(
                 virtual_ep_forward(spec, xs, ids, ws, wg, wu, wd, chunk_rows=chunk, ring_chunks=ring))
+    assert len(keys) == len(values), f"{var} at {values} gave {len(keys)} build(s): the switch does not reach the build"
     return runs
 
 

@@ -53,20 +53,62 @@ def test_router_module_parameters():
         p.logits(torch.zeros(3, 7))
 
 
+def _weights_by_hand(logits, ids, spec):
+    """The routing weights written out from the formula (exp, log1p), not through route_weights:
+    the unbiased score of each selected expert (softmax over all E logits, sigmoid, or
+    sqrt(softplus)), renormalized over the k if the spec says so, times routed_scaling_factor."""
+    r = spec.routing
+    picked = torch.take_along_dim(logits, ids.to(torch.int64), dim=1)
+    if r.scoring == "softmax":
+        z = (logits - logits.amax(-1, keepdim=True).detach()).exp()
+        w = torch.take_along_dim(z, ids.to(torch.int64), dim=1) / z.sum(-1, keepdim=True)
+    elif r.scoring == "sigmoid":
+        w = 1 / (1 + (-picked).exp())
+    else:
+        w = picked.exp().log1p().sqrt()
+    if r.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w * r.routed_scaling_factor
+
+
+def _row_by_hand(logits_row, ids_row, spec):
+    """One token's weights in plain Python floats (math), the formula once more."""
+    import math
+
+    r = spec.routing
+    x = [float(v) for v in logits_row]
+    if r.scoring == "softmax":
+        top = max(x)
+        total = sum(math.exp(v - top) for v in x)
+        w = [math.exp(x[i] - top) / total for i in ids_row]
+    elif r.scoring == "sigmoid":
+        w = [1 / (1 + math.exp(-x[i])) for i in ids_row]
+    else:
+        w = [math.sqrt(math.log1p(math.exp(x[i]))) for i in ids_row]
+    if r.renormalize:
+        w = [v / sum(w) for v in w]
+    return [v * r.routed_scaling_factor for v in w]
+
+
 @pytest.mark.parametrize("name", sorted(bundled_specs()))
 def test_route_weights_is_the_reference_formula(name):
-    """route_weights at the reference's own ids gives the reference's weights and gradients."""
+    """route_weights (what the reference's route and the compiled routers return as weights) at
+    the reference's ids equals the formula written out by hand, values and gradients; one token
+    again in plain floats. (It used to be compared with the reference's route, which calls it.)"""
     spec = load_spec(name)
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(16, spec.num_experts, generator=gen, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(spec.num_experts, generator=gen, dtype=torch.float64) * 0.1 if spec.routing.score_correction_bias else None
     ids, w = ref_route(logits, spec, bias=bias, acc_dtype=torch.float64)
-    w2 = route_weights(logits, ids.to(torch.int32), spec, acc_dtype=torch.float64)
-    torch.testing.assert_close(w2, w)
+    want = _weights_by_hand(logits, ids, spec)
+    torch.testing.assert_close(w, want)
+    torch.testing.assert_close(route_weights(logits, ids.to(torch.int32), spec, acc_dtype=torch.float64), want)
+    assert w[0].tolist() == pytest.approx(_row_by_hand(logits[0].detach(), ids[0].tolist(), spec), rel=1e-12)
     g = torch.randn_like(w)
     (a,) = torch.autograd.grad((w * g).sum(), logits, retain_graph=True)
-    (b,) = torch.autograd.grad((w2 * g).sum(), logits)
+    (b,) = torch.autograd.grad((want * g).sum(), logits)
     torch.testing.assert_close(a, b)
+    assert a.abs().sum() > 0
 
 
 def test_hash_route_reference():
@@ -79,7 +121,7 @@ def test_hash_route_reference():
     logits = torch.randn(4, spec.num_experts, generator=gen, dtype=torch.float64, requires_grad=True)
     ids, w = hash_route(logits, tok, table, spec, acc_dtype=torch.float64)
     assert torch.equal(ids, table[tok])  # the same token, the same experts, whatever the logits
-    torch.testing.assert_close(w, route_weights(logits, ids, spec, acc_dtype=torch.float64))
+    torch.testing.assert_close(w, _weights_by_hand(logits, ids, spec))
     torch.testing.assert_close(w.sum(-1), torch.full((4,), spec.routing.routed_scaling_factor, dtype=torch.float64))
     w.sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0

@@ -516,14 +516,13 @@ def test_tune_confirms_interleaved_by_default(fake_gpu, tuned_dirs, monkeypatch)
     doc = json.loads(result.path.read_text())
     assert doc["confirm"]["method"] == "interleaved" and doc["confirm"]["held"] is True
     assert doc["default_ms"] == 2.0 and doc["best_ms"] == 1.0
-    times[3] = 1.995  # the first pass's 1.0 does not hold in the blocks
+    # the first pass's 1.0 does not hold in the blocks: 3.99 against 4.0 is inside the noise
     monkeypatch.setattr(tune_mod, "_pair_timer", lambda work, rows: lambda a, b, n: [(4.0, 3.99)] * n)
-    tuned = dict(times)
-    times[3] = 1.0
     logs = []
     result = tune_mod.tune(spec, ep=1, tokens=2048, iters=20, confirm="interleaved", resume=False, log=logs.append)
     assert result.best_index == 0 and any("did not hold against the defaults interleaved" in s for s in logs)
-    assert tuned[3] == 1.995
+    doc = json.loads(result.path.read_text())
+    assert doc["confirm"]["method"] == "interleaved" and doc["confirm"]["held"] is False
     with pytest.raises(InputError, match="confirm must be one of rounds, interleaved, got 'best-of-3'"):
         tune_mod.tune(spec, ep=1, tokens=2048, confirm="best-of-3")
 
