@@ -655,3 +655,36 @@ def test_shared_buffers_refuse_the_reused_ring():
     spec = load_spec(SMALL)
     with pytest.raises(InputError, match="share_buffers=True"):
         MoELayer(spec, max_tokens=1024, device="cuda", bwd_ring="reuse", share_buffers=True)
+
+
+def test_gradients_same_bits_for_every_ring_and_ring_source(policy):
+    """The gradients do not depend on the receive ring's geometry nor on where the backward takes
+    x's rows (docs/architecture.md: "the same bits for any W, chunk size or schedule"; the
+    forward's switch tests compare outputs only): a ring that wraps (2 slots of 256 rows), one of
+    3 x 1024 rows and the default; x's rows read in place from the ring (auto, reuse) or gathered
+    again; with g and u saved by the forward or recomputed. Skewed routing (two hot experts)."""
+    from mokgen import bench
+
+    spec = load_spec(SMALL)
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    T = 1000
+    x = torch.randn(T, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    ids, w = bench.skewed_routing(spec, T, gen, hot_experts=2)
+    w = w.detach().clone().requires_grad_(True)
+    g = torch.randn(T, spec.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    base = MoELayer(spec, max_tokens=1024, device="cuda", tuned=False)
+    first, seen = None, 0
+    for chunk, ring in ((None, None), (256, 2), (1024, 3)):
+        for source in ("auto", "reuse", "gather"):
+            layer = MoELayer(spec, max_tokens=1024, device="cuda", chunk_rows=chunk, ring_chunks=ring,
+                             bwd_ring=source, tuned=False)
+            with torch.no_grad():
+                for mine, theirs in zip(layer.parameters(), base.parameters()):
+                    mine.copy_(theirs)
+            got = _step_grads(layer, x, ids, w, g)
+            first = got if first is None else first
+            for name_, a, b in zip(("x", "weights", "w_gate", "w_up", "w_down"), got, first):
+                assert torch.equal(a, b), f"chunk {chunk}, ring {ring}, {source}: {name_} bits differ"
+            seen += 1
+            del layer
+    assert seen == 9

@@ -511,6 +511,13 @@ def test_moe_layer_single_rank_eager_compile_graph_and_one_launch():
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(static_out, eager)
+        # new tokens copied into the captured input: a replay computes them, not the last flags' rows
+        (x2,), _, _ = _inputs(spec, [T], gen)
+        static_x.copy_(x2)
+        g.replay()
+        torch.cuda.synchronize()
+        fresh = layer(x2, i, w)
+        assert not torch.equal(fresh, eager) and torch.equal(static_out, fresh)
         # one kernel launch per forward
         from torch.profiler import ProfilerActivity, profile
 
@@ -522,6 +529,47 @@ def test_moe_layer_single_rank_eager_compile_graph_and_one_launch():
         names = sorted({e.name for e in kernels})
         assert len(kernels) == 1 and "ep_forward_kernel" in names[0], names
     layer.check_errors()
+
+
+def test_moe_layer_skips_ids_out_of_range_when_the_check_is_off():
+    """MoELayer's id check raises InputError for an id outside [0, E) (-1 included). With the check
+    off (``check_ids = False``, as under torch.compile and CUDA graphs) the kernel skips such a pair:
+    it adds nothing to its token's row. So the output has the bits of the same call with each such
+    pair's weight set to 0 (and a valid id in its place), a token with every pair out of range
+    gets a zero row, and the buffers' earlier launch (every pair valid, slots filled) leaves no
+    trace: a fresh layer gives the same bits."""
+    spec = load_spec(SMALL)
+    E = spec.num_experts
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    T = 1000
+    (x,), (i,), (w,) = _inputs(spec, [T], gen)
+    i = i.to(torch.int32)
+    bad = i.clone()
+    bad[5, 0], bad[17, spec.top_k - 1], bad[400, 3] = -1, E, E + 7
+    bad[123] = -1  # every pair of token 123
+    dropped = (bad < 0) | (bad >= E)
+    layer = MoELayer(spec, max_tokens=1024, chunk_rows=256, ring_chunks=2)
+    with torch.no_grad():
+        with pytest.raises(InputError, match=rf"expert ids must be in \[0, {E}\), found values in \[-1, {E + 7}\]"):
+            layer(x, bad, w)
+        with pytest.raises(InputError, match=r"x: 1100 tokens exceed this layer's max_tokens \(1024\)"):
+            layer(torch.cat([x, x[:100]]), torch.cat([i, i[:100]]), torch.cat([w, w[:100]]))  # 1100 > max_tokens
+        layer(x, i, w)  # every slot of every pair written
+        layer.check_ids = False
+        got = layer(x, bad, w).clone()
+        want = layer(x, torch.where(dropped, torch.zeros_like(i), i), torch.where(dropped, torch.zeros_like(w), w))
+        assert torch.equal(got, want)
+        assert not got[123].any()
+        fresh = MoELayer(spec, max_tokens=1024, chunk_rows=256, ring_chunks=2)
+        for mine, theirs in zip(fresh.parameters(), layer.parameters()):
+            mine.copy_(theirs)
+        fresh.check_ids = False
+        assert torch.equal(fresh(x, bad, w), got)
+        ref = reference.experts_forward(x, torch.where(dropped, 0, i).long(), torch.where(dropped, 0.0, w), layer.w_gate,
+                                        layer.w_up, layer.w_down)
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+    layer.check_errors()
+    fresh.check_errors()
 
 
 def test_moe_layer_reports_a_recorded_error_once_at_its_next_call():
