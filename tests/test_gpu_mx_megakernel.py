@@ -65,19 +65,21 @@ def test_mx_megakernel_against_the_staged_experts_and_the_mx_oracle(skew):
 
 
 def test_mx_megakernel_gives_the_same_bits_for_every_w_and_ring():
-    """W = 4 virtual ranks (one without tokens, skewed routing, a ring of 3 x 256 rows) against
-    each rank's tokens run alone on one rank holding every expert (the default ring), and 20
-    repeats of the same launch."""
+    """W = 2, 4 and 8 virtual ranks (one without tokens, skewed routing, a ring of 3 x 256 rows)
+    against each rank's tokens run alone on one rank holding every expert (the default ring), and
+    20 repeats of the W = 4 launch."""
     spec = _spec()
-    xs, ids, ws, weights = _problem(spec, [600, 0, 300, 900], seed=2, skew=True)
-    with torch.no_grad():
-        four = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
-        for r in range(4):
-            alone = virtual_ep_forward(spec, [xs[r]], [ids[r]], [ws[r]], *weights)[0]
-            assert torch.equal(four[r], alone), r
-        for _ in range(19):
-            again = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
-            assert all(torch.equal(a, b) for a, b in zip(four, again))
+    for sizes, seed in (([900, 0], 12), ([600, 0, 300, 900], 2), ([300, 0, 200, 150, 0, 400, 100, 250], 13)):
+        W = len(sizes)
+        xs, ids, ws, weights = _problem(spec, sizes, seed=seed, skew=True)
+        with torch.no_grad():
+            many = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
+            for r in range(W):
+                alone = virtual_ep_forward(spec, [xs[r]], [ids[r]], [ws[r]], *weights)[0]
+                assert torch.equal(many[r], alone), f"W = {W}, rank {r}"
+            for _ in range(19 if W == 4 else 0):
+                again = virtual_ep_forward(spec, xs, ids, ws, *weights, chunk_rows=256, ring_chunks=3)
+                assert all(torch.equal(a, b) for a, b in zip(many, again))
 
 
 def _runs_over_cases_and_rings(spec, cases, weights, rings):
