@@ -559,9 +559,11 @@ def _candidate_layer(spec: MoESpec, rows: int, c: "Candidate", weights, group=No
 def same_bits_guard(reference: Callable[[], Any]) -> Callable[[Any, str], None]:
     """A check that an output has the bits of ``reference()`` (asked once, on first use).
     Every axis of the search space leaves the layer's bits as they are (CTA pairs, k-block,
-    dispatch engine and CTAs, chunk, ring, stagger: each GPU-tested bitwise), so a candidate
+    dispatch engine and CTAs, chunk, ring, stagger: each GPU-tested bitwise on one GPU, the
+    dispatch engine and CTA counts on virtual ranks only, not yet across GPUs), so a candidate
     whose output differs from the defaults' is a broken build, not a faster one: the check
-    raises a KernelError, which fails the candidate."""
+    raises a KernelError, which fails the candidate. It sees the forward's output only, not the
+    g and u a training step's backward reads (the save policy)."""
     import torch
 
     ref: list[Any] = []
