@@ -182,7 +182,7 @@ def show(spec_ref: str, ep: int, tokens: int | None, numerics: str | None, as_js
         from mokgen.plan import make_plan
 
         doc["plan"] = make_plan(spec, **options).compile_fields()
-    except MokgenError as err:  # e.g. mxfp8 declared but not implemented: still show the figures
+    except MokgenError as err:  # a target the plan refuses (make_plan's error): still show the figures
         doc["plan"] = None
         doc["plan_error"] = str(err)
     if as_json:

@@ -422,7 +422,7 @@ def resolve_spec(ref: str | os.PathLike) -> Path:
     else:
         raise SpecError(f"spec reference must be a name or a path, got {type(ref).__name__}")
     if not path.exists():
-        stem = path.name[:-len(path.suffix)] if path.suffix in (".yaml", ".yml") else None
+        stem = path.stem if path.suffix in (".yaml", ".yml") else None
         hint = ""
         if stem and (stem in bundled_specs() or stem in bundled_aliases()):  # `kimi-k2.5.yaml` from another dir
             hint = f" (the bundled spec is named without a path or suffix: {stem!r})"
