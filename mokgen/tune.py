@@ -8,8 +8,9 @@ overlap granularity, ring slots, dispatch CTAs of a rank). The search space come
 limits and by what the workload can use. Every remaining candidate is built (in parallel,
 through the build cache), loaded and timed by the bench method (CUDA events, warm-up, median of
 at least 20 runs on rotating inputs). A failure (compile error, register spills beyond the
-default build's, launch error, an output whose bits differ from the defaults': every axis leaves
-the bits as they are, so such a candidate is a broken build; ``same_bits_guard``) counts as
+default build's, launch error, an output whose bits differ from the defaults', or on one GPU a
+training step's gradients: every axis leaves the bits as they are, so such a candidate is a
+broken build; ``same_bits_guard``) counts as
 infinite time. The stagger is not an axis of that
 product: a second pass (``stagger_variants``) times the first pass's winner at each lead of
 STAGGER_TRY, a build and a timing per lead rather than a doubled space; its candidates follow
@@ -556,25 +557,32 @@ def _candidate_layer(spec: MoESpec, rows: int, c: "Candidate", weights, group=No
     return layer
 
 
-def same_bits_guard(reference: Callable[[], Any]) -> Callable[[Any, str], None]:
-    """A check that an output has the bits of ``reference()`` (asked once, on first use).
-    Every axis of the search space leaves the layer's bits as they are (CTA pairs, k-block,
-    dispatch engine and CTAs, chunk, ring, stagger: each GPU-tested bitwise on one GPU, the
-    dispatch engine and CTA counts on virtual ranks only, not yet across GPUs), so a candidate
-    whose output differs from the defaults' is a broken build, not a faster one: the check
-    raises a KernelError, which fails the candidate. It sees the forward's output only, not the
-    g and u a training step's backward reads (the save policy)."""
+def same_bits_guard(reference: Callable[[], Any], what: str = "output") -> Callable[[Any, str], None]:
+    """A check that an output (a tensor, or a list of them) has the bits of ``reference()``
+    (asked once, on first use). Every axis of the search space leaves the layer's bits as they
+    are (CTA pairs, k-block, dispatch engine and CTAs, chunk, ring, stagger: each GPU-tested
+    bitwise on one GPU, the dispatch engine and CTA counts on virtual ranks only, not yet across
+    GPUs), so a candidate whose output differs from the defaults' is a broken build, not a
+    faster one: the check raises a KernelError naming ``what``, which fails the candidate. The
+    timer checks the forward's output, and on one GPU (BF16) a training step's gradients too,
+    which read the g and u the forward saved."""
     import torch
 
     ref: list[Any] = []
 
+    def same(a, b) -> bool:  # compared as bytes: a NaN equals itself, -0.0 differs from 0.0
+        return (a.shape == b.shape and a.dtype == b.dtype
+                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
     def check(out: Any, label: str) -> None:
         if not ref:
             ref.append(reference())
-        r = ref[0]  # compared as bytes: a NaN equals itself, -0.0 differs from 0.0
-        if (out.shape != r.shape or out.dtype != r.dtype
-                or not torch.equal(out.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))):
-            raise KernelError(f"{label}: its output differs from the defaults' in its bits; not a valid candidate")
+        r = ref[0]
+        outs, refs = (list(out), list(r)) if isinstance(r, (list, tuple)) else ([out], [r])
+        if len(outs) != len(refs) or not all(same(a, b) for a, b in zip(outs, refs)):
+            raise KernelError(f"{label}: its {what} differs from the defaults' in its bits; not a valid candidate"
+                              if what == "output" else
+                              f"{label}: its {what} differ from the defaults' in their bits; not a valid candidate")
 
     return check
 
@@ -582,7 +590,8 @@ def same_bits_guard(reference: Callable[[], Any]) -> Callable[[Any, str], None]:
 def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
     """A function (candidate) -> median ms of ``spec``'s layer on ``rows`` tokens per rank,
     uniform routing, bench's weights and inputs (shared by every candidate). Each candidate's
-    output on the first input set must have the defaults' bits (same_bits_guard), or it fails.
+    output on the first input set must have the defaults' bits (same_bits_guard), and on one GPU
+    (BF16) so must the gradients of one fwd+bwd step on it, or it fails.
     Under a process group a failure to load the kernel on one rank fails the candidate on all
     of them in step (the layer's constructor agrees on the load first)."""
     import torch
@@ -590,13 +599,28 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
     from mokgen import bench
 
     weights, inputs = _timing_problem(spec, rows, group)
+    # one GPU, BF16: a training step's gradients are checked too (mokgen's backward reads the g and
+    # u the candidate's forward saved); across GPUs the backward recomputes them, and an MXFP8
+    # layer's backward is the staged experts' whatever the candidate
+    train = group is None and spec.target.numerics == "bf16"
+    grad_out = (torch.randn(rows, spec.hidden_size, generator=torch.Generator(device="cuda").manual_seed(12),
+                            device="cuda").to(torch.bfloat16) if train else None)
+
+    def step_grads(layer):
+        """One fwd+bwd step on the first input set: the gradients of x, the routing weights and
+        the three expert weights."""
+        x, ids, w = inputs[0]
+        x, w = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        layer(x, ids, w).backward(grad_out)
+        return [x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
 
     def defaults_output():
         layer = _candidate_layer(spec, rows, default_candidate(spec), weights, group)
         with torch.no_grad():
             out = layer(*inputs[0])
+        grads = step_grads(layer) if train else None
         layer.check_errors()
-        return out
+        return out, grads
 
     # made here, before any candidate, so that under a process group every rank builds the
     # defaults' layer (collective) in step; a failure fails every candidate (nothing to check against)
@@ -604,13 +628,18 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
         ref = defaults_output()
 
         def reference():
-            return ref
+            return ref[0]
+
+        def grad_reference():
+            return ref[1]
     except Exception as err:
         why = _one_line(err)
 
         def reference():
             raise KernelError(f"the defaults' output, the reference for every candidate's bits, failed: {why}")
+        grad_reference = reference
     same_bits = same_bits_guard(reference)
+    same_grads = same_bits_guard(grad_reference, what="gradients")
 
     def time_one(c: Candidate) -> float:
         layer = _candidate_layer(spec, rows, c, weights, group)
@@ -619,6 +648,9 @@ def _layer_timer(spec: MoESpec, rows: int, iters: int, group=None):
             out = layer(*inputs[0])
         layer.check_errors()  # a launch that timed out fails the candidate
         same_bits(out, c.label())
+        if train:
+            same_grads(step_grads(layer), c.label())
+            layer.check_errors()
         layer = None  # frees it before the next candidate (the timing lambda closes over the name)
         return statistics.median(times)
 

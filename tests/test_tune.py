@@ -600,8 +600,9 @@ def test_tune_stagger_pass_times_the_winner_at_each_lead(fake_gpu, tuned_dirs, m
 def test_same_bits_guard_fails_a_candidate_whose_bits_differ():
     """The timer's check of every candidate's output against the defaults': the reference is
     asked once; equal bits pass (NaN included); one ulp, another shape, a NaN moved, +0.0 for
-    -0.0 or another dtype fail with a one-line KernelError naming the candidate; a reference
-    that cannot be made fails every candidate."""
+    -0.0 or another dtype fail with a one-line KernelError naming the candidate; a list (the
+    gradients) is compared tensor by tensor; a reference that cannot be made fails every
+    candidate."""
     import torch
 
     from mokgen.errors import KernelError
@@ -619,6 +620,14 @@ def test_same_bits_guard_fails_a_candidate_whose_bits_differ():
     for bad in (one_ulp, ref[:1].clone(), ref.flip(1).clone(), zero, ref.float()):
         with pytest.raises(KernelError, match=r"^stagger 2: its output differs from the defaults' in its bits"):
             guard(bad, "stagger 2")
+
+    # lists (a training step's gradients): every tensor's bits, in order
+    grads = [ref, ref.float()]
+    guard = tune_mod.same_bits_guard(lambda: grads, what="gradients")
+    guard([g.clone() for g in grads], "cluster 1")
+    for bad in ([one_ulp, ref.float()], [ref.float(), ref], [ref], grads + [ref]):
+        with pytest.raises(KernelError, match=r"^BK 32: its gradients differ from the defaults' in their bits"):
+            guard(bad, "BK 32")
 
     def broken():
         raise KernelError("the defaults' output failed: launch timed out")
