@@ -943,6 +943,24 @@ def test_rekey_tool_rewrites_only_the_digest(tmp_path):
 
 
 @pytest.mark.gpu
+def test_layer_timer_fails_a_candidate_whose_gradients_differ(monkeypatch):
+    """The tuner's timer checks a training step's gradients beside the forward's output: with the
+    backward's GEMMs switched to torch._grouped_mm after the defaults' reference was made
+    (MOKGEN_BWD_GEMM=0: the same forward, other gradient bits), the same candidate fails on its
+    gradients, which the forward's bits alone would not show."""
+    from mokgen.errors import KernelError
+    from mokgen.spec import load_spec as load
+
+    spec = load("qwen3-30b-a3b")  # H and I tile-sized: the reference's backward is mokgen's GEMMs
+    time_one = tune_mod._layer_timer(spec, 256, 20)
+    default = tune_mod.default_candidate(spec)
+    assert time_one(default) > 0
+    monkeypatch.setenv("MOKGEN_BWD_GEMM", "0")
+    with pytest.raises(KernelError, match=r"its gradients differ from the defaults' in their bits"):
+        time_one(default)
+
+
+@pytest.mark.gpu
 @pytest.mark.nvcc
 def test_pair_timer_times_both_layers_in_abba_blocks():
     """The interleaved confirmation's timer on a GPU: the defaults against themselves (two
