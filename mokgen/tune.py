@@ -580,9 +580,8 @@ def same_bits_guard(reference: Callable[[], Any], what: str = "output") -> Calla
         r = ref[0]
         outs, refs = (list(out), list(r)) if isinstance(r, (list, tuple)) else ([out], [r])
         if len(outs) != len(refs) or not all(same(a, b) for a, b in zip(outs, refs)):
-            raise KernelError(f"{label}: its {what} differs from the defaults' in its bits; not a valid candidate"
-                              if what == "output" else
-                              f"{label}: its {what} differ from the defaults' in their bits; not a valid candidate")
+            verb, its = ("differs", "its") if what == "output" else ("differ", "their")
+            raise KernelError(f"{label}: its {what} {verb} from the defaults' in {its} bits; not a valid candidate")
 
     return check
 
