@@ -106,6 +106,31 @@ def local_layout(experts: int, hidden: int, inter: int, world: int, chunk_rows: 
     return out
 
 
+def sym_layout(experts: int, hidden: int, inter: int, top_k: int, max_tokens: int, numerics: str = "bf16",
+               fuse_shared: bool = False) -> dict[str, int]:
+    """mokgen::SymLayout<Cfg> (ep_forward.cuh): the byte offset of each array in a rank's
+    symmetric region, and ``total``. An MXFP8 launch's backward reads the combine slots (each
+    (token, slot) pair's expert output row, bf16 ``[max_tokens * top_k, hidden]``) through it
+    (mokgen.ep.EpBuffers.slot_rows); EpBuffers checks ``total`` against the library's own figure
+    before it trusts the rest, and tests/test_ep_inputs.py compares every field with the compiled
+    header."""
+    mx = numerics == "mxfp8"
+    fuse = 1 if fuse_shared else 0
+    fields = [("routing_ready", 8), ("done", 8 * MAX_WORLD), ("send_count", 4 * experts),
+              ("send_offset", 4 * (experts + 1)), ("send_pairs", 4 * max_tokens * top_k),
+              ("x", (1 if mx else 2) * max_tokens * hidden)]
+    if mx:  # the published rows' E8M0 scales, right after their codes
+        fields.append(("x_scales", max_tokens * hidden // 32))
+    fields += [("slots", 2 * max_tokens * top_k * hidden), ("shared_blk", 8 * fuse * ((max_tokens + 127) // 128)),
+               ("shared_h", 2 * fuse * max_tokens * inter), ("shared_y", 2 * fuse * max_tokens * hidden)]
+    out, at = {}, 0
+    for name, size in fields:
+        out[name] = at
+        at = (at + size + 255) // 256 * 256
+    out["total"] = at
+    return out
+
+
 # mokgen::Control (sync.cuh): u64 epoch, u32 finished, u32 abort, then ErrorRecord
 # {int code, rank, stage, peer; u64 epoch}.
 ERROR_OFFSET = 16

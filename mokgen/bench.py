@@ -445,8 +445,9 @@ def bench_layer_backward(spec: MoESpec, tokens: int, *, iters: int = 20, n_input
     accumulated across the timed steps: about 3 ms of kimi-k2.5's local step, on both sides).
     ``layer_kwargs``: MoELayer arguments (a local stand-in's tuned entry, local_layer_kwargs, as
     the forward bench's local rows take it; v0.21). ``numerics="mxfp8"`` adds the MXFP8
-    megakernel under autograd (its backward recomputes the staged MXFP8 experts, mokgen.ep's
-    _MXTraining) and the staged MXFP8 experts' own fwd+bwd (mx_experts.experts_forward_train),
+    megakernel under autograd (its backward the staged MXFP8 experts', mokgen.ep's _MXTraining:
+    from the rows the launch saved, or under MOKGEN_BWD_POLICY=recompute after the staged
+    forward again) and the staged MXFP8 experts' own fwd+bwd (mx_experts.experts_forward_train),
     the weights quantized on every step in both, as a training step's change."""
     if numerics not in ("bf16", "mxfp8"):
         raise ValueError(f"numerics must be bf16 or mxfp8, got {numerics!r}")

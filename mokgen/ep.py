@@ -91,6 +91,16 @@ class EpBuffers:
             lay = abi.local_layout(*(int(getattr(kernel, n)) for n in names), g.world, g.chunk_rows, g.ring_chunks)
             if (lay["total"], lay["stats"]) == (self.local_bytes, self.stats_offset):
                 self._ring_x_offset = lay["ring_x"]
+        # the combine slots of every rank (their expert output rows, for an MXFP8 launch's
+        # backward to copy: slot_rows): their offset from abi.sym_layout, trusted only where that
+        # mirror gives the library's own size, and one GPU's region of every rank
+        self._slots_offset = None
+        names = ("NUM_EXPERTS", "HIDDEN_SIZE", "INTERMEDIATE_SIZE", "TOP_K")
+        if group is None and all(hasattr(kernel, n) for n in names):
+            lay = abi.sym_layout(*(int(getattr(kernel, n)) for n in names), g.max_tokens,
+                                 getattr(kernel, "NUMERICS", "bf16"), bool(getattr(kernel, "FUSE_SHARED", False)))
+            if lay["total"] == self.sym_bytes:
+                self._slots_offset = lay["slots"]
         #: what the last launch on these buffers wrote into the ring (MoELayer.forward: its
         #: inputs' identity, see _ring_key), or None: unknown, the ring is not read back
         self.ring_key = None
@@ -120,6 +130,20 @@ class EpBuffers:
         H = int(self.kernel.HIDDEN_SIZE)
         at = self._ring_x_offset
         return self.local[at:at + 2 * rows * H].view(torch.bfloat16).view(rows, H)
+
+    def slot_rows(self, sizes: list[int]) -> torch.Tensor | None:
+        """A copy of the combine slots' rows that the last launch wrote, rank by rank: each
+        (token, slot) pair's expert output row, bf16 ``[sum(sizes) * TOP_K, H]`` (``sizes``: the
+        launch's tokens per rank), or None where the slots' layout is not known (or the ranks'
+        regions are not all on this GPU)."""
+        if self._slots_offset is None or len(sizes) != self.geometry.world:
+            return None
+        K, H = int(self.kernel.TOP_K), int(self.kernel.HIDDEN_SIZE)
+        views = []
+        for r, t in enumerate(sizes):
+            at = r * self.sym_bytes + self._slots_offset
+            views.append(self.sym[at:at + 2 * t * K * H].view(torch.bfloat16).view(t * K, H))
+        return views[0].clone() if len(views) == 1 else torch.cat(views)
 
     def addresses(self) -> tuple[list[int], int, int, int]:
         """(peer sym pointers, local base, local bytes per rank, control block) for the op."""
@@ -412,30 +436,48 @@ def _mx_training(kernel, grad_inputs) -> bool:
 
 class _MXTraining(torch.autograd.Function):
     """An MXFP8 megakernel launch under autograd (issue 6; docs/architecture.md, the MXFP8
-    megakernel's "Training through the layer"). The forward is the launch itself, run without a graph of its
-    own (``launch``), so the outputs are the bits of the same call under ``torch.no_grad``. The
-    backward recomputes the staged MXFP8 experts' forward (``mokgen.mx_experts``) on the launch's
-    tokens, every rank's concatenated in rank order, with the full expert weights, and returns
-    the gradients of their MXFP8 backward: each backward GEMM's operands quantized along its own
-    reduction dimension, straight-through to the unquantized inputs. Those are the gradients of
-    the staged forward, which differs from the megakernel's by its rounding of each expert
-    output row to bf16 before the combine (relative 6e-3 at most in the GPU tests). The recompute
-    takes the weights' MX values from the launch's conversions where the cache still holds them."""
+    megakernel's "Training through the layer"). The forward is the launch itself, run without a
+    graph of its own (``launch``), so the outputs are the bits of the same call under
+    ``torch.no_grad``. The backward is the staged MXFP8 experts' (``mokgen.mx_experts``) on the
+    launch's tokens, every rank's concatenated in rank order, with the full expert weights: each
+    backward GEMM's operands quantized along its own reduction dimension, straight-through to the
+    unquantized inputs. What it starts from, by the backward policy (``bwd_policy``, as the BF16
+    layer's):
+
+    - ``save`` (the default; v0.64): the launch keeps each (token, slot) pair's gate | up row
+      (``save_gu``, bf16, from the up tiles' float32 sums) and, right after it, a copy of its
+      combine slots (``slots``: each pair's expert output row, bf16, what the combine summed);
+      the backward reads them (``mx_experts.saved_backward``) and runs no forward again. These
+      are the rows the staged forward computes, rounded to bf16 (the tiles' sums are the staged
+      GEMMs' bit for bit), and routing weights' gradients of the combine the launch ran.
+    - ``recompute``: nothing is kept; the backward runs the staged MXFP8 forward again on the
+      launch's tokens, then its backward: the gradients of the staged forward, float32 rows
+      (which differs from the megakernel's by its rounding of each expert output row to bf16
+      before the combine, relative 6e-3 at most in the GPU tests). The recompute takes the
+      weights' MX values from the launch's conversions where the cache still holds them.
+
+    Save costs ``T k (2 I + H)`` bf16 bytes held until the backward (kimi-k2.5's 16384 local pairs:
+    369 MB) and spares the step a forward (v0.63: 2.95 ms of kimi-k2.5's 20.87 ms)."""
 
     @staticmethod
-    def forward(ctx, launch, clamp_limit, n, *tensors):
+    def forward(ctx, launch, clamp_limit, n, slots, *tensors):
         # tensors: xs (n), topk_weights (n), w_gate, w_up, w_down, topk_ids (n)
         with torch.no_grad():
             outs = launch()
+            # the pairs' rows the launch kept (save_gu, then the slots' copy, before another
+            # launch on these buffers overwrites them), else nothing
+            y = slots() if len(outs) > n and slots is not None else None
+            ctx.rows = (outs[n], y) if y is not None else None
         ctx.n, ctx.clamp_limit = n, clamp_limit
         ctx.save_for_backward(*tensors)
-        return tuple(outs)
+        return tuple(outs[:n])
 
     @staticmethod
     def backward(ctx, *grads):
         from mokgen import mx_experts
 
         n, t = ctx.n, ctx.saved_tensors
+        rows, ctx.rows = ctx.rows, None  # freed with this frame
         xs, ws, weights, ids = t[:n], t[n:2 * n], t[2 * n:2 * n + 3], t[2 * n + 3:]
         sizes = [x.shape[0] for x in xs]
         gos = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
@@ -445,41 +487,54 @@ class _MXTraining(torch.autograd.Function):
 
         if sum(sizes) == 0:  # no token on any rank: nothing flows back
             d_weights = [torch.zeros_like(w) for w in weights]
-            return (None, None, None, *[torch.zeros_like(x) for x in xs], *[torch.zeros_like(w) for w in ws],
+            return (None, None, None, None, *[torch.zeros_like(x) for x in xs], *[torch.zeros_like(w) for w in ws],
                     *d_weights, *[None] * n)
         w_dtype = ws[0].dtype if all(w.dtype == ws[0].dtype for w in ws) else torch.float32
-        with torch.enable_grad():
-            x = cat(xs).detach().requires_grad_(True)
-            w = cat([w_.to(w_dtype) for w_ in ws]).detach().requires_grad_(True)
-            wts = [p.detach().requires_grad_(True) for p in weights]
-            # the launch's conversions of the weights, still cached (no step between the forward
-            # and this backward), spare the recompute one quantization of every weight
-            converted = [_mx_cached(p) for p in weights]
-            out = mx_experts._train(x, cat(ids), w, *wts, ctx.clamp_limit,
-                                    converted=tuple(converted) if all(c is not None for c in converted) else None)
-            dx, dw, *d_weights = torch.autograd.grad(out, (x, w, *wts), cat(gos))
-        return (None, None, None, *dx.split(sizes), *[g.to(w_.dtype) for g, w_ in zip(dw.split(sizes), ws)],
+        if rows is not None:
+            dx, dw, *d_weights = mx_experts.saved_backward(cat(gos), cat(xs).detach(), cat(ids),
+                                                           cat([w_.to(w_dtype) for w_ in ws]).detach(),
+                                                           *(p.detach() for p in weights), *rows, ctx.clamp_limit)
+        else:
+            with torch.enable_grad():
+                x = cat(xs).detach().requires_grad_(True)
+                w = cat([w_.to(w_dtype) for w_ in ws]).detach().requires_grad_(True)
+                wts = [p.detach().requires_grad_(True) for p in weights]
+                # the launch's conversions of the weights, still cached (no step between the
+                # forward and this backward), spare the recompute one quantization of every weight
+                converted = [_mx_cached(p) for p in weights]
+                out = mx_experts._train(x, cat(ids), w, *wts, ctx.clamp_limit,
+                                        converted=tuple(converted) if all(c is not None for c in converted) else None)
+                dx, dw, *d_weights = torch.autograd.grad(out, (x, w, *wts), cat(gos))
+        return (None, None, None, None, *dx.split(sizes), *[g.to(w_.dtype) for g, w_ in zip(dw.split(sizes), ws)],
                 *d_weights, *[None] * n)
 
 
 @torch.compiler.disable
-def _mx_train(kernel, launch, xs, topk_ids, topk_weights, w_gate, w_up, w_down) -> list:
+def _mx_train(kernel, launch, xs, topk_ids, topk_weights, w_gate, w_up, w_down, slots=None) -> list:
     """``launch()`` (an MXFP8 build's, every rank of it in this process, holding the experts
     ``w_gate`` / ``w_up`` / ``w_down`` [E, ...] between them) recorded for autograd by
-    ``_MXTraining``; eager under torch.compile (a graph break)."""
+    ``_MXTraining``; eager under torch.compile (a graph break). A launch that returns one more
+    tensor than ranks saved the pairs' gate | up rows (``save_gu``); ``slots()`` then copies
+    the pairs' expert output rows out of the combine slots, and the backward starts from both."""
     n = len(xs)
-    return list(_MXTraining.apply(launch, getattr(kernel, "CLAMP_LIMIT", None), n, *xs, *topk_weights, w_gate, w_up,
-                                  w_down, *topk_ids))
+    return list(_MXTraining.apply(launch, getattr(kernel, "CLAMP_LIMIT", None), n, slots, *xs, *topk_weights, w_gate,
+                                  w_up, w_down, *topk_ids))
 
 
-def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple) -> list:
+def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple, bufs: "EpBuffers | None" = None) -> list:
     """The megakernel op on ``args`` (``_op``'s form for ``grad_inputs``); an MXFP8 build's call
     that autograd records goes through ``_mx_train`` with ``mx_inputs`` (xs, topk_ids,
-    topk_weights, w_gate, w_up, w_down: the caller's, unconverted). An eager call that autograd
-    records launches first and is recorded after (``_launch_then_record``)."""
+    topk_weights, w_gate, w_up, w_down: the caller's, unconverted) and, where the launch saves
+    its rows (``save_gu`` in ``args``), the combine slots of ``bufs`` (one GPU's buffers). An
+    eager call that autograd records launches first and is recorded after
+    (``_launch_then_record``)."""
     grad = _records_grad(grad_inputs)
     if grad and _is_mx(kernel):  # _mx_training, with grad already known
-        return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs)
+        slots = None
+        if len(args) > _OP_REQUIRED + 4 and args[_OP_REQUIRED + 4] and bufs is not None:
+            sizes = [x.shape[0] for x in mx_inputs[0]]
+            slots = lambda: bufs.slot_rows(sizes)  # noqa: E731
+        return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs, slots=slots)
     if grad and not torch.compiler.is_compiling():
         outs = _launch_then_record(kernel, args)
         if outs is not None:
@@ -819,7 +874,7 @@ def virtual_ep_forward(
             [wd[r * e_loc : (r + 1) * e_loc] for r in range(W)],
             *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch,
             int(timeout_ms * 1e6), -1 if simulate_missing_rank is None else int(simulate_missing_rank), *tail,
-        ), (xs, ids32, topk_weights, w_gate, w_up, w_down))
+        ), (xs, ids32, topk_weights, w_gate, w_up, w_down), bufs)
         outs = outs[:W]  # without the saved pre-activations (autograd keeps them)
         if _can_sync():
             err = bufs.read_error()
@@ -853,7 +908,7 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
             [wg], [wu], [wd],
             *bufs.addresses(), 0, bufs.geometry.max_tokens, c, s, ctas, dispatch, int(DEFAULT_TIMEOUT_MS * 1e6), -1,
             *tail,
-        ), ([x], [ids32], [topk_weights], w_gate, w_up, w_down))[0]
+        ), ([x], [ids32], [topk_weights], w_gate, w_up, w_down), bufs)[0]
         if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
             bufs.watch()
     return out
@@ -1164,7 +1219,7 @@ class MoELayer(torch.nn.Module):
             [wg], [wu], [wd],
             *bufs.addresses(), self.rank, g.max_tokens, g.chunk_rows, g.ring_chunks,
             self._ctas, self._dispatch, int(self.timeout_ms * 1e6), -1, *tail,
-        ), ([x], [ids32], [topk_weights], self.w_gate, self.w_up, self.w_down))[0]
+        ), ([x], [ids32], [topk_weights], self.w_gate, self.w_up, self.w_down), bufs)[0]
         if not compiling and not capturing:
             if self.bwd_ring != "gather":
                 bufs.ring_key = _ring_key(x, ids32)

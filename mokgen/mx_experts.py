@@ -366,6 +366,98 @@ def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
     return form == "bf16" and t.is_cuda and n % mx_gemm.BF16_MATH_N == 0
 
 
+def _padded_rows(t: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pair-order rows ``t [T k, n]`` as the padded layout's float32 rows ``[rows, n]`` (pair p on
+    row ``row[p]``, zeros on the padding rows)."""
+    out = torch.zeros(rows, t.shape[1], dtype=torch.float32, device=t.device)
+    out[row] = t.to(torch.float32)
+    return out
+
+
+def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clamp_limit, form, transposed=None):
+    """The MXFP8 backward (the section comment above) from what a forward left: each pair's
+    padded row ``row``, the segments' ``tiles`` and sizes ``padded``, and the gate | up rows and
+    expert output rows, either the staged forward's (float32 ``gu [rows, 2 I]`` and ``y [rows,
+    H]`` in the padded layout) or the megakernel's (bf16 ``[T k, 2 I]`` and ``[T k, H]`` in pair
+    order, mokgen.ep._MXTraining: the fused kernels read them through each padded row's pair, the
+    PyTorch stages their float32 copies in the padded layout, the same bits). ``transposed``: the
+    dgrads' weights where the forward quantized them. Returns the gradients of x, topk_weights,
+    w_gate, w_up and w_down, each in its input's dtype."""
+    T, k = w.shape
+    E, I, H = w_gate.shape
+    rows = mx_gemm.BLOCK * tiles.shape[0]
+    fused = env.mx_bwd_stages() == "fused"
+    by_pair = gu.dtype == torch.bfloat16
+    if by_pair and not fused:  # the PyTorch stages take the padded layout's float32 rows
+        gu, y = (_padded_rows(t, row, rows) for t in (gu, y))
+        by_pair = False
+    # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row
+    # (zeros on padding rows), quantized along H for the dgrad below
+    if fused:  # one pass, over each padded row's pair (-1: padding)
+        pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+        pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
+        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out.to(torch.bfloat16).contiguous(), y, pair,
+                                                       w.to(torch.float32).contiguous())
+    else:
+        g_out = d_out.to(torch.float32)
+        d_w = (g_out.unsqueeze(1) * y[row].view(T, k, H)).sum(-1)
+        dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
+        dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
+        dyq, dys = mx_gemm.quantize_f32_rows(dy)
+    # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
+    wd_t = _transposed_weights([w_down], form, I) if transposed is None else transposed[0]
+    dh = _grouped(dyq, dys, *wd_t, tiles, form)
+    # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
+    # quantized along 2 I for the dgrad below
+    if fused:  # one pass
+        dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit, pair if by_pair else None)
+    else:
+        with torch.enable_grad():
+            g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
+            h = reference.swiglu(g, u, clamp_limit)
+            dg, du = torch.autograd.grad(h, (g, u), dh)
+        h = h.detach()
+        dguq, dgus = mx_gemm.quantize_f32_rows(torch.cat([dg, du], dim=1))
+    # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
+    # then dx[t] = sum_j dx_rows[t, j]: fused, in the order j = 0..k-1 and rounded once to bf16
+    # by the combine kernel with unit weights (at k = 1 the GEMM's epilogue writes it)
+    wgu_t = _transposed_weights([w_gate, w_up], form, H) if transposed is None else transposed[1]
+    transposed = None
+    if fused and k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
+        dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair,
+                                                torch.ones(T, dtype=torch.float32, device=x.device))
+    elif fused:
+        dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row,
+                             torch.ones(T, k, dtype=torch.float32, device=x.device))
+    else:
+        dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
+    # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
+    if _ranged(form, dy, I):
+        d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
+    else:
+        d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
+    if _ranged(form, dg, H):
+        # gate's and up's gradients as two launches over the same B (x's rows, quantized once):
+        # each lands contiguous, where slices of one [E, 2 I, H] result would be copied again
+        # by autograd into the weights' layout (2.8 GB read and written on kimi-k2.5 local).
+        # Quantizing along the rows is per column, so dg's and du's codes are dgu's halves.
+        # x's rows are gathered by the quantizer (row r: token src[r], zeros on padding rows),
+        # with no copy of them written.
+        src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+        src[row] = torch.arange(T * k, device=x.device).div(k, rounding_mode="floor").to(torch.int32)
+        xb = mx_gemm.cols_bf16_math(x.contiguous(), src=src)
+        d_wg = _weight_grads_ranged(dg, None, padded, w_gate.dtype, b_bf16=xb)                    # [E, I, H]
+        d_wu = _weight_grads_ranged(du, None, padded, w_up.dtype, b_bf16=xb)
+    else:
+        x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
+        x_rows[row] = x.repeat_interleave(k, dim=0)
+        dgu = torch.cat([dg, du], dim=1)
+        d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
+        d_wg, d_wu = d_wgu[:, :I], d_wgu[:, I:]
+    return (dx.to(x.dtype), d_w.to(w.dtype), d_wg.to(w_gate.dtype), d_wu.to(w_up.dtype),
+            d_wd.to(w_down.dtype))
+
+
 class _MXExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted=None):
@@ -398,77 +490,21 @@ class _MXExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, w, w_gate, w_up, w_down, row, tiles, gu, y = ctx.saved_tensors
-        padded, clamp_limit, form = ctx.padded, ctx.clamp_limit, ctx.form
         transposed, ctx.transposed = ctx.transposed, None  # dropped with this frame's last use
-        T, k = w.shape
-        E, I, H = w_gate.shape
-        rows = gu.shape[0]
-        fused = env.mx_bwd_stages() == "fused"
-        # the combine: d w[t, j] = <dOut[t], y[t, j]>; dy[t, j] = w[t, j] dOut[t] on its padded row
-        # (zeros on padding rows), quantized along H for the dgrad below
-        if fused:  # one pass, over each padded row's pair (-1: padding)
-            pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-            pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
-            dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out.to(torch.bfloat16).contiguous(), y, pair,
-                                                           w.to(torch.float32).contiguous())
-        else:
-            g_out = d_out.to(torch.float32)
-            d_w = (g_out.unsqueeze(1) * y[row].view(T, k, H)).sum(-1)
-            dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
-            dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
-            dyq, dys = mx_gemm.quantize_f32_rows(dy)
-        # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
-        wd_t = _transposed_weights([w_down], form, I) if transposed is None else transposed[0]
-        dh = _grouped(dyq, dys, *wd_t, tiles, form)
-        # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
-        # quantized along 2 I for the dgrad below
-        if fused:  # one pass
-            dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit)
-        else:
-            with torch.enable_grad():
-                g, u = gu[:, :I].detach().requires_grad_(True), gu[:, I:].detach().requires_grad_(True)
-                h = reference.swiglu(g, u, clamp_limit)
-                dg, du = torch.autograd.grad(h, (g, u), dh)
-            h = h.detach()
-            dguq, dgus = mx_gemm.quantize_f32_rows(torch.cat([dg, du], dim=1))
-        # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
-        # then dx[t] = sum_j dx_rows[t, j]: fused, in the order j = 0..k-1 and rounded once to bf16
-        # by the combine kernel with unit weights (at k = 1 the GEMM's epilogue writes it)
-        wgu_t = _transposed_weights([w_gate, w_up], form, H) if transposed is None else transposed[1]
-        transposed = None
-        if fused and k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
-            dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair,
-                                                    torch.ones(T, dtype=torch.float32, device=x.device))
-        elif fused:
-            dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row,
-                                 torch.ones(T, k, dtype=torch.float32, device=x.device))
-        else:
-            dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
-        # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
-        if _ranged(form, dy, I):
-            d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
-        else:
-            d_wd = _weight_grads(mx_gemm.quantize_cols(dy), mx_gemm.quantize_cols(h), padded, form)
-        if _ranged(form, dg, H):
-            # gate's and up's gradients as two launches over the same B (x's rows, quantized once):
-            # each lands contiguous, where slices of one [E, 2 I, H] result would be copied again
-            # by autograd into the weights' layout (2.8 GB read and written on kimi-k2.5 local).
-            # Quantizing along the rows is per column, so dg's and du's codes are dgu's halves.
-            # x's rows are gathered by the quantizer (row r: token src[r], zeros on padding rows),
-            # with no copy of them written.
-            src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-            src[row] = torch.arange(T * k, device=x.device).div(k, rounding_mode="floor").to(torch.int32)
-            xb = mx_gemm.cols_bf16_math(x.contiguous(), src=src)
-            d_wg = _weight_grads_ranged(dg, None, padded, w_gate.dtype, b_bf16=xb)                    # [E, I, H]
-            d_wu = _weight_grads_ranged(du, None, padded, w_up.dtype, b_bf16=xb)
-        else:
-            x_rows = torch.zeros(rows, H, dtype=x.dtype, device=x.device)
-            x_rows[row] = x.repeat_interleave(k, dim=0)
-            dgu = torch.cat([dg, du], dim=1)
-            d_wgu = _weight_grads(mx_gemm.quantize_cols(dgu), mx_gemm.quantize_cols(x_rows), padded, form)
-            d_wg, d_wu = d_wgu[:, :I], d_wgu[:, I:]
-        return (dx.to(x.dtype), d_w.to(w.dtype), d_wg.to(w_gate.dtype), d_wu.to(w_up.dtype),
-                d_wd.to(w_down.dtype), None, None, None, None)
+        return (*_backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, ctx.padded, gu, y, ctx.clamp_limit,
+                           ctx.form, transposed), None, None, None, None)
+
+
+def saved_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, gu, y, clamp_limit=None):
+    """The MXFP8 backward (bf16-math form) from a forward that kept its rows in pair order: the
+    MXFP8 megakernel's saved gate | up rows ``gu`` bf16 ``[T k, 2 I]`` and its combine slots'
+    expert output rows ``y`` bf16 ``[T k, H]`` (mokgen.ep._MXTraining under the save policy), so
+    no forward is run again. The gradients of x, topk_weights, w_gate, w_up and w_down, the
+    weights' quantized afresh in the dgrads' orientation (a step's weights change). The same
+    bits as the staged backward given the float32 copies of those rows (tests/test_gpu_mx_megakernel.py)."""
+    T, k = topk_ids.shape
+    row, _src, tiles, padded = _segments(topk_ids.reshape(-1).to(torch.int64), w_gate.shape[0], k, check_ids=False)
+    return _backward(d_out, x, topk_weights, w_gate, w_up, w_down, row, tiles, padded, gu, y, clamp_limit, "bf16")
 
 
 def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,

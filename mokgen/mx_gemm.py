@@ -72,9 +72,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mokgen_mx_quantize_f32_rows.argtypes = [vp, vp, vp, i, i, vp]
     lib.mokgen_mx_quantize_f32_rows.restype = i
     lib.mokgen_mx_quantize_cols.argtypes, lib.mokgen_mx_quantize_cols.restype = [vp, vp, vp, i, i, i, vp], i
-    lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, vp]
+    lib.mokgen_mx_combine_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, vp]
     lib.mokgen_mx_combine_backward.restype = i
-    lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
+    lib.mokgen_mx_swiglu_backward.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i, i, ctypes.c_float, vp]
     lib.mokgen_mx_swiglu_backward.restype = i
     lib.mokgen_mx_bf16_math_gemm.argtypes = [vp, vp, vp, vp, i, i, i, vp]
     lib.mokgen_mx_bf16_math_gemm.restype = i
@@ -361,8 +361,10 @@ def combine_backward(d_out, y, pair, weights):
     row r with pair ``p = pair[r]`` (int32 ``[rows]``, -1 for a padding row) of ``weights``
     (float32 ``[T, k]``), ``dy[r] = weights[p] * d_out[p // k]`` in float32 (zeros for padding: the
     bits of that PyTorch product), dy quantized along H (``quantize_f32_rows``' bits) and
-    ``d_w[p] = <d_out[p // k], y[r]>`` (float32, summed in a fixed order, not PyTorch's). ``d_out``
-    bf16 ``[T, H]``, ``y`` float32 ``[rows, H]``. Returns ``(dy, (codes, scales), d_w [T, k])``."""
+    ``d_w[p] = <d_out[p // k], y_p>`` (float32, summed in a fixed order, not PyTorch's). ``d_out``
+    bf16 ``[T, H]``; ``y`` float32 ``[rows, H]`` in the padded layout (``y_p = y[r]``), or bf16
+    ``[T k, H]`` in pair order (``y_p = y[p]``: the megakernel's combine slots, the same bits as
+    their float32 copy in the padded layout). Returns ``(dy, (codes, scales), d_w [T, k])``."""
     import torch
 
     T, k = weights.shape
@@ -372,34 +374,51 @@ def combine_backward(d_out, y, pair, weights):
         raise InputError(f"d_out must be contiguous bf16 [{T}, H] with H a multiple of {BLOCK}, got {d_out.dtype} "
                          f"{tuple(d_out.shape)}")
     H = d_out.shape[1]
-    if y.dtype != torch.float32 or y.shape != (rows, H) or not y.is_contiguous() or pair.dtype != torch.int32 \
-            or not pair.is_contiguous() or weights.dtype != torch.float32 or not weights.is_contiguous() \
-            or any(t.device != y.device for t in (d_out, pair, weights)) or d_out.data_ptr() % 16 or y.data_ptr() % 16:
-        raise InputError(f"combine_backward: y float32 [rows, {H}], pair int32 [rows], weights float32 [T, k], all "
-                         f"contiguous on one device (d_out and y 16-byte aligned), got {y.dtype} {tuple(y.shape)}, "
-                         f"{pair.dtype} {tuple(pair.shape)}, {weights.dtype}")
+    by_pair = y.dtype == torch.bfloat16
+    y_rows = T * k if by_pair else rows
+    if y.dtype not in (torch.float32, torch.bfloat16) or y.shape != (y_rows, H) or not y.is_contiguous() \
+            or pair.dtype != torch.int32 or not pair.is_contiguous() or weights.dtype != torch.float32 \
+            or not weights.is_contiguous() or any(t.device != y.device for t in (d_out, pair, weights)) \
+            or d_out.data_ptr() % 16 or y.data_ptr() % 16:
+        raise InputError(f"combine_backward: y float32 [rows, {H}] or bf16 [T k, {H}], pair int32 [rows], weights "
+                         f"float32 [T, k], all contiguous on one device (d_out and y 16-byte aligned), got {y.dtype} "
+                         f"{tuple(y.shape)}, {pair.dtype} {tuple(pair.shape)}, {weights.dtype}")
     dy = torch.empty(rows, H, dtype=torch.float32, device=y.device)
     codes = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=y.device)
     scales = torch.empty(H // BLOCK, rows, 4, dtype=torch.uint8, device=y.device)
     d_w = torch.zeros(T, k, dtype=torch.float32, device=y.device)  # pairs without a row stay 0 (none in a segment list)
     _launch("mokgen_mx_combine_backward", y.device, dy.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-            d_w.data_ptr(), d_out.data_ptr(), y.data_ptr(), pair.data_ptr(), weights.data_ptr(), rows, k, H)
+            d_w.data_ptr(), d_out.data_ptr(), y.data_ptr(), pair.data_ptr(), weights.data_ptr(), rows, k, H,
+            int(by_pair))
     return dy, (codes, scales), d_w
 
 
-def swiglu_backward(gu, dh, clamp_limit: float | None = None):
+def swiglu_backward(gu, dh, clamp_limit: float | None = None, pair=None):
     """SwiGLU's backward in one pass (the MXFP8 backward's): from the float32 gate | up rows ``gu
     [rows, 2 I]`` and ``dh [rows, I]``, PyTorch's expressions of ``reference.swiglu`` under
     autograd (each operation rounded on its own: within an ulp or two of PyTorch's kernels, whose
     contractions are theirs) -> ``(dg, du, h)`` float32 ``[rows, I]`` each and ``[dg | du]``
     quantized along 2 I ``(codes [rows, 2 I], scales [2 I / 128, rows, 4])`` (the bits of
-    ``quantize_f32_rows`` of ``cat([dg, du], 1)``)."""
+    ``quantize_f32_rows`` of ``cat([dg, du], 1)``). With ``pair`` (int32 ``[rows]``, each padded
+    row's pair, -1 for padding), ``gu`` is bf16 ``[T k, 2 I]`` in pair order instead (the
+    megakernel's saved rows): row r reads ``gu[pair[r]]`` (zeros for padding), the same bits as
+    its float32 copy in the padded layout."""
     import torch
 
-    if gu.dtype != torch.float32 or gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % (2 * BLOCK):
+    if pair is not None:
+        if gu.dtype != torch.bfloat16 or gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % (2 * BLOCK) \
+                or gu.data_ptr() % 16:
+            raise InputError(f"gu (by pair) must be contiguous bf16 [T k, 2 I] with I a multiple of {BLOCK}, got "
+                             f"{gu.dtype} {tuple(gu.shape)}")
+        if pair.dtype != torch.int32 or pair.dim() != 1 or not pair.is_contiguous() or pair.device != gu.device:
+            raise InputError(f"pair must be contiguous int32 [rows] on gu's device, got {pair.dtype} "
+                             f"{tuple(pair.shape)}")
+        rows, inter = pair.shape[0], gu.shape[1] // 2
+    elif gu.dtype != torch.float32 or gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % (2 * BLOCK):
         raise InputError(f"gu must be contiguous float32 [rows, 2 I] with I a multiple of {BLOCK}, got {gu.dtype} "
                          f"{tuple(gu.shape)}")
-    rows, inter = gu.shape[0], gu.shape[1] // 2
+    else:
+        rows, inter = gu.shape[0], gu.shape[1] // 2
     if dh.dtype != torch.float32 or dh.shape != (rows, inter) or not dh.is_contiguous() or dh.device != gu.device \
             or gu.data_ptr() % 16 or dh.data_ptr() % 16:
         raise InputError(f"dh must be contiguous float32 [{rows}, {inter}] on gu's device (both 16-byte aligned), got "
@@ -411,7 +430,8 @@ def swiglu_backward(gu, dh, clamp_limit: float | None = None):
     codes = torch.empty(rows, 2 * inter, dtype=torch.float8_e4m3fn, device=gu.device)
     scales = torch.empty(2 * inter // BLOCK, rows, 4, dtype=torch.uint8, device=gu.device)
     _launch("mokgen_mx_swiglu_backward", gu.device, dg.data_ptr(), du.data_ptr(), h.data_ptr(), codes.data_ptr(),
-            scales.data_ptr(), gu.data_ptr(), dh.data_ptr(), rows, inter, limit)
+            scales.data_ptr(), gu.data_ptr(), dh.data_ptr(), None if pair is None else pair.data_ptr(), rows, inter,
+            limit)
     return dg, du, h, (codes, scales)
 
 

@@ -585,40 +585,55 @@ int mokgen_mx_combine(void* out, const void* y, const void* row, const void* w, 
 // The MXFP8 backward's combine, fused (mx_rows.cuh combine_backward_kernel): for each of the rows
 // padded rows r, pair p = pair[r] (-1: padding), dy float32 [rows, H] = w[p] dOut[p / k] (zeros
 // for padding), its codes [rows, H] and blocked scales [H / 128, rows, 4] along H, and d_w[p] =
-// <dOut[p / k], y[r]> (float32 [tokens k]; y float32 [rows, H]). H a multiple of 128.
+// <dOut[p / k], y of the pair> (float32 [tokens k]). y: float32 [rows, H] in the padded layout
+// (y_pairs 0), or bf16 [tokens k, H] in pair order (y_pairs 1). H a multiple of 128.
 int mokgen_mx_combine_backward(void* dy, void* codes, void* scales, void* d_w, const void* d_out, const void* y,
-                               const void* pair, const void* w, int rows, int k, int h, void* stream) {
+                               const void* pair, const void* w, int rows, int k, int h, int y_pairs, void* stream) {
   using namespace mokgen;
   if (rows < 0 || k <= 0 || h <= 0 || h % 128) return int(cudaErrorInvalidValue);
   if (rows == 0) return 0;
   constexpr int kThreads = 128;
-  mxg::combine_backward_kernel<kThreads><<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(d_out), static_cast<const float*>(y), static_cast<const int*>(pair),
-      static_cast<const float*>(w), rows, k, h, static_cast<float*>(dy), static_cast<uint8_t*>(codes),
-      static_cast<uint8_t*>(scales), static_cast<float*>(d_w));
+  const auto launch = [&](auto rows_of_y) {
+    mxg::combine_backward_kernel<kThreads><<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const bf16*>(d_out), rows_of_y, static_cast<const int*>(pair), static_cast<const float*>(w), rows,
+        k, h, static_cast<float*>(dy), static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales),
+        static_cast<float*>(d_w));
+  };
+  if (y_pairs)
+    launch(mxg::PairBf16Rows{static_cast<const bf16*>(y)});
+  else
+    launch(mxg::PaddedF32Rows{static_cast<const float*>(y)});
   return int(cudaGetLastError());
 }
 
-// SwiGLU's backward, fused (mx_rows.cuh swiglu_backward_kernel): from gu float32 [rows, 2 I] and
-// dh float32 [rows, I], dg, du and h float32 [rows, I] each, and [dg | du] quantized along 2 I
-// (codes [rows, 2 I], blocked scales [2 I / 128, rows, 4]). limit > 0 clamps. I a multiple of 128.
+// SwiGLU's backward, fused (mx_rows.cuh swiglu_backward_kernel): from the gate | up rows and dh
+// float32 [rows, I], dg, du and h float32 [rows, I] each, and [dg | du] quantized along 2 I
+// (codes [rows, 2 I], blocked scales [2 I / 128, rows, 4]). gu: float32 [rows, 2 I] in the padded
+// layout (pair null), or bf16 [tokens k, 2 I] in pair order with pair [rows] the padded rows'
+// pairs (-1: padding). limit > 0 clamps. I a multiple of 128.
 int mokgen_mx_swiglu_backward(void* dg, void* du, void* h, void* codes, void* scales, const void* gu, const void* dh,
-                              int rows, int inter, float limit, void* stream) {
+                              const void* pair, int rows, int inter, float limit, void* stream) {
   using namespace mokgen;
   if (rows < 0 || inter <= 0 || inter % 128) return int(cudaErrorInvalidValue);
   const long long n = (long long)rows * (inter / 4);  // a thread per 4 elements
   if (n == 0) return 0;
   const unsigned grid = unsigned((n + 255) / 256);
   auto st = static_cast<cudaStream_t>(stream);
-  const float* g = static_cast<const float*>(gu);
+  const int* pr = static_cast<const int*>(pair);
   const float* d = static_cast<const float*>(dh);
   float *og = static_cast<float*>(dg), *ou = static_cast<float*>(du), *oh = static_cast<float*>(h);
-  if (limit > 0.f)
-    mxg::swiglu_backward_kernel<true><<<grid, 256, 0, st>>>(g, d, rows, inter, limit, og, ou, oh,
-                                                           static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+  auto* oc = static_cast<uint8_t*>(codes);
+  auto* os = static_cast<uint8_t*>(scales);
+  const auto launch = [&](auto rows_of_gu) {
+    if (limit > 0.f)
+      mxg::swiglu_backward_kernel<true><<<grid, 256, 0, st>>>(rows_of_gu, pr, d, rows, inter, limit, og, ou, oh, oc, os);
+    else
+      mxg::swiglu_backward_kernel<false><<<grid, 256, 0, st>>>(rows_of_gu, pr, d, rows, inter, 0.f, og, ou, oh, oc, os);
+  };
+  if (pr != nullptr)
+    launch(mxg::PairBf16Rows{static_cast<const bf16*>(gu)});
   else
-    mxg::swiglu_backward_kernel<false><<<grid, 256, 0, st>>>(g, d, rows, inter, 0.f, og, ou, oh,
-                                                            static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales));
+    launch(mxg::PaddedF32Rows{static_cast<const float*>(gu)});
   return int(cudaGetLastError());
 }
 

@@ -618,6 +618,49 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
         assert (lay["total"], lay["stats"]) == (lib.mokgen_ep_local_bytes(W, C, S), lib.mokgen_ep_stats_offset(W, C, S))
 
 
+@pytest.mark.nvcc
+def test_sym_layout_mirror_matches_the_header(tmp_path):
+    """abi.sym_layout, through which an MXFP8 launch's backward reads the combine slots: every
+    field's offset and the total as the compiled SymLayout gives them, bf16 and MXFP8 builds,
+    with and without the fused shared expert, for token counts that move every array."""
+    tc = build_mod.find_toolchain()
+    cases = [(160, 2048, 512, 8, 8192, False), (384, 7168, 2048, 8, 4096, True), (16, 256, 128, 1, 1000, False),
+             (257, 640, 96, 3, 129, True)]
+    lines = ["#include <cstdio>", '#include "mokgen/ep_forward.cuh"']
+    for i, (e, h, inter, k, _t, fuse) in enumerate(cases):
+        lines.append(f"struct Cfg{i} {{ static constexpr int kExperts = {e}, kHidden = {h}, kInter = {inter}, "
+                     f"kTopK = {k}; static constexpr bool kFuseShared = {'true' if fuse else 'false'}; }};")
+        lines.append(f"struct Mx{i} : Cfg{i} {{ static constexpr bool kMx = true; }};")
+    lines.append("int main() {")
+    for i, (*_rest, t, _f) in enumerate(cases):
+        for kind, cfg in (("", f"Cfg{i}"), ("mx", f"Mx{i}")):
+            lines.append(f"  {{ mokgen::SymLayout<{cfg}> S({t});")
+            names = [n for n in abi.sym_layout(16, 256, 128, 1, 1, "mxfp8" if kind else "bf16")]
+            for name in names:
+                lines.append(f'    std::printf("{kind}{i} {name} %zu\\n", S.{name});')
+            lines.append("  }")
+    lines += ["  return 0;", "}"]
+    (tmp_path / "sym.cu").write_text("\n".join(lines) + "\n")
+    cmd = [tc.nvcc, "-std=c++17", *build_mod.ARCH_FLAGS["sm_90a"], "-I", str(templates_dir() / "include"),
+           "-I", tc.cutlass_include, "sym.cu", "-o", "sym"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = subprocess.run([str(tmp_path / "sym")], capture_output=True, text=True, timeout=60, check=True).stdout
+    got: dict[str, dict[str, int]] = {}
+    for line in out.splitlines():
+        i, name, v = line.split()
+        got.setdefault(i, {})[name] = int(v)
+    for i, (e, h, inter, k, t, fuse) in enumerate(cases):
+        assert abi.sym_layout(e, h, inter, k, t, "bf16", fuse) == got[str(i)], i
+        assert abi.sym_layout(e, h, inter, k, t, "mxfp8", fuse) == got[f"mx{i}"], i
+        assert got[f"mx{i}"]["slots"] < got[str(i)]["slots"]  # the MXFP8 rows are codes (and scales)
+    # the region's size as the library computes it, for the built spec
+    spec, lib = load_spec(SMALL), _library()
+    for t in (1, 512, 4096):
+        lay = abi.sym_layout(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.top_k, t)
+        assert lay["total"] == lib.mokgen_ep_sym_bytes(t)
+
+
 # ---- ring defaults -------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,9 @@ Oracles:
 - the float64 MX oracle (mokgen.reference.mx_experts_forward);
 - itself: every virtual rank count W and ring size gives the same bits (rows are independent and
   the combine order is fixed), and repeats give the same bits.
-Under autograd a launch's gradients are the staged experts' MXFP8 backward's (mokgen.ep._MXTraining).
+Under autograd a launch's gradients are the staged experts' MXFP8 backward's (mokgen.ep._MXTraining):
+under the recompute policy on the staged forward's own float32 rows, under the save policy (the
+default) on the rows the launch kept, which are the staged forward's rounded to bf16.
 """
 
 from __future__ import annotations
@@ -161,16 +163,16 @@ def _staged_grads(spec, xs, ids, ws, weights, d_outs):
 
 
 def test_mx_moelayer_trains_with_the_staged_experts_gradients_the_same_bits_20_times():
-    """MoELayer on an MXFP8 spec under autograd: the forward is the launch's bits under no_grad,
-    the gradients (tokens, routing weights, the layer's three weights) are experts_forward_train's
-    bit for bit, and 20 repeats give the same bits."""
+    """MoELayer on an MXFP8 spec under autograd, the recompute policy: the forward is the launch's
+    bits under no_grad, the gradients (tokens, routing weights, the layer's three weights) are
+    experts_forward_train's bit for bit, and 20 repeats give the same bits."""
     from mokgen.ep import MoELayer
 
     spec = _spec()
     xs, ids, ws, weights = _problem(spec, [384], seed=9, skew=True)
     d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(10),
                         device="cuda").to(torch.bfloat16)
-    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    layer = MoELayer(spec, max_tokens=512, device="cuda", bwd_policy="recompute")
     with torch.no_grad():
         for p, v in zip((layer.w_gate, layer.w_up, layer.w_down), weights):
             p.copy_(v)
@@ -193,8 +195,8 @@ def test_mx_moelayer_trains_with_the_staged_experts_gradients_the_same_bits_20_t
 
 def test_virtual_mx_launch_trains_like_the_staged_experts_on_every_ranks_tokens():
     """virtual_ep_forward with W = 4 MXFP8 ranks (one without tokens, skewed routing) under
-    autograd: each rank's output is the no_grad launch's, and the gradients are
-    experts_forward_train's on the ranks' tokens in rank order, bit for bit; a rank's unused
+    autograd, the recompute policy: each rank's output is the no_grad launch's, and the gradients
+    are experts_forward_train's on the ranks' tokens in rank order, bit for bit; a rank's unused
     output counts as a zero gradient."""
     spec = _spec()
     xs, ids, ws, weights = _problem(spec, [300, 0, 200, 250], seed=11, skew=True)
@@ -207,13 +209,102 @@ def test_virtual_mx_launch_trains_like_the_staged_experts_on_every_ranks_tokens(
     lx = [x.clone().requires_grad_(True) for x in xs]
     lw = [w.clone().requires_grad_(True) for w in ws]
     lweights = [t.clone().requires_grad_(True) for t in weights]
-    outs = virtual_ep_forward(spec, lx, ids, lw, *lweights, chunk_rows=256, ring_chunks=3)
+    outs = virtual_ep_forward(spec, lx, ids, lw, *lweights, chunk_rows=256, ring_chunks=3, bwd_policy="recompute")
     assert all(torch.equal(o, v) for o, v in zip(outs, want_outs))
     torch.autograd.backward(outs[:3], d_outs[:3])
     assert torch.equal(torch.cat([t.grad for t in lx]), want[0])
     assert torch.equal(torch.cat([t.grad for t in lw]), want[1])
     for name, g, v in zip(("w_gate", "w_up", "w_down"), lweights, want[2:]):
         assert torch.equal(g.grad, v), name
+
+
+def _saved_rows_grads(spec, xs, ids, ws, weights, d_outs):
+    """The staged MXFP8 backward (mx_experts._backward) on the staged forward's gate | up and
+    expert output rows rounded to bf16, in the padded layout as float32: what the save policy's
+    backward must give, the megakernel's tiles computing the staged GEMMs' sums bit for bit. The
+    ranks' tokens concatenated in rank order."""
+    x, idc, w = torch.cat(xs), torch.cat(ids), torch.cat(ws)
+    q = mx_experts.quantize_weights(*weights, interleave=False)
+    clamp = spec.activation.clamp_limit
+    _, saved = mx_experts._forward(x, idc, w, q, clamp, "bf16", keep_gu=True)
+    rows = saved.gu.shape[0]
+    padded = [mx_experts._padded_rows(t[saved.row].to(torch.bfloat16), saved.row, rows) for t in (saved.gu, saved.y)]
+    return list(mx_experts._backward(torch.cat(d_outs), x, w, *weights, saved.row, saved.tiles, saved.padded,
+                                     *padded, clamp, "bf16"))
+
+
+def test_mx_moelayer_under_the_save_policy_runs_no_forward_again_and_repeats_its_bits(monkeypatch):
+    """MoELayer on an MXFP8 spec under autograd, the save policy (the default): the forward is the
+    launch's bits under no_grad; the backward runs no staged forward; its gradients are the
+    staged backward's on the staged forward's rows rounded to bf16, bit for bit (so the launch
+    kept exactly those rows: its saved gate | up rows and its combine slots); 20 repeats give
+    the same bits; and they stay near the recompute policy's (the rows' bf16 rounding)."""
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    xs, ids, ws, weights = _problem(spec, [384], seed=9, skew=True)
+    d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(10),
+                        device="cuda").to(torch.bfloat16)
+    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    assert layer.bwd_policy == "save"
+    with torch.no_grad():
+        for p, v in zip((layer.w_gate, layer.w_up, layer.w_down), weights):
+            p.copy_(v)
+        want_out = layer(xs[0], ids[0], ws[0])
+    want = _saved_rows_grads(spec, xs, ids, ws, weights, [d_out])
+    recomputed = _staged_grads(spec, xs, ids, ws, weights, [d_out])
+    forwards = []
+    real_forward = mx_experts._forward
+    monkeypatch.setattr(mx_experts, "_forward", lambda *a, **kw: forwards.append(1) or real_forward(*a, **kw))
+    first = None
+    for _ in range(20):
+        x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        out = layer(x, ids[0], w)
+        assert torch.equal(out, want_out)
+        out.backward(d_out)
+        got = [x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
+        for name, g, v in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got, want):
+            assert g.dtype == v.dtype and torch.equal(g, v), name
+        if first is None:
+            first = got
+        assert all(torch.equal(a, b) for a, b in zip(got, first))
+    assert forwards == []
+    for name, g, v in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), first, recomputed):
+        rel = ((g.double() - v.double()).norm() / v.double().norm()).item()
+        assert rel < 5e-2, (name, rel)
+
+
+@pytest.mark.nvcc  # builds the forms' and the pairs' variants
+@pytest.mark.parametrize("form, cluster", [("codes", "1"), ("codes", "2"), ("expand", "1"), ("expand", "2")])
+def test_virtual_mx_launches_save_the_same_rows_for_every_w(monkeypatch, form, cluster):
+    """virtual_ep_forward under autograd, the save policy: W = 1, 2 and 4 ranks (one rank without
+    tokens, skewed routing, a short ring) give the same gradients bit for bit, those of the
+    staged backward on the staged forward's rows rounded to bf16: each rank's saved rows and
+    combine slots land where its backward reads them. Both MXFP8 forms (MxTile's epilogue saves
+    in the codes form, HopperTile's in the expanded one), single CTAs and pairs."""
+    from mokgen.load import load
+
+    monkeypatch.setenv("MOKGEN_MX_FORM", form)
+    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+    spec = _spec()
+    assert load(spec).MX_FORM == form and int(load(spec).LIB.mokgen_ep_cluster()) == int(cluster)
+    sizes = [300, 0, 200, 250]
+    xs, ids, ws, weights = _problem(spec, sizes, seed=13, skew=True)
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    d_outs = [torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for x in xs]
+    want = _saved_rows_grads(spec, xs, ids, ws, weights, d_outs)
+    x, idc, w, d_out = torch.cat(xs), torch.cat(ids), torch.cat(ws), torch.cat(d_outs)
+    for W in (1, 2, 4):
+        split = [sum(sizes)] if W == 1 else [sum(sizes[:2]), sum(sizes[2:])] if W == 2 else sizes
+        lx = [t.clone().requires_grad_(True) for t in x.split(split)]
+        lw = [t.clone().requires_grad_(True) for t in w.split(split)]
+        lweights = [t.clone().requires_grad_(True) for t in weights]
+        outs = virtual_ep_forward(spec, lx, list(idc.split(split)), lw, *lweights, chunk_rows=128, ring_chunks=3)
+        torch.autograd.backward(outs, list(d_out.split(split)))
+        got = [torch.cat([t.grad for t in lx]), torch.cat([t.grad for t in lw]), *(t.grad for t in lweights)]
+        for name, g, v in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got, want):
+            assert torch.equal(g, v), (W, name)
 
 
 def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_per_version():

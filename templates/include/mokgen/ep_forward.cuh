@@ -240,6 +240,24 @@ struct SharedOrSlotRows {  // shared y rows when shared != null, else the owners
 
 // The gated epilogue's save rows (hopper_gemm.cuh, NoSaveRows): row r of an up tile -> the
 // [g | u] row of its (source rank, pair) in that source's save buffer (EpParams::save_gu).
+// The MX up tile's save rows: SaveRows's rows, the ring's (source rank, pair) table found from
+// the rank's private region when the epilogue asks (loc: a pointer the tile keeps live anyway;
+// meta_off: the table's offset, a kernel parameter). Holding a pointer to the tile's part of the
+// table through the k-loop spilled one 64-bit register (12 / 28 bytes, v0.64).
+template <int kI>
+struct SaveRingRows {
+  static constexpr bool kMay = true;
+  bf16* const* base;    // EpParams::save_gu, by source rank (all ranks are in the launch)
+  const char* loc;      // the rank's private region
+  const size_t& meta_off;  // LocalLayout::ring_meta (in the kernel's parameters)
+  int row0;             // the tile's first ring row
+  MOKGEN_DEVICE bool enabled() const { return base[0] != nullptr; }
+  MOKGEN_DEVICE bf16* operator()(int r) const {
+    const int2 d = reinterpret_cast<const int2*>(loc + meta_off)[row0 + r];
+    return base[d.x] + int64_t(d.y) * (2 * kI);
+  }
+};
+
 template <int kI>
 struct SaveRows {
   static constexpr bool kMay = true;
@@ -1068,12 +1086,19 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag);
               }
             } else if (kind == 0) {
+              // MOKGEN_MX_NO_SAVE (measuring builds only: MXFP8 training then fails its launch, the
+              // host refusing save_gu): the MX up tiles without the save's code, v0.63's machine code
+#if defined(MOKGEN_MX_NO_SAVE)
+              const sm90::NoSaveRows mx_save{};
+#else
+              const SaveRingRows<kI> mx_save{p.save_gu, loc, L.ring_meta, int(row0)};
+#endif
               if constexpr (CfgMxCodes<Cfg>::value)
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, mx_h_rows(row0), Cfg::kClampLimit,
-                            abort_flag);
+                            abort_flag, mx_save);
               else if constexpr (CfgMxExpand<Cfg>::value)
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, sm90::MxRoundedRows<kI>{ring_h + row0 * kI},
-                            Cfg::kClampLimit, abort_flag);
+                            Cfg::kClampLimit, abort_flag, mx_save);
               else
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag,
                             SaveRows<kI>{p.save_gu, meta + row0, true});
@@ -1356,10 +1381,13 @@ struct EpLauncher {
       cache.device = device;
     }
     if (Cfg::kCluster == 2 && (p.ctas_per_rank % 2 || p.dispatch_ctas % 2)) return cudaErrorInvalidValue;
-    // saved pre-activations: the Hopper core's bf16 epilogue writes them, into every source's
-    // buffer (the MX tile does not: MXFP8 builds are forward only)
-    if (p.save_gu[0] != nullptr && (!Cfg::kWgmma || Cfg::kMx || p.launch_ranks != p.world || p.rank_base != 0))
+    // saved pre-activations: the Hopper core's gated epilogues write them (HopperTile's, and the MX
+    // tile's for MXFP8 builds, from the same float32 sums), into every source's buffer
+    if (p.save_gu[0] != nullptr && (!Cfg::kWgmma || p.launch_ranks != p.world || p.rank_base != 0))
       return cudaErrorInvalidValue;
+#if defined(MOKGEN_MX_NO_SAVE)
+    if (p.save_gu[0] != nullptr && Cfg::kMx) return cudaErrorInvalidValue;
+#endif
     MapKey key;
     map_key(p, key);
     if (!cache.valid || memcmp(&key, &cache.key, sizeof(key)) != 0) {

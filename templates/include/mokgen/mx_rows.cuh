@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_fp16.h>
 
@@ -188,6 +189,32 @@ MOKGEN_DEVICE void load_gate_up4(const float* gu, int r, int q, int inter, float
   u4 = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * inter + inter)[q];
 }
 
+// Where the MXFP8 backward's elementwise kernels read a padded row's values (4 consecutive
+// columns from `col`, a multiple of 4, of rows `stride` elements long): PaddedF32Rows, the float32
+// rows of the padded layout themselves (the staged forward's gu and y, row r); PairBf16Rows, the
+// bf16 row of the row's (token, slot) pair p in pair order (what the megakernel's forward leaves:
+// its saved [g | u] rows and its combine slots' y rows, mokgen.ep._MXTraining), zeros for a
+// padding row (p < 0), as the padded layout holds there. bf16 -> float32 is exact, so a pair row
+// read here and the float32 copy of it in the padded layout give the same bits.
+struct PaddedF32Rows {
+  const float* base;
+  MOKGEN_DEVICE float4 load4(int r, int /*p*/, size_t stride, size_t col) const {
+    return *reinterpret_cast<const float4*>(base + size_t(r) * stride + col);
+  }
+};
+struct PairBf16Rows {
+  const bf16* base;
+  MOKGEN_DEVICE float4 load4(int /*r*/, int p, size_t stride, size_t col) const {
+    if (p < 0) return make_float4(0.f, 0.f, 0.f, 0.f);
+    const uint2 raw = *reinterpret_cast<const uint2*>(base + size_t(p) * stride + col);
+    __nv_bfloat162 v01, v23;
+    memcpy(&v01, &raw.x, 4);
+    memcpy(&v23, &raw.y, 4);
+    const float2 a = __bfloat1622float2(v01), b = __bfloat1622float2(v23);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+};
+
 // h = swiglu(gate, up) of the float32 gate | up rows gu [rows, 2 I] (common.cuh's swiglu, the
 // megakernel's), quantized along I. A thread per 4 consecutive elements of a row, 8 lanes a
 // 32-block (v0.41, as the backward's kernels: v0.40's thread per block ran at about 2 TB/s on the
@@ -211,10 +238,10 @@ __global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, i
 // dy's row r quantized along H (the dgrad's A), and d w[p] = <dOut[p / k], y[r]>, summed in a
 // fixed order: each thread along its own elements (its 4, group after group of the row), then the
 // CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). H a multiple of 128,
-// kThreads threads (a multiple of 32).
-template <int kThreads>
+// kThreads threads (a multiple of 32). y's rows: YRows (PaddedF32Rows or PairBf16Rows above).
+template <int kThreads, class YRows>
 __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
-    const bf16* __restrict__ d_out, const float* __restrict__ y, const int* __restrict__ pair,
+    const bf16* __restrict__ d_out, const YRows y, const int* __restrict__ pair,
     const float* __restrict__ w, int rows, int k, int h, float* __restrict__ dy, uint8_t* __restrict__ codes,
     uint8_t* __restrict__ scales, float* __restrict__ d_w) {
   __shared__ float partial[kThreads];
@@ -231,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
       memcpy(&d23, &raw.y, 4);
       const float2 a = __bfloat1622float2(d01), b = __bfloat1622float2(d23);
       const float d[4] = {a.x, a.y, b.x, b.y};
-      const float4 yv = reinterpret_cast<const float4*>(y + size_t(r) * h)[q];
+      const float4 yv = y.load4(r, p, size_t(h), size_t(4) * q);
       const float ys[4] = {yv.x, yv.y, yv.z, yv.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -266,18 +293,20 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
 // accurate exp (swiglu_grad.cuh swiglu_grad_exact, checked on the host). Writes dg, du and h
 // (float32 [rows, I] each: the weight gradients' operands) and [dg | du]'s row quantized along
 // 2 I (the dgrad's A; the scales blocked [2 I / 128, rows, 4]). I a multiple of 128, so a warp's
-// 32 threads lie in one row.
-template <bool kHasClamp>
-__global__ void swiglu_backward_kernel(const float* __restrict__ gu, const float* __restrict__ dh, int rows, int inter,
-                                       float limit, float* __restrict__ dg, float* __restrict__ du,
-                                       float* __restrict__ h, uint8_t* __restrict__ codes,
+// 32 threads lie in one row. gu's rows: GuRows (PaddedF32Rows, or PairBf16Rows with `pair` the
+// padded rows' pairs, -1 for padding; pair is not read for PaddedF32Rows).
+template <bool kHasClamp, class GuRows>
+__global__ void swiglu_backward_kernel(const GuRows gu, const int* __restrict__ pair, const float* __restrict__ dh,
+                                       int rows, int inter, float limit, float* __restrict__ dg,
+                                       float* __restrict__ du, float* __restrict__ h, uint8_t* __restrict__ codes,
                                        uint8_t* __restrict__ scales) {
   const int per_row = inter / 4;
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
   const int r = int(idx / per_row), q = int(idx % per_row);
-  float4 g4, u4;
-  load_gate_up4(gu, r, q, inter, g4, u4);
+  const int p = std::is_same<GuRows, PaddedF32Rows>::value ? r : pair[r];
+  const float4 g4 = gu.load4(r, p, size_t(2) * inter, size_t(4) * q);
+  const float4 u4 = gu.load4(r, p, size_t(2) * inter, size_t(inter) + 4 * q);
   const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
   const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
   float vh[4], vg[4], vu[4];

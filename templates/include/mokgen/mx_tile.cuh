@@ -209,10 +209,13 @@ struct MxTile {
   // Consumer warpgroup wg (0/1): all k-blocks of one tile, then the epilogue for rows
   // [64 wg, 64 wg + 64) of the tile that are < rows. Down tiles: out(r) -> bf16* of output row r at
   // column 0 (as HopperTile). Gated tiles: out is an MxRowsBlocked-like object (codes, scale).
-  // HopperTile's signature; the pre-activations' save (SRow) is not supported and ignored.
+  // HopperTile's signature. s_row (gated tiles): where the epilogue also stores g and u in bf16
+  // (HopperTile::save_pre_activations, the same accumulator layout), beside h's codes: the
+  // training save of MXFP8 builds (mokgen.ep._MXTraining).
   template <class Out, class SRow = NoSaveRows>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, const Out& out,
-                                    float clamp_limit, const volatile int* abort_flag = nullptr, SRow = SRow{}) {
+                                    float clamp_limit, const volatile int* abort_flag = nullptr,
+                                    SRow s_row = SRow{}) {
     float acc[kAcc];
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
@@ -297,6 +300,9 @@ struct MxTile {
     if (abort_flag != nullptr && *abort_flag) rows = 0;
     if constexpr (kGated) {
       quantize_h(acc, rows, r0, n0, q, out, clamp_limit);
+      if constexpr (SRow::kMay) {
+        if (s_row.enabled()) Base::save_pre_activations(acc, wg, rows, n0, s_row);
+      }
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
