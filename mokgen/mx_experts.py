@@ -501,9 +501,11 @@ def saved_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, gu, y
     expert output rows ``y`` bf16 ``[T k, H]`` (mokgen.ep._MXTraining under the save policy), so
     no forward is run again. The gradients of x, topk_weights, w_gate, w_up and w_down, the
     weights' quantized afresh in the dgrads' orientation (a step's weights change). The same
-    bits as the staged backward given the float32 copies of those rows (tests/test_gpu_mx_megakernel.py)."""
+    bits as the staged backward given the float32 copies of those rows (tests/test_gpu_mx_megakernel.py).
+    An id outside [0, E) raises InputError (one host sync), as the recompute's staged forward does:
+    a launch skips such pairs and keeps no rows for them."""
     T, k = topk_ids.shape
-    row, _src, tiles, padded = _segments(topk_ids.reshape(-1).to(torch.int64), w_gate.shape[0], k, check_ids=False)
+    row, _src, tiles, padded = _segments(topk_ids.reshape(-1).to(torch.int64), w_gate.shape[0], k)
     return _backward(d_out, x, topk_weights, w_gate, w_up, w_down, row, tiles, padded, gu, y, clamp_limit, "bf16")
 
 

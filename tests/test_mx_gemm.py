@@ -26,8 +26,9 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     assert sum("mx_gemm_kernel" in k for k in kernels) == len(mx_gemm.FORMS), kernels
     assert any("quantize_rows_kernel" in k for k in kernels) and any("swiglu_quantize_kernel" in k for k in kernels)
-    assert any("combine_backward_kernel" in k for k in kernels)
-    assert sum("swiglu_backward_kernel" in k for k in kernels) == 2  # with and without the clamp
+    # the combine's and SwiGLU's backward read float32 padded rows or bf16 rows by pair (v0.64)
+    assert sum("combine_backward_kernel" in k for k in kernels) == 2
+    assert sum("swiglu_backward_kernel" in k for k in kernels) == 4  # each with and without the clamp
     assert any("ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(kernels), spills
@@ -179,21 +180,28 @@ def test_the_column_tiles_are_taken_only_where_they_apply(monkeypatch):
 
 def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(launches):
     """combine_backward and swiglu_backward: one-line errors for bad operands before any launch,
-    and the C entries' argument order (outputs, inputs, sizes, stream) with the outputs shaped
-    as documented."""
+    and the C entries' argument order (outputs, inputs, sizes, the source's form, stream) with
+    the outputs shaped as documented; the pair-order form (the megakernel's saved bf16 rows, v0.64)
+    passes its flag or pair array and takes the padded rows' count from the pairs."""
     calls = launches
     T, k, H, rows = 3, 2, 256, 128
     d_out, y = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(rows, H)
     pair, w = torch.full((rows,), -1, dtype=torch.int32), torch.ones(T, k)
     dy, (codes, scales), d_w = mx_gemm.combine_backward(d_out, y, pair, w)
     name, args = calls[-1]
-    assert name == "mokgen_mx_combine_backward" and len(args) == 12 and args[8:] == (rows, k, H, STREAM)
+    assert name == "mokgen_mx_combine_backward" and len(args) == 13 and args[8:] == (rows, k, H, 0, STREAM)
     assert args[:4] == (dy.data_ptr(), codes.data_ptr(), scales.data_ptr(), d_w.data_ptr())
     assert dy.shape == (rows, H) and codes.shape == (rows, H) and scales.shape == (H // 128, rows, 4)
     assert d_w.shape == (T, k) and d_w.dtype == torch.float32
+    y_pairs = torch.zeros(T * k, H, dtype=torch.bfloat16)  # by pair: [T k, H] bf16, rows from pair
+    dy, _, _ = mx_gemm.combine_backward(d_out, y_pairs, pair, w)
+    assert calls[-1][1][5] == y_pairs.data_ptr() and calls[-1][1][8:] == (rows, k, H, 1, STREAM)
+    assert dy.shape == (rows, H)
+    with pytest.raises(InputError, match=r"or bf16 \[T k, 256\]"):
+        mx_gemm.combine_backward(d_out, y_pairs[:T * k - 1], pair, w)
     with pytest.raises(InputError, match=r"d_out must be contiguous bf16 \[3, H\] with H a multiple of 128"):
         mx_gemm.combine_backward(d_out.float(), y, pair, w)
-    with pytest.raises(InputError, match=r"combine_backward: y float32 \[rows, 256\], pair int32 \[rows\]"):
+    with pytest.raises(InputError, match=r"combine_backward: y float32 \[rows, 256\] or bf16 \[T k, 256\], pair"):
         mx_gemm.combine_backward(d_out, y[:, :128].contiguous(), pair, w)
     with pytest.raises(InputError, match=r"combine_backward: y float32"):
         mx_gemm.combine_backward(d_out, y, pair.long(), w)
@@ -204,10 +212,18 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(l
     gu, dh = torch.zeros(rows, 2 * I), torch.zeros(rows, I)
     dg, du, h, (codes, scales) = mx_gemm.swiglu_backward(gu, dh, 7.0)
     name, args = calls[-1]
-    assert name == "mokgen_mx_swiglu_backward" and len(args) == 11 and args[7:] == (rows, I, 7.0, STREAM)
+    assert name == "mokgen_mx_swiglu_backward" and len(args) == 12 and args[7:] == (None, rows, I, 7.0, STREAM)
     assert all(t.shape == (rows, I) for t in (dg, du, h)) and codes.shape == (rows, 2 * I)
     assert scales.shape == (2 * I // 128, rows, 4)
-    assert mx_gemm.swiglu_backward(gu, dh)[0].shape == (rows, I) and calls[-1][1][9] == 0.0  # no clamp: limit 0
+    assert mx_gemm.swiglu_backward(gu, dh)[0].shape == (rows, I) and calls[-1][1][10] == 0.0  # no clamp: limit 0
+    gu_pairs = torch.zeros(T * k, 2 * I, dtype=torch.bfloat16)  # by pair: the rows' count is pair's
+    dg, _, _, _ = mx_gemm.swiglu_backward(gu_pairs, dh, 7.0, pair)
+    assert calls[-1][1][5] == gu_pairs.data_ptr() and calls[-1][1][7:] == (pair.data_ptr(), rows, I, 7.0, STREAM)
+    assert dg.shape == (rows, I)
+    with pytest.raises(InputError, match=r"gu \(by pair\) must be contiguous bf16 \[T k, 2 I\]"):
+        mx_gemm.swiglu_backward(gu_pairs.float(), dh, 7.0, pair)
+    with pytest.raises(InputError, match=r"pair must be contiguous int32 \[rows\]"):
+        mx_gemm.swiglu_backward(gu_pairs, dh, 7.0, pair.long())
     with pytest.raises(InputError, match=r"gu must be contiguous float32 \[rows, 2 I\]"):
         mx_gemm.swiglu_backward(gu[:, :64].contiguous(), dh)
     with pytest.raises(InputError, match=r"dh must be contiguous float32 \[128, 128\]"):
