@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 from mokgen import env, render
 from mokgen._version import __version__
-from mokgen.errors import BuildError, LoadError, ToolchainError
+from mokgen.errors import BuildError, InputError, LoadError, ToolchainError
 from mokgen.paths import templates_dir
 from mokgen.plan import Plan, cache_key, make_plan
 from mokgen.spec import MoESpec
@@ -42,6 +42,22 @@ ARCH_FLAGS = {"sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
 #: without their shared-memory attribute (v0.34, found by .ci/mx_gemm_probe.py --probe).
 BASE_FLAGS = ["-std=c++17", "-O3", "--shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-lineinfo",
               "-Xptxas", "-v"]
+
+#: the wait stages (sync.cuh's Stage, abi.STAGES) that a fault-injection build can make time out
+FAULT_STAGES = (2, 3, 4, 5, 6)
+
+
+def fault_flags(stage: int) -> list[str]:
+    """The nvcc flags of a fault-injection build of the forward megakernel (tests only): with
+    ``-DMOKGEN_FAULT_STAGE=stage`` the kernel leaves out the one signal whose absence makes the
+    waits of that stage time out (sync.cuh; docs/architecture.md, "Fault injection"). Stage 1 has
+    its run-time switch instead (``virtual_ep_forward(simulate_missing_rank=r)``). Add them to
+    BASE_FLAGS (part of the cache key and of load's memo key), as tests/test_gpu_faults.py does:
+    the build is then an entry of its own, and the default build is untouched."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in FAULT_STAGES:
+        raise InputError(f"fault stage must be one of {', '.join(map(str, FAULT_STAGES))} (sync.cuh, enum Stage; "
+                         f"stage 1 is simulate_missing_rank), got {stage!r}")
+    return [f"-DMOKGEN_FAULT_STAGE={stage}"]
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,13 @@ def find_prebuilt(spec: MoESpec, options: dict | None = None) -> tuple[Path, str
             if env.verbose():
                 print(f"mokgen: prebuilt {module_name} holds another plan of {spec.name}; not used")
             return None
+        flags = (doc.get("toolchain") or {}).get("flags")
+        if flags is not None and flags != build_mod.BASE_FLAGS + build_mod.ARCH_FLAGS.get(arch, []):
+            # a measuring or fault-injection build (extra -D flags in BASE_FLAGS) is not the
+            # package's build of this plan: build it, as the cache key says
+            if env.verbose():
+                print(f"mokgen: prebuilt {module_name} was built with other nvcc flags; not used")
+            return None
         problems = package.verify_package(root, meta)
         if problems:
             raise LoadError(f"prebuilt package {module_name} failed verification: {problems[0]}"

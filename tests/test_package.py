@@ -114,6 +114,14 @@ def test_installed_wheel_loads_without_nvcc_and_refuses_tampering(small_wheel, t
     assert report.returncode == 0, report.stderr
     (row,) = json.loads(report.stdout)
     assert row["spec"] == SMALL and row["verified"] and len(row["artifacts"]) == 5
+    # a build with other nvcc flags (a measuring or fault-injection define) is not the package's
+    probe = ("import mokgen, mokgen.load as L, mokgen.build as B\n"
+             f"s = mokgen.load_spec({SMALL!r})\n"
+             "assert L.find_prebuilt(s) is not None\n"
+             "B.BASE_FLAGS.append('-DMOKGEN_FAULT_STAGE=4')\n"
+             "print(L.find_prebuilt(s))\n")
+    r = _run(py, probe, tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stderr
 
     lib = next(site.parent.glob("lib*.so"))
     lib.write_bytes(lib.read_bytes() + b"\0")  # tamper

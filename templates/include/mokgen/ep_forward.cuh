@@ -664,7 +664,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
           arrived[slot] = 0;  // next use: after freed(c), which follows landed(c)
           atomicMax(reinterpret_cast<unsigned long long*>(st + kStatTimePullLast), globaltimer_ns());
           __threadfence();
+#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == 4
+          // fault build: no chunk is ever marked landed (the compute's waits for it time out)
+#else
           st_release_gpu(&landed[slot], tag(epoch, c + 1));
+#endif
         }
       }
     };
@@ -773,7 +777,11 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             phase_work(c, phase);
             ok = group_barrier(bar_comp, tag(epoch, ++n_comp * Gc), w, &s_flag);
           }
+#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == 3
+          // fault build: no ring slot is ever freed (the dispatch's wait for chunk R times out)
+#else
           if (ok && cc == 0 && tid == 0) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+#endif
         }
       };
       if constexpr (Cfg::kWgmma && Cfg::kFlow) {
@@ -969,14 +977,24 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                   // ordered before the combine by the compute CTAs' final barrier
                   if (kind == 2) atomicAdd(at<unsigned long long>(mine, S.shared_blk) + m / 128, 1ull);
                 } else if (kind == 0) {
+#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == 6
+                  // fault build: no up tile is ever counted (every down tile's wait times out)
+#else
                   atomicAdd(&blk_done[int64_t(slot) * C + m], 1ull);
+#endif
                 } else {
                   if (n == 0) count_pushed(rows);
                   if (total_c != c) {
                     total = down_tiles(c);
                     total_c = c;
                   }
+#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == 3
+                  // fault build: no ring slot is ever freed (the dispatch's wait for chunk R times out)
+                  atomicAdd(&chk_done[slot], 1ull);
+                  (void)total;
+#else
                   if (atomicAdd(&chk_done[slot], 1ull) + 1 == total) st_release_gpu(&freed[slot], tag(epoch, c + 1));
+#endif
                 }
               }
               MOKGEN_FWD_TRACE_ONLY(const long long tr2 = fwd_trace::clock() - tr1; tr_pub += tr2;
@@ -1200,7 +1218,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
         if (ok && cc == 0 && tid == 0) {
           __threadfence_system();
           at<long long>(loc, L.stats)[kStatTimeDone] = (long long)globaltimer_ns();
+#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == 5
+          // fault build: rank 0 tells only itself, never its peers (their combine waits time out)
+          for (int o = 0; o < W; ++o)
+            if (rank != 0 || o == 0) st_release_sys(at<unsigned long long>(p.sym[o], S.done) + rank, tag(epoch, 1));
+#else
           for (int o = 0; o < W; ++o) st_release_sys(at<unsigned long long>(p.sym[o], S.done) + rank, tag(epoch, 1));
+#endif
         }
       }
     }

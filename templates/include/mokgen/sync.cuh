@@ -8,9 +8,18 @@
 // * Every wait is bounded: after `timeout_ns` (%globaltimer) the waiting CTA records which rank,
 //   stage and peer stalled in the sticky ErrorRecord, raises the launch's abort flag, and every
 //   CTA leaves through the common exit. The host reads the record and raises a clear error.
+// * Fault injection (tests only; docs/architecture.md, "Fault injection"): a build compiled with
+//   -DMOKGEN_FAULT_STAGE=N (mokgen.build.fault_flags, N = 2..6) leaves out the one signal whose
+//   absence makes the waits of Stage N time out; each such edit sits in an
+//   `#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == N` block, so default builds are
+//   the same machine code. tests/test_gpu_faults.py launches each and checks the error.
 #pragma once
 
 #include "common.cuh"
+
+#if defined(MOKGEN_FAULT_STAGE) && !(MOKGEN_FAULT_STAGE >= 2 && MOKGEN_FAULT_STAGE <= 6)
+#error "MOKGEN_FAULT_STAGE must be a wait stage from 2 to 6 (sync.cuh, enum Stage); stage 1 is EpParams.silent_rank"
+#endif
 
 namespace mokgen {
 
@@ -118,6 +127,10 @@ MOKGEN_DEVICE bool group_barrier(unsigned long long* counter, unsigned long long
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
+#if defined(MOKGEN_FAULT_STAGE) && MOKGEN_FAULT_STAGE == 2
+    // fault build: the first CTA of rank 0 never arrives at any barrier of its rank (it still waits)
+    if (w.rank != 0 || blockIdx.x != 0)
+#endif
     atomicAdd(counter, 1ull);
     *smem_flag = w.wait_geq<false>(counter, target, kStageRankBarrier, -1) ? 1 : 0;
     __threadfence();
