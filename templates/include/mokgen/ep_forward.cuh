@@ -238,12 +238,10 @@ struct SharedOrSlotRows {  // shared y rows when shared != null, else the owners
   }
 };
 
-// The gated epilogue's save rows (hopper_gemm.cuh, NoSaveRows): row r of an up tile -> the
-// [g | u] row of its (source rank, pair) in that source's save buffer (EpParams::save_gu).
-// The MX up tile's save rows: SaveRows's rows, the ring's (source rank, pair) table found from
-// the rank's private region when the epilogue asks (loc: a pointer the tile keeps live anyway;
-// meta_off: the table's offset, a kernel parameter). Holding a pointer to the tile's part of the
-// table through the k-loop spilled one 64-bit register (12 / 28 bytes, v0.64).
+// The MX up tile's save rows: SaveRows's rows (below), the ring's (source rank, pair) table
+// found from the rank's private region when the epilogue asks (loc: a pointer the tile keeps
+// live anyway; meta_off: the table's offset, a kernel parameter). Holding a pointer to the
+// tile's part of the table through the k-loop spilled one 64-bit register (12 / 28 bytes, v0.64).
 template <int kI>
 struct SaveRingRows {
   static constexpr bool kMay = true;
@@ -258,6 +256,8 @@ struct SaveRingRows {
   }
 };
 
+// The gated epilogue's save rows (hopper_gemm.cuh, NoSaveRows): row r of an up tile -> the
+// [g | u] row of its (source rank, pair) in that source's save buffer (EpParams::save_gu).
 template <int kI>
 struct SaveRows {
   static constexpr bool kMay = true;
@@ -1105,7 +1105,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
               }
             } else if (kind == 0) {
               // MOKGEN_MX_NO_SAVE (measuring builds only: MXFP8 training then fails its launch, the
-              // host refusing save_gu): the MX up tiles without the save's code, v0.63's machine code
+              // host refusing save_gu): the MX up tiles without the save's code, as before v0.64
+              // (docs/perf-notes.md v0.64: the code costs the expanded pairs nothing, the codes
+              // form in single CTAs 0.4%)
 #if defined(MOKGEN_MX_NO_SAVE)
               const sm90::NoSaveRows mx_save{};
 #else
