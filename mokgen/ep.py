@@ -467,9 +467,11 @@ class _MXTraining(torch.autograd.Function):
             # the pairs' rows the launch kept (save_gu, then the slots' copy, before another
             # launch on these buffers overwrites them), else nothing
             y = slots() if len(outs) > n and slots is not None else None
-            ctx.rows = (outs[n], y) if y is not None else None
-        ctx.n, ctx.clamp_limit = n, clamp_limit
-        ctx.save_for_backward(*tensors)
+        # saved like the inputs (saved-tensor hooks see them; a retained graph's second backward
+        # reads them again), after them
+        rows = (outs[n], y) if y is not None else ()
+        ctx.n, ctx.clamp_limit, ctx.n_rows = n, clamp_limit, len(rows)
+        ctx.save_for_backward(*tensors, *rows)
         return tuple(outs[:n])
 
     @staticmethod
@@ -477,8 +479,8 @@ class _MXTraining(torch.autograd.Function):
         from mokgen import mx_experts
 
         n, t = ctx.n, ctx.saved_tensors
-        rows, ctx.rows = ctx.rows, None  # freed with this frame
-        xs, ws, weights, ids = t[:n], t[n:2 * n], t[2 * n:2 * n + 3], t[2 * n + 3:]
+        rows = t[len(t) - ctx.n_rows:] if ctx.n_rows else None
+        xs, ws, weights, ids = t[:n], t[n:2 * n], t[2 * n:2 * n + 3], t[2 * n + 3:3 * n + 3]
         sizes = [x.shape[0] for x in xs]
         gos = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
 

@@ -414,7 +414,8 @@ def test_the_mx_megakernels_autograd_node_returns_the_staged_experts_gradients(e
 @pytest.mark.parametrize("stages", ["torch", "fused"])
 def test_the_mx_node_under_the_save_policy_starts_from_the_launchs_rows(emulated, monkeypatch, stages):
     """mokgen.ep._MXTraining when the launch saved its rows (save_gu, then the combine slots'
-    copy): the backward runs no forward, and its gradients, every rank's, are the staged
+    copy): the backward runs no forward (nor does a retained graph's second backward, which gives
+    the same gradients), and its gradients, every rank's, are the staged
     backward's on those rows (each pair's gate | up and expert output rows, bf16, here the staged
     forward's rounded) in the padded layout, bit for bit, in both stage forms; and they stay near
     the float64 MX oracle's: g and u rounded to bf16 move some of [dg | du]'s E4M3 codes by one
@@ -442,9 +443,14 @@ def test_the_mx_node_under_the_save_policy_starts_from_the_launchs_rows(emulated
     outs = ep._mx_train(kernel, lambda: [torch.zeros(n, x.shape[1], dtype=torch.bfloat16) for n in sizes] + [gu_pairs],
                         leaves[0], idss, leaves[1], *wts, slots=lambda: y_pairs)
     assert len(outs) == len(sizes)  # the saved rows are not an output
-    torch.autograd.backward(outs, list(d_out.split(sizes)))
-    assert forwards == []  # nothing recomputed
+    torch.autograd.backward(outs, list(d_out.split(sizes)), retain_graph=True)
     got = [torch.cat([t.grad for t in leaves[0]]), torch.cat([t.grad for t in leaves[1]]), *(t.grad for t in wts)]
+    for t in (*leaves[0], *leaves[1], *wts):
+        t.grad = None
+    torch.autograd.backward(outs, list(d_out.split(sizes)))  # a retained graph's second backward: the same rows
+    again = [torch.cat([t.grad for t in leaves[0]]), torch.cat([t.grad for t in leaves[1]]), *(t.grad for t in wts)]
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    assert forwards == []  # nothing recomputed, either time
 
     rows = saved.gu.shape[0]
     want = mx_experts._backward(d_out, x, w, wg, wu, wd, saved.row, saved.tiles, saved.padded,
