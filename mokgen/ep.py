@@ -533,7 +533,7 @@ def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple, bufs: "EpBuffer
     grad = _records_grad(grad_inputs)
     if grad and _is_mx(kernel):  # _mx_training, with grad already known
         slots = None
-        if len(args) > _OP_REQUIRED + 4 and args[_OP_REQUIRED + 4] and bufs is not None:
+        if len(args) > _SAVE_GU_ARG and args[_SAVE_GU_ARG] and bufs is not None:
             sizes = [x.shape[0] for x in mx_inputs[0]]
             slots = lambda: bufs.slot_rows(sizes)  # noqa: E731
         return _mx_train(kernel, lambda: _op(kernel, False)(*args), *mx_inputs, slots=slots)
@@ -547,6 +547,8 @@ def _call_op(kernel, grad_inputs, args: tuple, mx_inputs: tuple, bufs: "EpBuffer
 #: the op's required arguments (xs .. silent_rank); the optional ones follow (shared_gate,
 #: shared_up, shared_down, shared_scale, save_gu: the binding's _OPTIONAL_DEFAULTS)
 _OP_REQUIRED = 18
+#: save_gu's position among the op's arguments (after the four shared-expert ones)
+_SAVE_GU_ARG = _OP_REQUIRED + 4
 
 
 class _LaunchedEp(torch.autograd.Function):

@@ -569,12 +569,28 @@ def test_ep_params_field_offsets_match_the_header(tmp_path):
     assert (got["rec_peer"], got["rec_epoch"]) == (12, 16)  # matches struct "<iiiiQ"
 
 
+def _layout_probe(tmp_path, name: str, lines: list[str]) -> dict[str, dict[str, int]]:
+    """Compile and run a probe program (``lines``, main's body open: its return is added) whose
+    lines print ``CASE FIELD VALUE``, the header's layout figures; returns them by case."""
+    tc = build_mod.find_toolchain()
+    (tmp_path / f"{name}.cu").write_text("\n".join([*lines, "  return 0;", "}"]) + "\n")
+    cmd = [tc.nvcc, "-std=c++17", *build_mod.ARCH_FLAGS["sm_90a"], "-I", str(templates_dir() / "include"),
+           "-I", tc.cutlass_include, f"{name}.cu", "-o", name]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = subprocess.run([str(tmp_path / name)], capture_output=True, text=True, timeout=60, check=True).stdout
+    got: dict[str, dict[str, int]] = {}
+    for line in out.splitlines():
+        case, field, value = line.split()
+        got.setdefault(case, {})[field] = int(value)
+    return got
+
+
 @pytest.mark.nvcc
 def test_local_layout_mirror_matches_the_header(tmp_path):
     """abi.local_layout, through which the backward finds the ring's x rows in place: every
     field's offset and the total as the compiled LocalLayout gives them, for ranks, chunk sizes
     and ring lengths that move every array."""
-    tc = build_mod.find_toolchain()
     cases = [(160, 2048, 512, 1, 8192, 4), (160, 2048, 512, 1, 8192, 16), (384, 7168, 2048, 8, 4096, 3),
              (16, 256, 128, 4, 128, 1), (257, 640, 96, 1, 1000, 7)]
     lines = ["#include <cstdio>", '#include "mokgen/ep_forward.cuh"']
@@ -594,17 +610,7 @@ def test_local_layout_mirror_matches_the_header(tmp_path):
         for name in (*abi.LOCAL_FIELDS, "total"):
             lines.append(f'    std::printf("mxe{i} {name} %zu\\n", L.{name});')
         lines.append("  }")
-    lines += ["  return 0;", "}"]
-    (tmp_path / "layout.cu").write_text("\n".join(lines) + "\n")
-    cmd = [tc.nvcc, "-std=c++17", *build_mod.ARCH_FLAGS["sm_90a"], "-I", str(templates_dir() / "include"),
-           "-I", tc.cutlass_include, "layout.cu", "-o", "layout"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, timeout=60, check=True).stdout
-    got: dict[str, dict[str, int]] = {}
-    for line in out.splitlines():
-        i, name, v = line.split()
-        got.setdefault(i, {})[name] = int(v)
+    got = _layout_probe(tmp_path, "layout", lines)
     for i, case in enumerate(cases):
         assert abi.local_layout(*case) == got[str(i)], case
         assert abi.local_layout(*case, numerics="mxfp8") == got[f"mx{i}"], case
@@ -623,7 +629,6 @@ def test_sym_layout_mirror_matches_the_header(tmp_path):
     """abi.sym_layout, through which an MXFP8 launch's backward reads the combine slots: every
     field's offset and the total as the compiled SymLayout gives them, bf16 and MXFP8 builds,
     with and without the fused shared expert, for token counts that move every array."""
-    tc = build_mod.find_toolchain()
     cases = [(160, 2048, 512, 8, 8192, False), (384, 7168, 2048, 8, 4096, True), (16, 256, 128, 1, 1000, False),
              (257, 640, 96, 3, 129, True)]
     lines = ["#include <cstdio>", '#include "mokgen/ep_forward.cuh"']
@@ -632,24 +637,15 @@ def test_sym_layout_mirror_matches_the_header(tmp_path):
                      f"kTopK = {k}; static constexpr bool kFuseShared = {'true' if fuse else 'false'}; }};")
         lines.append(f"struct Mx{i} : Cfg{i} {{ static constexpr bool kMx = true; }};")
     lines.append("int main() {")
+    fields = {kind: list(abi.sym_layout(16, 256, 128, 1, 1, numerics)) for kind, numerics in (("", "bf16"),
+                                                                                            ("mx", "mxfp8"))}
     for i, (*_rest, t, _f) in enumerate(cases):
         for kind, cfg in (("", f"Cfg{i}"), ("mx", f"Mx{i}")):
             lines.append(f"  {{ mokgen::SymLayout<{cfg}> S({t});")
-            names = [n for n in abi.sym_layout(16, 256, 128, 1, 1, "mxfp8" if kind else "bf16")]
-            for name in names:
+            for name in fields[kind]:
                 lines.append(f'    std::printf("{kind}{i} {name} %zu\\n", S.{name});')
             lines.append("  }")
-    lines += ["  return 0;", "}"]
-    (tmp_path / "sym.cu").write_text("\n".join(lines) + "\n")
-    cmd = [tc.nvcc, "-std=c++17", *build_mod.ARCH_FLAGS["sm_90a"], "-I", str(templates_dir() / "include"),
-           "-I", tc.cutlass_include, "sym.cu", "-o", "sym"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = subprocess.run([str(tmp_path / "sym")], capture_output=True, text=True, timeout=60, check=True).stdout
-    got: dict[str, dict[str, int]] = {}
-    for line in out.splitlines():
-        i, name, v = line.split()
-        got.setdefault(i, {})[name] = int(v)
+    got = _layout_probe(tmp_path, "sym", lines)
     for i, (e, h, inter, k, t, fuse) in enumerate(cases):
         assert abi.sym_layout(e, h, inter, k, t, "bf16", fuse) == got[str(i)], i
         assert abi.sym_layout(e, h, inter, k, t, "mxfp8", fuse) == got[f"mx{i}"], i
