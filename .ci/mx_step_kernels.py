@@ -3,15 +3,17 @@ on a GPU, not in CI): the bench's local stand-in (mokgen bench --workload local 
 --numerics mxfp8's MXFP8 megakernel row: a MoELayer of the MXFP8 spec holding the bench's weights,
 id checks off, the weights' MX conversions forgotten before every step as a training step's new
 weights are), under the backward policy given, kernels summed by name, largest first, and the
-step's wall time (CUDA events, median of 10).
+step's wall time (CUDA events, median of 10). `--weights kept`: the conversions kept between steps
+(the micro-batches of one optimizer step: the weights unchanged). MOKGEN_MX_WEIGHTS (both or apart)
+is read as the layer reads it.
 
-Usage: python3 .ci/mx_step_kernels.py SPEC [save|recompute] [--top N]"""
+Usage: python3 .ci/mx_step_kernels.py SPEC [save|recompute] [--weights new|kept] [--top N]"""
 import argparse
 from collections import defaultdict
 
 import torch
 
-from mokgen import bench, load_spec
+from mokgen import bench, env, load_spec
 from mokgen.ep import MoELayer, refresh_mx_weights
 
 
@@ -20,6 +22,7 @@ def main() -> None:
     ap.add_argument("spec")
     ap.add_argument("policy", nargs="?", default="save", choices=("save", "recompute"))
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--weights", default="new", choices=("new", "kept"))
     args = ap.parse_args()
     real = load_spec(args.spec)
     spec, rows = bench.local_spec(real, bench.LOCAL_EP.get(real.name, 8))
@@ -38,7 +41,8 @@ def main() -> None:
     def step():
         for t in (x, w, *params):
             t.grad = None
-        refresh_mx_weights()
+        if args.weights == "new":
+            refresh_mx_weights()
         layer(x, ids, w).backward(d_out)
 
     for _ in range(3):
@@ -52,7 +56,7 @@ def main() -> None:
         b.synchronize()
         times.append(a.elapsed_time(b))
     times.sort()
-    print(f"{spec.name} mxfp8 {args.policy}: step {times[len(times) // 2]:.3f} ms (median of 10; min {times[0]:.3f})")
+    print(f"{spec.name} mxfp8 {args.policy} (weights {args.weights}, MOKGEN_MX_WEIGHTS={env.mx_weights()}): step {times[len(times) // 2]:.3f} ms (median of 10; min {times[0]:.3f})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()

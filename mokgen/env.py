@@ -48,7 +48,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_BWD_FUSED": "1: the save policy's experts backward (dh, SwiGLU's backward, dx and the three weight gradients) as one persistent launch (bwd_gemm.fused_backward, v0.23) instead of five; 0 (default): the separate launches. The same bits. Reads a gathered copy of dOut's rows (MOKGEN_BWD_DOUT does not apply)",
     "MOKGEN_BWD_FUSED_CHUNK": "rows per group of the fused backward's order (default 8192): a group's dh tiles, then (MOKGEN_BWD_FUSED_LAG groups later) its dx and weight tiles",
     "MOKGEN_BWD_FUSED_LAG": "groups between a group's dh tiles and its dx and weight tiles in the fused backward's order, 1 to 8 (default 3)",
-    "MOKGEN_MX_WEIGHTS": "apart (default) or both: a staged MXFP8 training step (mokgen.mx_experts.experts_forward_train, bf16-math form) quantizes its weights in the forward's orientation in the forward and transposed in the backward, a kernel each, or both orientations in the forward from one read of the weights (mx_gemm.expert_weights_both, v0.43), the transposed copies held until the backward (the weights' bf16 size more memory between forward and backward). The same bits",
+    "MOKGEN_MX_WEIGHTS": "apart (default) or both: an MXFP8 training step quantizes its weights in the forward's orientation in the forward and transposed in the backward, a kernel each, or both orientations in the forward from one read of the weights (mx_gemm.expert_weights_both, v0.43). The staged experts (mokgen.mx_experts.experts_forward_train, bf16-math form) hold the transposed copies until the backward; the MXFP8 layer (v0.65) caches them beside the forward's conversions, per weight version, so the micro-batches of one optimizer step convert nothing (the layer then holds its weights' memory three times). The same bits",
     "MOKGEN_MX_BAND": "1 to 65535 (default 8): the MXFP8 bf16-math GEMM's grouped launches (mokgen.mx_gemm: the staged experts' forward and dgrads) walk their row tiles in bands of this many, column tile by column tile within a band, so the CTAs sharing a column tile of B start together and read it from DRAM about once per band (v0.43); 1: the grid's order, a row tile's column tiles together (v0.42's). The dense and k-ranged launches keep the grid's order. The same bits",
     "MOKGEN_MX_QUANT": "v2 (default since v0.41) or v1: the kernel that quantizes MXFP8 weights and activations along their rows, transposed (mokgen.mx_gemm.expert_weights with transpose, cols_bf16_math): v2 v0.40's 128 x 64 tiles through shared memory, v1 one thread per 32-element block (v0.35). The same bits; v2 measured faster (README, docs/perf-notes.md v0.40-v0.41). (The quantizer along the rows, weight_rows_kernel, is one kernel: v0.39's alternative was retired in v0.41)",
     "MOKGEN_MX_BWD_STAGES": "fused (default) or torch: the MXFP8 backward's elementwise stages (mokgen.mx_experts: the combine's backward with dy's quantization, SwiGLU's backward with [dg | du]'s quantization, dx's sum over a token's pairs) as v0.40's two fused kernels with dx from the combine kernel (at k = 1 the dgrad GEMM's epilogue), or as PyTorch expressions and separate quantizers (v0.39; measured 1.13-1.31x slower). dy and the codes the same bits; the routing weights' gradient summed in a fixed order of its own, dg, du and h within an ulp or two",
@@ -261,10 +261,11 @@ def mx_quant() -> str:
 
 
 def mx_weights() -> str:
-    """MOKGEN_MX_WEIGHTS: ``apart`` (default) or ``both`` (v0.43): the staged MXFP8 training step's
-    weights quantized in each orientation by a kernel of its own (the forward's along their rows,
-    the backward's transposed), or both from one read in the forward, the transposed copies kept
-    for the backward (mokgen.mx_experts)."""
+    """MOKGEN_MX_WEIGHTS: ``apart`` (default) or ``both`` (v0.43): an MXFP8 training step's weights
+    quantized in each orientation by a kernel of its own (the forward's along their rows, the
+    backward's transposed), or both from one read in the forward, the transposed copies kept for
+    the backward (mokgen.mx_experts; the MXFP8 layer caches them per weight version, v0.65:
+    mokgen.ep._mx_both)."""
     return _choice("MOKGEN_MX_WEIGHTS", ("apart", "both"))
 
 

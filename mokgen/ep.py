@@ -375,6 +375,13 @@ _MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
 #: conversions read by a captured CUDA graph: its replays read their memory, so they stay alive
 #: for the life of the process, whatever happens to the cache
 _MX_CAPTURED: dict = {}
+#: under MOKGEN_MX_WEIGHTS=both (v0.65), the backward's conversions of an MXFP8 layer's weights,
+#: made by a training forward from the same read as the forward's (mx_gemm.expert_weights_both):
+#: W_down^T [E, I, H] keyed on w_down, ``(w_down's version, values)``, and [W_gate; W_up]^T [E, H,
+#: 2 I] keyed on w_gate, ``(w_gate's version, w_up's weak reference, w_up's version, values)``.
+#: Held as _MX_WEIGHTS' entries are, so a backward of weights unchanged since (the micro-batches of
+#: one optimizer step) converts nothing, and the layer holds its weights' memory three times.
+_MX_TRANSPOSED = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def refresh_mx_weights() -> None:
@@ -383,6 +390,7 @@ def refresh_mx_weights() -> None:
     updates (an optimizer step) and new tensors are seen without it. A captured CUDA graph keeps
     reading the weights it was captured with: capture again after changing them."""
     _MX_WEIGHTS.clear()
+    _MX_TRANSPOSED.clear()
 
 
 def _capturing(w: torch.Tensor) -> bool:
@@ -416,17 +424,53 @@ def _mx_cached(w: torch.Tensor):
     return hit[1] if hit is not None and hit[0] == version else None
 
 
+def _mx_transposed(w_gate, w_up, w_down):
+    """The backward's conversions the cache holds for these weights at their current versions
+    (MOKGEN_MX_WEIGHTS=both), as ``mx_experts._backward``'s ``transposed``: ``((W_down^T values,
+    None, None), ([W_gate; W_up]^T values, None, None))``; None where either is missing."""
+    down, gu = _MX_TRANSPOSED.get(w_down), _MX_TRANSPOSED.get(w_gate)
+    if down is None or gu is None or down[0] != w_down._version or gu[0] != w_gate._version \
+            or gu[1]() is not w_up or gu[2] != w_up._version:
+        return None
+    return (down[1], None, None), (gu[3], None, None)
+
+
+def _mx_both(w_gate, w_up, w_down) -> None:
+    """Under MOKGEN_MX_WEIGHTS=both, before a training launch of an MXFP8 build: where the caches
+    lack the forward's or the backward's conversion of these weights at their versions, make both
+    from one read of each weight (``mx_gemm.expert_weights_both``, the same bits as the forward's
+    ``_mx_operand`` and the backward's ``mx_experts._transposed_weights``) and cache them. Weights
+    the bf16-math backward cannot take without codes (I or H not a multiple of 256), that the
+    kernel does not take, or inference tensors are left to the two conversions apart."""
+    from mokgen import mx_experts, mx_gemm
+
+    ws = (w_gate, w_up, w_down)
+    if any(w.is_inference() for w in ws) or _mx_transposed(*ws) is not None \
+            and all(_mx_cached(w) is not None for w in ws):
+        return
+    _, I, H = w_gate.shape
+    if not mx_experts._both("bf16", I, H, *ws):
+        return
+    (down,), down_t = mx_gemm.expert_weights_both([w_down.detach()], apart=True)
+    (gate, up), gu_t = mx_gemm.expert_weights_both([w_gate.detach(), w_up.detach()], apart=True)
+    for w, out in zip(ws, (gate, up, down)):
+        _MX_WEIGHTS[w] = (w._version, out)
+    _MX_TRANSPOSED[w_down] = (w_down._version, down_t)
+    _MX_TRANSPOSED[w_gate] = (w_gate._version, weakref.ref(w_up), w_up._version, gu_t)
+
+
 def _is_mx(kernel) -> bool:
     """Whether ``kernel`` is an MXFP8 build."""
     return getattr(kernel, "NUMERICS", "bf16") == "mxfp8"
 
 
-def _weights_for(kernel, w_gate, w_up, w_down):
+def _weights_for(kernel, w_gate, w_up, w_down, train: bool = False):
     """The expert weights as ``kernel`` takes them: as given (bf16 builds), or for an MXFP8 build
-    their MX values (``_mx_operand``)."""
+    their MX values (``_mx_operand``). ``train``: the launch is recorded for autograd (under
+    MOKGEN_MX_WEIGHTS=both the backward's conversions are made too, ``_mx_both``)."""
     if not _is_mx(kernel):
         return w_gate, w_up, w_down
-    return _mx_operands(w_gate, w_up, w_down)
+    return _mx_operands(w_gate, w_up, w_down, train)
 
 
 def _mx_training(kernel, grad_inputs) -> bool:
@@ -493,9 +537,11 @@ class _MXTraining(torch.autograd.Function):
                     *d_weights, *[None] * n)
         w_dtype = ws[0].dtype if all(w.dtype == ws[0].dtype for w in ws) else torch.float32
         if rows is not None:
+            # the dgrads' conversions a training forward made under MOKGEN_MX_WEIGHTS=both, else made here
             dx, dw, *d_weights = mx_experts.saved_backward(cat(gos), cat(xs).detach(), cat(ids),
                                                            cat([w_.to(w_dtype) for w_ in ws]).detach(),
-                                                           *(p.detach() for p in weights), *rows, ctx.clamp_limit)
+                                                           *(p.detach() for p in weights), *rows, ctx.clamp_limit,
+                                                           transposed=_mx_transposed(*weights))
         else:
             with torch.enable_grad():
                 x = cat(xs).detach().requires_grad_(True)
@@ -505,7 +551,8 @@ class _MXTraining(torch.autograd.Function):
                 # forward and this backward), spare the recompute one quantization of every weight
                 converted = [_mx_cached(p) for p in weights]
                 out = mx_experts._train(x, cat(ids), w, *wts, ctx.clamp_limit,
-                                        converted=tuple(converted) if all(c is not None for c in converted) else None)
+                                        converted=tuple(converted) if all(c is not None for c in converted) else None,
+                                        transposed=_mx_transposed(*weights))
                 dx, dw, *d_weights = torch.autograd.grad(out, (x, w, *wts), cat(gos))
         return (None, None, None, None, *dx.split(sizes), *[g.to(w_.dtype) for g, w_ in zip(dw.split(sizes), ws)],
                 *d_weights, *[None] * n)
@@ -596,10 +643,13 @@ def _launch_then_record(kernel, args: tuple) -> list | None:
 
 
 @torch.compiler.disable
-def _mx_operands(w_gate, w_up, w_down):
+def _mx_operands(w_gate, w_up, w_down, train: bool = False):
     """The three conversions, eager under torch.compile too (a graph break: the cache keys on the
     tensors themselves and their versions, which a traced graph cannot); the compiled graph then
-    takes the converted weights as inputs."""
+    takes the converted weights as inputs. ``train`` under MOKGEN_MX_WEIGHTS=both: the backward's
+    conversions from the same reads (``_mx_both``)."""
+    if train and env.mx_weights() == "both" and not _capturing(w_gate):
+        _mx_both(w_gate, w_up, w_down)
     return _mx_operand(w_gate), _mx_operand(w_up), _mx_operand(w_down)
 
 
@@ -868,7 +918,7 @@ def virtual_ep_forward(
         e_loc = spec.num_experts // W
         grad_inputs = (*xs, *topk_weights, w_gate, w_up, w_down, *shared_args)
         tail = _tail_args(kernel, policy, True, shared_args, grad_inputs)
-        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
+        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down, _mx_training(kernel, grad_inputs))
         ids32 = [i if i.dtype == torch.int32 else i.to(torch.int32) for i in topk_ids]
         outs = _call_op(kernel, grad_inputs, (
             list(xs), ids32,
@@ -904,7 +954,7 @@ def single_rank_forward(spec: MoESpec, x, topk_ids, topk_weights, w_gate, w_up, 
         ctas, dispatch = _ctas(kernel, 1)
         grad_inputs = (x, topk_weights, w_gate, w_up, w_down)
         tail = _tail_args(kernel, env.bwd_policy(), True, (), grad_inputs)
-        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down)
+        wg, wu, wd = _weights_for(kernel, w_gate, w_up, w_down, _mx_training(kernel, grad_inputs))
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         out = _call_op(kernel, grad_inputs, (
             [x], [ids32],
@@ -1216,7 +1266,8 @@ class MoELayer(torch.nn.Module):
         bufs.ring_key = None
         if capturing:
             bufs.ring_untracked = True
-        wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down)
+        wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down,
+                                  _mx_training(self._kernel, grad_inputs))
         out = _call_op(self._kernel, grad_inputs, (
             [x], [ids32],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],

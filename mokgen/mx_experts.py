@@ -460,9 +460,14 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
 
 class _MXExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted=None):
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted=None,
+                held=None):
         E, I, H = w_gate.shape
-        transposed = None  # the dgrads' weights (W_down^T, [W_gate; W_up]^T) when quantized here
+        # the dgrads' weights (W_down^T, [W_gate; W_up]^T) when quantized here or held by the caller
+        # with ``converted`` (mokgen.ep under MOKGEN_MX_WEIGHTS=both)
+        transposed = None
+        if converted is not None and held is not None and not _needs_codes(form, I, H):
+            transposed = held
         if converted is not None and not _needs_codes(form, I, H):
             # the weights' MX values as a caller already holds them (the MXFP8 layer's conversions,
             # mokgen.ep), gate and up apart (two GEMMs into gu's halves): the same bits
@@ -492,21 +497,24 @@ class _MXExperts(torch.autograd.Function):
         x, w, w_gate, w_up, w_down, row, tiles, gu, y = ctx.saved_tensors
         transposed, ctx.transposed = ctx.transposed, None  # dropped with this frame's last use
         return (*_backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, ctx.padded, gu, y, ctx.clamp_limit,
-                           ctx.form, transposed), None, None, None, None)
+                           ctx.form, transposed), None, None, None, None, None)
 
 
-def saved_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, gu, y, clamp_limit=None):
+def saved_backward(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, gu, y, clamp_limit=None, transposed=None):
     """The MXFP8 backward (bf16-math form) from a forward that kept its rows in pair order: the
     MXFP8 megakernel's saved gate | up rows ``gu`` bf16 ``[T k, 2 I]`` and its combine slots'
     expert output rows ``y`` bf16 ``[T k, H]`` (mokgen.ep._MXTraining under the save policy), so
     no forward is run again. The gradients of x, topk_weights, w_gate, w_up and w_down, the
     weights' quantized afresh in the dgrads' orientation (a step's weights change). The same
     bits as the staged backward given the float32 copies of those rows (tests/test_gpu_mx_megakernel.py).
+    ``transposed``: the dgrads' weights as ``_backward`` takes them where a caller holds them
+    (mokgen.ep's conversions under MOKGEN_MX_WEIGHTS=both; the same bits), else quantized here.
     An id outside [0, E) raises InputError (one host sync), as the recompute's staged forward does:
     a launch skips such pairs and keeps no rows for them."""
     T, k = topk_ids.shape
     row, _src, tiles, padded = _segments(topk_ids.reshape(-1).to(torch.int64), w_gate.shape[0], k)
-    return _backward(d_out, x, topk_weights, w_gate, w_up, w_down, row, tiles, padded, gu, y, clamp_limit, "bf16")
+    return _backward(d_out, x, topk_weights, w_gate, w_up, w_down, row, tiles, padded, gu, y, clamp_limit, "bf16",
+                     transposed)
 
 
 def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
@@ -519,12 +527,15 @@ def experts_forward_train(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     return _train(x, topk_ids, topk_weights, w_gate, w_up, w_down, clamp_limit, form)
 
 
-def _train(x, topk_ids, topk_weights, w_gate, w_up, w_down, clamp_limit, form: str = "bf16", converted=None):
+def _train(x, topk_ids, topk_weights, w_gate, w_up, w_down, clamp_limit, form: str = "bf16", converted=None,
+           transposed=None):
     """:func:`experts_forward_train`; ``converted``: the three weights' bf16 MX values with k
     permuted (``mx_gemm.expert_weights`` of each, as the MXFP8 layer caches them), used in place of
-    quantizing the weights again where the form needs no codes (the same bits)."""
+    quantizing the weights again where the form needs no codes (the same bits); ``transposed``
+    with it: the dgrads' weights as :func:`_backward` takes them (the layer's under
+    MOKGEN_MX_WEIGHTS=both)."""
     _check_inputs(x, topk_ids, topk_weights, w_gate.shape[2] if w_gate.dim() == 3 else -1)
     _check_form(form)
     if x.shape[0] == 0:
         raise InputError("experts_forward_train needs at least one token")
-    return _MXExperts.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted)
+    return _MXExperts.apply(x, topk_weights, w_gate, w_up, w_down, topk_ids, clamp_limit, form, converted, transposed)

@@ -99,6 +99,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mokgen_mx_set_band.argtypes, lib.mokgen_mx_set_band.restype = [i], None
     if hasattr(lib, "mokgen_mx_weight_both"):  # v0.43 (MOKGEN_MX_WEIGHTS=both); older builds for A/Bs lack it
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
+    if hasattr(lib, "mokgen_mx_weight_both_parts"):  # v0.65 (the MXFP8 layer's conversions under both)
+        lib.mokgen_mx_weight_both_parts.argtypes = [vp, vp, vp, i, i, i, i, i, i, i, vp]
+        lib.mokgen_mx_weight_both_parts.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
     lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
@@ -666,11 +669,13 @@ def both_applies(parts) -> bool:
             and all(r % 32 == 0 and -(-r // 128) <= _GRID_MAX for r in sizes))
 
 
-def expert_weights_both(parts):
+def expert_weights_both(parts, *, apart: bool = False):
     """``(expert_weights(parts), expert_weights(parts, transpose=True))`` from one read of the
     weights (``mokgen_mx_weight_both``; MOKGEN_MX_WEIGHTS=both): the MX values as bf16 with k
     permuted in the forward's orientation ``[E, sum n_i, K]`` (no interleave) and in the dgrads'
-    ``[E, K, sum n_i]``, the same bits as the two calls. ``parts`` as :func:`both_applies` takes."""
+    ``[E, K, sum n_i]``, the same bits as the two calls. ``parts`` as :func:`both_applies` takes.
+    ``apart``: the forward's orientation as a list, ``expert_weights([p])`` for each part (the
+    MXFP8 layer converts w_gate and w_up each on its own; ``mokgen_mx_weight_both_parts``)."""
     import torch
 
     parts = list(parts)
@@ -680,8 +685,16 @@ def expert_weights_both(parts):
                          f"multiple of {BLOCK}; got {[(p.dtype, tuple(p.shape)) for p in parts]}")
     E, K, dev = parts[0].shape[0], parts[0].shape[2], parts[0].device
     total = sum(p.shape[1] for p in parts)
-    rows_dec = torch.empty(E, total, K, dtype=torch.bfloat16, device=dev)
     cols_dec = torch.empty(E, K, total, dtype=torch.bfloat16, device=dev)
+    if apart:
+        rows_dec = [torch.empty(E, p.shape[1], K, dtype=torch.bfloat16, device=dev) for p in parts]
+        offset = 0
+        for p, r in zip(parts, rows_dec):
+            _launch("mokgen_mx_weight_both_parts", dev, cols_dec.data_ptr(), r.data_ptr(), p.data_ptr(), E,
+                    p.shape[1], K, total, offset, p.shape[1], 0)
+            offset += p.shape[1]
+        return rows_dec, cols_dec
+    rows_dec = torch.empty(E, total, K, dtype=torch.bfloat16, device=dev)
     offset = 0
     for p in parts:
         _launch("mokgen_mx_weight_both", dev, cols_dec.data_ptr(), rows_dec.data_ptr(), p.data_ptr(), E, p.shape[1],

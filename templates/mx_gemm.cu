@@ -426,15 +426,18 @@ int mokgen_mx_weight_cols2(void* decoded, void* codes, void* scales, const void*
 // Both orientations of bf16 expert weights x [E, rows, n] from one read (v0.43, MOKGEN_MX_WEIGHTS=both;
 // weight_cols2_kernel<bf16, true>): decoded_cols [E, n, rows_out] with the rows at columns offset ..
 // offset + rows, quantized along the rows (mokgen_mx_weight_cols2's decoded values), and
-// decoded_rows [E, rows_out, n] at rows offset .. offset + rows, quantized along n
-// (mokgen_mx_weight_rows' decoded values, no interleave). n a multiple of 32, rows of 32, rows_out
-// of 128; x 16-byte aligned.
-int mokgen_mx_weight_both(void* decoded_cols, void* decoded_rows, const void* x, int E, int rows, int n, int rows_out,
-                          int offset, void* stream) {
+// decoded_rows [E, row_rows, n] at rows row_offset .. row_offset + rows, quantized along n
+// (mokgen_mx_weight_rows' decoded values, no interleave): row_rows = rows_out and row_offset =
+// offset stack the parts' rows as their columns are (mokgen_mx_weight_both), row_rows = rows and
+// row_offset 0 give each part its own tensor (v0.65, the MXFP8 layer's conversions). n a multiple
+// of 32, rows of 32, rows_out of 128; x 16-byte aligned.
+int mokgen_mx_weight_both_parts(void* decoded_cols, void* decoded_rows, const void* x, int E, int rows, int n,
+                                int rows_out, int offset, int row_rows, int row_offset, void* stream) {
   using namespace mokgen;
   if (decoded_cols == nullptr || decoded_rows == nullptr || E < 0 || E > 65535 || rows < 0 || n <= 0 ||
       n % mx::kBlock || rows % mx::kBlock || offset % mx::kBlock || rows_out % 128 || offset < 0 ||
-      offset + rows > rows_out || reinterpret_cast<uintptr_t>(x) % 16)
+      offset + rows > rows_out || row_offset < 0 || row_offset + rows > row_rows ||
+      reinterpret_cast<uintptr_t>(x) % 16)
     return int(cudaErrorInvalidValue);
   const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
                   unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), unsigned(E));
@@ -442,8 +445,14 @@ int mokgen_mx_weight_both(void* decoded_cols, void* decoded_rows, const void* x,
   if (E == 0 || rows == 0) return 0;
   mxg::weight_cols2_kernel<bf16, true><<<grid, mxg::kColThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const bf16*>(x), rows, n, rows_out, offset, static_cast<bf16*>(decoded_cols), nullptr, nullptr,
-      nullptr, static_cast<bf16*>(decoded_rows));
+      nullptr, static_cast<bf16*>(decoded_rows), row_rows, row_offset);
   return int(cudaGetLastError());
+}
+
+int mokgen_mx_weight_both(void* decoded_cols, void* decoded_rows, const void* x, int E, int rows, int n, int rows_out,
+                          int offset, void* stream) {
+  return mokgen_mx_weight_both_parts(decoded_cols, decoded_rows, x, E, rows, n, rows_out, offset, rows_out, offset,
+                                     stream);
 }
 
 // x's rows gathered (row r: x's row gather[r], zeros where gather[r] < 0; x [tokens, n] bf16, or

@@ -409,6 +409,14 @@ def test_both_orientations_from_one_read_are_the_two_kernels_bits(sizes, C):
     assert torch.equal(cols.view(torch.int16), want_cols.view(torch.int16))
     if len(sizes) > 1:
         assert rows.isnan().any() and cols.isnan().any()  # the NaN blocks reached both outputs
+    # apart (v0.65, the MXFP8 layer's conversions): each part's forward values in a tensor of its
+    # own, expert_weights([part])'s bits, and the same transposed values
+    parts_rows, cols_apart = mx_gemm.expert_weights_both(parts, apart=True)
+    assert torch.equal(cols_apart.view(torch.int16), want_cols.view(torch.int16))
+    assert len(parts_rows) == len(parts)
+    for p, r in zip(parts, parts_rows):
+        want_p = mx_gemm.expert_weights([p])
+        assert r.shape == want_p.shape and torch.equal(r.view(torch.int16), want_p.view(torch.int16))
 
 
 def test_both_orientations_refuse_what_their_kernel_cannot_take():

@@ -307,6 +307,57 @@ def test_virtual_mx_launches_save_the_same_rows_for_every_w(monkeypatch, form, c
             assert torch.equal(g, v), (W, name)
 
 
+@pytest.mark.parametrize("policy", ["save", "recompute"])
+def test_mx_moelayer_under_both_conversions_gives_aparts_bits_and_converts_once(monkeypatch, policy):
+    """MOKGEN_MX_WEIGHTS=both on the MXFP8 layer (v0.65): a training forward converts each weight
+    once for both orientations (mx_gemm.expert_weights_both), the backward converts none, and the
+    gradients are apart's bit for bit; a second step on the same weights (a micro-batch) converts
+    nothing at all; after an optimizer-like in-place update both are made again."""
+    from mokgen import ep, mx_gemm
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    xs, ids, ws, weights = _problem(spec, [384], seed=21, skew=True)
+    d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(22),
+                        device="cuda").to(torch.bfloat16)
+    layer = MoELayer(spec, max_tokens=512, device="cuda", bwd_policy=policy)
+    with torch.no_grad():
+        for p, v in zip((layer.w_gate, layer.w_up, layer.w_down), weights):
+            p.copy_(v)
+    calls = []
+    for name in ("expert_weights", "expert_weights_both"):
+        real = getattr(mx_gemm, name)
+        monkeypatch.setattr(mx_gemm, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+
+    def step(mode):
+        monkeypatch.setenv("MOKGEN_MX_WEIGHTS", mode)
+        x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        layer(x, ids[0], w).backward(d_out)
+        torch.cuda.synchronize()
+        return [x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
+
+    try:
+        ep.refresh_mx_weights()
+        want = step("apart")
+        assert calls.count("expert_weights") == 5 and "expert_weights_both" not in calls  # 3 forward, 2 backward
+        ep.refresh_mx_weights()
+        calls.clear()
+        got = step("both")
+        assert calls == ["expert_weights_both"] * 2  # w_down; w_gate with w_up; the backward none
+        for name, g, v in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got, want):
+            assert g.dtype == v.dtype and torch.equal(g, v), name
+        calls.clear()
+        again = step("both")  # the same weights: nothing converted
+        assert calls == [] and all(torch.equal(a, b) for a, b in zip(again, want))
+        with torch.no_grad():
+            layer.w_up.mul_(1.0)  # a new version
+        step("both")
+        assert calls == ["expert_weights_both"] * 2
+    finally:
+        ep.refresh_mx_weights()
+
+
 def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_per_version():
     """MoELayer on an MXFP8 spec (one rank, every expert) under no_grad: the same bits as
     virtual_ep_forward on the same weights; the weights' MX values are converted again after an

@@ -550,3 +550,85 @@ def test_the_mx_swiglu_gradient_is_pytorchs_autograd(tmp_path, host_check, clamp
         ok = ~want.isnan()
         assert torch.equal(a[ok] == 0, want[ok] == 0), name  # the clamp's masks and the tails' zeros
         assert ((a[ok] == want[ok]) | ((a[ok] - want[ok]).abs() <= 1e-6 * size[ok])).all(), name  # size NaN: a NaN gate
+
+
+@pytest.mark.parametrize("policy", ["save", "recompute"])
+def test_the_mx_layers_both_orientations_serve_its_backward(emulated, monkeypatch, policy):
+    """MOKGEN_MX_WEIGHTS=both on the MXFP8 layer's path (v0.65, mokgen.ep._mx_both): a training
+    launch's conversions read each weight once for both orientations (expert_weights_both, the
+    forward's per tensor) and cache both, so the backward quantizes no weight, under either
+    backward policy, with apart's gradients bit for bit. A second step on the same weights (a
+    micro-batch) converts nothing; an in-place change converts again; a launch outside autograd
+    makes only the forward's conversions; refresh_mx_weights forgets both."""
+    from mokgen import ep
+
+    x, ids, w, wg, wu, wd = _cpu_problem(T=64, seed=11)
+    wg, wu, wd = (t.to(torch.bfloat16) for t in (wg, wu, wd))
+    T, k = ids.shape
+    E, I, H = wg.shape
+    calls = []
+    real_transposed = mx_experts._transposed_weights
+
+    def rows_of(p):  # expert_weights([p]) as the CPU expression (the kernel's bits)
+        return mx_experts._decoded_stack(*mx.quantize_experts(p.float()))
+
+    def expert_weights(parts, transpose=False, codes=False, interleave=False):
+        assert not (transpose or codes or interleave) and len(parts) == 1
+        calls.append("rows")
+        return rows_of(parts[0])
+
+    def both(parts, apart=False):
+        assert apart
+        calls.append(("both", len(parts)))
+        return [rows_of(p) for p in parts], real_transposed([p.float() for p in parts], "bf16", 0)[0]
+
+    monkeypatch.setattr(mx_gemm, "expert_weights", expert_weights)
+    monkeypatch.setattr(mx_gemm, "expert_weights_both", both)
+    monkeypatch.setattr(mx_gemm, "both_applies", lambda parts: True)
+    monkeypatch.setattr(mx_experts, "_transposed_weights",
+                        lambda *a, **kw: calls.append("transposed") or real_transposed(*a, **kw))
+    monkeypatch.setattr(mx_experts, "quantize_weights", lambda *a, **kw: pytest.fail("the weights quantized again"))
+    kernel = type("K", (), {"CLAMP_LIMIT": 1.5, "NUMERICS": "mxfp8"})
+    staged = mx_experts.MXExpertWeights(None, None, None, None, None, rows_of(wd), False,
+                                        gate_up_parts=(rows_of(wg), rows_of(wu)))
+    _, saved = mx_experts._forward(x, ids, w, staged, 1.5, "bf16", keep_gu=True)
+    gu_pairs, y_pairs = (t[saved.row].to(torch.bfloat16) for t in (saved.gu, saved.y))
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    out_rows = [torch.zeros(T, H, dtype=torch.bfloat16)] + ([gu_pairs] if policy == "save" else [])
+
+    def step(wts, mode):
+        monkeypatch.setenv("MOKGEN_MX_WEIGHTS", mode)
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ep._weights_for(kernel, *wts, train=True)
+        out = ep._mx_train(kernel, lambda: list(out_rows), [xl], [ids], [wl], *wts,
+                           slots=(lambda: y_pairs) if policy == "save" else None)[0]
+        out.backward(d_out)
+        got = [xl.grad, wl.grad, *(t.grad for t in wts)]
+        for t in wts:
+            t.grad = None
+        return got
+
+    try:
+        wts = [t.clone().requires_grad_(True) for t in (wg, wu, wd)]
+        want = step(wts, "apart")
+        assert calls == ["rows"] * 3 + ["transposed"] * 2  # the forward's three, the backward's two
+        ep.refresh_mx_weights()
+        calls.clear()
+        got = step(wts, "both")
+        assert calls == [("both", 1), ("both", 2)]  # w_down, then w_gate with w_up; nothing in the backward
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        calls.clear()
+        assert all(torch.equal(a, b) for a, b in zip(step(wts, "both"), want)) and calls == []  # a micro-batch
+        with torch.no_grad():
+            wts[1].mul_(1.0)  # an in-place change: a new version of w_up
+        assert ep._mx_transposed(*wts) is None
+        assert all(torch.equal(a, b) for a, b in zip(step(wts, "both"), want))
+        assert calls == [("both", 1), ("both", 2)]
+        ep.refresh_mx_weights()
+        assert ep._mx_transposed(*wts) is None and ep._mx_cached(wts[0]) is None
+        calls.clear()
+        with torch.no_grad():
+            ep._weights_for(kernel, *wts, train=False)  # outside autograd: the forward's only
+        assert calls == ["rows"] * 3 and ep._mx_transposed(*wts) is None
+    finally:
+        ep.refresh_mx_weights()

@@ -350,6 +350,15 @@ def test_expert_weights_both_launches_one_kernel_per_part(launches, monkeypatch)
                                                 STREAM)),
                      ("mokgen_mx_weight_both", (cols.data_ptr(), rows.data_ptr(), up.data_ptr(), 2, 64, 256, 128, 64,
                                                 STREAM))]
+    # apart (the MXFP8 layer's, v0.65): each part's rows in a tensor of its own ([E, n_i, K], rows
+    # stride n_i from row 0), the columns stacked as before
+    calls.clear()
+    (rg, ru), cols = mx_gemm.expert_weights_both([gate, up], apart=True)
+    assert rg.shape == ru.shape == (2, 64, 256) and cols.shape == (2, 256, 128)
+    assert calls == [("mokgen_mx_weight_both_parts", (cols.data_ptr(), rg.data_ptr(), gate.data_ptr(), 2, 64, 256,
+                                                      128, 0, 64, 0, STREAM)),
+                     ("mokgen_mx_weight_both_parts", (cols.data_ptr(), ru.data_ptr(), up.data_ptr(), 2, 64, 256,
+                                                      128, 64, 64, 0, STREAM))]
 
 
 def test_band_switch_reaches_the_library_only_where_it_changes(launches, monkeypatch):

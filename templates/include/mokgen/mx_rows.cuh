@@ -533,7 +533,7 @@ MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[4]) {
 
 //
 // kRows (v0.43, MOKGEN_MX_WEIGHTS=both; bf16 weights, decoded values only): the tile's rows are
-// quantized too, along n, into row_decoded [E, rows_out, n] at rows offset .. offset + rows (the
+// quantized too, along n, into row_decoded [E, row_rows, n] at rows row_offset .. row_offset + rows (the
 // forward's orientation, weight_rows_kernel's bits with dec_block = rows: no interleave), so one
 // read of the weights gives both orientations (6 bytes moved per weight element instead of the
 // two kernels' 8). Thread (row t % 128, 32-column block t / 128) takes one row block: a warp's 32
@@ -544,7 +544,8 @@ template <class T, bool kRows = false>
 __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles' 132 KB, kRows 140 KB): up to 64 registers
     weight_cols2_kernel(const T* __restrict__ x, int rows, int n, int rows_out, int offset,
                         bf16* __restrict__ decoded, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
-                        const int* __restrict__ gather = nullptr, bf16* __restrict__ row_decoded = nullptr) {
+                        const int* __restrict__ gather = nullptr, bf16* __restrict__ row_decoded = nullptr,
+                        int row_rows = 0, int row_offset = 0) {
   // kRows: the staged columns and rows side by side need 35840 bytes, 138 of the tile's 260-byte rows
   constexpr int kBufRows = kRows ? 138 : kColTileRows;
   __shared__ __align__(16) float tile[kBufRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
@@ -632,7 +633,7 @@ __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles'
       const int r = i / kRowChunks, chunk = i % kRowChunks;
       if (r >= valid_rows || c0 + chunk * 8 >= n) continue;
       const uint4 piece = *reinterpret_cast<const uint4*>(row_stage + r * kRowStageRow + chunk * 8);
-      *reinterpret_cast<uint4*>(row_decoded + (size_t(e) * rows_out + offset + r0 + r) * n + c0 + chunk * 8) = piece;
+      *reinterpret_cast<uint4*>(row_decoded + (size_t(e) * row_rows + row_offset + r0 + r) * n + c0 + chunk * 8) = piece;
     }
   }
 }
