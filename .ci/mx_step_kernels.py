@@ -3,7 +3,8 @@ on a GPU, not in CI): the bench's local stand-in (mokgen bench --workload local 
 --numerics mxfp8's MXFP8 megakernel row: a MoELayer of the MXFP8 spec holding the bench's weights,
 id checks off, the weights' MX conversions forgotten before every step as a training step's new
 weights are), under the backward policy given, kernels summed by name, largest first, and the
-step's wall time (CUDA events, median of 10). `--weights kept`: the conversions kept between steps
+step's wall time (CUDA events, median of 10), then every launch of 50 us or more in the order it
+ran (which GEMM is which: dh, dx and the weight gradients share kernel names). `--weights kept`: the conversions kept between steps
 (the micro-batches of one optimizer step: the weights unchanged). MOKGEN_MX_WEIGHTS (both or apart)
 is read as the layer reads it.
 
@@ -61,15 +62,21 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
     total, count = defaultdict(float), defaultdict(int)
+    order = []  # every launch of 50 us or more, in the order it ran (which GEMM is which)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             key = ev.name[:90]
             total[key] += ev.device_time_total / 1000.0
             count[key] += 1
+            if ev.device_time_total >= 50:
+                order.append((ev.time_range.start, ev.device_time_total / 1000.0, key))
     all_ms = sum(total.values())
     print(f"kernels' GPU time {all_ms:.3f} ms in {sum(count.values())} launches")
     for key, ms in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{ms:8.3f} ms {100 * ms / all_ms:5.1f}%  x{count[key]:<3d} {key}")
+    print("launches of 50 us or more, in order:")
+    for _, ms, key in sorted(order):
+        print(f"{ms:8.3f} ms  {key}")
 
 
 if __name__ == "__main__":
