@@ -366,6 +366,57 @@ def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
     return form == "bf16" and t.is_cuda and n % mx_gemm.BF16_MATH_N == 0
 
 
+def _wgrad_bf16(form: str, t: torch.Tensor, H: int, I: int) -> bool:
+    """Whether the weight gradients run on the BF16 backward's weight kernels (MOKGEN_MX_WGRAD=bf16):
+    the bf16-math form on a GPU where mokgen.bwd_gemm takes H and I."""
+    if env.mx_wgrad() != "bf16" or form != "bf16" or not t.is_cuda:
+        return False
+    from mokgen import bwd_gemm
+
+    return bwd_gemm.usable(H, I, t.device)
+
+
+def _rows32(row: torch.Tensor, padded: torch.Tensor, src: torch.Tensor):
+    """The weight gradients' rows with each expert's padded to 32 instead of 128 (v0.65): for each
+    pair's row ``row`` in the padded layout, that layout's segment sizes ``padded`` and its rows'
+    tokens ``src`` (-1 on padding rows), returns ``(at, tok, offs)``: each new row's padded-layout
+    row (-1 past the last expert), its token (-1: zeros), and the new layout's inclusive prefix
+    sums per expert (int32, as mokgen.bwd_gemm takes them). A fixed length, ``T k + 31 E`` rounded
+    up to 32, and no host sync: rows past ``offs[-1]`` are no expert's. An expert's rows keep
+    their order, so each 32-row block holds the same rows as in the padded layout."""
+    E = padded.shape[0]
+    end = torch.cumsum(padded, 0)
+    experts = torch.searchsorted(end, row.to(end.dtype), right=True)  # each pair's expert
+    n32 = (torch.bincount(experts, minlength=E)[:E] + 31) // 32 * 32
+    end32 = torch.cumsum(n32, 0)
+    start32, start = end32 - n32, end - padded
+    length = -(-(row.shape[0] + 31 * E) // 32) * 32
+    r = torch.arange(length, device=row.device)
+    e = torch.searchsorted(end32, r, right=True)
+    ec = e.clamp(max=E - 1)
+    at = torch.where(e < E, start[ec] + r - start32[ec], -1).to(torch.int32)
+    tok = torch.where(at >= 0, src[at.clamp(min=0).long()], -1).to(torch.int32)
+    return at, tok, end32.to(torch.int32)
+
+
+def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes):
+    """The three weight gradients on the BF16 backward's weight kernels (MOKGEN_MX_WGRAD=bf16): each
+    operand's MX values along the rows as bf16 rows in the 32-padded layout (``mx_gemm.rows_values``
+    through ``at``, x's through its tokens ``tok``), then dW_down = dy^T h and the joint dW_gate,
+    dW_up = dg^T x, du^T x, each expert over its rows (``offs``), float32 sums rounded to bf16,
+    cast to ``dtypes`` (w_gate's, w_up's, w_down's)."""
+    from mokgen import bwd_gemm
+
+    f32 = torch.float32
+    dyv, hv = mx_gemm.rows_values(dy.to(f32).contiguous(), at), mx_gemm.rows_values(h.to(f32).contiguous(), at)
+    d_wd = bwd_gemm.weight_grads(dyv, hv, offs)                                             # [E, H, I]
+    del dyv, hv
+    dgv, duv = mx_gemm.rows_values(dg.contiguous(), at), mx_gemm.rows_values(du.contiguous(), at)
+    xv = mx_gemm.rows_values(x.contiguous(), tok)
+    d_wg, d_wu = bwd_gemm.weight_grads_joint(dgv, duv, xv, offs)                            # [E, I, H] each
+    return d_wg.to(dtypes[0]), d_wu.to(dtypes[1]), d_wd.to(dtypes[2])
+
+
 def _padded_rows(t: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
     """Pair-order rows ``t [T k, n]`` as the padded layout's float32 rows ``[rows, n]`` (pair p on
     row ``row[p]``, zeros on the padding rows)."""
@@ -431,7 +482,15 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
                              torch.ones(T, k, dtype=torch.float32, device=x.device))
     else:
         dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
-    # wgrads, per expert over its rows: one k-ranged bf16-math launch each (else per expert on quad)
+    # wgrads, per expert over its rows: on the BF16 backward's weight kernels over the operands' MX
+    # values (MOKGEN_MX_WGRAD=bf16), else one k-ranged bf16-math launch each (else per expert on quad)
+    if _wgrad_bf16(form, dy, H, I) and x.dtype in (torch.bfloat16, torch.float32):
+        src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+        src[row] = torch.arange(T * k, device=x.device).div(k, rounding_mode="floor").to(torch.int32)
+        at, tok, offs = _rows32(row, padded, src)
+        d_wg, d_wu, d_wd = _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs,
+                                              (w_gate.dtype, w_up.dtype, w_down.dtype))
+        return (dx.to(x.dtype), d_w.to(w.dtype), d_wg, d_wu, d_wd)
     if _ranged(form, dy, I):
         d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]
     else:

@@ -99,6 +99,8 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mokgen_mx_set_band.argtypes, lib.mokgen_mx_set_band.restype = [i], None
     if hasattr(lib, "mokgen_mx_weight_both"):  # v0.43 (MOKGEN_MX_WEIGHTS=both); older builds for A/Bs lack it
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
+    if hasattr(lib, "mokgen_mx_rows_values"):  # v0.65 (MOKGEN_MX_WGRAD=bf16)
+        lib.mokgen_mx_rows_values.argtypes, lib.mokgen_mx_rows_values.restype = [vp, vp, vp, i, i, i, vp], i
     if hasattr(lib, "mokgen_mx_weight_both_parts"):  # v0.65 (the MXFP8 layer's conversions under both)
         lib.mokgen_mx_weight_both_parts.argtypes = [vp, vp, vp, i, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_both_parts.restype = i
@@ -701,6 +703,34 @@ def expert_weights_both(parts, *, apart: bool = False):
                 K, total, offset)
         offset += p.shape[1]
     return rows_dec, cols_dec
+
+
+def rows_values(x, src=None):
+    """The MX values of rows ``x [rows, n]`` (float32 or bf16) quantized along the rows, in x's own
+    layout: each column's 32-row blocks quantized (``mx.quantize(x.t(), dim=-1)``'s scales and
+    codes, :func:`cols_bf16_math`'s), their values written back row-major and unpermuted as bf16
+    ``[rows, n]``. With ``src`` (int32 ``[rows]``): row r from ``x[src[r]]``, zeros where
+    ``src[r] < 0`` (``x [T, n]``), no gathered copy written. rows a multiple of 32. The operands
+    of the MXFP8 backward's weight gradients on the BF16 backward's weight kernels
+    (MOKGEN_MX_WGRAD=bf16, v0.65)."""
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() \
+            or x.shape[1] % (16 // x.element_size()) or (x.numel() and x.data_ptr() % 16):
+        raise InputError(f"x must be contiguous, 16-byte aligned float32 or bf16 [rows, n] with n a multiple of "
+                         f"{16 // x.element_size()}, got {x.dtype} {tuple(x.shape)}")
+    rows = x.shape[0] if src is None else src.shape[0] if src.dim() == 1 else -1
+    if src is not None and (src.dtype != torch.int32 or src.dim() != 1 or src.device != x.device
+                            or not src.is_contiguous()):
+        raise InputError(f"src must be contiguous int32 [rows] on {x.device}, got {src.dtype} {tuple(src.shape)}")
+    if rows % 32:
+        raise InputError(f"rows_values quantizes 32-row blocks: rows must be a multiple of 32, got {rows}")
+    n = x.shape[1]
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
+    if rows and n:
+        _launch("mokgen_mx_rows_values", x.device, out.data_ptr(), x.data_ptr(),
+                None if src is None else src.data_ptr(), rows, n, int(x.dtype == torch.float32))
+    return out
 
 
 def cols_bf16_math(x, src=None):

@@ -455,6 +455,30 @@ int mokgen_mx_weight_both(void* decoded_cols, void* decoded_rows, const void* x,
                                      stream);
 }
 
+// The MX values of x's rows quantized along the rows, row-major (mxg::values_rows_kernel; v0.65,
+// mx_gemm.rows_values): out [rows, n] bf16, row r from x's row gather[r] (zeros where it is < 0) or,
+// with gather null, x's row r (x then [rows, n]). x bf16, or float32 when is_f32, 16-byte aligned;
+// rows a multiple of 32; n of 8 (bf16) or 4 (float32).
+int mokgen_mx_rows_values(void* out, const void* x, const void* gather, int rows, int n, int is_f32, void* stream) {
+  using namespace mokgen;
+  if (out == nullptr || x == nullptr || rows < 0 || rows % mx::kBlock || n <= 0 || n % (is_f32 ? 4 : 8) ||
+      reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16)
+    return int(cudaErrorInvalidValue);
+  const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
+                  unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), 1u);
+  if (grid.y > 65535) return int(cudaErrorInvalidValue);
+  if (rows == 0) return 0;
+  auto st = static_cast<cudaStream_t>(stream);
+  const int* g = static_cast<const int*>(gather);
+  if (is_f32)
+    mxg::values_rows_kernel<float><<<grid, mxg::kColThreads, 0, st>>>(static_cast<const float*>(x), rows, n,
+                                                                      static_cast<bf16*>(out), g);
+  else
+    mxg::values_rows_kernel<bf16><<<grid, mxg::kColThreads, 0, st>>>(static_cast<const bf16*>(x), rows, n,
+                                                                     static_cast<bf16*>(out), g);
+  return int(cudaGetLastError());
+}
+
 // x's rows gathered (row r: x's row gather[r], zeros where gather[r] < 0; x [tokens, n] bf16, or
 // float32 when is_f32), quantized along the rows, transposed: decoded bf16 [n, rows] (permuted),
 // the B operand of the wgrads (mx_gemm.cols_bf16_math with src). version 2: weight_cols2_kernel's

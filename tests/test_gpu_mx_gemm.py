@@ -266,6 +266,30 @@ def test_cols_bf16_math_gathering_rows_is_the_gathered_copy_s(dtype, quant, monk
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_values_are_the_column_quantizers_values_in_rows(dtype):
+    """rows_values (MOKGEN_MX_WGRAD=bf16, v0.65): each column's 32-row blocks quantized as
+    mx.quantize(x.t()) does, their MX values as bf16 in x's own layout (unpermuted), bit for bit;
+    a NaN and an infinity (their blocks NaN), a partial 64-column tile (328), and through a gather
+    with padding rows (whole blocks and inside blocks), as on the gathered copy."""
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    for n in (328, 512):
+        x = (torch.randn(384, n, generator=gen, device="cuda") *
+             torch.exp2(torch.randint(-30, 30, (384, 1), generator=gen, device="cuda").float())).to(dtype)
+        x[5, 7], x[200, 11] = float("nan"), float("inf")
+        codes, scales = mx.quantize(x.t().contiguous(), dim=-1)
+        want = mx.dequantize(codes, scales, out_dtype=torch.float32).to(torch.bfloat16).t()
+        got = mx_gemm.rows_values(x)
+        assert got.shape == (384, n) and got[5, 7].isnan() and got[31, 7].isnan()
+        assert torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16)), n
+        src = torch.randint(0, 384, (320,), generator=gen, device="cuda", dtype=torch.int32)
+        src[64:96], src[130:140], src[300:] = -1, -1, -1
+        copy = torch.where((src >= 0)[:, None], x[src.clamp(min=0).long()], torch.zeros(320, n, dtype=dtype,
+                                                                                        device="cuda"))
+        assert torch.equal(mx_gemm.rows_values(x, src).view(torch.int16),
+                           mx_gemm.rows_values(copy).view(torch.int16)), n
+
+
 @pytest.mark.parametrize("ranged", ["tiles", "persistent"])
 def test_ranged_gemm_is_the_dense_gemm_over_each_range(ranged, monkeypatch):
     """The weight gradients' launch, both kernels (MOKGEN_MX_RANGED): slice z over its k range has

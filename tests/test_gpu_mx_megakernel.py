@@ -358,6 +358,45 @@ def test_mx_moelayer_under_both_conversions_gives_aparts_bits_and_converts_once(
         ep.refresh_mx_weights()
 
 
+@pytest.mark.parametrize("skew", [False, True])
+def test_mx_weight_gradients_on_the_bf16_weight_kernels_match_the_ranged_ones(monkeypatch, skew):
+    """MOKGEN_MX_WGRAD=bf16 (v0.65): the MXFP8 layer's weight gradients on the BF16 backward's
+    weight kernels over the operands' MX values (each expert's rows padded to 32) against the
+    k-ranged bf16-math GEMM's: the same products in another order, so within a few bf16
+    roundings (relative 2e-3), zeros for experts without rows, and the same bits over repeats;
+    x's and the routing weights' gradients do not depend on it (the same bits)."""
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    xs, ids, ws, weights = _problem(spec, [448], seed=31, skew=skew)
+    d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(32),
+                        device="cuda").to(torch.bfloat16)
+    layer = MoELayer(spec, max_tokens=512, device="cuda")
+    with torch.no_grad():
+        for p, v in zip((layer.w_gate, layer.w_up, layer.w_down), weights):
+            p.copy_(v)
+
+    def step(mode):
+        monkeypatch.setenv("MOKGEN_MX_WGRAD", mode)
+        x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        layer(x, ids[0], w).backward(d_out)
+        return [x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
+
+    want = step("ranged")
+    got = step("bf16")
+    for name, g, v in zip(("x", "topk_weights"), got[:2], want[:2]):
+        assert torch.equal(g, v), name
+    for name, g, v in zip(("w_gate", "w_up", "w_down"), got[2:], want[2:]):
+        assert g.dtype == v.dtype == torch.bfloat16 and g.shape == v.shape, name
+        rel = ((g.double() - v.double()).norm() / v.double().norm()).item()
+        assert rel < 2e-3, (name, rel)
+        idle = torch.bincount(ids[0].reshape(-1).long(), minlength=spec.num_experts) == 0
+        assert not g[idle].any(), name  # an expert without rows: zeros (its 32-row padding takes none)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(step("bf16"), got))
+
+
 def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_per_version():
     """MoELayer on an MXFP8 spec (one rank, every expert) under no_grad: the same bits as
     virtual_ep_forward on the same weights; the weights' MX values are converted again after an

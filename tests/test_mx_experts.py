@@ -632,3 +632,32 @@ def test_the_mx_layers_both_orientations_serve_its_backward(emulated, monkeypatc
         assert calls == ["rows"] * 3 and ep._mx_transposed(*wts) is None
     finally:
         ep.refresh_mx_weights()
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_rows32_keeps_each_experts_rows_in_blocks_of_32(skew):
+    """mx_experts._rows32 (MOKGEN_MX_WGRAD=bf16): the weight gradients' layout with each expert's
+    rows padded to 32 instead of 128, against a loop: each new row's padded-layout row and token,
+    the experts' inclusive ends, and a fixed length with nothing (-1) past the last expert; an
+    expert without rows takes none."""
+    x, ids, w, *_ = _cpu_problem(T=150, E=6, k=2, seed=3, skew=skew)
+    E = 6
+    row, src, _tiles, padded = mx_experts._segments(ids.reshape(-1), E, 2)
+    at, tok, offs = mx_experts._rows32(row, padded, src)
+    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+    want_at, want_ends, start = [], [], 0
+    for e in range(E):
+        n32 = -(-counts[e] // 32) * 32
+        want_at += range(start, start + n32)
+        want_ends.append(len(want_at))
+        start += int(padded[e])
+    length = -(-(ids.numel() + 31 * E) // 32) * 32
+    want_at += [-1] * (length - len(want_at))
+    assert at.dtype == tok.dtype == offs.dtype == torch.int32
+    assert at.tolist() == want_at and offs.tolist() == want_ends
+    assert tok.tolist() == [int(src[a]) if a >= 0 else -1 for a in want_at]
+    if skew:
+        assert counts[E - 1] == 0 and offs[E - 1] == offs[E - 2]
+    # every pair's row is kept, each in its expert's range and at the same place in it
+    kept = set(at[at >= 0].tolist())
+    assert set(row.tolist()) <= kept

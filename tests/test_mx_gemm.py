@@ -391,3 +391,30 @@ def test_band_switch_reaches_the_library_only_where_it_changes(launches, monkeyp
     with pytest.raises(ToolchainError, match="MOKGEN_MX_BAND must be an integer from 1 to 65535"):
         run()
     assert calls == []
+
+
+def test_rows_values_checks_its_input_then_launches_once(launches):
+    """mx_gemm.rows_values (MOKGEN_MX_WGRAD=bf16): a one-line error for what its kernel cannot take,
+    before any launch; else one launch with the output's, x's and the gather's pointers, the rows
+    (the gather's where given) and whether x is float32."""
+    calls = launches
+    x = torch.zeros(64, 256, dtype=torch.float32)
+    for bad, match in ((torch.zeros(64, 256, dtype=torch.float16), "float32 or bf16"),
+                       (torch.zeros(64, 6, dtype=torch.bfloat16), "n a multiple of 8"),
+                       (torch.zeros(256, 64).t(), "contiguous"),
+                       (torch.zeros(48, 256), "rows must be a multiple of 32, got 48")):
+        with pytest.raises(InputError, match=match):
+            mx_gemm.rows_values(bad)
+    with pytest.raises(InputError, match="src must be contiguous int32"):
+        mx_gemm.rows_values(x, torch.zeros(64, dtype=torch.int64))
+    with pytest.raises(InputError, match="rows must be a multiple of 32, got 40"):
+        mx_gemm.rows_values(x, torch.zeros(40, dtype=torch.int32))
+    assert calls == []
+    out = mx_gemm.rows_values(x)
+    assert out.shape == (64, 256) and out.dtype == torch.bfloat16
+    src = torch.full((96,), -1, dtype=torch.int32)
+    got = mx_gemm.rows_values(x.to(torch.bfloat16), src)
+    assert got.shape == (96, 256)
+    assert [c[0] for c in calls] == ["mokgen_mx_rows_values"] * 2
+    assert calls[0][1][1:] == (x.data_ptr(), None, 64, 256, 1, STREAM)
+    assert calls[1][1][2:] == (src.data_ptr(), 96, 256, 0, STREAM)

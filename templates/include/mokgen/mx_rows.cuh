@@ -638,6 +638,81 @@ __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles'
   }
 }
 
+// A block's codes (four to a word) decoded, times the scale's power of two, to bf16 in k's own
+// order (store_decoded_words' values without the bf16-math GEMM's permutation).
+MOKGEN_DEVICE void decode_block_words(const uint32_t (&w)[mx::kBlock / 4], uint8_t scale, bf16 (&out)[mx::kBlock]) {
+  const float f = e8m0_factor(scale);
+#pragma unroll
+  for (int j = 0; j < mx::kBlock; j += 2) {
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(uint16_t(w[j >> 2] >> (8 * (j & 2)))));
+    const float2 two = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    out[j] = __float2bfloat16_rn(two.x * f);
+    out[j + 1] = __float2bfloat16_rn(two.y * f);
+  }
+}
+
+// The MX values of rows quantized along the rows (v0.65, mx_gemm.rows_values): each column's
+// 32-row blocks quantized as weight_cols2_kernel quantizes them (the same scales and codes), the
+// values written back in x's own layout, row-major and unpermuted: out [rows, n] bf16, row r the
+// values of x's row r, or of x's row gather[r] (zeros where gather[r] < 0) when gather is given.
+// The operands of the MXFP8 backward's weight gradients on the BF16 backward's weight kernels,
+// which take bf16 rows expert by expert. rows a multiple of 32, n of 16 bytes' elements, x 16-byte
+// aligned. Grid (ceil(n / 64), ceil(rows / 128)), kColThreads threads.
+template <class T>
+__global__ void __launch_bounds__(kColThreads, 4)
+    values_rows_kernel(const T* __restrict__ x, int rows, int n, bf16* __restrict__ out,
+                       const int* __restrict__ gather) {
+  __shared__ __align__(16) float tile[kColTileRows][kColTileCols + 1];
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kLoadsPerRow = kColTileCols / kVec;
+  constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;
+  const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows;
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int row = r0 + i / kLoadsPerRow, col = c0 + (i % kLoadsPerRow) * kVec;
+    int from = row < rows && col < n ? row : -1;
+    if (from >= 0 && gather != nullptr) from = gather[row];
+    raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + size_t(from) * n + col) : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
+    float v[kVec];
+    unpack16(raw[l], v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) tile[r][cv + j] = v[j];
+  }
+  __syncthreads();
+  const int c = threadIdx.x % kColTileCols, blk = threadIdx.x / kColTileCols;  // 4 blocks of 32 rows
+  float v[mx::kBlock];
+#pragma unroll
+  for (int i = 0; i < mx::kBlock; ++i) v[i] = tile[blk * mx::kBlock + i][c];
+  uint32_t w[mx::kBlock / 4];
+  const uint8_t scale = quantize_block_words(v, w);
+  bf16 vals[mx::kBlock];
+  decode_block_words(w, scale, vals);
+  __syncthreads();  // every thread holds its block: the tile's buffer takes the values, row-major
+  constexpr int kStageRow = kColTileCols + 8;  // bf16 a staged row, padded to keep rows 16-byte aligned
+  bf16* stage = reinterpret_cast<bf16*>(&tile[0][0]);
+  static_assert(kColTileRows * kStageRow * sizeof(bf16) <= sizeof(tile), "the staged rows fit the tile's buffer");
+#pragma unroll
+  for (int i = 0; i < mx::kBlock; ++i) stage[(blk * mx::kBlock + i) * kStageRow + c] = vals[i];
+  __syncthreads();
+  const int valid_rows = rows - r0 < kColTileRows ? rows - r0 : kColTileRows;
+  constexpr int kChunks = kColTileCols * int(sizeof(bf16)) / 16;  // 16-byte pieces a row
+#pragma unroll
+  for (int i = threadIdx.x; i < kColTileRows * kChunks; i += kColThreads) {
+    const int r = i / kChunks, chunk = i % kChunks;
+    if (r >= valid_rows || c0 + chunk * 8 >= n) continue;
+    *reinterpret_cast<uint4*>(out + size_t(r0 + r) * n + c0 + chunk * 8) =
+        *reinterpret_cast<const uint4*>(stage + r * kStageRow + chunk * 8);
+  }
+}
+
 // ---- the staged experts' segments on the device, one CTA (mx_experts._segments) -----------------
 // From the pairs' expert ids (flat, n = T k), and their stable sort order or none: each pair's row
 // in the padded layout (segments in expert order, each a multiple of 128 rows), the source token of
