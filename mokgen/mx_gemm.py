@@ -719,10 +719,10 @@ def rows_values(x, src=None):
             or x.shape[1] % (16 // x.element_size()) or (x.numel() and x.data_ptr() % 16):
         raise InputError(f"x must be contiguous, 16-byte aligned float32 or bf16 [rows, n] with n a multiple of "
                          f"{16 // x.element_size()}, got {x.dtype} {tuple(x.shape)}")
-    rows = x.shape[0] if src is None else src.shape[0] if src.dim() == 1 else -1
     if src is not None and (src.dtype != torch.int32 or src.dim() != 1 or src.device != x.device
                             or not src.is_contiguous()):
         raise InputError(f"src must be contiguous int32 [rows] on {x.device}, got {src.dtype} {tuple(src.shape)}")
+    rows = x.shape[0] if src is None else src.shape[0]
     if rows % 32:
         raise InputError(f"rows_values quantizes 32-row blocks: rows must be a multiple of 32, got {rows}")
     n = x.shape[1]
