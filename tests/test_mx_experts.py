@@ -661,3 +661,58 @@ def test_rows32_keeps_each_experts_rows_in_blocks_of_32(skew):
     # every pair's row is kept, each in its expert's range and at the same place in it
     kept = set(at[at >= 0].tolist())
     assert set(row.tolist()) <= kept
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulated, monkeypatch, skew):
+    """MOKGEN_MX_WGRAD=bf16's orchestration on the CPU (mx_gemm.rows_values and the BF16 weight
+    kernels emulated exactly): the operands' MX values laid out with each expert padded to 32 rows
+    (mx_experts._rows32), x's rows through their tokens, each weight gradient in its weight's
+    orientation. Against the default path (the MX product per expert, emulated in float64): x's
+    and the routing weights' gradients the same bits, the weights' within one bf16 rounding (the
+    emulations round float64 sums to bf16 directly or through float32)."""
+    from mokgen import bwd_gemm
+
+    f64 = torch.float64
+
+    def rows_values(x, src=None):
+        if src is not None:
+            x = torch.where((src >= 0)[:, None], x[src.clamp(min=0).long()], torch.zeros((), dtype=x.dtype))
+        codes, scales = mx.quantize(x.float().t().contiguous(), dim=-1)
+        return mx.dequantize(codes, scales, out_dtype=torch.float32).to(torch.bfloat16).t().contiguous()
+
+    def per_expert(a, b, offs):
+        out = torch.zeros(offs.shape[0], a.shape[1], b.shape[1], dtype=f64)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            out[e] = a[start:end].to(f64).t() @ b[start:end].to(f64)
+            start = end
+        return out.to(torch.bfloat16)
+
+    calls = []
+    monkeypatch.setattr(mx_gemm, "rows_values", lambda x, src=None: calls.append("values") or rows_values(x, src))
+    monkeypatch.setattr(bwd_gemm, "weight_grads", lambda a, b, offs: calls.append("wd") or per_expert(a, b, offs))
+    monkeypatch.setattr(bwd_gemm, "weight_grads_joint",
+                        lambda a0, a1, b, offs: calls.append("joint") or (per_expert(a0, b, offs),
+                                                                          per_expert(a1, b, offs)))
+    x, ids, w, wg, wu, wd = _cpu_problem(T=150, E=4, seed=13, skew=skew)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+
+    def grads(on):
+        monkeypatch.setattr(mx_experts, "_wgrad_bf16", lambda *a: on)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg.to(torch.bfloat16), wu.to(torch.bfloat16),
+                                                            wd.to(torch.bfloat16))]
+        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=1.5).backward(d_out)
+        return [t.grad for t in leaves]
+
+    want = grads(False)
+    assert calls == []
+    got = grads(True)
+    assert calls == ["values", "values", "wd", "values", "values", "values", "joint"]
+    for name, a, b in zip(("x", "topk_weights"), got[:2], want[:2]):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(("w_gate", "w_up", "w_down"), got[2:], want[2:]):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape, name
+        # one bf16 rounding apart at most, element by element
+        assert ((a.double() - b.double()).abs() <= b.double().abs() * 2**-7 + 1e-30).all(), name
+        assert _rel(a, b) < 1e-2 and b.abs().sum() > 0, name
