@@ -710,15 +710,15 @@ def rows_values(x, src=None):
     layout: each column's 32-row blocks quantized (``mx.quantize(x.t(), dim=-1)``'s scales and
     codes, :func:`cols_bf16_math`'s), their values written back row-major and unpermuted as bf16
     ``[rows, n]``. With ``src`` (int32 ``[rows]``): row r from ``x[src[r]]``, zeros where
-    ``src[r] < 0`` (``x [T, n]``), no gathered copy written. rows a multiple of 32. The operands
+    ``src[r] < 0`` (``x [T, n]``), no gathered copy written. rows a multiple of 32, n of 8. The operands
     of the MXFP8 backward's weight gradients on the BF16 backward's weight kernels
     (MOKGEN_MX_WGRAD=bf16, v0.65)."""
     import torch
 
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() \
-            or x.shape[1] % (16 // x.element_size()) or (x.numel() and x.data_ptr() % 16):
-        raise InputError(f"x must be contiguous, 16-byte aligned float32 or bf16 [rows, n] with n a multiple of "
-                         f"{16 // x.element_size()}, got {x.dtype} {tuple(x.shape)}")
+            or x.shape[1] % 8 or (x.numel() and x.data_ptr() % 16):
+        raise InputError(f"x must be contiguous, 16-byte aligned float32 or bf16 [rows, n] with n a multiple of 8, "
+                         f"got {x.dtype} {tuple(x.shape)}")
     if src is not None and (src.dtype != torch.int32 or src.dim() != 1 or src.device != x.device
                             or not src.is_contiguous()):
         raise InputError(f"src must be contiguous int32 [rows] on {x.device}, got {src.dtype} {tuple(src.shape)}")

@@ -458,10 +458,10 @@ int mokgen_mx_weight_both(void* decoded_cols, void* decoded_rows, const void* x,
 // The MX values of x's rows quantized along the rows, row-major (mxg::values_rows_kernel; v0.65,
 // mx_gemm.rows_values): out [rows, n] bf16, row r from x's row gather[r] (zeros where it is < 0) or,
 // with gather null, x's row r (x then [rows, n]). x bf16, or float32 when is_f32, 16-byte aligned;
-// rows a multiple of 32; n of 8 (bf16) or 4 (float32).
+// rows a multiple of 32; n of 8 (the output's rows go out in 16-byte pieces).
 int mokgen_mx_rows_values(void* out, const void* x, const void* gather, int rows, int n, int is_f32, void* stream) {
   using namespace mokgen;
-  if (out == nullptr || x == nullptr || rows < 0 || rows % mx::kBlock || n <= 0 || n % (is_f32 ? 4 : 8) ||
+  if (out == nullptr || x == nullptr || rows < 0 || rows % mx::kBlock || n <= 0 || n % 8 ||
       reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16)
     return int(cudaErrorInvalidValue);
   const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),

@@ -401,6 +401,7 @@ def test_rows_values_checks_its_input_then_launches_once(launches):
     x = torch.zeros(64, 256, dtype=torch.float32)
     for bad, match in ((torch.zeros(64, 256, dtype=torch.float16), "float32 or bf16"),
                        (torch.zeros(64, 6, dtype=torch.bfloat16), "n a multiple of 8"),
+                       (torch.zeros(64, 12, dtype=torch.float32), "n a multiple of 8"),  # 16-byte output pieces
                        (torch.zeros(256, 64).t(), "contiguous"),
                        (torch.zeros(48, 256), "rows must be a multiple of 32, got 48")):
         with pytest.raises(InputError, match=match):

@@ -657,8 +657,9 @@ MOKGEN_DEVICE void decode_block_words(const uint32_t (&w)[mx::kBlock / 4], uint8
 // values written back in x's own layout, row-major and unpermuted: out [rows, n] bf16, row r the
 // values of x's row r, or of x's row gather[r] (zeros where gather[r] < 0) when gather is given.
 // The operands of the MXFP8 backward's weight gradients on the BF16 backward's weight kernels,
-// which take bf16 rows expert by expert. rows a multiple of 32, n of 16 bytes' elements, x 16-byte
-// aligned. Grid (ceil(n / 64), ceil(rows / 128)), kColThreads threads.
+// which take bf16 rows expert by expert. rows a multiple of 32, n of 8 (16-byte loads of x and
+// stores of out), x and out 16-byte aligned. Grid (ceil(n / 64), ceil(rows / 128)), kColThreads
+// threads.
 template <class T>
 __global__ void __launch_bounds__(kColThreads, 4)
     values_rows_kernel(const T* __restrict__ x, int rows, int n, bf16* __restrict__ out,
