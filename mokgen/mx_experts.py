@@ -417,6 +417,14 @@ def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes):
     return d_wg.to(dtypes[0]), d_wu.to(dtypes[1]), d_wd.to(dtypes[2])
 
 
+def _row_tokens(row: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Each of the padded layout's ``rows`` rows' token (int32, -1 on padding rows), pair p (token
+    p // k) being on row ``row[p]``."""
+    src = torch.full((rows,), -1, dtype=torch.int32, device=row.device)
+    src[row] = torch.arange(row.shape[0], device=row.device).div(k, rounding_mode="floor").to(torch.int32)
+    return src
+
+
 def _padded_rows(t: torch.Tensor, row: torch.Tensor, rows: int) -> torch.Tensor:
     """Pair-order rows ``t [T k, n]`` as the padded layout's float32 rows ``[rows, n]`` (pair p on
     row ``row[p]``, zeros on the padding rows)."""
@@ -485,8 +493,7 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     # wgrads, per expert over its rows: on the BF16 backward's weight kernels over the operands' MX
     # values (MOKGEN_MX_WGRAD=bf16), else one k-ranged bf16-math launch each (else per expert on quad)
     if _wgrad_bf16(form, dy, H, I) and x.dtype in (torch.bfloat16, torch.float32):
-        src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-        src[row] = torch.arange(T * k, device=x.device).div(k, rounding_mode="floor").to(torch.int32)
+        src = _row_tokens(row, rows, k)
         at, tok, offs = _rows32(row, padded, src)
         d_wg, d_wu, d_wd = _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs,
                                               (w_gate.dtype, w_up.dtype, w_down.dtype))
@@ -502,8 +509,7 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
         # Quantizing along the rows is per column, so dg's and du's codes are dgu's halves.
         # x's rows are gathered by the quantizer (row r: token src[r], zeros on padding rows),
         # with no copy of them written.
-        src = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-        src[row] = torch.arange(T * k, device=x.device).div(k, rounding_mode="floor").to(torch.int32)
+        src = _row_tokens(row, rows, k)
         xb = mx_gemm.cols_bf16_math(x.contiguous(), src=src)
         d_wg = _weight_grads_ranged(dg, None, padded, w_gate.dtype, b_bf16=xb)                    # [E, I, H]
         d_wu = _weight_grads_ranged(du, None, padded, w_up.dtype, b_bf16=xb)

@@ -531,6 +531,39 @@ MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[4]) {
   v[3] = __uint_as_float(raw.w);
 }
 
+// A column tile's rows loaded into shared memory as float32 (weight_cols2_kernel's and
+// values_rows_kernel's): rows r0 .. r0 + 127 and columns c0 .. c0 + 63 of x [rows, n] (an expert's
+// rows), or with gather row r taken from x's row gather[r]; zeros past the edges and where gather
+// is < 0. Every load of the thread is issued before the first is used (v0.41: the loop of load,
+// convert, store to shared memory kept one load a thread in flight, and DRAM at about half its
+// rate). The caller syncs before reading the tile.
+template <class T, int kBufRows>
+MOKGEN_DEVICE void load_col_tile(const T* __restrict__ x, int rows, int n, int r0, int c0,
+                                 const int* __restrict__ gather, float (&tile)[kBufRows][kColTileCols + 1]) {
+  constexpr int kVec = 16 / int(sizeof(T));              // elements per 16-byte load
+  constexpr int kLoadsPerRow = kColTileCols / kVec;
+  constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;  // a thread's: 4 (bf16) or 8 (float32)
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int row = r0 + i / kLoadsPerRow, col = c0 + (i % kLoadsPerRow) * kVec;
+    int from = row < rows && col < n ? row : -1;
+    if (from >= 0 && gather != nullptr) from = gather[row];
+    raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + size_t(from) * n + col)
+                       : make_uint4(0u, 0u, 0u, 0u);  // padding rows (gather) and the tile's edges: zeros
+  }
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColThreads;
+    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
+    float v[kVec];
+    unpack16(raw[l], v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) tile[r][cv + j] = v[j];
+  }
+}
+
 //
 // kRows (v0.43, MOKGEN_MX_WEIGHTS=both; bf16 weights, decoded values only): the tile's rows are
 // quantized too, along n, into row_decoded [E, row_rows, n] at rows row_offset .. row_offset + rows (the
@@ -549,31 +582,8 @@ __global__ void __launch_bounds__(kColThreads, 4)  // 4 CTAs an SM (their tiles'
   // kRows: the staged columns and rows side by side need 35840 bytes, 138 of the tile's 260-byte rows
   constexpr int kBufRows = kRows ? 138 : kColTileRows;
   __shared__ __align__(16) float tile[kBufRows][kColTileCols + 1];  // + 1: a column's reads hit 32 banks
-  constexpr int kVec = 16 / int(sizeof(T));              // elements per 16-byte load
-  constexpr int kLoadsPerRow = kColTileCols / kVec;
-  constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;  // a thread's: 4 (bf16) or 8 (float32)
   const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows, e = blockIdx.z;
-  // every load of the thread issued before the first is used (v0.41: the loop of load, convert,
-  // store to shared memory kept one load a thread in flight, and DRAM at about half its rate)
-  uint4 raw[kLoads];
-#pragma unroll
-  for (int l = 0; l < kLoads; ++l) {
-    const int i = threadIdx.x + l * kColThreads;
-    const int row = r0 + i / kLoadsPerRow, col = c0 + (i % kLoadsPerRow) * kVec;
-    int from = row < rows && col < n ? row : -1;
-    if (from >= 0 && gather != nullptr) from = gather[row];
-    raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + (size_t(e) * rows + from) * n + col)
-                       : make_uint4(0u, 0u, 0u, 0u);  // padding rows (gather) and the tile's edges: zeros
-  }
-#pragma unroll
-  for (int l = 0; l < kLoads; ++l) {
-    const int i = threadIdx.x + l * kColThreads;
-    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
-    float v[kVec];
-    unpack16(raw[l], v);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) tile[r][cv + j] = v[j];
-  }
+  load_col_tile(x + size_t(e) * rows * n, rows, n, r0, c0, gather, tile);
   __syncthreads();
   const int c = threadIdx.x % kColTileCols, blk = threadIdx.x / kColTileCols;  // 4 blocks of 32 rows
   const int col = c0 + c, b = r0 / mx::kBlock + blk;
@@ -665,28 +675,8 @@ __global__ void __launch_bounds__(kColThreads, 4)
     values_rows_kernel(const T* __restrict__ x, int rows, int n, bf16* __restrict__ out,
                        const int* __restrict__ gather) {
   __shared__ __align__(16) float tile[kColTileRows][kColTileCols + 1];
-  constexpr int kVec = 16 / int(sizeof(T));
-  constexpr int kLoadsPerRow = kColTileCols / kVec;
-  constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;
   const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows;
-  uint4 raw[kLoads];
-#pragma unroll
-  for (int l = 0; l < kLoads; ++l) {
-    const int i = threadIdx.x + l * kColThreads;
-    const int row = r0 + i / kLoadsPerRow, col = c0 + (i % kLoadsPerRow) * kVec;
-    int from = row < rows && col < n ? row : -1;
-    if (from >= 0 && gather != nullptr) from = gather[row];
-    raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + size_t(from) * n + col) : make_uint4(0u, 0u, 0u, 0u);
-  }
-#pragma unroll
-  for (int l = 0; l < kLoads; ++l) {
-    const int i = threadIdx.x + l * kColThreads;
-    const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
-    float v[kVec];
-    unpack16(raw[l], v);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) tile[r][cv + j] = v[j];
-  }
+  load_col_tile(x, rows, n, r0, c0, gather, tile);
   __syncthreads();
   const int c = threadIdx.x % kColTileCols, blk = threadIdx.x / kColTileCols;  // 4 blocks of 32 rows
   float v[mx::kBlock];
