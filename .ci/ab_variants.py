@@ -25,8 +25,8 @@ the defaults; A should then set nothing).
 Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
                                    [--blocks N] [--backward] [--check-bits] [--numerics mxfp8]
                                    [--out FILE.json]
-  WORKLOAD  SPEC:local (the bench's local stand-in, EP from bench.LOCAL_EP) or SPEC:layer[:TOKENS]
-            (default 16384)
+  WORKLOAD  SPEC:local[:EP] (the bench's local stand-in, EP from bench.LOCAL_EP unless given: the
+            rank's share of the experts, the same rows) or SPEC:layer[:TOKENS] (default 16384)
   --a/--b   plan options, runtime arguments or MOKGEN_* settings, e.g. narrow_tiles=0 or
             cluster=1,dispatch_ctas=16 or MOKGEN_BWD_DX_PAIRS=fp32
             or define=NAME[+NAME...]: that side's library built with -DNAME (a measuring macro
@@ -116,21 +116,25 @@ def apply_env(envs: dict, keys) -> None:
 
 
 def workload(text: str, numerics: str | None = None):
-    """'SPEC:local' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows, real spec, EP degree), the
+    """'SPEC:local[:EP]' or 'SPEC:layer[:TOKENS]' -> (label, spec, rows, real spec, EP degree), the
     spec in ``numerics`` where given."""
     parts = text.split(":")
     name, kind = parts[0], parts[1] if len(parts) > 1 else "local"
     real = load_spec(name)
-    ep = bench.LOCAL_EP.get(real.name, 8) if kind == "local" else 1
+    ep = (int(parts[2]) if len(parts) > 2 else bench.LOCAL_EP.get(real.name, 8)) if kind == "local" else 1
     if kind == "local":
-        spec, rows = bench.local_spec(real, ep)
+        try:
+            spec, rows = bench.local_spec(real, ep)
+        except ValueError as e:
+            sys.exit(f"ab_variants: {e}")
     elif kind == "layer":
         spec, rows = real, int(parts[2]) if len(parts) > 2 else 16384
     else:
         sys.exit(f"ab_variants: workload kind must be local or layer, got {kind!r}")
     if numerics:
         spec = spec.with_target(numerics=numerics)
-    return f"{name} {kind} {rows}" + (f" {numerics}" if numerics else ""), spec, rows, real, ep
+    label = f"{name} {kind}" + (f" EP{ep}" if kind == "local" and len(parts) > 2 else "") + f" {rows}"
+    return label + (f" {numerics}" if numerics else ""), spec, rows, real, ep
 
 
 def tuned_layer(spec, rows, real, ep):
