@@ -12,7 +12,8 @@ with MOKGEN_ is an environment setting, applied around each of that side's launc
 switches read at call time, such as the backward's (MOKGEN_BWD_DX_PAIRS=fp32).
 `--backward`: each launch is a forward + backward step (the layer's output, backward of a fixed
 dOut, gradients of x, the routing weights and the weights; the gradients reset each step as in
-`mokgen bench --backward`).
+`mokgen bench --backward`). `--weights-new`: the MXFP8 weights' conversions forgotten before
+every launch (an optimizer step's new weights); by default both sides keep theirs between steps.
 
 Prints per workload: the median launch of A and of B (each block's mean of its two), the median
 over blocks of B's time / A's (its 95% bootstrap interval beside it, bench.block_ratio), and in
@@ -24,6 +25,7 @@ the defaults; A should then set nothing).
 
 Usage: python3 .ci/ab_variants.py WORKLOAD [WORKLOAD ...] [--a K=V,K=V] [--b K=V,...]
                                    [--blocks N] [--backward] [--check-bits] [--numerics mxfp8]
+                                   [--weights-new]
                                    [--out FILE.json]
   WORKLOAD  SPEC:local[:EP] (the bench's local stand-in, EP from bench.LOCAL_EP unless given: the
             rank's share of the experts, the same rows) or SPEC:layer[:TOKENS] (default 16384)
@@ -47,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from mokgen import bench, build, env
-from mokgen.ep import MoELayer
+from mokgen.ep import MoELayer, refresh_mx_weights
 from mokgen.spec import load_spec
 
 RUNTIME = ("chunk_rows", "ring_chunks", "dispatch_ctas", "bwd_ring", "bwd_policy")  # MoELayer arguments
@@ -159,6 +161,10 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--numerics", choices=("bf16", "mxfp8"), default=None)
+    ap.add_argument("--weights-new", action="store_true",
+                    help="forget the weights' MX conversions before every launch (mokgen.ep.refresh_mx_weights), "
+                         "as an optimizer step leaves them; by default the steps keep them (the micro-batches of "
+                         "one optimizer step)")
     ap.add_argument("--check-bits", action="store_true",
                     help="after timing, run both sides on one input set and exit 1 unless their outputs (and, "
                          "with --backward, the gradients of x, the routing weights and the three weights) are "
@@ -215,6 +221,8 @@ def main() -> None:
 
         def launch(side, i, inputs=inputs, layers=layers):
             apply_env((va, vb)[side][2], env_keys)
+            if args.weights_new:  # host-side only: the cached conversions dropped, made again in the launch
+                refresh_mx_weights()
             return bench.time_launch(lambda: step(layers[side], inputs[i % len(inputs)]))
 
         with torch.set_grad_enabled(args.backward):
@@ -246,6 +254,7 @@ def main() -> None:
                 bad_bits.append(label)
         ratio, lo, hi = bench.block_ratio(pairs)
         r = {"workload": label, "a": args.a, "b": args.b, "blocks": args.blocks, "backward": args.backward,
+             "weights_new": args.weights_new,
              # a launch's median time per side (half of a block's two)
              "a_ms": statistics.median(a / 2 for a, _ in pairs), "b_ms": statistics.median(b / 2 for _, b in pairs),
              "ratio": ratio, "ratio_lo": lo, "ratio_hi": hi, "b_faster": sum(b < a for a, b in pairs)}
