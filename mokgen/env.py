@@ -286,15 +286,14 @@ def mx_ranged() -> str:
 
 
 def mx_wgrad() -> str:
-    """MOKGEN_MX_WGRAD: ``auto`` (default, v0.66), ``ranged`` or ``bf16`` (v0.65): the MXFP8
-    backward's weight gradients on the k-ranged bf16-math GEMM (mx_gemm.mx_bf16_math_ranged_gemm,
-    A as codes), or on the BF16 backward's weight kernels (bwd_gemm.weight_grads,
-    weight_grads_joint) over the operands' MX values as bf16 rows (mx_gemm.rows_values), each
-    expert's rows padded to 32 only. The same products; the sums' order differs, so not the same
-    bits. ``auto``: bf16 where the experts' mean rows are at most
-    mx_experts.WGRAD_BF16_MAX_ROWS (where the ranged GEMM's short k ranges lose, measured), else
-    ranged; a choice by shapes only, so a problem's bits do not change between runs."""
-    return _choice("MOKGEN_MX_WGRAD", ("auto", "ranged", "bf16"))
+    """MOKGEN_MX_WGRAD: ``bf16`` (default since v0.66) or ``ranged``: the MXFP8 backward's weight
+    gradients on the BF16 backward's weight kernels (bwd_gemm.weight_grads, weight_grads_joint)
+    over the operands' MX values as bf16 rows (mx_gemm.rows_values, v0.65), each expert's rows
+    padded to 32 only; or on the k-ranged bf16-math GEMM (mx_gemm.mx_bf16_math_ranged_gemm, A as
+    codes), which bf16 falls back to where mokgen.bwd_gemm does not take the shapes. The same
+    products; the sums' order differs, so not the same bits. Measured (an H100, docs/perf-notes.md
+    v0.66): bf16 0.90-0.99x the step's time at 341-4096 rows an expert."""
+    return _choice("MOKGEN_MX_WGRAD", ("bf16", "ranged"))
 
 
 def bwd_dx_pairs() -> str:

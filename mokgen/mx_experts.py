@@ -366,26 +366,10 @@ def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
     return form == "bf16" and t.is_cuda and n % mx_gemm.BF16_MATH_N == 0
 
 
-#: MOKGEN_MX_WGRAD=auto takes the BF16 weight kernels where an expert's mean rows (pairs / local
-#: experts) are at most this: the k-ranged GEMM runs each expert's rows as k-blocks of 128 in one
-#: CTA per output tile, which loses on short ranges; the BF16 path's own passes over the operands
-#: (mx_gemm.rows_values) cost about the same at any length. Measured on an H100 (docs/perf-notes.md
-#: v0.66, the same H and I, kimi-k2.5's and deepseek-v3's local stand-ins at EP8-EP64).
-WGRAD_BF16_MAX_ROWS = 1024
-
-
-def wgrad_on_bf16(mode: str, pairs: int, experts: int) -> bool:
-    """Whether MOKGEN_MX_WGRAD ``mode`` takes the BF16 weight kernels for ``pairs`` (token, slot)
-    rows over ``experts`` local experts (where they can run: :func:`_wgrad_bf16`)."""
-    if mode == "auto":
-        return pairs <= WGRAD_BF16_MAX_ROWS * experts
-    return mode == "bf16"
-
-
-def _wgrad_bf16(form: str, t: torch.Tensor, H: int, I: int, pairs: int, experts: int) -> bool:
-    """Whether the weight gradients run on the BF16 backward's weight kernels (MOKGEN_MX_WGRAD,
-    :func:`wgrad_on_bf16`): the bf16-math form on a GPU where mokgen.bwd_gemm takes H and I."""
-    if form != "bf16" or not t.is_cuda or not wgrad_on_bf16(env.mx_wgrad(), pairs, experts):
+def _wgrad_bf16(form: str, t: torch.Tensor, H: int, I: int) -> bool:
+    """Whether the weight gradients run on the BF16 backward's weight kernels (MOKGEN_MX_WGRAD=bf16,
+    the default): the bf16-math form on a GPU where mokgen.bwd_gemm takes H and I."""
+    if env.mx_wgrad() != "bf16" or form != "bf16" or not t.is_cuda:
         return False
     from mokgen import bwd_gemm
 
@@ -510,7 +494,7 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
         dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
     # wgrads, per expert over its rows: on the BF16 backward's weight kernels over the operands' MX
     # values (MOKGEN_MX_WGRAD=bf16), else one k-ranged bf16-math launch each (else per expert on quad)
-    if _wgrad_bf16(form, dy, H, I, T * k, E) and x.dtype in (torch.bfloat16, torch.float32):
+    if _wgrad_bf16(form, dy, H, I) and x.dtype in (torch.bfloat16, torch.float32):
         src = _row_tokens(row, rows, k)
         at, tok, offs = _rows32(row, padded, src)
         d_wg, d_wu, d_wd = _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs,
