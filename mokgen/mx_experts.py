@@ -406,11 +406,19 @@ def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes):
     operand's MX values along the rows as bf16 rows in the 32-padded layout (``mx_gemm.rows_values``
     through ``at``, x's through its tokens ``tok``), then dW_down = dy^T h and the joint dW_gate,
     dW_up = dg^T x, du^T x, each expert over its rows (``offs``), float32 sums rounded to bf16,
-    cast to ``dtypes`` (w_gate's, w_up's, w_down's)."""
+    cast to ``dtypes`` (w_gate's, w_up's, w_down's). ``dy``: its float32 rows in the padded
+    layout, or (v0.66) ``(d_out, w_rows)``, bf16 dOut [T, H] and each new row's routing weight
+    (float32, 0 where the row has no pair): dy's values made from them (``rows_values`` with
+    ``scale``, the bits of w dOut's), with no float32 dy written or read."""
     from mokgen import bwd_gemm
 
     f32 = torch.float32
-    dyv, hv = mx_gemm.rows_values(dy.to(f32).contiguous(), at), mx_gemm.rows_values(h.to(f32).contiguous(), at)
+    if isinstance(dy, tuple):
+        d_out, w_rows = dy
+        dyv = mx_gemm.rows_values(d_out, tok, scale=w_rows)
+    else:
+        dyv = mx_gemm.rows_values(dy.to(f32).contiguous(), at)
+    hv = mx_gemm.rows_values(h.to(f32).contiguous(), at)
     d_wd = bwd_gemm.weight_grads(dyv, hv, offs)                                             # [E, H, I]
     del dyv, hv
     dgv, duv = mx_gemm.rows_values(dg.contiguous(), at), mx_gemm.rows_values(du.contiguous(), at)
@@ -448,6 +456,9 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     E, I, H = w_gate.shape
     rows = mx_gemm.BLOCK * tiles.shape[0]
     fused = env.mx_bwd_stages() == "fused"
+    # the weight gradients on the BF16 weight kernels (MOKGEN_MX_WGRAD=bf16): fused, dy's values are
+    # made from dOut there, so the combine's backward writes no float32 dy
+    wgrad_bf16 = _wgrad_bf16(form, x, H, I) and x.dtype in (torch.bfloat16, torch.float32)
     by_pair = gu.dtype == torch.bfloat16
     if by_pair and not fused:  # the PyTorch stages take the padded layout's float32 rows
         gu, y = (_padded_rows(t, row, rows) for t in (gu, y))
@@ -457,8 +468,8 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     if fused:  # one pass, over each padded row's pair (-1: padding)
         pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
         pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
-        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out.to(torch.bfloat16).contiguous(), y, pair,
-                                                       w.to(torch.float32).contiguous())
+        d_out16, w32 = d_out.to(torch.bfloat16).contiguous(), w.to(torch.float32).contiguous()
+        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out16, y, pair, w32, keep_dy=not wgrad_bf16)
     else:
         g_out = d_out.to(torch.float32)
         d_w = (g_out.unsqueeze(1) * y[row].view(T, k, H)).sum(-1)
@@ -494,9 +505,12 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
         dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
     # wgrads, per expert over its rows: on the BF16 backward's weight kernels over the operands' MX
     # values (MOKGEN_MX_WGRAD=bf16), else one k-ranged bf16-math launch each (else per expert on quad)
-    if _wgrad_bf16(form, dy, H, I) and x.dtype in (torch.bfloat16, torch.float32):
+    if wgrad_bf16:
         src = _row_tokens(row, rows, k)
         at, tok, offs = _rows32(row, padded, src)
+        if dy is None:  # fused: each new row's routing weight (0 without a pair), for dy = w dOut
+            p = torch.where(at >= 0, pair[at.clamp(min=0).long()], -1)
+            dy = (d_out16, torch.where(p >= 0, w32.view(-1)[p.clamp(min=0).long()], 0.0).contiguous())
         d_wg, d_wu, d_wd = _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs,
                                               (w_gate.dtype, w_up.dtype, w_down.dtype))
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wg, d_wu, d_wd)

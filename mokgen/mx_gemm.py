@@ -101,6 +101,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
     if hasattr(lib, "mokgen_mx_rows_values"):  # v0.65 (MOKGEN_MX_WGRAD=bf16)
         lib.mokgen_mx_rows_values.argtypes, lib.mokgen_mx_rows_values.restype = [vp, vp, vp, i, i, i, vp], i
+    if hasattr(lib, "mokgen_mx_scaled_rows_values"):  # v0.66 (dy's values from dOut and the routing weights)
+        lib.mokgen_mx_scaled_rows_values.argtypes = [vp, vp, vp, vp, i, i, vp]
+        lib.mokgen_mx_scaled_rows_values.restype = i
     if hasattr(lib, "mokgen_mx_weight_both_parts"):  # v0.65 (the MXFP8 layer's conversions under both)
         lib.mokgen_mx_weight_both_parts.argtypes = [vp, vp, vp, i, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_both_parts.restype = i
@@ -361,7 +364,7 @@ def quantize_cols_blocked(x):
     return codes, scales
 
 
-def combine_backward(d_out, y, pair, weights):
+def combine_backward(d_out, y, pair, weights, keep_dy: bool = True):
     """The combine's backward in one pass (the MXFP8 backward's, ``mx_experts``): for each padded
     row r with pair ``p = pair[r]`` (int32 ``[rows]``, -1 for a padding row) of ``weights``
     (float32 ``[T, k]``), ``dy[r] = weights[p] * d_out[p // k]`` in float32 (zeros for padding: the
@@ -369,7 +372,9 @@ def combine_backward(d_out, y, pair, weights):
     ``d_w[p] = <d_out[p // k], y_p>`` (float32, summed in a fixed order, not PyTorch's). ``d_out``
     bf16 ``[T, H]``; ``y`` float32 ``[rows, H]`` in the padded layout (``y_p = y[r]``), or bf16
     ``[T k, H]`` in pair order (``y_p = y[p]``: the megakernel's combine slots, the same bits as
-    their float32 copy in the padded layout). Returns ``(dy, (codes, scales), d_w [T, k])``."""
+    their float32 copy in the padded layout). Returns ``(dy, (codes, scales), d_w [T, k])``;
+    ``keep_dy`` False (v0.66): dy's float32 rows are not written, and dy is None (the weight
+    gradients then make dy's values from d_out: :func:`rows_values` with ``scale``)."""
     import torch
 
     T, k = weights.shape
@@ -388,12 +393,12 @@ def combine_backward(d_out, y, pair, weights):
         raise InputError(f"combine_backward: y float32 [rows, {H}] or bf16 [T k, {H}], pair int32 [rows], weights "
                          f"float32 [T, k], all contiguous on one device (d_out and y 16-byte aligned), got {y.dtype} "
                          f"{tuple(y.shape)}, {pair.dtype} {tuple(pair.shape)}, {weights.dtype}")
-    dy = torch.empty(rows, H, dtype=torch.float32, device=y.device)
+    dy = torch.empty(rows, H, dtype=torch.float32, device=y.device) if keep_dy else None
     codes = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=y.device)
     scales = torch.empty(H // BLOCK, rows, 4, dtype=torch.uint8, device=y.device)
     d_w = torch.zeros(T, k, dtype=torch.float32, device=y.device)  # pairs without a row stay 0 (none in a segment list)
-    _launch("mokgen_mx_combine_backward", y.device, dy.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-            d_w.data_ptr(), d_out.data_ptr(), y.data_ptr(), pair.data_ptr(), weights.data_ptr(), rows, k, H,
+    _launch("mokgen_mx_combine_backward", y.device, None if dy is None else dy.data_ptr(), codes.data_ptr(),
+            scales.data_ptr(), d_w.data_ptr(), d_out.data_ptr(), y.data_ptr(), pair.data_ptr(), weights.data_ptr(), rows, k, H,
             int(by_pair))
     return dy, (codes, scales), d_w
 
@@ -705,14 +710,16 @@ def expert_weights_both(parts, *, apart: bool = False):
     return rows_dec, cols_dec
 
 
-def rows_values(x, src=None):
+def rows_values(x, src=None, scale=None):
     """The MX values of rows ``x [rows, n]`` (float32 or bf16) quantized along the rows, in x's own
     layout: each column's 32-row blocks quantized (``mx.quantize(x.t(), dim=-1)``'s scales and
     codes, :func:`cols_bf16_math`'s), their values written back row-major and unpermuted as bf16
     ``[rows, n]``. With ``src`` (int32 ``[rows]``): row r from ``x[src[r]]``, zeros where
     ``src[r] < 0`` (``x [T, n]``), no gathered copy written. rows a multiple of 32, n of 8. The operands
     of the MXFP8 backward's weight gradients on the BF16 backward's weight kernels
-    (MOKGEN_MX_WGRAD=bf16, v0.65)."""
+    (MOKGEN_MX_WGRAD=bf16, v0.65). ``scale`` (v0.66; float32 ``[rows]``, with ``src`` and bf16 x):
+    row r is ``scale[r] * x[src[r]].float()``, one float32 product rounded once (the MXFP8 backward's
+    dy = w dOut from dOut's rows, with no float32 copy of dy read)."""
     import torch
 
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous() \
@@ -723,13 +730,22 @@ def rows_values(x, src=None):
                             or not src.is_contiguous()):
         raise InputError(f"src must be contiguous int32 [rows] on {x.device}, got {src.dtype} {tuple(src.shape)}")
     rows = x.shape[0] if src is None else src.shape[0]
+    if scale is not None and (src is None or x.dtype != torch.bfloat16 or scale.dtype != torch.float32
+                              or tuple(scale.shape) != (rows,) or scale.device != x.device
+                              or not scale.is_contiguous()):
+        raise InputError(f"rows_values: scale must be contiguous float32 [{rows}] on {x.device}, with src and bf16 x, "
+                         f"got {scale.dtype} {tuple(scale.shape)} and x {x.dtype}")
     if rows % 32:
         raise InputError(f"rows_values quantizes 32-row blocks: rows must be a multiple of 32, got {rows}")
     n = x.shape[1]
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
     if rows and n:
-        _launch("mokgen_mx_rows_values", x.device, out.data_ptr(), x.data_ptr(),
-                None if src is None else src.data_ptr(), rows, n, int(x.dtype == torch.float32))
+        if scale is not None:
+            _launch("mokgen_mx_scaled_rows_values", x.device, out.data_ptr(), x.data_ptr(), src.data_ptr(),
+                    scale.data_ptr(), rows, n)
+        else:
+            _launch("mokgen_mx_rows_values", x.device, out.data_ptr(), x.data_ptr(),
+                    None if src is None else src.data_ptr(), rows, n, int(x.dtype == torch.float32))
     return out
 
 

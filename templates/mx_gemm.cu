@@ -479,6 +479,26 @@ int mokgen_mx_rows_values(void* out, const void* x, const void* gather, int rows
   return int(cudaGetLastError());
 }
 
+// rows_values' rows made from bf16 rows times a float32 factor a row (v0.66, mx_gemm.rows_values with
+// scale): out row r from x's row gather[r] times scale[r] in float32 (zeros where gather[r] < 0), x
+// [tokens, n] bf16; the MXFP8 backward's dy = w dOut quantized along the rows without its float32
+// rows. The same shapes and alignment as mokgen_mx_rows_values.
+int mokgen_mx_scaled_rows_values(void* out, const void* x, const void* gather, const void* scale, int rows, int n,
+                                 void* stream) {
+  using namespace mokgen;
+  if (out == nullptr || x == nullptr || gather == nullptr || scale == nullptr || rows < 0 || rows % mx::kBlock ||
+      n <= 0 || n % 8 || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16)
+    return int(cudaErrorInvalidValue);
+  const dim3 grid(unsigned((n + mxg::kColTileCols - 1) / mxg::kColTileCols),
+                  unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), 1u);
+  if (grid.y > 65535) return int(cudaErrorInvalidValue);
+  if (rows == 0) return 0;
+  mxg::values_rows_kernel<bf16><<<grid, mxg::kColThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), rows, n, static_cast<bf16*>(out), static_cast<const int*>(gather),
+      static_cast<const float*>(scale));
+  return int(cudaGetLastError());
+}
+
 // x's rows gathered (row r: x's row gather[r], zeros where gather[r] < 0; x [tokens, n] bf16, or
 // float32 when is_f32), quantized along the rows, transposed: decoded bf16 [n, rows] (permuted),
 // the B operand of the wgrads (mx_gemm.cols_bf16_math with src). version 2: weight_cols2_kernel's

@@ -128,6 +128,16 @@ def test_combine_backward_against_the_pytorch_expressions(k):
     assert ((d_w - want_dw).abs() <= 1e-5 * terms.abs().sum(-1)).all()
     for _ in range(19):
         assert torch.equal(mx_gemm.combine_backward(d_out, y, pair, w)[2], d_w)
+    # keep_dy=False (v0.66): no float32 dy, the same codes, scales and d w
+    none, (codes2, scales2), d_w2 = mx_gemm.combine_backward(d_out, y, pair, w, keep_dy=False)
+    assert none is None and torch.equal(d_w2, d_w) and torch.equal(scales2, scales)
+    assert torch.equal(codes2.view(torch.uint8), codes.view(torch.uint8))
+    # dy's values along the rows made from dOut and the routing weights (rows_values with scale):
+    # the bits of rows_values on the float32 dy rows, rows gathered through each row's token
+    src = torch.where(pair >= 0, pair.div(k, rounding_mode="floor"), -1).to(torch.int32)
+    scale = torch.where(pair >= 0, w.view(-1)[pair.clamp(min=0).long()], 0.0).contiguous()
+    got = mx_gemm.rows_values(d_out, src, scale=scale)
+    assert torch.equal(got.view(torch.int16), mx_gemm.rows_values(dy).view(torch.int16))
 
 
 @pytest.mark.parametrize("clamp", [None, 3.0])

@@ -274,7 +274,7 @@ def emulate_kernels(monkeypatch):
         out[pair >= 0] = t[pair[pair >= 0].long()].to(torch.float32)
         return out
 
-    def combine_backward(d_out, y, pair, w):  # the PyTorch expressions the kernel replaces
+    def combine_backward(d_out, y, pair, w, keep_dy=True):  # the PyTorch expressions the kernel replaces
         T, k = w.shape
         y = by_pair(y, pair) if y.dtype == torch.bfloat16 else y
         valid = pair >= 0
@@ -284,7 +284,7 @@ def emulate_kernels(monkeypatch):
         dy[valid] = w.reshape(-1)[p][:, None] * g[p // k]
         d_w = torch.zeros(T * k)
         d_w[p] = (g[p // k] * y[valid]).sum(-1)
-        return dy, quantize_f32_rows(dy), d_w.view(T, k)
+        return dy if keep_dy else None, quantize_f32_rows(dy), d_w.view(T, k)
 
     def swiglu_backward(gu, dh, clamp_limit=None, pair=None):
         gu = gu if pair is None else by_pair(gu, pair)
@@ -663,8 +663,9 @@ def test_rows32_keeps_each_experts_rows_in_blocks_of_32(skew):
     assert set(row.tolist()) <= kept
 
 
+@pytest.mark.parametrize("stages", ["fused", "torch"])
 @pytest.mark.parametrize("skew", [False, True])
-def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulated, monkeypatch, skew):
+def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulated, monkeypatch, skew, stages):
     """MOKGEN_MX_WGRAD=bf16's orchestration on the CPU (mx_gemm.rows_values and the BF16 weight
     kernels emulated exactly): the operands' MX values laid out with each expert padded to 32 rows
     (mx_experts._rows32), x's rows through their tokens, each weight gradient in its weight's
@@ -675,9 +676,12 @@ def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulate
 
     f64 = torch.float64
 
-    def rows_values(x, src=None):
+    def rows_values(x, src=None, scale=None):
         if src is not None:
             x = torch.where((src >= 0)[:, None], x[src.clamp(min=0).long()], torch.zeros((), dtype=x.dtype))
+        if scale is not None:  # the kernel's one float32 product a element (w dOut's bits)
+            assert x.dtype == torch.bfloat16 and src is not None
+            x = scale[:, None] * x.float()
         codes, scales = mx.quantize(x.float().t().contiguous(), dim=-1)
         return mx.dequantize(codes, scales, out_dtype=torch.float32).to(torch.bfloat16).t().contiguous()
 
@@ -690,11 +694,14 @@ def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulate
         return out.to(torch.bfloat16)
 
     calls = []
-    monkeypatch.setattr(mx_gemm, "rows_values", lambda x, src=None: calls.append("values") or rows_values(x, src))
+    monkeypatch.setattr(mx_gemm, "rows_values",
+                        lambda x, src=None, scale=None: calls.append("values" if scale is None else "dy values")
+                        or rows_values(x, src, scale))
     monkeypatch.setattr(bwd_gemm, "weight_grads", lambda a, b, offs: calls.append("wd") or per_expert(a, b, offs))
     monkeypatch.setattr(bwd_gemm, "weight_grads_joint",
                         lambda a0, a1, b, offs: calls.append("joint") or (per_expert(a0, b, offs),
                                                                           per_expert(a1, b, offs)))
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
     x, ids, w, wg, wu, wd = _cpu_problem(T=150, E=4, seed=13, skew=skew)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
 
@@ -708,7 +715,9 @@ def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulate
     want = grads(False)
     assert calls == []
     got = grads(True)
-    assert calls == ["values", "values", "wd", "values", "values", "values", "joint"]
+    # the fused stages (the default): dy's values from dOut and the routing weights, no float32 dy
+    first = "dy values" if stages == "fused" else "values"
+    assert calls == [first, "values", "wd", "values", "values", "values", "joint"]
     for name, a, b in zip(("x", "topk_weights"), got[:2], want[:2]):
         assert torch.equal(a, b), name
     for name, a, b in zip(("w_gate", "w_up", "w_down"), got[2:], want[2:]):

@@ -419,3 +419,14 @@ def test_rows_values_checks_its_input_then_launches_once(launches):
     assert [c[0] for c in calls] == ["mokgen_mx_rows_values"] * 2
     assert calls[0][1][1:] == (x.data_ptr(), None, 64, 256, 1, STREAM)
     assert calls[1][1][2:] == (src.data_ptr(), 96, 256, 0, STREAM)
+    # scale (v0.66): float32 [rows] a row, with src and bf16 x, on its own entry
+    xb, scale = x.to(torch.bfloat16), torch.ones(96, dtype=torch.float32)
+    for args, match in (((x, src, scale), "with src and bf16 x"), ((xb, None, torch.ones(64)), "with src and bf16 x"),
+                        ((xb, src, torch.ones(96, dtype=torch.float64)), "scale must be contiguous float32 \\[96\\]"),
+                        ((xb, src, torch.ones(95)), "scale must be contiguous float32 \\[96\\]")):
+        with pytest.raises(InputError, match=match):
+            mx_gemm.rows_values(*args[:2], scale=args[2])
+    assert len(calls) == 2
+    got = mx_gemm.rows_values(xb, src, scale=scale)
+    assert got.shape == (96, 256) and calls[2][0] == "mokgen_mx_scaled_rows_values"
+    assert calls[2][1][1:] == (xb.data_ptr(), src.data_ptr(), scale.data_ptr(), 96, 256, STREAM)
