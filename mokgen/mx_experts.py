@@ -401,7 +401,7 @@ def _rows32(row: torch.Tensor, padded: torch.Tensor, src: torch.Tensor):
     return at, tok, end32.to(torch.int32)
 
 
-def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes):
+def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes, values: bool = False):
     """The three weight gradients on the BF16 backward's weight kernels (MOKGEN_MX_WGRAD=bf16): each
     operand's MX values along the rows as bf16 rows in the 32-padded layout (``mx_gemm.rows_values``
     through ``at``, x's through its tokens ``tok``), then dW_down = dy^T h and the joint dW_gate,
@@ -409,7 +409,8 @@ def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes):
     cast to ``dtypes`` (w_gate's, w_up's, w_down's). ``dy``: its float32 rows in the padded
     layout, or (v0.66) ``(d_out, w_rows)``, bf16 dOut [T, H] and each new row's routing weight
     (float32, 0 where the row has no pair): dy's values made from them (``rows_values`` with
-    ``scale``, the bits of w dOut's), with no float32 dy written or read."""
+    ``scale``, the bits of w dOut's), with no float32 dy written or read. ``values``: h, dg and du
+    are their MX values in that layout already (``mx_gemm.swiglu_backward`` with ``values_rows``)."""
     from mokgen import bwd_gemm
 
     f32 = torch.float32
@@ -418,13 +419,31 @@ def _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs, dtypes):
         dyv = mx_gemm.rows_values(d_out, tok, scale=w_rows)
     else:
         dyv = mx_gemm.rows_values(dy.to(f32).contiguous(), at)
-    hv = mx_gemm.rows_values(h.to(f32).contiguous(), at)
+    hv = h if values else mx_gemm.rows_values(h.to(f32).contiguous(), at)
     d_wd = bwd_gemm.weight_grads(dyv, hv, offs)                                             # [E, H, I]
-    del dyv, hv
-    dgv, duv = mx_gemm.rows_values(dg.contiguous(), at), mx_gemm.rows_values(du.contiguous(), at)
+    del dyv, hv, h
+    if values:
+        dgv, duv = dg, du
+    else:
+        dgv, duv = mx_gemm.rows_values(dg.contiguous(), at), mx_gemm.rows_values(du.contiguous(), at)
+    del dg, du
     xv = mx_gemm.rows_values(x.contiguous(), tok)
     d_wg, d_wu = bwd_gemm.weight_grads_joint(dgv, duv, xv, offs)                            # [E, I, H] each
     return d_wg.to(dtypes[0]), d_wu.to(dtypes[1]), d_wd.to(dtypes[2])
+
+
+def _block_map(at: torch.Tensor, rows: int) -> torch.Tensor:
+    """For each of the padded layout's ``rows / 32`` row blocks, its block in :func:`_rows32`'s
+    layout (``at``: each new row's padded row), -1 where none (int32; no host sync). Each new block
+    starts a padded block: an expert's rows start a multiple of 128 in one layout and of 32 in the
+    other, in the same order."""
+    starts = at.view(-1, 32)[:, 0].long()
+    nb = rows // 32
+    # blocks past the last expert (start -1) all go to a spare last entry, dropped
+    idx = torch.where(starts >= 0, starts // 32, nb)
+    out = torch.full((nb + 1,), -1, dtype=torch.int32, device=at.device)
+    out.scatter_(0, idx, torch.arange(starts.shape[0], dtype=torch.int32, device=at.device))
+    return out[:nb].contiguous()
 
 
 def _row_tokens(row: torch.Tensor, rows: int, k: int) -> torch.Tensor:
@@ -456,9 +475,12 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     E, I, H = w_gate.shape
     rows = mx_gemm.BLOCK * tiles.shape[0]
     fused = env.mx_bwd_stages() == "fused"
-    # the weight gradients on the BF16 weight kernels (MOKGEN_MX_WGRAD=bf16): fused, dy's values are
-    # made from dOut there, so the combine's backward writes no float32 dy
+    # the weight gradients on the BF16 weight kernels (MOKGEN_MX_WGRAD=bf16): with the fused stages
+    # their operands' MX values come from the stages (MOKGEN_MX_WGRAD_OPERANDS=fused): dy's from
+    # dOut, so the combine's backward writes no float32 dy, and h's, dg's and du's from the SwiGLU
+    # backward, which writes none of the three in float32
     wgrad_bf16 = _wgrad_bf16(form, x, H, I) and x.dtype in (torch.bfloat16, torch.float32)
+    values = fused and wgrad_bf16 and env.mx_wgrad_operands() == "fused"
     by_pair = gu.dtype == torch.bfloat16
     if by_pair and not fused:  # the PyTorch stages take the padded layout's float32 rows
         gu, y = (_padded_rows(t, row, rows) for t in (gu, y))
@@ -469,7 +491,7 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
         pair = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
         pair[row] = torch.arange(T * k, dtype=torch.int32, device=x.device)
         d_out16, w32 = d_out.to(torch.bfloat16).contiguous(), w.to(torch.float32).contiguous()
-        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out16, y, pair, w32, keep_dy=not wgrad_bf16)
+        dy, (dyq, dys), d_w = mx_gemm.combine_backward(d_out16, y, pair, w32, keep_dy=not values)
     else:
         g_out = d_out.to(torch.float32)
         d_w = (g_out.unsqueeze(1) * y[row].view(T, k, H)).sum(-1)
@@ -481,7 +503,12 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     dh = _grouped(dyq, dys, *wd_t, tiles, form)
     # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
     # quantized along 2 I for the dgrad below
-    if fused:  # one pass
+    if values:  # the weight gradients' layout first: dg, du and h come out as its MX values
+        src = _row_tokens(row, rows, k)
+        at, tok, offs = _rows32(row, padded, src)
+        dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit, pair if by_pair else None,
+                                                          values_rows=(_block_map(at, rows), offs[-1:], at.shape[0]))
+    elif fused:  # one pass
         dg, du, h, (dguq, dgus) = mx_gemm.swiglu_backward(gu, dh, clamp_limit, pair if by_pair else None)
     else:
         with torch.enable_grad():
@@ -506,13 +533,14 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     # wgrads, per expert over its rows: on the BF16 backward's weight kernels over the operands' MX
     # values (MOKGEN_MX_WGRAD=bf16), else one k-ranged bf16-math launch each (else per expert on quad)
     if wgrad_bf16:
-        src = _row_tokens(row, rows, k)
-        at, tok, offs = _rows32(row, padded, src)
+        if not values:
+            src = _row_tokens(row, rows, k)
+            at, tok, offs = _rows32(row, padded, src)
         if dy is None:  # fused: each new row's routing weight (0 without a pair), for dy = w dOut
             p = torch.where(at >= 0, pair[at.clamp(min=0).long()], -1)
             dy = (d_out16, torch.where(p >= 0, w32.view(-1)[p.clamp(min=0).long()], 0.0).contiguous())
         d_wg, d_wu, d_wd = _weight_grads_bf16(dy, h, dg, du, x, at, tok, offs,
-                                              (w_gate.dtype, w_up.dtype, w_down.dtype))
+                                              (w_gate.dtype, w_up.dtype, w_down.dtype), values=values)
         return (dx.to(x.dtype), d_w.to(w.dtype), d_wg, d_wu, d_wd)
     if _ranged(form, dy, I):
         d_wd = _weight_grads_ranged(dy, h, padded, w_down.dtype)                                    # [E, H, I]

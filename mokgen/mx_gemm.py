@@ -101,6 +101,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mokgen_mx_weight_both.argtypes, lib.mokgen_mx_weight_both.restype = [vp, vp, vp, i, i, i, i, i, vp], i
     if hasattr(lib, "mokgen_mx_rows_values"):  # v0.65 (MOKGEN_MX_WGRAD=bf16)
         lib.mokgen_mx_rows_values.argtypes, lib.mokgen_mx_rows_values.restype = [vp, vp, vp, i, i, i, vp], i
+    if hasattr(lib, "mokgen_mx_swiglu_backward_values"):  # v0.66 (dg, du and h as MX values along the rows)
+        lib.mokgen_mx_swiglu_backward_values.argtypes = [vp] * 10 + [i, i, i, ctypes.c_float, vp]
+        lib.mokgen_mx_swiglu_backward_values.restype = i
     if hasattr(lib, "mokgen_mx_scaled_rows_values"):  # v0.66 (dy's values from dOut and the routing weights)
         lib.mokgen_mx_scaled_rows_values.argtypes = [vp, vp, vp, vp, i, i, vp]
         lib.mokgen_mx_scaled_rows_values.restype = i
@@ -403,7 +406,7 @@ def combine_backward(d_out, y, pair, weights, keep_dy: bool = True):
     return dy, (codes, scales), d_w
 
 
-def swiglu_backward(gu, dh, clamp_limit: float | None = None, pair=None):
+def swiglu_backward(gu, dh, clamp_limit: float | None = None, pair=None, values_rows=None):
     """SwiGLU's backward in one pass (the MXFP8 backward's): from the float32 gate | up rows ``gu
     [rows, 2 I]`` and ``dh [rows, I]``, PyTorch's expressions of ``reference.swiglu`` under
     autograd (each operation rounded on its own: within an ulp or two of PyTorch's kernels, whose
@@ -412,7 +415,13 @@ def swiglu_backward(gu, dh, clamp_limit: float | None = None, pair=None):
     ``quantize_f32_rows`` of ``cat([dg, du], 1)``). With ``pair`` (int32 ``[rows]``, each padded
     row's pair, -1 for padding), ``gu`` is bf16 ``[T k, 2 I]`` in pair order instead (the
     megakernel's saved rows): row r reads ``gu[pair[r]]`` (zeros for padding), the same bits as
-    its float32 copy in the padded layout."""
+    its float32 copy in the padded layout. ``values_rows`` (v0.66): ``(block_out, out_end,
+    out_rows)``, and then dg, du and h come back as their MX values along the rows, bf16 ``[out_rows,
+    I]`` each (:func:`rows_values`' bits), with no float32 copy written: the padded rows' 32-row
+    block b (rows a multiple of 128 here) goes to block ``block_out[b]`` of the output (int32
+    ``[rows / 32]``; -1: nowhere), and the output's rows from ``out_end`` (an int32 tensor of one
+    element, on the device) to ``out_rows`` (a multiple of 32) are zeros. The MXFP8 backward's
+    weight gradients on the BF16 weight kernels (mx_experts._rows32's layout)."""
     import torch
 
     if pair is not None:
@@ -436,9 +445,23 @@ def swiglu_backward(gu, dh, clamp_limit: float | None = None, pair=None):
     limit = 0.0 if clamp_limit is None else float(clamp_limit)
     if clamp_limit is not None and not limit > 0:
         raise InputError(f"clamp_limit must be positive, got {clamp_limit}")
-    dg, du, h = (torch.empty(rows, inter, dtype=torch.float32, device=gu.device) for _ in range(3))
     codes = torch.empty(rows, 2 * inter, dtype=torch.float8_e4m3fn, device=gu.device)
     scales = torch.empty(2 * inter // BLOCK, rows, 4, dtype=torch.uint8, device=gu.device)
+    if values_rows is not None:
+        block_out, out_end, out_rows = values_rows
+        if rows % BLOCK or block_out.dtype != torch.int32 or tuple(block_out.shape) != (rows // 32,) \
+                or not block_out.is_contiguous() or out_end.dtype != torch.int32 or out_end.numel() != 1 \
+                or out_rows < 0 or out_rows % 32 or any(t.device != gu.device for t in (block_out, out_end)):
+            raise InputError(f"swiglu_backward values_rows: rows a multiple of {BLOCK} ({rows}), block_out int32 "
+                             f"[{rows // 32}], out_end int32 of one element, out_rows a multiple of 32 ({out_rows}), "
+                             f"on gu's device")
+        h, dg, du = (torch.empty(out_rows, inter, dtype=torch.bfloat16, device=gu.device) for _ in range(3))
+        _launch("mokgen_mx_swiglu_backward_values", gu.device, h.data_ptr(), dg.data_ptr(), du.data_ptr(),
+                codes.data_ptr(), scales.data_ptr(), gu.data_ptr(), dh.data_ptr(),
+                None if pair is None else pair.data_ptr(), block_out.data_ptr(), out_end.data_ptr(), rows, inter,
+                out_rows, limit)
+        return dg, du, h, (codes, scales)
+    dg, du, h = (torch.empty(rows, inter, dtype=torch.float32, device=gu.device) for _ in range(3))
     _launch("mokgen_mx_swiglu_backward", gu.device, dg.data_ptr(), du.data_ptr(), h.data_ptr(), codes.data_ptr(),
             scales.data_ptr(), gu.data_ptr(), dh.data_ptr(), None if pair is None else pair.data_ptr(), rows, inter,
             limit)

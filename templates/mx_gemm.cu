@@ -690,6 +690,50 @@ int mokgen_mx_swiglu_backward(void* dg, void* du, void* h, void* codes, void* sc
   return int(cudaGetLastError());
 }
 
+// SwiGLU's backward with the weight gradients' operands as MX values (v0.66, mx_rows.cuh
+// swiglu_backward_cols_kernel; mx_gemm.swiglu_backward with values_rows): [dg | du]'s codes and
+// scales along 2 I as mokgen_mx_swiglu_backward writes them, and instead of dg, du and h float32,
+// their MX values along the rows as bf16 [out_rows, I] each (padded block b to output block
+// block_out[b], none where < 0; rows from *out_end on zeroed). I a multiple of 128, rows of 128.
+int mokgen_mx_swiglu_backward_values(void* h_out, void* dg_out, void* du_out, void* codes, void* scales, const void* gu,
+                                     const void* dh, const void* pair, const void* block_out, const void* out_end,
+                                     int rows, int inter, int out_rows, float limit, void* stream) {
+  using namespace mokgen;
+  if (rows < 0 || rows % 128 || inter <= 0 || inter % 128 || out_rows < 0 || out_rows % mx::kBlock ||
+      block_out == nullptr || out_end == nullptr)
+    return int(cudaErrorInvalidValue);
+  if (rows == 0) return 0;
+  const dim3 grid(unsigned(inter / mxg::kColTileCols), unsigned(rows / mxg::kColTileRows), 1u);
+  if (grid.y > 65535) return int(cudaErrorInvalidValue);
+  auto st = static_cast<cudaStream_t>(stream);
+  const int* pr = static_cast<const int*>(pair);
+  const float* d = static_cast<const float*>(dh);
+  auto* oc = static_cast<uint8_t*>(codes);
+  auto* os = static_cast<uint8_t*>(scales);
+  const int* bo = static_cast<const int*>(block_out);
+  const int* oe = static_cast<const int*>(out_end);
+  bf16 *oh = static_cast<bf16*>(h_out), *og = static_cast<bf16*>(dg_out), *ou = static_cast<bf16*>(du_out);
+  cudaError_t err = cudaSuccess;
+  const auto launch = [&](auto kernel, auto rows_of_gu) {
+    // above 48 KB of dynamic shared memory a kernel must opt in (per instantiation; cheap to repeat)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mxg::kSwigluColsSmem);
+    if (err != cudaSuccess) return;
+    kernel<<<grid, mxg::kColThreads, mxg::kSwigluColsSmem, st>>>(rows_of_gu, pr, d, rows, inter, limit, oc, os, bo, oe,
+                                                                  out_rows, oh, og, ou);
+  };
+  if (pr != nullptr) {
+    using R = mxg::PairBf16Rows;
+    const R g{static_cast<const bf16*>(gu)};
+    limit > 0.f ? launch(mxg::swiglu_backward_cols_kernel<true, R>, g) : launch(mxg::swiglu_backward_cols_kernel<false, R>, g);
+  } else {
+    using R = mxg::PaddedF32Rows;
+    const R g{static_cast<const float*>(gu)};
+    limit > 0.f ? launch(mxg::swiglu_backward_cols_kernel<true, R>, g) : launch(mxg::swiglu_backward_cols_kernel<false, R>, g);
+  }
+  if (err != cudaSuccess) return int(err);
+  return int(cudaGetLastError());
+}
+
 // Grouped: rows of A in segments of whole 128-row tiles, one expert's each. `tiles` (device,
 // int32 pairs) lists the row tiles as (expert e, first row m0); C's rows m0 .. m0 + 127 get
 // A's rows times expert e's B, where B holds E experts' codes [E, N, K] and their scales

@@ -174,6 +174,46 @@ def test_swiglu_backward_against_pytorch_autograd(clamp):
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
 
 
+@pytest.mark.parametrize("by_pair", [False, True])
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_swiglu_backward_values_are_rows_values_of_its_float32_rows(clamp, by_pair):
+    """mx_gemm.swiglu_backward with values_rows (v0.66; the MXFP8 backward's weight gradients on the
+    BF16 weight kernels): the same [dg | du] codes and scales as without, and instead of dg, du and h
+    in float32, their MX values along the rows in mx_experts._rows32's layout, bit for bit those of
+    rows_values on the float32 rows through that layout's rows (skewed routing: an expert without
+    rows, blocks of padding; a NaN), the rows past the last expert zeros (the output's memory
+    filled with NaN first), and the same bits on a second run."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    T, k, E, I = 300, 2, 5, 256
+    ids = torch.randint(0, E - 1, (T * k,), generator=gen, device="cuda")  # expert E - 1 gets no rows
+    ids[:100] = 0
+    row, src, tiles, padded = mx_experts._segments(ids, E, k)
+    rows = mx_gemm.BLOCK * tiles.shape[0]
+    pair = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    pair[row] = torch.arange(T * k, dtype=torch.int32, device="cuda")
+    gu_pairs = (torch.randn(T * k, 2 * I, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    gu_pairs[7, 3] = float("nan")
+    gu = torch.zeros(rows, 2 * I, device="cuda")
+    gu[row] = gu_pairs.float()
+    dh = torch.randn(rows, I, generator=gen, device="cuda")
+    args = (gu_pairs, dh, clamp, pair) if by_pair else (gu, dh, clamp)
+    dg, du, h, (codes, scales) = mx_gemm.swiglu_backward(*args)
+    at, _tok, offs = mx_experts._rows32(row, padded, src)
+    vr = (mx_experts._block_map(at, rows), offs[-1:], at.shape[0])
+    torch.full((3, at.shape[0], I), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: garbage to reuse
+    got = mx_gemm.swiglu_backward(*args, values_rows=vr)
+    assert torch.equal(got[3][0].view(torch.uint8), codes.view(torch.uint8)) and torch.equal(got[3][1], scales)
+    for name, g, t in zip(("dg", "du", "h"), got[:3], (dg, du, h)):
+        want = mx_gemm.rows_values(t, at)
+        assert g.dtype == torch.bfloat16 and g.shape == (at.shape[0], I), name
+        assert torch.equal(g.view(torch.int16), want.view(torch.int16)), name
+        assert not g[int(offs[-1]):].any(), name
+    assert g.isnan().any() or not h.isnan().any()  # the NaN reached the values
+    again = mx_gemm.swiglu_backward(*args, values_rows=vr)
+    for a, b in zip(again[:3], got[:3]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_grouped_gemm_skips_the_tiles_past_the_segments():
     """(-1, 0) entries (the fixed-length tile list of mx_experts._segments) write nothing."""
     gen = torch.Generator(device="cuda").manual_seed(12)

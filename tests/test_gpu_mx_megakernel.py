@@ -364,7 +364,8 @@ def test_mx_weight_gradients_on_the_bf16_weight_kernels_match_the_ranged_ones(mo
     weight kernels over the operands' MX values (each expert's rows padded to 32) against the
     k-ranged bf16-math GEMM's: the same products in another order, so within a few bf16
     roundings (relative 2e-3), zeros for experts without rows, and the same bits over repeats;
-    x's and the routing weights' gradients do not depend on it (the same bits)."""
+    x's and the routing weights' gradients do not depend on it (the same bits). The operands'
+    values made by the fused stages (MOKGEN_MX_WGRAD_OPERANDS=fused, v0.66) or apart: the same bits."""
     from mokgen.ep import MoELayer
 
     spec = _spec()
@@ -395,6 +396,13 @@ def test_mx_weight_gradients_on_the_bf16_weight_kernels_match_the_ranged_ones(mo
         assert not g[idle].any(), name  # an expert without rows: zeros (its 32-row padding takes none)
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(step("bf16"), got))
+    # v0.66: the operands' values from the fused stages (the default) or by rows_values from their
+    # float32 rows: the same bits
+    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart")
+    apart = step("bf16")
+    monkeypatch.delenv("MOKGEN_MX_WGRAD_OPERANDS")
+    for name, a, b in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), apart, got):
+        assert torch.equal(a, b), name
 
 
 def test_mx_moelayer_is_the_virtual_launchs_bits_and_converts_its_weights_once_per_version():

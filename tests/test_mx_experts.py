@@ -286,14 +286,29 @@ def emulate_kernels(monkeypatch):
         d_w[p] = (g[p // k] * y[valid]).sum(-1)
         return dy if keep_dy else None, quantize_f32_rows(dy), d_w.view(T, k)
 
-    def swiglu_backward(gu, dh, clamp_limit=None, pair=None):
+    def swiglu_backward(gu, dh, clamp_limit=None, pair=None, values_rows=None):
         gu = gu if pair is None else by_pair(gu, pair)
         inter = gu.shape[1] // 2
         with torch.enable_grad():
             g, u = (t.detach().requires_grad_(True) for t in (gu[:, :inter], gu[:, inter:]))
             h = R.swiglu(g, u, clamp_limit)
             dg, du = torch.autograd.grad(h, (g, u), dh)
-        return dg, du, h.detach(), quantize_f32_rows(torch.cat([dg, du], 1))
+        codes = quantize_f32_rows(torch.cat([dg, du], 1))
+        if values_rows is None:
+            return dg, du, h.detach(), codes
+        block_out, out_end, out_rows = values_rows  # each padded 32-row block's values to its output block
+
+        def values(t):
+            c, sc = mx.quantize(t.detach().float().t().contiguous(), dim=-1)
+            v = mx.dequantize(c, sc, out_dtype=torch.float32).to(torch.bfloat16).t()
+            out = torch.zeros(out_rows, t.shape[1], dtype=torch.bfloat16)
+            for b, ob in enumerate(block_out.tolist()):
+                if ob >= 0:
+                    assert ob * 32 < int(out_end)
+                    out[ob * 32:ob * 32 + 32] = v[b * 32:b * 32 + 32]
+            return out
+
+        return values(dg), values(du), values(h), codes
 
     for name, fn in (("mx_gemm", gemm), ("mx_grouped_gemm", grouped), ("mx_bf16_math_grouped_gemm", bf16_grouped),
                      ("mx_bf16_math_swiglu_gemm", swiglu_gemm), ("mx_bf16_math_combine1_gemm", combine1_gemm), ("quantize_rows", quantize_rows),
@@ -342,7 +357,9 @@ def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, monkey
     combine epilogue, k > 1 from the combine kernel."""
     from mokgen import reference as R
 
-    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages.split("-")[0])
+    # fused-apart: the operands' values by rows_values from the stages' float32 rows (v0.65's way)
+    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart" if stages == "fused-apart" else "fused")
     x, ids, w, wg, wu, wd = _cpu_problem(skew=skew, seed=1, k=k)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
@@ -424,7 +441,9 @@ def test_the_mx_node_under_the_save_policy_starts_from_the_launchs_rows(emulated
     from mokgen import ep
     from mokgen import reference as R
 
-    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages.split("-")[0])
+    # fused-apart: the operands' values by rows_values from the stages' float32 rows (v0.65's way)
+    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart" if stages == "fused-apart" else "fused")
     x, ids, w, wg, wu, wd = _cpu_problem(T=120, seed=7, skew=True)
     sizes = [50, 0, 70]
     T, k = ids.shape
@@ -661,12 +680,24 @@ def test_rows32_keeps_each_experts_rows_in_blocks_of_32(skew):
     # every pair's row is kept, each in its expert's range and at the same place in it
     kept = set(at[at >= 0].tolist())
     assert set(row.tolist()) <= kept
+    # each padded 32-row block's block in the new layout (v0.66, the SwiGLU backward's values), -1 none
+    rows = int(padded.sum())
+    bmap = mx_experts._block_map(at, rows)
+    want = [-1] * (rows // 32)
+    for j in range(len(want_at) // 32):
+        if want_at[32 * j] >= 0:
+            assert want_at[32 * j] % 32 == 0 and want_at[32 * j:32 * j + 32] == list(range(want_at[32 * j],
+                                                                                          want_at[32 * j] + 32))
+            want[want_at[32 * j] // 32] = j
+    assert bmap.dtype == torch.int32 and bmap.tolist() == want
 
 
-@pytest.mark.parametrize("stages", ["fused", "torch"])
+@pytest.mark.parametrize("stages", ["fused", "torch", "fused-apart"])
 @pytest.mark.parametrize("skew", [False, True])
 def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulated, monkeypatch, skew, stages):
-    """MOKGEN_MX_WGRAD=bf16's orchestration on the CPU (mx_gemm.rows_values and the BF16 weight
+    """MOKGEN_MX_WGRAD=bf16's orchestration on the CPU under each way to its operands (the fused
+    stages making their values, v0.66; the torch stages; the fused stages with the values made
+    apart by rows_values, v0.65) (mx_gemm.rows_values and the BF16 weight
     kernels emulated exactly): the operands' MX values laid out with each expert padded to 32 rows
     (mx_experts._rows32), x's rows through their tokens, each weight gradient in its weight's
     orientation. Against the default path (the MX product per expert, emulated in float64): x's
@@ -701,7 +732,9 @@ def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulate
     monkeypatch.setattr(bwd_gemm, "weight_grads_joint",
                         lambda a0, a1, b, offs: calls.append("joint") or (per_expert(a0, b, offs),
                                                                           per_expert(a1, b, offs)))
-    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages.split("-")[0])
+    # fused-apart: the operands' values by rows_values from the stages' float32 rows (v0.65's way)
+    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart" if stages == "fused-apart" else "fused")
     x, ids, w, wg, wu, wd = _cpu_problem(T=150, E=4, seed=13, skew=skew)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
 
@@ -715,9 +748,12 @@ def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulate
     want = grads(False)
     assert calls == []
     got = grads(True)
-    # the fused stages (the default): dy's values from dOut and the routing weights, no float32 dy
-    first = "dy values" if stages == "fused" else "values"
-    assert calls == [first, "values", "wd", "values", "values", "values", "joint"]
+    # the fused stages (the default): dy's values from dOut and the routing weights, h's, dg's and
+    # du's from the SwiGLU backward, no float32 copy of any
+    if stages == "fused":
+        assert calls == ["dy values", "wd", "values", "joint"]
+    else:
+        assert calls == ["values", "values", "wd", "values", "values", "values", "joint"]
     for name, a, b in zip(("x", "topk_weights"), got[:2], want[:2]):
         assert torch.equal(a, b), name
     for name, a, b in zip(("w_gate", "w_up", "w_down"), got[2:], want[2:]):

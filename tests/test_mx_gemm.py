@@ -29,6 +29,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     # the combine's and SwiGLU's backward read float32 padded rows or bf16 rows by pair (v0.64)
     assert sum("combine_backward_kernel" in k for k in kernels) == 2
     assert sum("swiglu_backward_kernel" in k for k in kernels) == 4  # each with and without the clamp
+    assert sum("swiglu_backward_cols_kernel" in k for k in kernels) == 4  # v0.66: the same four, values out
     assert any("ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(kernels), spills
@@ -230,6 +231,21 @@ def test_the_fused_backward_stages_check_their_operands_and_pass_them_in_order(l
         mx_gemm.swiglu_backward(gu, dh.t())
     with pytest.raises(InputError, match="clamp_limit must be positive, got -1"):
         mx_gemm.swiglu_backward(gu, dh, -1)
+    # values_rows (v0.66): dg, du and h as bf16 MX values [out_rows, I] on their own entry
+    block_out, out_end = torch.full((rows // 32,), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    n = len(calls)
+    for vr in ((block_out.long(), out_end, 96), (block_out[:3], out_end, 96), (block_out, out_end.long(), 96),
+               (block_out, torch.zeros(2, dtype=torch.int32), 96), (block_out, out_end, 80)):
+        with pytest.raises(InputError, match=r"swiglu_backward values_rows: rows a multiple of 128 \(128\)"):
+            mx_gemm.swiglu_backward(gu, dh, 7.0, values_rows=vr)
+    assert len(calls) == n
+    dg, du, h, (codes, scales) = mx_gemm.swiglu_backward(gu_pairs, dh, 7.0, pair, values_rows=(block_out, out_end, 96))
+    name, args = calls[-1]
+    assert name == "mokgen_mx_swiglu_backward_values" and len(args) == 15
+    assert args[:5] == (h.data_ptr(), dg.data_ptr(), du.data_ptr(), codes.data_ptr(), scales.data_ptr())
+    assert args[5:] == (gu_pairs.data_ptr(), dh.data_ptr(), pair.data_ptr(), block_out.data_ptr(), out_end.data_ptr(),
+                        rows, I, 96, 7.0, STREAM)
+    assert all(t.shape == (96, I) and t.dtype == torch.bfloat16 for t in (dg, du, h))
 
 
 def test_quantize_cols_blocked_takes_the_column_quantizer_with_codes_only(launches, monkeypatch):

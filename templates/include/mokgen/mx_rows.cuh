@@ -716,6 +716,103 @@ __global__ void __launch_bounds__(kColThreads, 4)
   }
 }
 
+// SwiGLU's backward with the weight gradients' operands as MX values (v0.66, mx_gemm.swiglu_backward
+// with values_rows; the MXFP8 backward's weight gradients on the BF16 weight kernels): a CTA per 128
+// padded rows by 64 columns of I. Each element as swiglu_backward_kernel makes it (the same thread
+// layout: a thread per 4 consecutive elements of a row, 8 lanes a 32-block, so [dg | du]'s codes and
+// scales along 2 I are that kernel's), but dg, du and h stay in shared memory as float32, and each
+// column's 32-row blocks of them are quantized there (values_rows_kernel's quantizer and values) and
+// written out as bf16 rows: padded block b (rows 32 b .. 32 b + 31) to rows 32 block_out[b] .. of
+// h_out, dg_out and du_out ([out_rows, I] each), not at all where block_out[b] < 0. So none of the
+// three float32 [rows, I] is written, nor read again by rows_values. The output's rows from
+// *out_end to out_rows (no block's) are zeroed, the column tile's 64 columns by each CTA of the
+// column. I a multiple of 64 (of 128 for the codes), rows of 128. Grid (I / 64, rows / 128),
+// kColThreads threads, kSwigluColsSmem bytes of dynamic shared memory.
+constexpr int kSwigluColsPitch = kColTileCols + 1;  // float32 a staged row (+ 1: a column's reads hit 32 banks)
+constexpr int kSwigluColsSmem = 3 * kColTileRows * kSwigluColsPitch * int(sizeof(float));
+template <bool kHasClamp, class GuRows>
+__global__ void __launch_bounds__(kColThreads, 2)
+    swiglu_backward_cols_kernel(const GuRows gu, const int* __restrict__ pair, const float* __restrict__ dh, int rows,
+                                int inter, float limit, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
+                                const int* __restrict__ block_out, const int* __restrict__ out_end, int out_rows,
+                                bf16* __restrict__ h_out, bf16* __restrict__ dg_out, bf16* __restrict__ du_out) {
+  static_assert(kColThreads == 256 && kColTileRows == 128 && kColTileCols == 64, "the thread layouts below");
+  extern __shared__ __align__(16) float sw_smem[];
+  float* tiles[3] = {sw_smem, sw_smem + kColTileRows * kSwigluColsPitch, sw_smem + 2 * kColTileRows * kSwigluColsPitch};
+  const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows;
+  const int nb = inter / mx::kBlock;
+  // 1. the elements: 16 threads a row (4 columns each), 16 rows a pass, 8 passes
+  const int ql = threadIdx.x % 16, q = c0 / 4 + ql;
+#pragma unroll 1
+  for (int pass = 0; pass < kColTileRows / 16; ++pass) {
+    const int rl = pass * 16 + threadIdx.x / 16, r = r0 + rl;
+    const int p = std::is_same<GuRows, PaddedF32Rows>::value ? r : pair[r];
+    const float4 g4 = gu.load4(r, p, size_t(2) * inter, size_t(4) * q);
+    const float4 u4 = gu.load4(r, p, size_t(2) * inter, size_t(inter) + 4 * q);
+    const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
+    const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
+    float vh[4], vg[4], vu[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bwd::SwigluGrad res = bwd::swiglu_grad_exact(gs[i], us[i], ds[i], kHasClamp, limit);
+      vh[i] = res.h;
+      vg[i] = res.dg;
+      vu[i] = res.du;
+      tiles[0][rl * kSwigluColsPitch + 4 * ql + i] = vh[i];
+      tiles[1][rl * kSwigluColsPitch + 4 * ql + i] = vg[i];
+      tiles[2][rl * kSwigluColsPitch + 4 * ql + i] = vu[i];
+    }
+    const int b = q / 8;  // the 32-block of dg along I (of du: nb + b along 2 I)
+    quantize_store_lanes(vg, codes + size_t(r) * 2 * inter, q, scales, rows, r, b);
+    quantize_store_lanes(vu, codes + size_t(r) * 2 * inter + inter, q, scales, rows, r, nb + b);
+  }
+  __syncthreads();
+  // 2. each column's four 32-row blocks of h, dg and du quantized, their values kept as bf16
+  const int c = threadIdx.x % kColTileCols, blk = threadIdx.x / kColTileCols;
+  bf16 vals[3][mx::kBlock];
+#pragma unroll
+  for (int o = 0; o < 3; ++o) {
+    float v[mx::kBlock];
+#pragma unroll
+    for (int i = 0; i < mx::kBlock; ++i) v[i] = tiles[o][(blk * mx::kBlock + i) * kSwigluColsPitch + c];
+    uint32_t w[mx::kBlock / 4];
+    const uint8_t scale = quantize_block_words(v, w);
+    decode_block_words(w, scale, vals[o]);
+  }
+  __syncthreads();  // every thread holds its blocks: the buffer takes the values as bf16 rows
+  constexpr int kStageRow = kColTileCols + 8;  // bf16 a staged row, padded to keep rows 16-byte aligned
+  static_assert(3 * kColTileRows * kStageRow * int(sizeof(bf16)) <= kSwigluColsSmem, "the staged rows fit");
+  bf16* stage = reinterpret_cast<bf16*>(sw_smem);
+#pragma unroll
+  for (int o = 0; o < 3; ++o) {
+#pragma unroll
+    for (int i = 0; i < mx::kBlock; ++i)
+      stage[(o * kColTileRows + blk * mx::kBlock + i) * kStageRow + c] = vals[o][i];
+  }
+  __syncthreads();
+  // 3. the rows out, 16-byte pieces (8 a row of the tile), each 32-row block to its place
+  // the output of o by selects (an array indexed at run time would live in local memory)
+  const auto out_of = [&](int o) { return o == 0 ? h_out : o == 1 ? dg_out : du_out; };
+  constexpr int kChunks = kColTileCols * int(sizeof(bf16)) / 16;
+  for (int i = threadIdx.x; i < 3 * kColTileRows * kChunks; i += kColThreads) {
+    const int o = i / (kColTileRows * kChunks), rl = (i / kChunks) % kColTileRows, chunk = i % kChunks;
+    const int ob = block_out[(r0 + rl) / mx::kBlock];
+    if (ob < 0) continue;
+    *reinterpret_cast<uint4*>(out_of(o) + size_t(ob * mx::kBlock + rl % mx::kBlock) * inter + c0 + chunk * 8) =
+        *reinterpret_cast<const uint4*>(stage + (o * kColTileRows + rl) * kStageRow + chunk * 8);
+  }
+  // 4. the output's rows past the last block: zeros (this column tile's, rows shared among the column's CTAs)
+  const int end = *out_end;
+  const int tail_rows = out_rows - end;
+  if (tail_rows <= 0) return;
+  const int per_cta = (tail_rows + gridDim.y - 1) / gridDim.y, first = end + blockIdx.y * per_cta;
+  const int n_rows = min(per_cta, out_rows - first);
+  for (int i = threadIdx.x; i < 3 * n_rows * kChunks; i += kColThreads) {
+    const int o = i / (n_rows * kChunks), rr = first + (i / kChunks) % n_rows, chunk = i % kChunks;
+    *reinterpret_cast<uint4*>(out_of(o) + size_t(rr) * inter + c0 + chunk * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // ---- the staged experts' segments on the device, one CTA (mx_experts._segments) -----------------
 // From the pairs' expert ids (flat, n = T k), and their stable sort order or none: each pair's row
 // in the padded layout (segments in expert order, each a multiple of 128 rows), the source token of
