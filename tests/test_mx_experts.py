@@ -357,9 +357,7 @@ def test_backward_orchestration_matches_the_mx_oracle_gradients(emulated, monkey
     combine epilogue, k > 1 from the combine kernel."""
     from mokgen import reference as R
 
-    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages.split("-")[0])
-    # fused-apart: the operands' values by rows_values from the stages' float32 rows (v0.65's way)
-    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart" if stages == "fused-apart" else "fused")
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
     x, ids, w, wg, wu, wd = _cpu_problem(skew=skew, seed=1, k=k)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
@@ -441,9 +439,7 @@ def test_the_mx_node_under_the_save_policy_starts_from_the_launchs_rows(emulated
     from mokgen import ep
     from mokgen import reference as R
 
-    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages.split("-")[0])
-    # fused-apart: the operands' values by rows_values from the stages' float32 rows (v0.65's way)
-    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart" if stages == "fused-apart" else "fused")
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
     x, ids, w, wg, wu, wd = _cpu_problem(T=120, seed=7, skew=True)
     sizes = [50, 0, 70]
     T, k = ids.shape
