@@ -493,7 +493,7 @@ int mokgen_mx_scaled_rows_values(void* out, const void* x, const void* gather, c
                   unsigned((rows + mxg::kColTileRows - 1) / mxg::kColTileRows), 1u);
   if (grid.y > 65535) return int(cudaErrorInvalidValue);
   if (rows == 0) return 0;
-  mxg::values_rows_kernel<bf16><<<grid, mxg::kColThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  mxg::values_rows_kernel<bf16, true><<<grid, mxg::kColThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const bf16*>(x), rows, n, static_cast<bf16*>(out), static_cast<const int*>(gather),
       static_cast<const float*>(scale));
   return int(cudaGetLastError());
@@ -647,7 +647,11 @@ int mokgen_mx_combine_backward(void* dy, void* codes, void* scales, void* d_w, c
   if (rows == 0) return 0;
   constexpr int kThreads = 128;
   const auto launch = [&](auto rows_of_y) {
-    mxg::combine_backward_kernel<kThreads><<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    using Y = decltype(rows_of_y);
+    // dy null (v0.66, mx_gemm.combine_backward keep_dy=False): its own instantiation, which writes no dy
+    const auto kernel = dy != nullptr ? mxg::combine_backward_kernel<kThreads, Y, true>
+                                      : mxg::combine_backward_kernel<kThreads, Y, false>;
+    kernel<<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const bf16*>(d_out), rows_of_y, static_cast<const int*>(pair), static_cast<const float*>(w), rows,
         k, h, static_cast<float*>(dy), static_cast<uint8_t*>(codes), static_cast<uint8_t*>(scales),
         static_cast<float*>(d_w));

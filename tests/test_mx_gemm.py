@@ -27,7 +27,8 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert sum("mx_gemm_kernel" in k for k in kernels) == len(mx_gemm.FORMS), kernels
     assert any("quantize_rows_kernel" in k for k in kernels) and any("swiglu_quantize_kernel" in k for k in kernels)
     # the combine's and SwiGLU's backward read float32 padded rows or bf16 rows by pair (v0.64)
-    assert sum("combine_backward_kernel" in k for k in kernels) == 2
+    # each with and without writing dy (v0.66: keep_dy=False, the fused weight-gradient operands)
+    assert sum("combine_backward_kernel" in k for k in kernels) == 4
     assert sum("swiglu_backward_kernel" in k for k in kernels) == 4  # each with and without the clamp
     assert sum("swiglu_backward_cols_kernel" in k for k in kernels) == 4  # v0.66: the same four, values out
     assert any("ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent

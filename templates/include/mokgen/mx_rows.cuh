@@ -237,10 +237,10 @@ __global__ void swiglu_quantize_kernel(const float* __restrict__ gu, int rows, i
 // dy[r] = w[p] * dOut[p / k] in float32 (one product, rounded once: the PyTorch expression's bits),
 // dy's row r quantized along H (the dgrad's A), and d w[p] = <dOut[p / k], y[r]>, summed in a
 // fixed order: each thread along its own elements (its 4, group after group of the row), then the
-// CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). dy null (v0.66): dy's
-// float32 rows not written (its codes and d w only). H a multiple of 128,
+// CTA's threads by a fixed tree. A padding row gets zeros (and zero codes). kKeepDy false (v0.66):
+// dy's float32 rows not written (its codes and d w only; dy may be null). H a multiple of 128,
 // kThreads threads (a multiple of 32). y's rows: YRows (PaddedF32Rows or PairBf16Rows above).
-template <int kThreads, class YRows>
+template <int kThreads, class YRows, bool kKeepDy = true>
 __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
     const bf16* __restrict__ d_out, const YRows y, const int* __restrict__ pair,
     const float* __restrict__ w, int rows, int k, int h, float* __restrict__ dy, uint8_t* __restrict__ codes,
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[i] = 0.f;
     }
-    if (dy != nullptr) reinterpret_cast<float4*>(dy + size_t(r) * h)[q] = make_float4(v[0], v[1], v[2], v[3]);
+    if constexpr (kKeepDy) reinterpret_cast<float4*>(dy + size_t(r) * h)[q] = make_float4(v[0], v[1], v[2], v[3]);
     uint32_t c4;
     const uint8_t scale = quantize_block_lanes(v, c4);
     reinterpret_cast<uint32_t*>(codes + size_t(r) * h)[q] = c4;
@@ -535,12 +535,12 @@ MOKGEN_DEVICE void unpack16(const uint4& raw, float (&v)[4]) {
 // A column tile's rows loaded into shared memory as float32 (weight_cols2_kernel's and
 // values_rows_kernel's): rows r0 .. r0 + 127 and columns c0 .. c0 + 63 of x [rows, n] (an expert's
 // rows), or with gather row r taken from x's row gather[r]; zeros past the edges and where gather
-// is < 0. row_scale (v0.66, with gather): row r's elements each multiplied by row_scale[r] in
+// is < 0. kScaled (v0.66, with gather): row r's elements each multiplied by row_scale[r] in
 // float32, one product rounded once (the MXFP8 backward's dy = w dOut, combine_backward_kernel's
 // bits). Every load of the thread is issued before the first is used (v0.41: the loop of load,
 // convert, store to shared memory kept one load a thread in flight, and DRAM at about half its
 // rate). The caller syncs before reading the tile.
-template <class T, int kBufRows>
+template <class T, int kBufRows, bool kScaled = false>
 MOKGEN_DEVICE void load_col_tile(const T* __restrict__ x, int rows, int n, int r0, int c0,
                                  const int* __restrict__ gather, float (&tile)[kBufRows][kColTileCols + 1],
                                  const float* __restrict__ row_scale = nullptr) {
@@ -548,7 +548,7 @@ MOKGEN_DEVICE void load_col_tile(const T* __restrict__ x, int rows, int n, int r
   constexpr int kLoadsPerRow = kColTileCols / kVec;
   constexpr int kLoads = kColTileRows * kLoadsPerRow / kColThreads;  // a thread's: 4 (bf16) or 8 (float32)
   uint4 raw[kLoads];
-  float scale[kLoads];
+  float scale[kLoads];  // kScaled only
 #pragma unroll
   for (int l = 0; l < kLoads; ++l) {
     const int i = threadIdx.x + l * kColThreads;
@@ -557,7 +557,7 @@ MOKGEN_DEVICE void load_col_tile(const T* __restrict__ x, int rows, int n, int r
     if (from >= 0 && gather != nullptr) from = gather[row];
     raw[l] = from >= 0 ? *reinterpret_cast<const uint4*>(x + size_t(from) * n + col)
                        : make_uint4(0u, 0u, 0u, 0u);  // padding rows (gather) and the tile's edges: zeros
-    scale[l] = row_scale != nullptr && from >= 0 ? row_scale[row] : 1.f;
+    if constexpr (kScaled) scale[l] = from >= 0 ? row_scale[row] : 1.f;
   }
 #pragma unroll
   for (int l = 0; l < kLoads; ++l) {
@@ -565,7 +565,7 @@ MOKGEN_DEVICE void load_col_tile(const T* __restrict__ x, int rows, int n, int r
     const int r = i / kLoadsPerRow, cv = (i % kLoadsPerRow) * kVec;
     float v[kVec];
     unpack16(raw[l], v);
-    if (row_scale != nullptr) {
+    if constexpr (kScaled) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) v[j] = __fmul_rn(scale[l], v[j]);
     }
@@ -679,16 +679,16 @@ MOKGEN_DEVICE void decode_block_words(const uint32_t (&w)[mx::kBlock / 4], uint8
 // The operands of the MXFP8 backward's weight gradients on the BF16 backward's weight kernels,
 // which take bf16 rows expert by expert. rows a multiple of 32, n of 8 (16-byte loads of x and
 // stores of out), x and out 16-byte aligned. Grid (ceil(n / 64), ceil(rows / 128)), kColThreads
-// threads. row_scale (v0.66, with gather; load_col_tile): row r's values those of x's row gather[r]
+// threads. kScaled (v0.66, with gather; load_col_tile): row r's values those of x's row gather[r]
 // times row_scale[r] (the MXFP8 backward's dy, made here from dOut and the routing weights instead
 // of read as float32 rows).
-template <class T>
+template <class T, bool kScaled = false>
 __global__ void __launch_bounds__(kColThreads, 4)
     values_rows_kernel(const T* __restrict__ x, int rows, int n, bf16* __restrict__ out,
                        const int* __restrict__ gather, const float* __restrict__ row_scale = nullptr) {
   __shared__ __align__(16) float tile[kColTileRows][kColTileCols + 1];
   const int c0 = blockIdx.x * kColTileCols, r0 = blockIdx.y * kColTileRows;
-  load_col_tile(x, rows, n, r0, c0, gather, tile, row_scale);
+  load_col_tile<T, kColTileRows, kScaled>(x, rows, n, r0, c0, gather, tile, row_scale);
   __syncthreads();
   const int c = threadIdx.x % kColTileCols, blk = threadIdx.x / kColTileCols;  // 4 blocks of 32 rows
   float v[mx::kBlock];
