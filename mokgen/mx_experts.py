@@ -288,9 +288,12 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 # float32 (the oracle's swiglu under autograd). The rows of an expert's segment start at a
 # multiple of 128 and its padding rows are zeros, so the 32-row blocks along n are the oracle's
 # (which pads each expert's rows with zeros to a multiple of 32). The dgrads run on the grouped
-# GEMM (the forward's form) with weights quantized in the transposed orientation. The wgrads: on
-# the bf16-math form one launch over k ranges (each expert's padded segment, no host sync); on the
-# FP8 forms the dense GEMM per expert with rows (K = its segment, after a host sync). Staged like
+# GEMM (the forward's form) with weights quantized in the transposed orientation. The wgrads: by
+# default (MOKGEN_MX_WGRAD=bf16, v0.66) on the BF16 backward's weight kernels over the operands' MX
+# values as bf16 rows, each expert's rows padded to 32 (_rows32; the values made by rows_values, or
+# under MOKGEN_MX_WGRAD_OPERANDS=fused by the elementwise stages themselves); else on the bf16-math
+# form one launch over k ranges (each expert's padded segment, no host sync); on the FP8 forms the
+# dense GEMM per expert with rows (K = its segment, after a host sync). Staged like
 # the forward: the activations' quantizers are mx_gemm's kernels (along K, and along the rows with
 # a transpose), the weights' quantizations mx_gemm.expert_weights' kernels on every call (a
 # training step's weights change; bf16 weights on a GPU, else mokgen.mx's PyTorch expression).
