@@ -288,6 +288,26 @@ __global__ void __launch_bounds__(kThreads) combine_backward_kernel(
   if (threadIdx.x == 0) d_w[p] = partial[0];
 }
 
+// SwiGLU's backward of row r's elements 4 q .. 4 q + 3 (swiglu_grad_exact each): h, dg and du, from
+// gu's row (GuRows, through pair[r] for PairBf16Rows) and dh [rows, I]. swiglu_backward_kernel's and
+// swiglu_backward_cols_kernel's elements.
+template <bool kHasClamp, class GuRows>
+MOKGEN_DEVICE void swiglu_grad4(const GuRows& gu, const int* __restrict__ pair, const float* __restrict__ dh, int r,
+                                int q, int inter, float limit, float (&vh)[4], float (&vg)[4], float (&vu)[4]) {
+  const int p = std::is_same<GuRows, PaddedF32Rows>::value ? r : pair[r];
+  const float4 g4 = gu.load4(r, p, size_t(2) * inter, size_t(4) * q);
+  const float4 u4 = gu.load4(r, p, size_t(2) * inter, size_t(inter) + 4 * q);
+  const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
+  const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const bwd::SwigluGrad res = bwd::swiglu_grad_exact(gs[i], us[i], ds[i], kHasClamp, limit);
+    vh[i] = res.h;
+    vg[i] = res.dg;
+    vu[i] = res.du;
+  }
+}
+
 // SwiGLU's backward, a thread per 4 consecutive elements of a row of I (8 lanes a 32-block), from
 // the float32 gate | up rows gu [rows, 2 I] and dh [rows, I]: PyTorch's expressions of
 // silu(gate) * up under autograd and of the clamp, each operation rounded on its own with the
@@ -305,19 +325,8 @@ __global__ void swiglu_backward_kernel(const GuRows gu, const int* __restrict__ 
   const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (idx >= (long long)rows * per_row) return;  // whole warps: rows * per_row is a multiple of 32
   const int r = int(idx / per_row), q = int(idx % per_row);
-  const int p = std::is_same<GuRows, PaddedF32Rows>::value ? r : pair[r];
-  const float4 g4 = gu.load4(r, p, size_t(2) * inter, size_t(4) * q);
-  const float4 u4 = gu.load4(r, p, size_t(2) * inter, size_t(inter) + 4 * q);
-  const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
-  const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
   float vh[4], vg[4], vu[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const bwd::SwigluGrad res = bwd::swiglu_grad_exact(gs[i], us[i], ds[i], kHasClamp, limit);
-    vh[i] = res.h;
-    vg[i] = res.dg;
-    vu[i] = res.du;
-  }
+  swiglu_grad4<kHasClamp>(gu, pair, dh, r, q, inter, limit, vh, vg, vu);
   const size_t at = size_t(r) * inter;
   reinterpret_cast<float4*>(h + at)[q] = make_float4(vh[0], vh[1], vh[2], vh[3]);
   reinterpret_cast<float4*>(dg + at)[q] = make_float4(vg[0], vg[1], vg[2], vg[3]);
@@ -746,18 +755,10 @@ __global__ void __launch_bounds__(kColThreads, 2)
 #pragma unroll 1
   for (int pass = 0; pass < kColTileRows / 16; ++pass) {
     const int rl = pass * 16 + threadIdx.x / 16, r = r0 + rl;
-    const int p = std::is_same<GuRows, PaddedF32Rows>::value ? r : pair[r];
-    const float4 g4 = gu.load4(r, p, size_t(2) * inter, size_t(4) * q);
-    const float4 u4 = gu.load4(r, p, size_t(2) * inter, size_t(inter) + 4 * q);
-    const float4 d4 = reinterpret_cast<const float4*>(dh + size_t(r) * inter)[q];
-    const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w}, ds[4] = {d4.x, d4.y, d4.z, d4.w};
     float vh[4], vg[4], vu[4];
+    swiglu_grad4<kHasClamp>(gu, pair, dh, r, q, inter, limit, vh, vg, vu);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const bwd::SwigluGrad res = bwd::swiglu_grad_exact(gs[i], us[i], ds[i], kHasClamp, limit);
-      vh[i] = res.h;
-      vg[i] = res.dg;
-      vu[i] = res.du;
       tiles[0][rl * kSwigluColsPitch + 4 * ql + i] = vh[i];
       tiles[1][rl * kSwigluColsPitch + 4 * ql + i] = vg[i];
       tiles[2][rl * kSwigluColsPitch + 4 * ql + i] = vu[i];
