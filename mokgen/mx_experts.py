@@ -338,11 +338,14 @@ def _transposed_weights(parts, form: str, n: int):
 
 def _both(form: str, I: int, H: int, *weights: torch.Tensor) -> bool:
     """Whether the forward quantizes the weights in both orientations (MOKGEN_MX_WEIGHTS=both): the
-    bf16-math form throughout (no codes in either orientation) and weights that
-    mx_gemm.expert_weights_both takes."""
+    bf16-math form throughout (no codes in either orientation), weights that
+    mx_gemm.expert_weights_both takes, and dgrads that read transposed values (not
+    MOKGEN_MX_DGRAD_WEIGHTS=raw, whose dgrads quantize the weights themselves)."""
     if env.mx_weights() != "both" or _needs_codes(form, 2 * I, H) or _needs_codes(form, I):
         return False
     w_gate, w_up, w_down = (w.detach() for w in weights)
+    if w_down.is_cuda and _raw_dgrads(form, w_gate, w_up, w_down):  # the dgrads read no transposed values
+        return False
     return mx_gemm.both_applies([w_gate, w_up]) and mx_gemm.both_applies([w_down])
 
 
@@ -367,6 +370,15 @@ def _weight_grads_ranged(a_rows: torch.Tensor, b_rows: torch.Tensor | None, padd
 
 def _ranged(form: str, t: torch.Tensor, n: int) -> bool:
     return form == "bf16" and t.is_cuda and n % mx_gemm.BF16_MATH_N == 0
+
+
+def _raw_dgrads(form: str, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the dgrads read the weights raw (MOKGEN_MX_DGRAD_WEIGHTS=raw): the bf16-math form on
+    bf16 weights on a GPU that mx_gemm.mx_bf16_math_raw_gemm takes (W_down [E, H, I] as one part,
+    W_gate and W_up [E, I, H] as two)."""
+    if env.mx_dgrad_weights() != "raw" or form != "bf16" or not w_down.is_cuda:
+        return False
+    return mx_gemm.raw_weights_apply([w_down]) and mx_gemm.raw_weights_apply([w_gate, w_up])
 
 
 def _wgrad_bf16(form: str, t: torch.Tensor, H: int, I: int) -> bool:
@@ -501,9 +513,14 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
         dy = torch.zeros(rows, H, dtype=torch.float32, device=x.device)
         dy[row] = (w.to(torch.float32).unsqueeze(-1) * g_out.unsqueeze(1)).reshape(T * k, H)
         dyq, dys = mx_gemm.quantize_f32_rows(dy)
-    # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H
-    wd_t = _transposed_weights([w_down], form, I) if transposed is None else transposed[0]
-    dh = _grouped(dyq, dys, *wd_t, tiles, form)
+    # dgrad of the down projection: dh = q_H(dy) q_H(W_down), W_down^T [E, I, H] along H; with the
+    # weights raw (MOKGEN_MX_DGRAD_WEIGHTS=raw) the kernel quantizes W_down [E, H, I] along H itself
+    raw = transposed is None and _raw_dgrads(form, w_gate, w_up, w_down)
+    if raw:
+        dh = mx_gemm.mx_bf16_math_raw_gemm(dyq, dys, [w_down.detach()], tiles)
+    else:
+        wd_t = _transposed_weights([w_down], form, I) if transposed is None else transposed[0]
+        dh = _grouped(dyq, dys, *wd_t, tiles, form)
     # SwiGLU backward in float32 (the oracle's swiglu under autograd), h, and [dg | du]
     # quantized along 2 I for the dgrad below
     if values:  # the weight gradients' layout first: dg, du and h come out as its MX values
@@ -523,16 +540,26 @@ def _backward(d_out, x, w, w_gate, w_up, w_down, row, tiles, padded, gu, y, clam
     # dgrad of gate | up: dx_rows = q_2I(dgu) q_2I(W_gu), [W_gate; W_up]^T [E, H, 2I] along 2I;
     # then dx[t] = sum_j dx_rows[t, j]: fused, in the order j = 0..k-1 and rounded once to bf16
     # by the combine kernel with unit weights (at k = 1 the GEMM's epilogue writes it)
-    wgu_t = _transposed_weights([w_gate, w_up], form, H) if transposed is None else transposed[1]
-    transposed = None
-    if fused and k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
-        dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair,
-                                                torch.ones(T, dtype=torch.float32, device=x.device))
-    elif fused:
-        dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row,
-                             torch.ones(T, k, dtype=torch.float32, device=x.device))
+    ones = (torch.ones(T, dtype=torch.float32, device=x.device) if k == 1 else
+            torch.ones(T, k, dtype=torch.float32, device=x.device))
+    if raw:  # [W_gate; W_up] [E, 2 I, H] quantized along 2 I in the kernel
+        gu_parts = [w_gate.detach(), w_up.detach()]
+        if fused and k == 1:
+            dx = mx_gemm.mx_bf16_math_raw_gemm(dguq, dgus, gu_parts, tiles, combine=(pair, ones))
+        elif fused:
+            dx = mx_gemm.combine(mx_gemm.mx_bf16_math_raw_gemm(dguq, dgus, gu_parts, tiles), row, ones)
+        else:
+            dx = mx_gemm.mx_bf16_math_raw_gemm(dguq, dgus, gu_parts, tiles)[row].view(T, k, H).sum(1)
     else:
-        dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
+        wgu_t = _transposed_weights([w_gate, w_up], form, H) if transposed is None else transposed[1]
+        transposed = None
+        if fused and k == 1 and form == "bf16" and H % mx_gemm.BF16_MATH_N == 0:
+            dx = mx_gemm.mx_bf16_math_combine1_gemm(dguq, dgus, wgu_t[0], tiles, pair, ones)
+        elif fused:
+            dx = mx_gemm.combine(_grouped(dguq, dgus, *wgu_t, tiles, form), row, ones.view(T, k))
+        else:
+            dx = _grouped(dguq, dgus, *wgu_t, tiles, form)[row].view(T, k, H).sum(1)
+        del wgu_t
     # wgrads, per expert over its rows: on the BF16 backward's weight kernels over the operands' MX
     # values (MOKGEN_MX_WGRAD=bf16), else one k-ranged bf16-math launch each (else per expert on quad)
     if wgrad_bf16:

@@ -110,6 +110,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "mokgen_mx_weight_both_parts"):  # v0.65 (the MXFP8 layer's conversions under both)
         lib.mokgen_mx_weight_both_parts.argtypes = [vp, vp, vp, i, i, i, i, i, i, i, vp]
         lib.mokgen_mx_weight_both_parts.restype = i
+    if hasattr(lib, "mokgen_mx_bf16_math_raw_gemm"):  # v0.67 (MOKGEN_MX_DGRAD_WEIGHTS=raw)
+        lib.mokgen_mx_bf16_math_raw_gemm.argtypes = [vp] * 8 + [i, vp, i, i, i, i, i, vp]
+        lib.mokgen_mx_bf16_math_raw_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp]
     lib.mokgen_mx_bf16_math_ranged_gemm.restype = i
     lib.mokgen_mx_bf16_math_ranged_gemm_persistent.argtypes = lib.mokgen_mx_bf16_math_ranged_gemm.argtypes
@@ -612,6 +615,60 @@ def mx_bf16_math_combine1_gemm(a_codes, a_scales_blocked, b_bf16, tiles, src, we
                 weight.data_ptr(), a_codes.data_ptr(), a_scales_blocked.data_ptr(), b_bf16.data_ptr(),
                 tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K, what="bf16 math, fused combine")
     return out
+
+
+def raw_weights_apply(parts) -> bool:
+    """Whether :func:`mx_bf16_math_raw_gemm` takes ``parts`` as its B: one or two bf16 ``[E, k_i,
+    N]`` tensors alike in E and N on one device, N a multiple of 256, each k_i of 64 and their sum
+    of 128 (the device is the caller's to check)."""
+    import torch
+
+    first = parts[0]
+    return (len(parts) in (1, 2) and all(
+        p.dtype == torch.bfloat16 and p.dim() == 3 and p.device == first.device
+        and p.shape[0] == first.shape[0] and p.shape[2] == first.shape[2] for p in parts)
+        and first.shape[2] % BF16_MATH_N == 0 and all(p.shape[1] % 64 == 0 for p in parts)
+        and sum(p.shape[1] for p in parts) % BLOCK == 0)
+
+
+def mx_bf16_math_raw_gemm(a_codes, a_scales_blocked, parts, tiles, *, combine=None):
+    """The dgrads' grouped GEMM with the weights raw (v0.67, templates/include/mokgen/mx_rawb.cuh):
+    ``C = A B^T`` per row tile, A ``[M, K]`` MXFP8 codes with blocked scales, B the stack along k of
+    ``parts`` (one or two bf16 ``[E, k_i, N]``, n contiguous: W_down ``[E, H, I]``, or W_gate and
+    W_up ``[E, I, H]``) quantized to MX values along k inside the kernel: the product of
+    :func:`mx_bf16_math_grouped_gemm` with ``expert_weights(parts, transpose=True)``, with no
+    transposed copy of the weights written. ``tiles`` as that function's. Returns C ``[M, N]``
+    float32 (rows outside every tile not written), or with ``combine=(src, weight)`` the combine
+    of one pair per token as :func:`mx_bf16_math_combine1_gemm` (``out [T, N]`` bf16)."""
+    import torch
+
+    M, K = _check_blocked_a(a_codes, a_scales_blocked, "raw-weights GEMM")
+    parts = [p.contiguous() for p in parts]
+    if not raw_weights_apply(parts) or sum(p.shape[1] for p in parts) != K or parts[0].device != a_codes.device:
+        raise InputError(f"raw-weights GEMM: B must be one or two bf16 [E, k_i, N] tensors on {a_codes.device} with "
+                         f"each k_i a multiple of 64 summing to K = {K} and N a multiple of {BF16_MATH_N}, got "
+                         f"{[(str(p.dtype), tuple(p.shape)) for p in parts]}")
+    _check_tiles(tiles, a_codes.device, "raw-weights GEMM")
+    E, k0, N = parts[0].shape
+    b1 = parts[1].data_ptr() if len(parts) == 2 else None
+    if combine is None:
+        c = torch.empty(M, N, dtype=torch.float32, device=a_codes.device)
+        out, src, weight, n_out = None, None, None, M
+    else:
+        src, weight = combine
+        if src.dtype != torch.int32 or src.shape != (M,) or weight.dtype != torch.float32 or weight.dim() != 1 \
+                or not weight.is_contiguous() or src.device != a_codes.device or weight.device != a_codes.device:
+            raise InputError(f"raw-weights GEMM: combine takes src int32 [{M}] and weight float32 [T] on the "
+                             f"operands' device")
+        c = torch.empty(weight.shape[0], N, dtype=torch.bfloat16, device=a_codes.device)
+        out, n_out = c, weight.shape[0]
+    if tiles.shape[0] and n_out:
+        _launch("mokgen_mx_bf16_math_raw_gemm", a_codes.device, None if out is not None else c.data_ptr(),
+                None if out is None else out.data_ptr(), None if src is None else src.data_ptr(),
+                None if weight is None else weight.data_ptr(), a_codes.data_ptr(), a_scales_blocked.data_ptr(),
+                parts[0].data_ptr(), b1, k0, tiles.data_ptr(), int(tiles.shape[0]), E, M, N, K,
+                what="bf16 math, raw weights")
+    return c
 
 
 #: the column tiles' grid (mx_rows.cuh weight_cols2_kernel): 128 rows (four 32-row blocks) per CTA

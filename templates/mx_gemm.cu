@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "mokgen/mx_gemm.cuh"
+#include "mokgen/mx_rawb.cuh"
 #include "mokgen/mx_rows.cuh"
 #include "mokgen/mx_tile.cuh"
 
@@ -140,6 +141,53 @@ int launch_bf16_math(void* c, const void* a, const void* sa, const void* b, cons
                                                      swi, stream);
   return launch_bf16_math_epi<bm::kEpiSwiglu>(c, a, sa, b, tiles, n_tiles, E, M, N, K, kranges, n_ranges, 0, swi,
                                               stream);
+}
+
+// The bf16-math GEMM with B raw (mx_rawb.cuh, v0.67): A MXFP8 [M, K] (codes, blocked scales), B the
+// bf16 weights as held, part 0 [E, k0, N] then part 1 [E, K - k0, N] along k (b1 unused when k0 =
+// K), n contiguous, quantized along k in the kernel; grouped over n_tiles row tiles (expert, first
+// row), (-1, 0) skipped. C [M, N] float32 (bf16 when out_bf16), or the combine of one pair per
+// token when epi.out is set.
+template <int kEpi>
+int launch_raw_epi(void* c, const void* a, const void* sa, const void* b0, const void* b1, int k0, const void* tiles,
+                   int n_tiles, int E, int M, int N, int K, int out_bf16, bf16m::EpiArgs epi, void* stream) {
+  namespace bm = bf16m;
+  CUtensorMap ma, mb0, mb1;
+  if (encode_codes(&ma, a, uint64_t(M), uint64_t(K), bm::kBK, bm::kBM) != CUDA_SUCCESS ||
+      sm90::encode_map_2d(&mb0, b0, uint64_t(E) * uint64_t(k0), uint64_t(N), 64) != CUDA_SUCCESS)
+    return int(cudaErrorInvalidValue);
+  if (k0 < K) {
+    if (sm90::encode_map_2d(&mb1, b1, uint64_t(E) * uint64_t(K - k0), uint64_t(N), 64) != CUDA_SUCCESS)
+      return int(cudaErrorInvalidValue);
+  } else {
+    mb1 = mb0;
+  }
+  static bool attr = false;
+  if (!attr) {
+    const cudaError_t err = cudaFuncSetAttribute(rawb::raw_gemm_kernel<kEpi>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(bm::kSmemBytes));
+    if (err != cudaSuccess) return int(err);
+    attr = true;
+  }
+  rawb::raw_gemm_kernel<kEpi><<<dim3(N / bm::kBN, n_tiles), bm::kThreads, bm::kSmemBytes,
+                                static_cast<cudaStream_t>(stream)>>>(
+      ma, mb0, mb1, static_cast<const uint8_t*>(sa), static_cast<float*>(c), M, N, K, k0,
+      static_cast<const int2*>(tiles), out_bf16, epi, g_mx_band);
+  return int(cudaGetLastError());
+}
+
+int launch_raw(void* c, const void* a, const void* sa, const void* b0, const void* b1, int k0, const void* tiles,
+               int n_tiles, int E, int M, int N, int K, int out_bf16, bf16m::EpiArgs epi, void* stream) {
+  namespace bm = bf16m;
+  if (M % bm::kBM || N % bm::kBN || K % 128 || k0 % bm::kBK || M <= 0 || N <= 0 || E <= 0 || k0 <= 0 || k0 > K ||
+      tiles == nullptr || n_tiles < 0 || n_tiles > 65535 || (k0 < K && b1 == nullptr) ||
+      (epi.out != nullptr && (epi.src == nullptr || epi.weight == nullptr || c != nullptr)) ||
+      (epi.out == nullptr && c == nullptr))
+    return int(cudaErrorInvalidValue);
+  if (n_tiles == 0) return 0;
+  if (epi.out != nullptr)
+    return launch_raw_epi<bm::kEpiCombine1>(c, a, sa, b0, b1, k0, tiles, n_tiles, E, M, N, K, 0, epi, stream);
+  return launch_raw_epi<bm::kEpiStore>(c, a, sa, b0, b1, k0, tiles, n_tiles, E, M, N, K, out_bf16, epi, stream);
 }
 
 // ---- the megakernel's MX tile run alone (mx_tile.cuh; tests/test_gpu_mx_gemm.py) ----------------
@@ -278,6 +326,22 @@ int mokgen_mx_bf16_math_combine1_gemm(void* out, const void* src, const void* w,
   epi.src = static_cast<const int*>(src);
   epi.weight = static_cast<const float*>(w);
   return mokgen::mxg::launch_bf16_math(nullptr, a, sa, b, tiles, n_tiles, E, M, N, K, nullptr, 1, 0, stream, epi);
+}
+
+// The dgrads' GEMM with the weights raw (v0.67): A MXFP8 [M, K] (codes, blocked scales [K / 128, M,
+// 4]), B bf16 part 0 [E, k0, N] and part 1 [E, K - k0, N] (b1 null when k0 = K; both contiguous, n
+// contiguous) quantized to MX values along k in the kernel (the bits of
+// mokgen_mx_weight_cols2's values); tiles as mokgen_mx_bf16_math_grouped_gemm's. Into C [M, N]
+// float32, or with out, src and w (c null) the combine of one pair per token as
+// mokgen_mx_bf16_math_combine1_gemm. M % 128, N % 256, K % 128, k0 % 64.
+int mokgen_mx_bf16_math_raw_gemm(void* c, void* out, const void* src, const void* w, const void* a, const void* sa,
+                                 const void* b0, const void* b1, int k0, const void* tiles, int n_tiles, int E, int M,
+                                 int N, int K, void* stream) {
+  mokgen::mxg::bf16m::EpiArgs epi{};
+  epi.out = static_cast<mokgen::bf16*>(out);
+  epi.src = static_cast<const int*>(src);
+  epi.weight = static_cast<const float*>(w);
+  return mokgen::mxg::launch_raw(c, a, sa, b0, b1, k0, tiles, n_tiles, E, M, N, K, 0, epi, stream);
 }
 
 // The megakernel's MX tile alone (fixed shapes, mxt above). kind 0: the down tile, c bf16 [256,

@@ -322,6 +322,52 @@ def test_weights_in_both_orientations_from_one_read_give_the_same_gradients(monk
         assert calls["both"] == 0
 
 
+@pytest.mark.parametrize("stages", ["fused", "torch"])
+@pytest.mark.parametrize("k, skew", [(2, False), (1, True), (3, True)])
+def test_raw_dgrad_weights_give_the_values_gradients(monkeypatch, k, skew, stages):
+    """MOKGEN_MX_DGRAD_WEIGHTS=raw (the dgrads quantize the bf16 weights in the kernel, v0.67)
+    against values (the transposed conversion's values): no transposed conversion runs, the
+    gradients are the float64 MX oracle's to the backward test's bound and values' to within the
+    float32 sums' last bits (an E4M3 rounding downstream may move one step), the same bits 20
+    times."""
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
+    T, H, I, E = 300, 512, 256, 6
+    x, ids, w, wg, wu, wd = _problem(T, H, I, E, k, seed=19 + k, skew=skew)
+    d_out = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(6),
+                        device="cuda").to(torch.bfloat16)
+    calls = {"transposed": 0}
+    transposed = mx_experts._transposed_weights
+
+    def counted(*args, **kwargs):
+        calls["transposed"] += 1
+        return transposed(*args, **kwargs)
+
+    monkeypatch.setattr(mx_experts, "_transposed_weights", counted)
+    got = {}
+    for value in ("values", "raw"):
+        monkeypatch.setenv("MOKGEN_MX_DGRAD_WEIGHTS", value)
+        calls["transposed"] = 0
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=10.0).backward(d_out)
+        got[value] = [t.grad for t in leaves]
+        assert calls["transposed"] == (2 if value == "values" else 0), value
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    R.mx_experts_forward(ref_leaves[0], ids, ref_leaves[1], *ref_leaves[2:], clamp_limit=10.0,
+                         acc_dtype=torch.float64).backward(d_out.double())
+    for name, raw, vals, ref in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got["raw"], got["values"],
+                                    ref_leaves):
+        assert ((raw.double() - ref.grad).norm() / ref.grad.norm()).item() < 6e-3, name
+        rel = ((raw.double() - vals.double()).norm() / vals.double().norm()).item()
+        assert rel < 1e-3, (name, rel)
+        print(f"{name}: raw vs values relative difference {rel:.2e}, bits equal {torch.equal(raw, vals)}")
+    monkeypatch.setenv("MOKGEN_MX_DGRAD_WEIGHTS", "raw")
+    for _ in range(19):
+        again = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        mx_experts.experts_forward_train(again[0], ids, *again[1:], clamp_limit=10.0).backward(d_out)
+        for first, twice in zip(got["raw"], again):
+            assert torch.equal(first, twice.grad)
+
+
 @pytest.mark.parametrize("k, skew", [(2, True), (1, False)])
 def test_band_orders_give_the_same_forward_and_training_step(monkeypatch, k, skew):
     """MOKGEN_MX_BAND (the bf16-math GEMM's grouped launches' tile order by bands of row tiles)

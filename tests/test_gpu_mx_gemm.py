@@ -589,3 +589,113 @@ def test_the_megakernels_mx_tiles_start_at_any_row(first_row):
                                           first_row=first_row)
     assert torch.equal(codes.view(torch.uint8)[:n], want_codes.view(torch.uint8)[first_row:])
     assert torch.equal(scales[:, :n], want_scales[:, first_row:])
+
+
+# ---- the dgrads' GEMM with the weights raw (v0.67, mx_rawb.cuh) -----------------------------------
+
+def _natural_k(dec):
+    """expert_weights' bf16-math values with k back in natural order (their position bf16m_pos(j)
+    holds k j of each 32-block: mx_rows.cuh)."""
+    j = torch.arange(32)
+    i, q = j & 3, (j >> 2) & 3
+    pos = (j & 16) + 2 * q + (i & 1) + 8 * (i >> 1)
+    K = dec.shape[-1]
+    perm = (torch.arange(K) // 32 * 32 + pos.repeat(K // 32)).to(dec.device)
+    return dec[..., perm]
+
+
+def _raw_parts(gen, E, sizes, N, hard=True):
+    """Weights [E, k_i, N] whose 32-blocks along k cover both of the kernel's paths: blocks scaled
+    2^[-60, 60] (the integer rounding), blocks near E8M0's ends (amax below 2^-103 or above 2^123:
+    the conversion's float path), zero blocks, blocks with elements far below their amax (E4M3's
+    subnormal grid) and blocks whose largest element saturates at 448 2^s."""
+    parts = []
+    for r in sizes:
+        w = torch.randn(E, r, N, generator=gen, device="cuda")
+        w = w * torch.exp2(torch.randint(-60, 61, (E, r // 32, 1, N), generator=gen, device="cuda").float()) \
+            .repeat_interleave(32, dim=1).view(E, r, N)
+        if hard:
+            w[:, 0:32, 0:2] = torch.randn(E, 32, 2, generator=gen, device="cuda") * 2.0**-110  # amax below 2^-103
+            w[:, 0:32, 2:4] = torch.randn(E, 32, 2, generator=gen, device="cuda") * 2.0**-131  # bf16 subnormals
+            w[:, 32:64, 4:8] = torch.randn(E, 32, 4, generator=gen, device="cuda") * 2.0**124  # above 2^123
+            w[:, 0:32, 8:10] = 0.0              # zero blocks
+            w[:, 0:31, 10:12] *= 2.0**-20       # one large element, the rest on E4M3's subnormal grid
+            w[:, 32:64, 12:16] = torch.randn(E, 32, 4, generator=gen, device="cuda") * 4.0
+            w[:, 40, 12:16] = 1.98 * 2.0**5     # the amax, saturates: 1.98 2^e rounds past 448 2^s
+            w[:, 41, 12:16] = -1.9 * 2.0**5
+            w[:, 0:64:3, 16:20] = -0.0
+        parts.append(w.to(torch.bfloat16))
+    return parts
+
+
+@pytest.mark.parametrize("sizes, N", [([256], 256), ([128, 128], 512), ([192, 64], 256)])
+def test_raw_weights_are_quantized_to_the_transposed_conversions_bits(sizes, N):
+    """With A the identity (code 1.0, scale 2^0), C = B's MX values transposed, exactly: each of
+    the kernel's quantized weights against expert_weights(parts, transpose=True)'s values (k back in
+    natural order), over blocks that take the integer rounding and blocks that take the float path."""
+    gen = torch.Generator(device="cuda").manual_seed(61 + N)
+    E, K = 2, sum(sizes)
+    parts = _raw_parts(gen, E, sizes, N)
+    eye = torch.eye(K, device="cuda").repeat(E, 1)  # expert e's rows: the identity over K
+    a, sa = mx.quantize(eye, dim=-1)
+    tiles, _ = mx_gemm.row_tiles([K] * E, "cuda")
+    got = mx_gemm.mx_bf16_math_raw_gemm(a, mx_gemm.block_scales(sa), parts, tiles)
+    want = _natural_k(mx_gemm.expert_weights(parts, transpose=True))  # [E, N, K]
+    assert torch.equal(got.view(E, K, N), want.float().transpose(1, 2))
+    # and against mokgen.mx's quantizer of the stacked transposed weights
+    codes, scales = mx.quantize_experts(torch.cat(parts, dim=1).transpose(1, 2).contiguous())
+    ref = mx.dequantize(codes, scales, dim=-1).to(torch.bfloat16).float()
+    assert torch.equal(got.view(E, K, N), ref.transpose(1, 2))
+
+
+@pytest.mark.parametrize("k1", [0, 256])
+def test_raw_weights_gemm_is_the_values_gemm(k1):
+    """The raw-weights GEMM against the bf16-math grouped GEMM over the transposed conversion's
+    values: the same MX products (A's k order differs within each 16, so the float32 sums may differ
+    in their last bits), NaN where a weight block is NaN, the same bits on every repeat; skipped
+    tiles are not written; and the combine epilogue writes bf16(w * C) of the store's C."""
+    gen = torch.Generator(device="cuda").manual_seed(67 + k1)
+    E, k0, N = 3, 512, 768
+    sizes = [k0] + ([k1] if k1 else [])
+    K = sum(sizes)
+    parts = _raw_parts(gen, E, sizes, N, hard=False)
+    parts[0][2, 70, 300] = float("nan")  # expert 2's k block 2 of column 300
+    padded = [256, 0, 384]
+    M = sum(padded)
+    a, sa = mx.quantize(_blocks(M, K, gen, 8), dim=-1)
+    tiles, _ = mx_gemm.row_tiles(padded, "cuda")
+    tiles = torch.cat([tiles, torch.tensor([[-1, 0]], dtype=torch.int32, device="cuda")])
+    sab = mx_gemm.block_scales(sa)
+    values = mx_gemm.expert_weights(parts, transpose=True)
+    got = mx_gemm.mx_bf16_math_raw_gemm(a, sab, parts, tiles)
+    want = mx_gemm.mx_bf16_math_grouped_gemm(a, sab, values, tiles)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.isnan(got[256:, 300]).all() and not torch.isnan(got[:256]).any()
+    # each element against its own magnitude scale, sum |a| |b| (float64)
+    av, bv = mx.dequantize(a, sa, dim=-1).double().abs(), _natural_k(values).double().abs().nan_to_num(0.0)
+    scale = torch.cat([av[:256] @ bv[0].t(), av[256:] @ bv[2].t()])
+    ok = ~torch.isnan(want)
+    diff = (got.double() - want.double()).abs()
+    assert (diff[ok] <= 1e-6 * scale[ok] + 1e-30).all(), (diff[ok] / scale[ok]).max().item()
+    print(f"raw vs values: {int((got[ok] != want[ok]).sum())} of {int(ok.sum())} elements differ")
+    assert torch.equal(mx_gemm.mx_bf16_math_raw_gemm(a, sab, parts, tiles).nan_to_num(7.0), got.nan_to_num(7.0))
+    # the combine epilogue (one pair per token): token t on row src_rows[t]
+    T = 400
+    rows = torch.randperm(M, generator=torch.Generator().manual_seed(5))[:T].to("cuda")
+    src = torch.full((M,), -1, dtype=torch.int32, device="cuda")
+    src[rows] = torch.arange(T, dtype=torch.int32, device="cuda")
+    weight = torch.rand(T, generator=gen, device="cuda")
+    out = mx_gemm.mx_bf16_math_raw_gemm(a, sab, parts, tiles, combine=(src, weight))
+    want_out = (weight[:, None] * got[rows]).to(torch.bfloat16)
+    assert torch.equal(out.isnan(), want_out.isnan())
+    assert torch.equal(out.nan_to_num(0.0).view(torch.int16), want_out.nan_to_num(0.0).view(torch.int16))
+
+
+def test_raw_weights_gemm_refuses_what_it_cannot_take():
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    a, sa = mx.quantize(_blocks(128, 256, gen, 2), dim=-1)
+    tiles, _ = mx_gemm.row_tiles([128], "cuda")
+    w = torch.randn(1, 256, 256, device="cuda").to(torch.bfloat16)
+    for bad in ([w[:, :, :128].contiguous()], [w[:, :96]], [w.float()], [w, w, w]):
+        with pytest.raises(mx_gemm.InputError, match="raw-weights GEMM"):
+            mx_gemm.mx_bf16_math_raw_gemm(a, mx_gemm.block_scales(sa), bad, tiles)

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mokgen import mx, mx_experts, mx_gemm  # noqa: E402
+from mokgen import env, mx, mx_experts, mx_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 
@@ -269,6 +269,25 @@ def emulate_kernels(monkeypatch):
         out[t] = (weight[t][:, None] * y[valid]).to(torch.bfloat16)
         return out
 
+    def raw_gemm(a, sa, parts, tiles, combine=None):  # the dgrads with the weights raw (v0.67)
+        assert mx_gemm.raw_weights_apply(parts)
+        stacked_t = torch.cat(parts, dim=1).transpose(1, 2).contiguous()  # [E, N, K], quantized along K
+        codes, scales = mx.quantize_experts(stacked_t)
+        values = mx.dequantize(codes, scales, out_dtype=torch.float32).to(torch.bfloat16)
+        A = mx.dequantize(a, _unblock(sa), out_dtype=f64)
+        c = torch.full((a.shape[0], values.shape[1]), float("nan"))
+        for e, m0 in tiles.tolist():
+            if e >= 0:
+                c[m0:m0 + 128] = (A[m0:m0 + 128] @ values[e].double().T).float()
+        if combine is None:
+            return c
+        src, weight = combine
+        out = torch.full((weight.shape[0], c.shape[1]), float("nan"), dtype=torch.bfloat16)
+        valid = src >= 0
+        t = src[valid].long()
+        out[t] = (weight[t][:, None] * c[valid]).to(torch.bfloat16)
+        return out
+
     def by_pair(t, pair):  # the kernels' pair-order bf16 rows as their float32 padded rows
         out = torch.zeros(pair.shape[0], t.shape[1], dtype=torch.float32)
         out[pair >= 0] = t[pair[pair >= 0].long()].to(torch.float32)
@@ -314,7 +333,8 @@ def emulate_kernels(monkeypatch):
                      ("mx_bf16_math_swiglu_gemm", swiglu_gemm), ("mx_bf16_math_combine1_gemm", combine1_gemm), ("quantize_rows", quantize_rows),
                      ("swiglu_quantize", swiglu_quantize), ("combine", combine),
                      ("quantize_f32_rows", quantize_f32_rows), ("quantize_cols", quantize_cols),
-                     ("combine_backward", combine_backward), ("swiglu_backward", swiglu_backward)):
+                     ("combine_backward", combine_backward), ("swiglu_backward", swiglu_backward),
+                     ("mx_bf16_math_raw_gemm", raw_gemm)):
         monkeypatch.setattr(mx_gemm, name, fn)
 
 
@@ -757,3 +777,77 @@ def test_weight_gradients_on_the_bf16_weight_kernels_are_the_mx_products(emulate
         # one bf16 rounding apart at most, element by element
         assert ((a.double() - b.double()).abs() <= b.double().abs() * 2**-7 + 1e-30).all(), name
         assert _rel(a, b) < 1e-2 and b.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("stages", ["fused", "torch"])
+@pytest.mark.parametrize("k, skew", [(1, False), (2, True), (3, False)])
+def test_raw_dgrad_weights_read_the_weights_as_held(emulated, monkeypatch, k, skew, stages):
+    """MOKGEN_MX_DGRAD_WEIGHTS=raw's orchestration on the CPU (the raw-weights GEMM emulated as the
+    transposed quantizer's values times A, exactly): dh from W_down alone and dx from W_gate and
+    W_up stacked, as held (no transposed conversion made), dx's combine fused at k = 1 under the
+    fused stages; the same gradients as the values path, bit for bit (the emulations' products are
+    the same); and MOKGEN_MX_WEIGHTS=both then converts one orientation only."""
+    monkeypatch.setenv("MOKGEN_MX_BWD_STAGES", stages)
+    x, ids, w, wg, wu, wd = _cpu_problem(T=120, E=4, k=k, seed=23, skew=skew)
+    wg, wu, wd = (t.to(torch.bfloat16) for t in (wg, wu, wd))
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16)
+    raw_gemm, transposed = mx_gemm.mx_bf16_math_raw_gemm, mx_experts._transposed_weights
+    calls = []
+
+    def recorded_raw(a, sa, parts, tiles, combine=None):
+        calls.append(("raw", tuple(p.data_ptr() for p in parts), combine is not None))
+        return raw_gemm(a, sa, parts, tiles, combine=combine)
+
+    monkeypatch.setattr(mx_gemm, "mx_bf16_math_raw_gemm", recorded_raw)
+    monkeypatch.setattr(mx_experts, "_transposed_weights", lambda *a: calls.append("transposed") or transposed(*a))
+
+    def grads(value):
+        monkeypatch.setenv("MOKGEN_MX_DGRAD_WEIGHTS", value)
+        calls.clear()
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+        mx_experts.experts_forward_train(leaves[0], ids, *leaves[1:], clamp_limit=1.5).backward(d_out)
+        return leaves, [t.grad for t in leaves]
+
+    _, want = grads("values")
+    assert calls == ["transposed", "transposed"]
+    # the raw path takes GPU weights only (test_raw_dgrad_weights_switch_and_where_it_applies)
+    monkeypatch.setattr(mx_experts, "_raw_dgrads", lambda form, *ws: env.mx_dgrad_weights() == "raw")
+    leaves, got = grads("raw")
+    fused1 = stages == "fused" and k == 1
+    assert calls == [("raw", (leaves[4].data_ptr(),), False),
+                     ("raw", (leaves[2].data_ptr(), leaves[3].data_ptr()), fused1)], calls
+    for name, a, b in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_raw_dgrad_weights_switch_and_where_it_applies(monkeypatch):
+    """The switch's values (others refused), the shapes the raw-weights GEMM takes (one or two bf16
+    [E, k_i, N] parts, N % 256, k_i % 64, their sum % 128), and no raw dgrads off the GPU or on the
+    FP8 forms."""
+    from mokgen.errors import ToolchainError
+
+    assert env.mx_dgrad_weights() == "values"
+    monkeypatch.setenv("MOKGEN_MX_DGRAD_WEIGHTS", "raw")
+    assert env.mx_dgrad_weights() == "raw"
+    bf = torch.bfloat16
+    wg, wu, wd = torch.zeros(2, 256, 512, dtype=bf), torch.zeros(2, 256, 512, dtype=bf), torch.zeros(2, 512, 256, dtype=bf)
+    assert mx_gemm.raw_weights_apply([wd]) and mx_gemm.raw_weights_apply([wg, wu])
+    assert not mx_experts._raw_dgrads("bf16", wg, wu, wd)  # CPU tensors
+    assert not mx_gemm.raw_weights_apply([torch.zeros(2, 256, 384, dtype=bf)])  # N % 256
+    assert not mx_gemm.raw_weights_apply([torch.zeros(2, 96, 256, dtype=bf)])   # k % 64
+    assert not mx_gemm.raw_weights_apply([torch.zeros(2, 64, 256, dtype=bf)] * 3)  # at most two parts
+    assert not mx_gemm.raw_weights_apply([torch.zeros(2, 64, 256, dtype=bf), torch.zeros(2, 128, 256, dtype=bf)])
+    assert not mx_gemm.raw_weights_apply([torch.zeros(2, 256, 256)])  # float32
+    import types
+
+    def on_gpu(t):  # what _raw_dgrads reads of a CUDA tensor
+        return types.SimpleNamespace(dtype=t.dtype, dim=t.dim, shape=t.shape, device="cuda:0", is_cuda=True)
+
+    assert mx_experts._raw_dgrads("bf16", on_gpu(wg), on_gpu(wu), on_gpu(wd))
+    assert not mx_experts._raw_dgrads("quad", on_gpu(wg), on_gpu(wu), on_gpu(wd))
+    assert not mx_experts._raw_dgrads("bf16", on_gpu(wg), on_gpu(wu[:, :, :256]), on_gpu(wd))  # N differs
+    monkeypatch.setenv("MOKGEN_MX_DGRAD_WEIGHTS", "values")
+    assert not mx_experts._raw_dgrads("bf16", on_gpu(wg), on_gpu(wu), on_gpu(wd))
+    monkeypatch.setenv("MOKGEN_MX_DGRAD_WEIGHTS", "fast")
+    with pytest.raises(ToolchainError, match="^MOKGEN_MX_DGRAD_WEIGHTS must be values or raw, got 'fast'$"):
+        env.mx_dgrad_weights()

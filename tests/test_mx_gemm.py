@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import gnu_unique_symbols, sass  # noqa: E402
-from mokgen import env, mx_gemm  # noqa: E402
+from mokgen import env, mx, mx_gemm  # noqa: E402
 from mokgen.errors import InputError  # noqa: E402
 
 
@@ -32,6 +32,7 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert sum("swiglu_backward_kernel" in k for k in kernels) == 4  # each with and without the clamp
     assert sum("swiglu_backward_cols_kernel" in k for k in kernels) == 4  # v0.66: the same four, values out
     assert any("ranged_kernel" in k for k in kernels)  # MOKGEN_MX_RANGED=persistent
+    assert sum("raw_gemm_kernel" in k for k in kernels) == 2  # v0.67: the store and the k = 1 combine
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills == [("0", "0")] * len(kernels), spills
     assert serialized_wgmma(lib.parent) == []
@@ -41,6 +42,8 @@ def test_library_builds_without_spills_with_fp8_wgmma(private_dirs):
     assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3", code), "no 64 x 64 FP8 wgmma (form quad)"
     # the bf16-math form's wgmma: A from registers (BF16), B from shared memory
     assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "no register-A BF16 wgmma"
+    # v0.67's raw-weights GEMM: the same wgmma with B MN-major (the weights as held, n contiguous)
+    assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", code), "no MN-major B"
 
 
 def _operands(M=128, N=128, K=128, device="cpu"):
@@ -447,3 +450,71 @@ def test_rows_values_checks_its_input_then_launches_once(launches):
     got = mx_gemm.rows_values(xb, src, scale=scale)
     assert got.shape == (96, 256) and calls[2][0] == "mokgen_mx_scaled_rows_values"
     assert calls[2][1][1:] == (xb.data_ptr(), src.data_ptr(), scale.data_ptr(), 96, 256, STREAM)
+
+
+def _round_block_emulated(bits: "torch.Tensor", ea: int) -> "torch.Tensor":
+    """mx_rawb.cuh's round_block on int32 bf16 bit patterns of blocks whose amax has exponent field
+    ea: M = 2^(max(ex, ea - 14) + 4) added and subtracted in bf16 (round to nearest even), the
+    result clamped at 448 2^(ea - 135), the sign put back."""
+    sign, a = bits & 0x8000, bits & 0x7FFF
+    m = torch.maximum((bits & 0x7F80) + 0x200, torch.full_like(bits, ((ea - 14) << 7) + 0x200))
+    as_float = lambda b: (b << 16).view(torch.float32)  # noqa: E731
+    s = (as_float(a) + as_float(m)).to(torch.bfloat16).float()  # the bf16 addition, rounded once
+    q = (s - as_float(m)).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # exact
+    return torch.minimum(q, torch.full_like(q, (ea << 7) | 0x60)) | sign
+
+
+@pytest.mark.parametrize("ea", [24, 25, 40, 112, 127, 134, 135, 136, 200, 249, 250])
+def test_the_raw_kernels_integer_rounding_is_the_mx_quantizer(ea):
+    """The raw-weights kernel's quantizer (mx_rawb.cuh round_block), emulated bit for bit, against
+    mokgen.mx's quantizer then dequantizer, rounded to bf16, over every bf16 magnitude up to the
+    block's largest (both signs; E4M3's normal range, its subnormal grid, values that round to zero,
+    ties, and amax mantissas that saturate at 448)."""
+    gen = torch.Generator().manual_seed(ea)
+    for mant in (0x00, 0x5F, 0x68, 0x70, 0x7F):  # the amax's mantissa: 0x68 and up saturate
+        amax = (ea << 7) | mant
+        pool = torch.arange(0, amax + 1, dtype=torch.int32)  # every magnitude up to the amax
+        pool = pool[torch.randperm(pool.numel(), generator=gen)]
+        n = -(-pool.numel() // 31) * 31
+        pool = torch.cat([pool, pool[: n - pool.numel()]]).view(-1, 31)
+        pool = pool | (torch.randint(0, 2, pool.shape, generator=gen, dtype=torch.int32) << 15)  # signs
+        blocks = torch.cat([torch.full((pool.shape[0], 1), amax, dtype=torch.int32), pool], dim=1)
+        values = (blocks << 16).view(torch.float32)
+        codes, scales = mx.quantize(values, dim=-1)
+        assert (scales.int() == max(ea - 135, -127) + 127).all()
+        want = mx.dequantize(codes, scales, dim=-1).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        got = _round_block_emulated(blocks, ea)
+        bad = got != want
+        assert not bad.any(), (mant, blocks[bad][:4].tolist(), got[bad][:4].tolist(), want[bad][:4].tolist())
+
+
+def test_the_raw_weights_gemm_checks_and_passes_its_operands(launches):
+    """mx_bf16_math_raw_gemm: the C ABI's order (C or the combine's out, src, weight, A, its scales,
+    the two parts (null for one), k0, the tiles, E, M, N, K, stream), each wrong operand refused in
+    one line before any launch."""
+    calls = launches
+    a = torch.zeros(256, 384, dtype=torch.float8_e4m3fn)
+    sa = torch.zeros(3, 256, 4, dtype=torch.uint8)
+    g, u = torch.zeros(2, 256, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 512, dtype=torch.bfloat16)
+    tiles, _ = mx_gemm.row_tiles([128, 128], "cpu")
+    c = mx_gemm.mx_bf16_math_raw_gemm(a, sa, [g, u], tiles)
+    name, args = calls[-1]
+    assert name == "mokgen_mx_bf16_math_raw_gemm" and c.shape == (256, 512) and c.dtype == torch.float32
+    assert args == (c.data_ptr(), None, None, None, a.data_ptr(), sa.data_ptr(), g.data_ptr(), u.data_ptr(), 256,
+                    tiles.data_ptr(), 2, 2, 256, 512, 384, STREAM)
+    d = torch.zeros(2, 384, 512, dtype=torch.bfloat16)
+    src, weight = torch.arange(256, dtype=torch.int32), torch.ones(256)
+    out = mx_gemm.mx_bf16_math_raw_gemm(a, sa, [d], tiles, combine=(src, weight))
+    name, args = calls[-1]
+    assert out.shape == (256, 512) and out.dtype == torch.bfloat16
+    assert args[:4] == (None, out.data_ptr(), src.data_ptr(), weight.data_ptr()) and args[7:9] == (None, 384)
+    n = len(calls)
+    for parts in ([g], [g.float(), u], [g[:, :, :384].contiguous(), u[:, :, :384].contiguous()], [g, u, u],
+                  [torch.zeros(2, 352, 512, dtype=torch.bfloat16), torch.zeros(2, 32, 512, dtype=torch.bfloat16)]):
+        with pytest.raises(InputError, match=r"^raw-weights GEMM: B must be one or two bf16 \[E, k_i, N\]"):
+            mx_gemm.mx_bf16_math_raw_gemm(a, sa, parts, tiles)
+    with pytest.raises(InputError, match="raw-weights GEMM: combine takes src int32"):
+        mx_gemm.mx_bf16_math_raw_gemm(a, sa, [d], tiles, combine=(src.long(), weight))
+    with pytest.raises(InputError, match="raw-weights GEMM: tiles must be int32"):
+        mx_gemm.mx_bf16_math_raw_gemm(a, sa, [d], tiles.long())
+    assert len(calls) == n

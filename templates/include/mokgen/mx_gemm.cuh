@@ -590,25 +590,13 @@ __device__ __forceinline__ void init_pipe(unsigned char* smem, uint64_t*& full, 
   __syncthreads();
 }
 
-// gemm_kernel's consumer warpgroups: the tile's k-blocks, then its epilogue.
+// A consumer thread's epilogue of its tile (acc final, every wgmma retired): the fused SwiGLU
+// quantizer, the fused combine, or the store of C (through the spent stages where aligned).
+// Shared by gemm_kernel and mx_rawb.cuh's raw_gemm_kernel.
 template <int kEpi>
-__device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* full,
-                                             uint64_t* empty, float* __restrict__ c, int M, int N, int n_k, int m0,
-                                             int n0, size_t z_off, size_t ldc, int t, int wg, int out_bf16,
-                                             const EpiArgs& swi) {
-  cutlass::arch::warpgroup_reg_alloc<232>();
-  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
-  const int r0 = 64 * c_wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
-  float acc[kAcc];
-  if (n_k == 0) {
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-  }
-  uint32_t a[2][4];
-  int prev = -1;
-  for (int kb = 0; kb < n_k; ++kb) consume_kblock(stages, full, empty, kb, kb, r0, q, t, acc, a, prev);
-  cute::warpgroup_wait<0>();
-  sm90::fence_operands(acc);
+__device__ __forceinline__ void finish_tile(const float (&acc)[kAcc], unsigned char* stages, float* __restrict__ c,
+                                            int M, int N, int m0, int n0, size_t z_off, size_t ldc, int c_wg, int w,
+                                            int lane, int q, int g, int r0, int out_bf16, const EpiArgs& swi) {
   const int row = m0 + r0;
   if constexpr (kEpi == kEpiSwiglu || kEpi == kEpiSwigluClamp) {
     swiglu_quantize_epilogue<kEpi == kEpiSwigluClamp>(acc, swi, M, row, n0, q);
@@ -640,6 +628,28 @@ __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* fu
   asm volatile("bar.sync 1, 256;" ::: "memory");
   unsigned char* buf = stages + size_t(c_wg) * 64 * (out_bf16 ? kStagedStride16 : kStagedStride32);
   store_tile_staged(acc, buf, c, z_off, ldc, m0 + 64 * c_wg, n0, c_wg, w, g, q, lane, out_bf16);
+}
+
+// gemm_kernel's consumer warpgroups: the tile's k-blocks, then its epilogue.
+template <int kEpi>
+__device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* full,
+                                             uint64_t* empty, float* __restrict__ c, int M, int N, int n_k, int m0,
+                                             int n0, size_t z_off, size_t ldc, int t, int wg, int out_bf16,
+                                             const EpiArgs& swi) {
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
+  const int r0 = 64 * c_wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
+  float acc[kAcc];
+  if (n_k == 0) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  }
+  uint32_t a[2][4];
+  int prev = -1;
+  for (int kb = 0; kb < n_k; ++kb) consume_kblock(stages, full, empty, kb, kb, r0, q, t, acc, a, prev);
+  cute::warpgroup_wait<0>();
+  sm90::fence_operands(acc);
+  finish_tile<kEpi>(acc, stages, c, M, N, m0, n0, z_off, ldc, c_wg, w, lane, q, g, r0, out_bf16, swi);
 }
 
 // band > 1 (grouped launches; MOKGEN_MX_BAND, v0.43, default 8): the CTAs in launch order (x
