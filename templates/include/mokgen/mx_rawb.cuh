@@ -14,15 +14,17 @@
 //    an MN-major descriptor.
 // Each stage's B is quantized in place by the two consumer warpgroups before either issues its
 // wgmma on it (named barrier 4): warp 4 c + w takes box (4 c + w) % 4 and k rows 32 ((4 c + w) / 4)
-// .. + 31, lane l the word column l (two n), so each thread holds one 32-block along k of two
-// columns, as the weights' transposed quantizer (mx_rows.cuh weight_cols2_kernel) blocks them.
-// The quantization of stage s + 1 runs while stage s's four wgmmas are in flight.
+// .. + 31, i.e. 32 word columns (two n each) of one 32-block along k, as the weights' transposed
+// quantizer (mx_rows.cuh weight_cols2_kernel) blocks them, in four passes of eight columns, four
+// lanes to a column (quantize_quarter: eight words a thread). Stage s + 1 is quantized and its four
+// wgmmas are queued behind stage s's while those run (A's fragments double-buffered), so the tensor
+// core has work while the consumers quantize.
 //
 // The values: E4M3 value times 2^scale as bf16, the bits of the transposed conversion's values
 // (mx_rows.cuh store_decoded_pairs; the GPU tests compare them bit for bit). Hopper's conversion
 // instructions are slow (F2FP), so the common case is integer and bf16x2 arithmetic (round_block
 // below); blocks with a scale near either end of E8M0's range, and non-finite blocks, take the
-// conversion kernel's own float path (exact_block), chosen per thread.
+// conversion kernel's own float arithmetic (exact_half), per warp (all lanes take one path).
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -99,6 +101,12 @@ __device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b) {
   asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
+// max(|a|, |b|) per half (the sign bits then xor'ed in, masked off by the caller); NaN propagates
+__device__ __forceinline__ uint32_t absmax_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
 __device__ __forceinline__ uint32_t add_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -124,7 +132,8 @@ __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
 // rounding constant below stays finite; ea 255 is a NaN or an infinity in the block).
 __device__ __forceinline__ bool fast_field(uint32_t ea) { return ea >= 24u && ea <= 250u; }
 
-// The MX values of two columns' 32-blocks (one per 16-bit half of each word of v, in place), both
+// The MX values of two columns' 32-blocks (one per 16-bit half of each word of v, this thread's
+// eight rows of them, in place), both
 // halves' exponent fields ea in fast_field. Per element x (exponent field ex): the E4M3 value of
 // x / 2^s (s = ea - 135), times 2^s, is x rounded to nearest even on a grid of 2^(max(ex, t) - 3)
 // (t = ea - 14: three mantissa bits in E4M3's normal range, its subnormal grid 2^(s - 9) below),
@@ -133,11 +142,11 @@ __device__ __forceinline__ bool fast_field(uint32_t ea) { return ea >= 24u && ea
 // grid is M / 128 = 2^(max(ex, t) - 3), rounded to nearest even once (M is an even multiple of
 // the grid, so the tie goes as E4M3's), and the subtraction is exact. The sign goes back by bits
 // (a negative value rounded to zero stays -0, as the conversion's decoded -0 code).
-__device__ __forceinline__ void round_block(uint32_t (&v)[32], uint32_t ea_lo, uint32_t ea_hi) {
+__device__ __forceinline__ void round_block(uint32_t (&v)[8], uint32_t ea_lo, uint32_t ea_hi) {
   const uint32_t t4 = (((ea_lo - 14u) << 7) + 0x200u) | ((((ea_hi - 14u) << 7) + 0x200u) << 16);
   const uint32_t sat = ((ea_lo << 7) | 0x60u) | (((ea_hi << 7) | 0x60u) << 16);
 #pragma unroll
-  for (int r = 0; r < 32; ++r) {
+  for (int r = 0; r < 8; ++r) {
     const uint32_t x = v[r];
     const uint32_t m = max_u16x2((x & 0x7f807f80u) + 0x02000200u, t4);
     const uint32_t y = min_u16x2(sub_bf16x2(add_bf16x2(x & 0x7fff7fffu, m), m), sat);
@@ -150,14 +159,14 @@ __device__ __forceinline__ void round_block(uint32_t (&v)[32], uint32_t ea_lo, u
 // 2^-s to E4M3 (cvt.rn.satfinite), and back as store_decoded_pairs decodes it (f16, float32, times
 // e8m0_factor, rounded to bf16).
 template <bool kHi>
-__device__ __forceinline__ void exact_half(uint32_t (&v)[32], uint32_t amax16) {
+__device__ __forceinline__ void exact_half(uint32_t (&v)[8], uint32_t amax16) {
   const uint32_t amax = amax16 << 16;
   const bool finite = amax < 0x7f800000u;
   float inv;
   const int s = block_scale_exponent(amax, inv);
   const float f = e8m0_factor(finite ? uint8_t(s + 127) : mx::kE8M0Nan);
 #pragma unroll
-  for (int r = 0; r < 32; ++r) {
+  for (int r = 0; r < 8; ++r) {
     const uint32_t x = v[r];
     const float xf = __uint_as_float(kHi ? (x & 0xffff0000u) : (x << 16));
     uint16_t code2;
@@ -171,31 +180,38 @@ __device__ __forceinline__ void exact_half(uint32_t (&v)[32], uint32_t amax16) {
   }
 }
 
-// One thread's share of a stage's B (sb): box `box`, k rows 32 kh .. 32 kh + 31, word column lane
-// (n 2 lane, 2 lane + 1 of the box), loaded, quantized along k, stored back in place.
-__device__ __forceinline__ void quantize_task(const unsigned char* sb, int box, int kh, int lane) {
-  const uint32_t base = smem_u32(sb) + box * kBox + (lane & 3) * 4;
-  const int chunk = lane >> 2;  // the word's 16-byte chunk of the 128-byte row, before the swizzle
-  uint32_t v[32];
+// A quarter of a 32-block: box `box`, k rows 32 kh .. + 31 of word column wc (n 2 wc, 2 wc + 1 of
+// the box), of which this thread holds rows 8 p .. 8 p + 7 (p = lane / 8) and lanes lane ^ 8,
+// lane ^ 16, lane ^ 24 the rest (the block's amax by two shuffles). Row i of the quarter is
+// 8 p + (i + 2 p) % 8, so the four lane groups' rows lie 2 apart in the swizzle phase and their
+// words (two 16-byte chunks a group) fall in distinct banks. Eight words a thread: the
+// consumers' 128 accumulators and two stages' A fragments leave room for no more.
+__device__ __forceinline__ void quantize_quarter(const unsigned char* sb, int box, int kh, int wc, int p) {
+  const uint32_t base = smem_u32(sb) + box * kBox + (wc & 3) * 4;
+  const int chunk = wc >> 2;
+  uint32_t v[8];
 #pragma unroll
-  for (int r = 0; r < 32; ++r) {
-    const int row = 32 * kh + r;
-    v[r] = mxd::lds32(base + row * 128 + ((chunk ^ (row & 7)) << 4));
+  for (int i = 0; i < 8; ++i) {
+    const int row = 32 * kh + 8 * p + ((i + 2 * p) & 7);
+    v[i] = mxd::lds32(base + row * 128 + ((chunk ^ (row & 7)) << 4));
   }
-  uint32_t amax = 0;
+  uint32_t amax = v[0];
 #pragma unroll
-  for (int r = 0; r < 32; ++r) amax = max_u16x2(amax, v[r] & 0x7fff7fffu);
+  for (int i = 1; i < 8; ++i) amax = absmax_bf16x2(amax, v[i]);
+  amax &= 0x7fff7fffu;
+  amax = max_u16x2(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+  amax = max_u16x2(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
   const uint32_t ea_lo = (amax >> 7) & 0xffu, ea_hi = amax >> 23;
-  if (fast_field(ea_lo) && fast_field(ea_hi)) {
+  if (__all_sync(0xffffffffu, fast_field(ea_lo) && fast_field(ea_hi))) {  // warp-uniform
     round_block(v, ea_lo, ea_hi);
   } else {
     exact_half<false>(v, amax & 0xffffu);
     exact_half<true>(v, amax >> 16);
   }
 #pragma unroll
-  for (int r = 0; r < 32; ++r) {
-    const int row = 32 * kh + r;
-    sts32(base + row * 128 + ((chunk ^ (row & 7)) << 4), v[r]);
+  for (int i = 0; i < 8; ++i) {
+    const int row = 32 * kh + 8 * p + ((i + 2 * p) & 7);
+    sts32(base + row * 128 + ((chunk ^ (row & 7)) << 4), v[i]);
   }
 }
 
@@ -203,7 +219,8 @@ __device__ __forceinline__ void quantize_task(const unsigned char* sb, int box, 
 // the wgmma (the async proxy) and waited for by both.
 __device__ __forceinline__ void quantize_stage(const unsigned char* st, int c_wg, int w, int lane) {
   const int task = 4 * c_wg + w;
-  quantize_task(st, task & 3, task >> 2, lane);
+#pragma unroll
+  for (int pass = 0; pass < 4; ++pass) quantize_quarter(st, task & 3, task >> 2, 8 * pass + (lane & 7), lane >> 3);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync %0, 256;" ::"n"(kQuantBarrier) : "memory");
 }
@@ -245,9 +262,49 @@ __device__ __forceinline__ void decode_a(uint32_t at, int r0, int q, int k16, ui
   f[3] = mxd::decode2(lds16(p1 + 8), m1b, m2b);
 }
 
-// raw_gemm_kernel's consumer warpgroups: stage 0's B quantized, then per k-block A decoded, its
-// four wgmmas issued, the next stage's B quantized while they run, the four retired and the stage
-// released; then finish_tile's epilogue.
+// A stage's four wgmmas (A decoded into a first), committed as one batch.
+__device__ __forceinline__ void issue_stage(const unsigned char* st, int kb, int r0, int q, float (&acc)[kAcc],
+                                            uint32_t (&a)[4][4]) {
+  const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
+  const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
+  const uint32_t at = smem_u32(st + kBBytes);
+#pragma unroll
+  for (int k16 = 0; k16 < 4; ++k16) {
+    decode_a(at, r0, q, k16, wa0, wa1, 2 * (kb & 1) + k16 / 2, a[k16]);
+    mxd::fence_a(a[k16]);
+  }
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int k16 = 0; k16 < 4; ++k16)
+    wgmma(a[k16], desc_b(st + k16 * 2048), acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
+  cute::warpgroup_commit_batch();
+}
+
+// One k-block kb of consume_tile (kb's four wgmmas in flight, A in cur): stage kb + 1's B quantized
+// and its four queued behind them (A in next), then kb's retired (wait 1) and its stage released;
+// the last k-block waits for all.
+__device__ __forceinline__ void consume_step(unsigned char* stages, uint64_t* full, uint64_t* empty, int n_k, int kb,
+                                             int c_wg, int w, int lane, int r0, int q, int t, float (&acc)[kAcc],
+                                             uint32_t (&cur)[4][4], uint32_t (&next)[4][4]) {
+  if (kb + 1 < n_k) {
+    const int s1 = (kb + 1) % kStages;
+    const unsigned char* st1 = stages + size_t(s1) * kStageStride;
+    sm90::mbar_wait(&full[s1], ((kb + 1) / kStages) & 1u);
+    quantize_stage(st1, c_wg, w, lane);
+    issue_stage(st1, kb + 1, r0, q, acc, next);
+    cute::warpgroup_wait<1>();
+  } else {
+    cute::warpgroup_wait<0>();
+  }
+#pragma unroll
+  for (int k16 = 0; k16 < 4; ++k16) mxd::fence_a(cur[k16]);
+  if (t == 0) sm90::mbar_arrive(&empty[kb % kStages]);
+}
+
+// raw_gemm_kernel's consumer warpgroups: stage 0 quantized and issued, consume_step per k-block
+// (even k-blocks' A in a0, odd ones' in a1: static registers), then finish_tile's epilogue.
+// (ptxas notes C7517, a wait it adds where the epilogue first reads acc: every path has retired
+// all wgmmas there already.)
 template <int kEpi>
 __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* full, uint64_t* empty,
                                              float* __restrict__ c, int M, int N, int n_k, int m0, int n0, int t,
@@ -256,42 +313,21 @@ __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* fu
   const int c_wg = wg - 1, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
   const int r0 = 64 * c_wg + 16 * w + g;
   float acc[kAcc];
+  uint32_t a0[4][4], a1[4][4];
   if (n_k == 0) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
   } else {
     sm90::mbar_wait(&full[0], 0);
     quantize_stage(stages, c_wg, w, lane);
-  }
-  for (int kb = 0; kb < n_k; ++kb) {
-    const int s = kb % kStages;
-    const unsigned char* st = stages + size_t(s) * kStageStride;
-    const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes);
-    const uint32_t wa0 = sc[r0], wa1 = sc[r0 + 8];
-    const uint32_t at = smem_u32(st + kBBytes);
-    uint32_t a[4][4];
-#pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) {
-      decode_a(at, r0, q, k16, wa0, wa1, 2 * (kb & 1) + k16 / 2, a[k16]);
-      mxd::fence_a(a[k16]);
-    }
     sm90::fence_operands(acc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16)
-      wgmma(a[k16], desc_b(st + k16 * 2048), acc, kb > 0 || k16 > 0, std::make_index_sequence<kAcc>{});
-    cute::warpgroup_commit_batch();
-    if (kb + 1 < n_k) {  // the next stage's B, while these four run
-      const int s1 = (kb + 1) % kStages;
-      sm90::mbar_wait(&full[s1], ((kb + 1) / kStages) & 1u);
-      quantize_stage(stages + size_t(s1) * kStageStride, c_wg, w, lane);
-    }
-    cute::warpgroup_wait<0>();
-#pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) mxd::fence_a(a[k16]);  // A's registers live until the wgmmas retired
-    sm90::fence_operands(acc);
-    if (t == 0) sm90::mbar_arrive(&empty[s]);
+    issue_stage(stages, 0, r0, q, acc, a0);
   }
+  for (int kb = 0; kb < n_k; kb += 2) {
+    consume_step(stages, full, empty, n_k, kb, c_wg, w, lane, r0, q, t, acc, a0, a1);
+    if (kb + 1 < n_k) consume_step(stages, full, empty, n_k, kb + 1, c_wg, w, lane, r0, q, t, acc, a1, a0);
+  }
+  sm90::fence_operands(acc);
   finish_tile<kEpi>(acc, stages, c, M, N, m0, n0, size_t(0), size_t(N), c_wg, w, lane, q, g, r0, out_bf16, epi);
 }
 
