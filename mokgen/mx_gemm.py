@@ -623,8 +623,10 @@ def raw_weights_apply(parts) -> bool:
     of 128 (the device is the caller's to check)."""
     import torch
 
+    if len(parts) not in (1, 2):
+        return False
     first = parts[0]
-    return (len(parts) in (1, 2) and all(
+    return (all(
         p.dtype == torch.bfloat16 and p.dim() == 3 and p.device == first.device
         and p.shape[0] == first.shape[0] and p.shape[2] == first.shape[2] for p in parts)
         and first.shape[2] % BF16_MATH_N == 0 and all(p.shape[1] % 64 == 0 for p in parts)

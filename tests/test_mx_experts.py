@@ -836,6 +836,7 @@ def test_raw_dgrad_weights_switch_and_where_it_applies(monkeypatch):
     assert not mx_gemm.raw_weights_apply([torch.zeros(2, 256, 384, dtype=bf)])  # N % 256
     assert not mx_gemm.raw_weights_apply([torch.zeros(2, 96, 256, dtype=bf)])   # k % 64
     assert not mx_gemm.raw_weights_apply([torch.zeros(2, 64, 256, dtype=bf)] * 3)  # at most two parts
+    assert not mx_gemm.raw_weights_apply([])
     assert not mx_gemm.raw_weights_apply([torch.zeros(2, 64, 256, dtype=bf), torch.zeros(2, 128, 256, dtype=bf)])
     assert not mx_gemm.raw_weights_apply([torch.zeros(2, 256, 256)])  # float32
     import types
