@@ -94,20 +94,8 @@ constexpr size_t ring_bytes(int kS, int stage_bytes = kStageBytes) {
 }
 constexpr size_t kSmemBytes = ring_bytes(kStages);
 
-// MN-major operand with the 128-byte swizzle, as the TMA writes a box of 64 M/N elements x k
-// rows: k row r at byte 128 r, so 8 k rows form one 1024-byte swizzle atom (the stride byte
-// offset), and the next 64 M/N elements are the next box, kBox bytes on (the leading byte
-// offset). CuTe's canonical GMMA MN-major layout for SWIZZLE_128B ((8,n),(8,k)):((1,LBO),(8,SBO))
-// in 16-byte units.
-MOKGEN_DEVICE uint64_t smem_desc_mn(const void* smem) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = uint16_t(smem_u32(smem) >> 4);
-  d.bitfield.leading_byte_offset_ = kBox >> 4;
-  d.bitfield.stride_byte_offset_ = 1024 >> 4;
-  d.bitfield.base_offset_ = 0;  // boxes are 1024-byte aligned, k16 steps move 2048 bytes
-  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return d.desc_;
-}
+// MN-major operand with the 128-byte swizzle: 64 M/N elements x k rows a box (hopper_gemm.cuh).
+MOKGEN_DEVICE uint64_t smem_desc_mn(const void* smem) { return sm90::smem_desc_mn<kBox>(smem); }
 
 using cute::SM90::GMMA::Major;
 

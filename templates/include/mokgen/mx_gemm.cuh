@@ -660,6 +660,19 @@ __device__ __forceinline__ void consume_tile(unsigned char* stages, uint64_t* fu
 // tiles together (v0.42's; B's column tiles then came from DRAM again for each wave that held
 // some of an expert's row tiles: kimi-k2.5's dx 2.30 -> 1.71 ms on the H100 with bands of 8). The
 // same tiles either way (the same bits).
+// The CTA (bx, by) of a grouped launch as its place in the band order (band above; band <= 1: the
+// grid's own order).
+__device__ __forceinline__ void band_order(int& bx, int& by, int band) {
+  if (band > 1) {
+    const int nx = int(gridDim.x), ny = int(gridDim.y);
+    const int l = by * nx + bx;                            // the CTA's place in launch order
+    const int b = l / (band * nx), r = l - b * band * nx;  // its band, and place within the band
+    const int in_band = ny - b * band < band ? ny - b * band : band;
+    bx = r / in_band;
+    by = b * band + r % in_band;
+  }
+}
+
 template <int kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -669,14 +682,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   int bx = int(blockIdx.x), by = int(blockIdx.y);  // this CTA's column tile and row tile
-  if (band > 1) {
-    const int nx = int(gridDim.x), ny = int(gridDim.y);
-    const int l = by * nx + bx;                            // the CTA's place in launch order
-    const int b = l / (band * nx), r = l - b * band * nx;  // its band, and place within the band
-    const int in_band = ny - b * band < band ? ny - b * band : band;
-    bx = r / in_band;
-    by = b * band + r % in_band;
-  }
+  band_order(bx, by, band);
   // grouped (tiles given): tile (expert e, first row m0) against e's N rows of the stacked B
   // [E N, K]; (-1, 0) tiles (past the segments of a fixed-length list) are skipped
   const int2 tile = tiles != nullptr ? tiles[by] : make_int2(0, by * kBM);

@@ -48,6 +48,7 @@ namespace mxg {
 namespace rawb {
 
 // bf16m's geometry, stage layout, pipe and epilogues, by name (mxg has its own kBK, kStages, ...)
+using bf16m::band_order;
 using bf16m::EpiArgs;
 using bf16m::finish_tile;
 using bf16m::init_pipe;
@@ -68,18 +69,8 @@ constexpr int kBox = 64 * 64 * 2;  // one TMA box of B: 64 k rows of 128 bytes (
 static_assert(4 * kBox == kBBytes, "B's four boxes fill gemm_kernel's B part of a stage");
 constexpr int kQuantBarrier = 4;   // named barrier: the stage's B quantized (bf16m uses 1, 2 and 3)
 
-// MN-major B with the 128-byte swizzle, as the TMA writes a box of 64 n x 64 k rows: k row r at
-// byte 128 r, 8 k rows one 1024-byte swizzle atom (the stride byte offset), the next 64 n the next
-// box (the leading byte offset); bwd_gemm.cuh's smem_desc_mn for this box size.
-__device__ __forceinline__ uint64_t desc_b(const void* smem) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = uint16_t(smem_u32(smem) >> 4);
-  d.bitfield.leading_byte_offset_ = kBox >> 4;
-  d.bitfield.stride_byte_offset_ = 1024 >> 4;
-  d.bitfield.base_offset_ = 0;  // boxes are 1024-byte aligned, k16 steps move 2048 bytes
-  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return d.desc_;
-}
+// MN-major B with the 128-byte swizzle, four boxes of 64 n x 64 k rows (hopper_gemm.cuh).
+__device__ __forceinline__ uint64_t desc_b(const void* smem) { return sm90::smem_desc_mn<kBox>(smem); }
 
 using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                              cute::SM90::GMMA::Major::MN>;
@@ -346,14 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, t = tid & 127;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   int bx = int(blockIdx.x), by = int(blockIdx.y);
-  if (band > 1) {
-    const int nx = int(gridDim.x), ny = int(gridDim.y);
-    const int l = by * nx + bx;
-    const int b = l / (band * nx), r = l - b * band * nx;
-    const int in_band = ny - b * band < band ? ny - b * band : band;
-    bx = r / in_band;
-    by = b * band + r % in_band;
-  }
+  band_order(bx, by, band);
   const int2 tile = tiles[by];
   if (tile.x < 0) return;
   const int m0 = tile.y, n0 = bx * kBN, n_k = K / kBK;
