@@ -25,6 +25,7 @@
 #pragma once
 
 #include "bwd_tiles.cuh"
+#include "desc_mn.cuh"
 #include "swiglu_grad.cuh"
 #include "hopper_gemm.cuh"
 
@@ -94,7 +95,7 @@ constexpr size_t ring_bytes(int kS, int stage_bytes = kStageBytes) {
 }
 constexpr size_t kSmemBytes = ring_bytes(kStages);
 
-// MN-major operand with the 128-byte swizzle: 64 M/N elements x k rows a box (hopper_gemm.cuh).
+// MN-major operand with the 128-byte swizzle: 64 M/N elements x k rows a box (desc_mn.cuh).
 MOKGEN_DEVICE uint64_t smem_desc_mn(const void* smem) { return sm90::smem_desc_mn<kBox>(smem); }
 
 using cute::SM90::GMMA::Major;

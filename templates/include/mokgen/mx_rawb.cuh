@@ -37,6 +37,7 @@
 #include <utility>
 
 #include "bulk_copy.cuh"
+#include "desc_mn.cuh"
 #include "hopper_gemm.cuh"
 #include "mx.cuh"
 #include "mx_decode.cuh"
@@ -69,7 +70,7 @@ constexpr int kBox = 64 * 64 * 2;  // one TMA box of B: 64 k rows of 128 bytes (
 static_assert(4 * kBox == kBBytes, "B's four boxes fill gemm_kernel's B part of a stage");
 constexpr int kQuantBarrier = 4;   // named barrier: the stage's B quantized (bf16m uses 1, 2 and 3)
 
-// MN-major B with the 128-byte swizzle, four boxes of 64 n x 64 k rows (hopper_gemm.cuh).
+// MN-major B with the 128-byte swizzle, four boxes of 64 n x 64 k rows (desc_mn.cuh).
 __device__ __forceinline__ uint64_t desc_b(const void* smem) { return sm90::smem_desc_mn<kBox>(smem); }
 
 using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
