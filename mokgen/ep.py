@@ -465,12 +465,19 @@ def _is_mx(kernel) -> bool:
 
 
 def _weights_for(kernel, w_gate, w_up, w_down, train: bool = False):
-    """The expert weights as ``kernel`` takes them: as given (bf16 builds), or for an MXFP8 build
-    their MX values (``_mx_operand``). ``train``: the launch is recorded for autograd (under
-    MOKGEN_MX_WEIGHTS=both the backward's conversions are made too, ``_mx_both``)."""
-    if not _is_mx(kernel):
+    """The expert weights as ``kernel`` takes them: as given (bf16 builds, and MXFP8 builds whose
+    tiles quantize them, plan mx_fwd_weights "raw"), or for an MXFP8 build their MX values
+    (``_mx_operand``). ``train``: the launch is recorded for autograd (under MOKGEN_MX_WEIGHTS=both
+    the backward's conversions are made too, ``_mx_both``)."""
+    if not _is_mx(kernel) or _takes_raw(kernel):
         return w_gate, w_up, w_down
     return _mx_operands(w_gate, w_up, w_down, train)
+
+
+def _takes_raw(kernel) -> bool:
+    """Whether ``kernel`` is an MXFP8 build that takes the bf16 weights and quantizes them in its
+    tiles (plan mx_fwd_weights "raw"; builds made before v0.68 take their MX values)."""
+    return _is_mx(kernel) and getattr(kernel, "MX_FWD_WEIGHTS", "values") == "raw"
 
 
 def _mx_training(kernel, grad_inputs) -> bool:

@@ -123,6 +123,12 @@ class Plan(BaseModel):
     # stored as its MX values in bf16, the tiles are the bf16 HopperTiles: the same bits, v0.57).
     # "codes" for bf16 plans.
     mx_form: str = "codes"
+    # MXFP8 builds' weights (v0.68): "values" (the launch takes their MX values, converted by
+    # mokgen.mx_gemm.expert_weights before it and cached per version) or "raw" (the launch takes the
+    # bf16 weights and each stage's B is quantized in shared memory by the tiles' consumers,
+    # mx_tile.cuh MxQuantB: the same values, no conversion pass; the expanded form only). "values"
+    # for bf16 plans.
+    mx_fwd_weights: str = "values"
     # router selection (router.cuh), from spec.routing
     router_scoring: str = "softmax"
     router_bias: bool = False
@@ -156,6 +162,8 @@ PULL_MODES = ("copy", "bulk")
 STAGGERS = (0, 1, 2, 3)
 #: MXFP8 builds' forms (Plan.mx_form)
 MX_FORMS = ("codes", "expand")
+#: MXFP8 builds' weights (Plan.mx_fwd_weights)
+MX_FWD_WEIGHTS = ("values", "raw")
 
 
 #: hidden size from which CTA pairs (gemm_cluster 2) are the default. Measured on the H200 (v0.6,
@@ -190,7 +198,7 @@ def default_mx_form(spec: MoESpec, cluster: int | None, mx_form: str | None) -> 
 def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow", cluster: int | None = None,
               fuse_shared: bool | None = None, block_k: int = 64, pull_unroll: int = 12,
               pull_mode: str = "copy", dispatch_join: bool = True, stagger: int = 0,
-              mx_form: str | None = None) -> Plan:
+              mx_form: str | None = None, mx_fwd_weights: str = "values") -> Plan:
     """Plan the build of ``spec`` for its target. Raises PlanError for what cannot be built yet.
     The portable core has only the phased schedule (``schedule`` is ignored for it); clusters
     of two need the Hopper core's flow schedule (``cluster`` is 1 otherwise; None:
@@ -203,11 +211,14 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
     ``stagger``: the consumer warpgroups' lead in k-blocks (the Hopper core's flow schedule only,
     0 otherwise; not for mxfp8). Numerics mxfp8: the Hopper core's flow schedule with k-blocks
     of 64 and the copy dispatch, no fused shared expert; ``mx_form`` its form (MX_FORMS: "codes" or
-    "expand"; ignored for bf16), and with ``cluster`` and ``mx_form`` None, ``default_mx_form``."""
+    "expand"; ignored for bf16), and with ``cluster`` and ``mx_form`` None, ``default_mx_form``;
+    ``mx_fwd_weights`` (MX_FWD_WEIGHTS, ignored for bf16) "raw" needs the expanded form (with
+    ``mx_form`` None it takes it)."""
     for option, value, allowed in (("gemm_core", gemm_core, GEMM_CORES), ("schedule", schedule, SCHEDULES),
                                    ("block_k", block_k, BLOCK_KS), ("pull_unroll", pull_unroll, PULL_UNROLLS),
                                    ("cluster", cluster, CLUSTERS), ("pull_mode", pull_mode, PULL_MODES),
-                                   ("stagger", stagger, STAGGERS), ("mx_form", mx_form, MX_FORMS)):
+                                   ("stagger", stagger, STAGGERS), ("mx_form", mx_form, MX_FORMS),
+                                   ("mx_fwd_weights", mx_fwd_weights, MX_FWD_WEIGHTS)):
         if value not in allowed and not (option in ("cluster", "mx_form") and value is None):
             raise PlanError(f"{spec.name}: {option} must be one of {', '.join(map(str, allowed))}, got {value!r}")
     if pull_mode == "bulk" and gemm_core != "wgmma":
@@ -219,6 +230,11 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
                 raise PlanError(f"{spec.name}: numerics mxfp8 needs {option} {want}, got {value!r}")
         if stagger:
             raise PlanError(f"{spec.name}: numerics mxfp8 runs its consumers in lockstep (stagger 0), got {stagger}")
+        if mx_fwd_weights == "raw":
+            if mx_form == "codes":
+                raise PlanError(f"{spec.name}: mx_fwd_weights raw needs mx_form expand (the bf16 tiles quantize "
+                                f"the weights), got mx_form codes")
+            mx_form = "expand"
         cluster, mx_form = default_mx_form(spec, cluster, mx_form)
         fuse_shared = False
     if stagger and gemm_core == "wgmma" and schedule == "flow":
@@ -257,6 +273,7 @@ def make_plan(spec: MoESpec, *, gemm_core: str = "wgmma", schedule: str = "flow"
         dispatch_join=bool(dispatch_join) and gemm_core == "wgmma" and schedule == "flow",
         gemm_stagger=stagger if gemm_core == "wgmma" and schedule == "flow" else 0,
         mx_form=mx_form if t.numerics == "mxfp8" else "codes",  # resolved above for mxfp8
+        mx_fwd_weights=mx_fwd_weights if t.numerics == "mxfp8" else "values",
         router_scoring=spec.routing.scoring,
         router_bias=spec.routing.score_correction_bias,
         router_n_group=spec.routing.n_group,

@@ -349,6 +349,10 @@ def choose(times: list[Optional[float]], noise: float = NOISE) -> int:
 #: the build options the tuner chooses: not among a file's fixed plan options (a switch that pins
 #: one is recorded under "pinned"). pull_mode stays among the fixed ones (see metadata)
 TUNED_OPTIONS = ("cluster", "block_k", "stagger", "mx_form")
+#: build options a tuned entry holds for either value: MXFP8 builds' weights raw (v0.68) run the
+#: values form's tiles, pipeline and schedule with each stage's B quantized by the consumers, so an
+#: entry timed with either fits both (the tuner times the values form unless the switch says raw)
+EITHER_OPTIONS = ("mx_fwd_weights",)
 
 
 def metadata(gpu: str) -> dict[str, Any]:
@@ -358,7 +362,7 @@ def metadata(gpu: str) -> dict[str, Any]:
     options = env.plan_options()
     # the options that are not tuned; the tuned ones only where a switch pinned them (the
     # search then held that axis, so the entry fits only where the switch says the same)
-    fixed = {k: v for k, v in options.items() if k not in TUNED_OPTIONS}
+    fixed = {k: v for k, v in options.items() if k not in TUNED_OPTIONS + EITHER_OPTIONS}
     fixed["fuse_shared"] = "auto" if fixed["fuse_shared"] in (None, True) else False  # True: the same builds
     # (pull_mode stays among the fixed options: an entry made under MOKGEN_PULL_MODE=bulk fits
     # only there, and one made without it fits under an explicit =copy too)

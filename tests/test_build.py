@@ -89,6 +89,30 @@ def test_block_k_32_build_uses_the_64_byte_swizzle_without_spills(monkeypatch):
 
 
 @pytest.mark.nvcc
+def test_the_weights_raw_mx_build_quantizes_each_stage_between_the_wgmmas(monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS=raw (v0.68, mx_tile.cuh MxQuantB) on the largest spec's MXFP8 build:
+    no spills, no serialized wgmma; each of the consumers' k-loop bodies (up and down tiles, two
+    k-blocks an iteration: four) quantizes its stage with 128-bit shared loads and stores, fences
+    them for the async proxy and meets the other consumer warpgroup on named barrier 2 (256
+    threads) before its HGMMA; the values build has no such barrier."""
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
+    spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    result = build_mod.build(spec)
+    assert "static constexpr bool kMxRawB = true;" in (result.entry / "moe_forward.cu").read_text()
+    _assert_no_spills(result)
+    lines = [line for line in sass_of(result.library).splitlines() if ";" in line]
+    bars = [i for i, line in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in line]
+    assert len(bars) == 4, len(bars)
+    for i in bars:
+        before, after = lines[max(0, i - 400):i], lines[i:i + 60]
+        assert sum("STS.128" in line for line in before) >= 4 and any("FENCE.VIEW.ASYNC.S" in line for line in before)
+        assert any("HGMMA.64x256x16" in line or "HGMMA.64x128x16" in line for line in after), i
+    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS")
+    values = build_mod.build(spec)
+    assert "BAR.SYNC.DEFER_BLOCKING 0x2" not in sass_of(values.library)
+
+
+@pytest.mark.nvcc
 def test_default_build_sass_roles():
     """The default build of the largest spec, in its SASS: wgmma (HGMMA), one batch kept in flight
     and no empty commit group; no local memory; the

@@ -314,6 +314,27 @@ def test_render_mxfp8_sets_the_kernels_numerics(private_dirs):
     assert code == 0 and "static constexpr bool kMx = false;" in cu[0].read_text()
 
 
+def test_render_mxfp8_with_the_weights_raw(private_dirs, monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS=raw (v0.68): the rendered kernel quantizes the weights in its tiles
+    (Cfg::kMxRawB) in the expanded form, and the binding says it takes them raw; bf16 builds and
+    the default say values."""
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
+    for spec, numerics, raw in (("qwen3-30b-a3b", "mxfp8", True), ("kimi-k2.5", "bf16", False)):
+        code, out, err = invoke("render", "--numerics", numerics, spec)
+        assert code == 0, err
+        paths = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith((".cu", ".py"))]
+        cu = next(p for p in paths if p.suffix == ".cu").read_text()
+        binding = next(p for p in paths if p.suffix == ".py").read_text()
+        flag = "true" if raw else "false"
+        assert f"static constexpr bool kMxRawB = {flag};" in cu, spec
+        assert f"static constexpr bool kMxExpand = {flag};" in cu, spec  # raw takes the expanded form
+        assert f'MX_FWD_WEIGHTS = "{"raw" if raw else "values"}"' in binding, spec
+    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS")
+    code, out, err = invoke("render", "--numerics", "mxfp8", "kimi-k2.5")
+    cu = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".cu")]
+    assert code == 0 and "static constexpr bool kMxRawB = false;" in cu[0].read_text()
+
+
 # ---- the file system: folders that cannot be written are one-line errors too --------------------------
 
 

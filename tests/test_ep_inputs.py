@@ -877,6 +877,33 @@ def test_mxfp8_builds_take_converted_weights_and_train_through_their_own_node():
     assert all(torch.equal(g, t + 1) for g, t in zip(got, w))
 
 
+def test_an_mxfp8_build_with_the_weights_raw_takes_them_unconverted(monkeypatch):
+    """mokgen.ep._weights_for (v0.68): an MXFP8 build of plan mx_fwd_weights "raw" (its binding's
+    MX_FWD_WEIGHTS) gets the weight tensors themselves and no conversion runs, under autograd and
+    MOKGEN_MX_WEIGHTS=both too; a build without the constant (made before v0.68) takes values."""
+    import types
+
+    from mokgen import ep, mx_gemm
+
+    calls = []
+    monkeypatch.setattr(mx_gemm, "expert_weights", lambda parts: calls.append(1) or parts[0] + 1)
+    monkeypatch.setattr(mx_gemm, "expert_weights_both", lambda *a, **k: calls.append(2))
+    monkeypatch.setenv("MOKGEN_MX_WEIGHTS", "both")
+    ep.refresh_mx_weights()
+    w = [torch.zeros(2, 128, 256, dtype=torch.bfloat16) for _ in range(3)]
+    raw = types.SimpleNamespace(NUMERICS="mxfp8", MX_FWD_WEIGHTS="raw")
+    for train in (False, True):
+        assert all(a is b for a, b in zip(ep._weights_for(raw, *w, train), w))
+    assert calls == [] and len(ep._MX_WEIGHTS) == 0
+    monkeypatch.setenv("MOKGEN_MX_WEIGHTS", "apart")
+    old = types.SimpleNamespace(NUMERICS="mxfp8")
+    assert all(torch.equal(g, t + 1) for g, t in zip(ep._weights_for(old, *w), w)) and calls == [1, 1, 1]
+    values = types.SimpleNamespace(NUMERICS="mxfp8", MX_FWD_WEIGHTS="values")
+    w2 = [t.clone() for t in w]
+    assert all(torch.equal(g, t + 1) for g, t in zip(ep._weights_for(values, *w2), w2)) and len(calls) == 6
+    ep.refresh_mx_weights()
+
+
 def test_mxfp8_weight_conversions_follow_each_tensor_and_its_version(monkeypatch):
     """mokgen.ep._mx_operand: one conversion per tensor object and version. A new tensor that
     takes a freed one's address is converted anew (no stale hit); an in-place update converts

@@ -153,6 +153,103 @@ def test_the_expanded_mx_build_gives_the_codes_builds_bits(monkeypatch, cluster)
         assert torch.equal(out, runs["codes", w, chunk, ring]), f"{form}, W = {w}, ring {ring} x {chunk}: bits differ"
 
 
+def _with_special_blocks(weights):
+    """The weights with 32-blocks that take MxQuantB's exact path (mx_round.cuh exact_half): a zero
+    block, one below E8M0's fast range (exponent fields under 24) and one whose amax saturates at
+    448 2^s, in each of the three (the conversion writes the same values for them)."""
+    out = [w.clone() for w in weights]
+    for i, w in enumerate(out):
+        w[0, 1, 32:64] = 0
+        w[0, 2, :32] = w[0, 2, :32].float().mul(2.0**-112).to(torch.bfloat16)
+        w[-1, 3, 64:96] = torch.linspace(-1.0, 1.9375, 32, device=w.device).to(torch.bfloat16) * (i + 1)
+    return out
+
+
+@pytest.mark.nvcc  # builds the raw weights' variants
+@pytest.mark.parametrize("cluster", ["1", "2"])
+def test_the_weights_raw_build_gives_the_values_builds_bits(monkeypatch, cluster):
+    """Plan mx_fwd_weights "raw" (MOKGEN_MX_FWD_WEIGHTS; v0.68, mx_tile.cuh MxQuantB): the launch
+    takes the bf16 weights and the tiles' consumers make each stage's B the MX values that the
+    values build reads from the conversion, in the same k slots, so the expanded values build's
+    bits: W = 1 and W = 4 (one rank without tokens, skewed routing), two rings, single CTAs and
+    pairs, weights with blocks on the quantizer's exact path; and the raw launches convert nothing."""
+    from mokgen import ep, mx_gemm
+    from mokgen.load import load
+
+    spec = _spec()
+    weights = _with_special_blocks(_problem(spec, [1], seed=15)[3])
+    cases = {1: _problem(spec, [1100], seed=16, skew=True)[:3],
+             4: _problem(spec, [500, 0, 257, 1033], seed=17, skew=True)[:3]}
+    monkeypatch.setenv("MOKGEN_CLUSTER", cluster)
+    monkeypatch.setenv("MOKGEN_MX_FORM", "expand")
+    calls = []
+    real = mx_gemm.expert_weights
+    monkeypatch.setattr(mx_gemm, "expert_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs = {}
+    for kind in ("values", "raw"):
+        monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", kind)
+        ep.refresh_mx_weights()
+        kernel = load(spec)
+        assert kernel.MX_FWD_WEIGHTS == kind and kernel.MX_FORM == "expand"
+        assert int(kernel.LIB.mokgen_ep_cluster()) == int(cluster)
+        before = len(calls)
+        for key, out in _runs_over_cases_and_rings(spec, cases, weights, ((256, 3), (2048, 2))).items():
+            runs[(kind, *key)] = out
+        assert (len(calls) > before) == (kind == "values"), kind
+    for (kind, w, chunk, ring), out in runs.items():
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, runs["values", w, chunk, ring]), f"{kind}, W = {w}, ring {ring} x {chunk}: bits differ"
+
+
+def test_an_mx_moelayer_with_the_weights_raw_trains_as_the_values_build_and_follows_updates(monkeypatch):
+    """MoELayer on an MXFP8 spec with MOKGEN_MX_FWD_WEIGHTS=raw against one with values (the same
+    weights, the save policy): the same outputs and gradients bit for bit, three steps, each after
+    an in-place update of every weight (an optimizer step; the values layer converts again by the
+    tensors' versions, the raw one reads them as they are), and the raw layer's forward converts
+    no weight along k."""
+    from mokgen import mx_gemm
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    xs, ids, ws, weights = _problem(spec, [384], seed=18, skew=True)
+    weights = _with_special_blocks(weights)
+    d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(19),
+                        device="cuda").to(torch.bfloat16)
+    layers = {}
+    for kind in ("values", "raw"):
+        monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", kind)
+        layers[kind] = MoELayer(spec, max_tokens=512, device="cuda")
+        with torch.no_grad():
+            for p, v in zip((layers[kind].w_gate, layers[kind].w_up, layers[kind].w_down), weights):
+                p.copy_(v)
+    assert layers["raw"]._kernel.MX_FWD_WEIGHTS == "raw" and layers["values"]._kernel.MX_FWD_WEIGHTS == "values"
+    along_k = []
+    real = mx_gemm.expert_weights
+
+    def counted(parts, **kw):  # the conversions along k (the forward's), not the backward's transposed ones
+        if not kw.get("transpose"):
+            along_k.append(1)
+        return real(parts, **kw)
+
+    monkeypatch.setattr(mx_gemm, "expert_weights", counted)
+    for step in range(3):
+        got = {}
+        for kind, layer in layers.items():
+            x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
+            layer.zero_grad(set_to_none=True)
+            before = len(along_k)
+            out = layer(x, ids[0], w)
+            assert (len(along_k) > before) == (kind == "values"), (step, kind)
+            out.backward(d_out)
+            got[kind] = [out, x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
+        for name, a, b in zip(("out", "x", "topk_weights", "w_gate", "w_up", "w_down"), got["raw"], got["values"]):
+            assert torch.isfinite(a).all() and torch.equal(a, b), (step, name)
+        with torch.no_grad():  # the same update of both layers' weights, in place
+            for layer in layers.values():
+                for p in (layer.w_gate, layer.w_up, layer.w_down):
+                    p.sub_(p.grad * 0.5)
+
+
 def _staged_grads(spec, xs, ids, ws, weights, d_outs):
     """experts_forward_train's gradients (x, topk_weights, w_gate, w_up, w_down) on the ranks'
     tokens concatenated in rank order: what an MXFP8 launch's backward returns."""

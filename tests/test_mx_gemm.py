@@ -488,6 +488,83 @@ def test_the_raw_kernels_integer_rounding_is_the_mx_quantizer(ea):
         assert not bad.any(), (mant, blocks[bad][:4].tolist(), got[bad][:4].tolist(), want[bad][:4].tolist())
 
 
+def _bf16m_pos(j: int) -> int:
+    """mx_rows.cuh bf16m_pos: where k j of a 32-block sits in the bf16 MX weights' permuted order."""
+    i, q = j & 3, (j >> 2) & 3
+    return (j & 16) + 2 * q + (i & 1) + 8 * (i >> 1)
+
+
+@pytest.mark.parametrize("rows", [256, 128])
+def test_the_forward_tiles_quantizer_makes_a_stage_the_conversions_values(rows):
+    """mx_tile.cuh MxQuantB (v0.68, MOKGEN_MX_FWD_WEIGHTS=raw), emulated on a stage's B as the TMA
+    leaves it (rows x 64 bf16, SWIZZLE_128B): the 256 consumer threads' blocks (ct + 256 j) load
+    and store every 16-byte slot of the stage exactly once, each 8-lane phase of a warp's 128-bit
+    access touches 8 distinct 16-byte bank groups, and the stage ends up holding, row by row,
+    what the values form's conversion writes (mx_rows.cuh weight_rows_kernel: each 32-block's MX
+    values as bf16 at bf16m_pos), with round_block's integer rounding where the block's exponent
+    field allows it and the conversion's arithmetic (mokgen.mx) elsewhere: a zero block, blocks
+    below E8M0's fast range and one that saturates at 448."""
+    from collections import Counter
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, 64, generator=gen) * torch.exp2(torch.randint(-30, 30, (rows, 2, 1), generator=gen)
+                                                       .float()).repeat_interleave(32, dim=1).view(rows, 64)
+    w[3, 32:] = 0.0  # a zero block: the exact path
+    w[5, :32] = torch.randn(32, generator=gen) * 2.0**-112  # exponent fields below 24: the exact path
+    w[7, 32:] = torch.linspace(-1.0, 1.9375, 32)  # amax mantissa 0x78: saturates at 448 2^s
+    bits = w.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    stage = torch.zeros(rows * 64, dtype=torch.int32)  # the stage's bf16 slots, by byte address / 2
+    for r in range(rows):
+        for k in range(64):
+            stage[(r * 128 + (((k // 8) ^ (r % 8)) << 4)) // 2 + k % 8] = bits[r, k]
+    ref = w.to(torch.bfloat16).float().view(rows * 2, 32)
+    codes, scales = mx.quantize(ref, dim=-1)
+    exact = (mx.dequantize(codes, scales, dim=-1).to(torch.bfloat16).view(torch.int16).to(torch.int32)
+             & 0xFFFF).view(rows, 2, 32)
+    loads, stores, fast = Counter(), Counter(), 0
+    out = stage.clone()
+    for warp in range(8):
+        for j in range(rows // 128):
+            addrs = {}
+            for lane in range(32):
+                ct = 32 * warp + lane
+                idx = ct + 256 * j
+                r, b = idx % rows, idx // rows
+                slot = [r * 128 + (((4 * b + c) ^ (r % 8)) << 4) for c in range(4)]
+                addrs[lane] = slot
+                vals = torch.cat([stage[a // 2: a // 2 + 8] for a in slot])  # the block's 32 k in order
+                loads.update(slot)
+                ea = int(vals.bitwise_and(0x7FFF).max()) >> 7
+                if 24 <= ea <= 250:
+                    q, fast = _round_block_emulated(vals, ea), fast + 1
+                else:
+                    q = exact[r, b]
+                for s in range(2):  # word n of step s to position (n >> 1) + 4 (n & 1)
+                    words = [q[16 * s + 2 * n: 16 * s + 2 * n + 2] for n in range(8)]
+                    for half, picks in ((0, (0, 2, 4, 6)), (1, (1, 3, 5, 7))):
+                        a = r * 128 + (((4 * b + 2 * s + half) ^ (r % 8)) << 4)
+                        out[a // 2: a // 2 + 8] = torch.cat([words[n] for n in picks])
+                        stores[a] += 1
+            for c in range(4):  # 128-bit accesses go in phases of 8 lanes
+                for phase in range(4):
+                    groups = {(addrs[lane][c] // 16) % 8 for lane in range(8 * phase, 8 * phase + 8)}
+                    assert len(groups) == 8, (warp, j, c, phase)
+    every = set(range(0, rows * 128, 16))
+    assert set(loads) == every and set(loads.values()) == {1}
+    assert set(stores) == every and set(stores.values()) == {1}
+    assert fast == 2 * rows - 2  # the two blocks above took the exact path, the rest round_block
+    got = torch.zeros(rows, 64, dtype=torch.int32)
+    for r in range(rows):
+        for k in range(64):
+            got[r, k] = out[(r * 128 + (((k // 8) ^ (r % 8)) << 4)) // 2 + k % 8]
+    want = torch.zeros(rows, 64, dtype=torch.int32)
+    for b in range(2):
+        for jj in range(32):
+            want[:, 32 * b + _bf16m_pos(jj)] = exact[:, b, jj]
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, bad[:4].tolist()
+
+
 def test_the_raw_weights_gemm_checks_and_passes_its_operands(launches):
     """mx_bf16_math_raw_gemm: the C ABI's order (C or the combine's out, src, weight, A, its scales,
     the two parts (null for one), k0, the tiles, E, M, N, K, stream), each wrong operand refused in

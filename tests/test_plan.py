@@ -331,7 +331,7 @@ def test_schedule_from_environment(monkeypatch):
     monkeypatch.setenv("MOKGEN_SCHEDULE", "phased")
     assert env.plan_options() == {"gemm_core": "wgmma", "schedule": "phased", "cluster": None, "fuse_shared": None,
                                   "block_k": 64, "pull_unroll": 12, "pull_mode": "copy", "dispatch_join": True,
-                                  "stagger": 0, "mx_form": None}
+                                  "stagger": 0, "mx_form": None, "mx_fwd_weights": "values"}
     monkeypatch.setenv("MOKGEN_SCHEDULE", "fast")
     with pytest.raises(ToolchainError, match="MOKGEN_SCHEDULE must be flow or phased"):
         env.plan_options()
@@ -434,6 +434,42 @@ def test_mx_form_option(monkeypatch):
     assert make_plan(spec, mx_form="codes").mx_form == "codes" and make_plan(spec, mx_form="expand").mx_form == "expand"
     _check_switch(monkeypatch, "MOKGEN_MX_FORM", "mx_form", "expand", "expand", "fp8",
                   "MOKGEN_MX_FORM must be codes or expand")
+
+
+def test_mx_fwd_weights_option(monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS (v0.68): an MXFP8 build whose tiles quantize the bf16 weights takes
+    the expanded form (left to the plan, it is chosen; asked for codes, one line); its own cache
+    key; a tuned form of codes gives way to it while a switch-set form does not; bf16 plans have
+    one kind of weights."""
+    from mokgen import env
+
+    kimi = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    small = load_spec("qwen3-30b-a3b").with_target(numerics="mxfp8")
+    assert make_plan(kimi).mx_fwd_weights == "values" and make_plan(small).mx_form == "codes"
+    raw = make_plan(kimi, mx_fwd_weights="raw")
+    assert (raw.mx_fwd_weights, raw.mx_form, raw.gemm_cluster) == ("raw", "expand", 2)
+    assert cache_key(raw, **KEY_ARGS) != cache_key(make_plan(kimi), **KEY_ARGS)
+    raw = make_plan(small, mx_fwd_weights="raw")
+    assert (raw.mx_fwd_weights, raw.mx_form, raw.gemm_cluster) == ("raw", "expand", 1)
+    assert make_plan(small, mx_fwd_weights="raw", cluster=2).gemm_cluster == 2
+    with pytest.raises(PlanError, match="mx_fwd_weights raw needs mx_form expand") as info:
+        make_plan(small, mx_fwd_weights="raw", mx_form="codes")
+    assert "\n" not in str(info.value)
+    with pytest.raises(PlanError, match="mx_fwd_weights must be one of values, raw, got 'bits'"):
+        make_plan(small, mx_fwd_weights="bits")
+    assert make_plan(load_spec("kimi-k2.5"), mx_fwd_weights="raw").mx_fwd_weights == "values"  # bf16
+    _check_switch(monkeypatch, "MOKGEN_MX_FWD_WEIGHTS", "mx_fwd_weights", "raw", "raw", "codes",
+                  "MOKGEN_MX_FWD_WEIGHTS must be values or raw")
+    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS")
+    tuned = {"mx_form": "codes", "cluster": 1}
+    assert env.plan_options_with(tuned)["mx_form"] == "codes"
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
+    options = env.plan_options_with(tuned)
+    assert options["mx_form"] is None and options["cluster"] == 1
+    assert make_plan(small, **options).mx_form == "expand"
+    monkeypatch.setenv("MOKGEN_MX_FORM", "codes")  # asked for by a switch: refused, not overridden
+    with pytest.raises(PlanError, match="mx_fwd_weights raw needs mx_form expand"):
+        make_plan(small, **env.plan_options_with(tuned))
 
 
 def test_mxfp8_default_form_and_cluster_by_the_pair_rule(monkeypatch):

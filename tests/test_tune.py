@@ -215,6 +215,18 @@ def _meta(**changes):
     return meta
 
 
+def test_the_weights_raw_switch_leaves_a_tuned_entry_fitting(monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS (v0.68; tune.EITHER_OPTIONS): an entry's fixed plan options and pins are
+    the same under either value (the raw weights run the values form's tiles and schedule), while
+    a fixed option's switch (MOKGEN_PULL_MODE) still changes them."""
+    base = tune_mod.metadata(GPU)["plan_options"]
+    assert "mx_fwd_weights" not in base
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
+    assert tune_mod.metadata(GPU)["plan_options"] == base
+    monkeypatch.setenv("MOKGEN_PULL_MODE", "bulk")
+    assert tune_mod.metadata(GPU)["plan_options"] != base
+
+
 def test_confirm_choice_keeps_only_a_winner_that_holds_in_alternation():
     """confirm_choice times the defaults and the candidate in turn; the candidate keeps the win
     only beyond NOISE on the medians of its rounds; a failure on either side decides at once."""

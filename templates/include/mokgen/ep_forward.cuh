@@ -137,6 +137,13 @@ struct CfgMxExpand : std::bool_constant<CfgMx<Cfg>::value && (kMxExpandBuild || 
 // an MXFP8 build whose ring and h hold codes (MxTile)
 template <class Cfg>
 struct CfgMxCodes : std::bool_constant<CfgMx<Cfg>::value && !CfgMxExpand<Cfg>::value> {};
+// Cfg::kMxRawB (plan mx_fwd_weights "raw", v0.68), false where a configuration does not say: an
+// expanded MXFP8 build whose tiles take the weights as the layer holds them (bf16) and quantize
+// each stage's B in shared memory (mx_tile.cuh MxQuantB) instead of reading their converted values
+template <class Cfg, class = void>
+struct CfgMxRawB : std::false_type {};
+template <class Cfg>
+struct CfgMxRawB<Cfg, std::void_t<decltype(Cfg::kMxRawB)>> : std::bool_constant<Cfg::kMxRawB> {};
 
 // The MXFP8 builds' extra offsets (Cfg::kMx), as empty bases for the others: the bf16 builds'
 // layouts, and so their kernel parameters, stay as they were.
@@ -288,11 +295,15 @@ template <class Cfg, bool kMx = CfgMxCodes<Cfg>::value>
 struct EpHopperTiles {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
+  // the weights raw (CfgMxRawB): each stage's B quantized by the consumers
+  using StageB = std::conditional_t<CfgMxRawB<Cfg>::value, sm90::MxQuantB, sm90::PlainB>;
   using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster,
-                              Cfg::kBlockK, Cfg::kStagger>;
+                              Cfg::kBlockK, Cfg::kStagger, StageB>;
   using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
-                                Cfg::kCluster, Cfg::kBlockK, Cfg::kStagger>;
+                                Cfg::kCluster, Cfg::kBlockK, Cfg::kStagger, StageB>;
   static_assert(Cfg::kStagger == 0 || Cfg::kFlow, "the consumers' stagger: the flow schedule only");
+  static_assert(!CfgMxRawB<Cfg>::value || CfgMxExpand<Cfg>::value,
+                "the weights raw (kMxRawB): expanded MXFP8 builds only (the bf16 tiles' B)");
 };
 // MXFP8 (Cfg::kMx): the tiles of mx_tile.cuh, A as E4M3 rows plus scales (a stage: A codes, B bf16
 // MX values, the k128 block's A scales), under the flow schedule, single CTAs or CTA pairs

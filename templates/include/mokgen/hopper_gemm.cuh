@@ -214,9 +214,18 @@ struct RoundsMx<C, std::void_t<decltype(C::kRoundsMx)>> : std::bool_constant<C::
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
 // pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
 // overlap the next stage of the other while both are in flight.
+// What the consumers do to a stage's B before their wgmmas read it (HopperTile's StageB): nothing
+// here; mx_tile.cuh's MxQuantB makes raw bf16 weights MX values in place (expanded MXFP8 builds
+// with plan mx_fwd_weights "raw"). An active StageB has stage<kBNB>(sb, ct) called by each of the
+// 256 consumer threads (ct = 128 wg + t), which returns once the whole stage's B is ready for the
+// async proxy.
+struct PlainB {
+  static constexpr bool kActive = false;
+};
+
 // kStagger: the consumers' stagger lead in k-blocks (0: lockstep; see StaggerPipe).
 template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1,
-          int kBlockK = 64, int kStagger = 0>
+          int kBlockK = 64, int kStagger = 0, class StageB = PlainB>
 struct HopperTile {
   static constexpr int kBM = 128;
   static constexpr int kBK = kBlockK;  // 64 (128-byte rows, SWIZZLE_128B) or 32 (64-byte rows, SWIZZLE_64B)
@@ -273,6 +282,8 @@ struct HopperTile {
   using Pipe = std::conditional_t<kStagger == 0, PipeState<kStages>, StaggerPipe<kStages>>;
   static_assert(kStagger == 0 || (kStagger >= 1 && kStagger < kStages && kStagger <= kKTiles),
                 "the stagger's lead: 1 .. stages - 1 k-blocks, within one tile");
+  static_assert(!StageB::kActive || (kStagger == 0 && kBK == 64),
+                "a stage's B worked on by both consumer warpgroups: lockstep consumers, k-blocks of 64");
 
   // Producer (one thread): all k-blocks of one tile. a_row0: first A row (TMA coordinate);
   // b_row0: first B row in the [E*N, K] tensor maps, of map_b0 and map_b1 (gate and up rows of a
@@ -346,6 +357,8 @@ struct HopperTile {
       const unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       const unsigned char* sa = st + wg * (64 * kRowBytes);
       const unsigned char* sb = st + kABytes;
+      // (an active StageB: the stage's B made ready here, while the k-block before is in flight)
+      if constexpr (StageB::kActive) StageB::template stage<kBNB>(sb, 128 * wg + t);
       fence_operands(acc);
       cute::warpgroup_arrive();
 #pragma unroll

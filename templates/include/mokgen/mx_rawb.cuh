@@ -42,6 +42,7 @@
 #include "mx.cuh"
 #include "mx_decode.cuh"
 #include "mx_gemm.cuh"
+#include "mx_round.cuh"
 #include "mx_rows.cuh"
 
 namespace mokgen {
@@ -83,32 +84,6 @@ __device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t db, float
              accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-// max(|a|, |b|) per half (the sign bits then xor'ed in, masked off by the caller); NaN propagates
-__device__ __forceinline__ uint32_t absmax_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t add_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t sub_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 __device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
@@ -116,60 +91,6 @@ __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   uint16_t v;
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
   return v;
-}
-
-// Whether a 32-block whose largest magnitude has the bf16 exponent field ea takes round_block:
-// its scale 2^(ea - 135) (ea >= 8), the E4M3 normal range from exponent field t = ea - 14 >= 10
-// (so no input is a bf16 subnormal that the rounding grid could see), and ea + 4 <= 254 (the
-// rounding constant below stays finite; ea 255 is a NaN or an infinity in the block).
-__device__ __forceinline__ bool fast_field(uint32_t ea) { return ea >= 24u && ea <= 250u; }
-
-// The MX values of two columns' 32-blocks (one per 16-bit half of each word of v, this thread's
-// eight rows of them, in place), both
-// halves' exponent fields ea in fast_field. Per element x (exponent field ex): the E4M3 value of
-// x / 2^s (s = ea - 135), times 2^s, is x rounded to nearest even on a grid of 2^(max(ex, t) - 3)
-// (t = ea - 14: three mantissa bits in E4M3's normal range, its subnormal grid 2^(s - 9) below),
-// then saturated at 448 2^s (bits (ea << 7) | 0x60). The rounding is one bf16 addition of M =
-// 2^(max(ex, t) + 4) and its subtraction: |x| < M / 8, so |x| + M lies in [M, 2 M), where the bf16
-// grid is M / 128 = 2^(max(ex, t) - 3), rounded to nearest even once (M is an even multiple of
-// the grid, so the tie goes as E4M3's), and the subtraction is exact. The sign goes back by bits
-// (a negative value rounded to zero stays -0, as the conversion's decoded -0 code).
-__device__ __forceinline__ void round_block(uint32_t (&v)[8], uint32_t ea_lo, uint32_t ea_hi) {
-  const uint32_t t4 = (((ea_lo - 14u) << 7) + 0x200u) | ((((ea_hi - 14u) << 7) + 0x200u) << 16);
-  const uint32_t sat = ((ea_lo << 7) | 0x60u) | (((ea_hi << 7) | 0x60u) << 16);
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const uint32_t x = v[r];
-    const uint32_t m = max_u16x2((x & 0x7f807f80u) + 0x02000200u, t4);
-    const uint32_t y = min_u16x2(sub_bf16x2(add_bf16x2(x & 0x7fff7fffu, m), m), sat);
-    v[r] = y | (x & 0x80008000u);
-  }
-}
-
-// The conversion's own arithmetic for one half (hi: the upper bf16 of each word) of v: the block's
-// scale from amax's bits (block_scale_exponent; non-finite: the NaN scale and NaN codes), x times
-// 2^-s to E4M3 (cvt.rn.satfinite), and back as store_decoded_pairs decodes it (f16, float32, times
-// e8m0_factor, rounded to bf16).
-template <bool kHi>
-__device__ __forceinline__ void exact_half(uint32_t (&v)[8], uint32_t amax16) {
-  const uint32_t amax = amax16 << 16;
-  const bool finite = amax < 0x7f800000u;
-  float inv;
-  const int s = block_scale_exponent(amax, inv);
-  const float f = e8m0_factor(finite ? uint8_t(s + 127) : mx::kE8M0Nan);
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const uint32_t x = v[r];
-    const float xf = __uint_as_float(kHi ? (x & 0xffff0000u) : (x << 16));
-    uint16_t code2;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(code2) : "f"(0.f), "f"(xf * inv));
-    if (!finite) code2 = mx::kE4M3Nan;
-    uint32_t h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(code2));
-    const float val = __low2float(*reinterpret_cast<const __half2*>(&h2));
-    const uint32_t b = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(val * f)));
-    v[r] = kHi ? ((x & 0x0000ffffu) | (b << 16)) : ((x & 0xffff0000u) | b);
-  }
 }
 
 // A quarter of a 32-block: box `box`, k rows 32 kh .. + 31 of word column wc (n 2 wc, 2 wc + 1 of

@@ -10,6 +10,7 @@
 
 #include "common.cuh"
 #include "mx.cuh"
+#include "mx_round.cuh"
 #include "swiglu_grad.cuh"
 
 namespace mokgen {
@@ -128,16 +129,6 @@ __global__ void quantize_cols_kernel(const T* __restrict__ x, int rows, int n, u
 // (v0.41): each warp load and store covers 512 contiguous bytes. v0.40's thread-per-block form
 // ran at 1.1-1.6 TB/s on the H100 (each warp access 16 bytes in each of 32 lines; ncu saw the
 // same pattern write 3x the L2 sectors in the weights' column quantizer).
-
-// The scale exponent s of a finite block from the bits of its amax (mx::quantize_block's: floor(log2
-// amax) - 8, clamped to -127; its E8M0 code s + 127), with inv = 2**-s to multiply its elements by.
-MOKGEN_DEVICE int block_scale_exponent(uint32_t amax, float& inv) {
-  const int exp_field = int(amax >> 23);
-  int s = exp_field == 0 ? -127 : exp_field - 127 - 8;
-  s = s < -127 ? -127 : s;
-  inv = mx::bits_float(uint32_t(127 - s) << 23);
-  return s;
-}
 
 // Four elements times inv as E4M3 codes, element i in byte i (the byte order of store_codes), by
 // quantize_block_hw's conversion (cvt.rn.satfinite.e4m3x2.f32: the second operand's code in the
@@ -342,10 +333,6 @@ __global__ void swiglu_backward_kernel(const GuRows gu, const int* __restrict__ 
 // unless the scale is near 2^-127 or 2^127), k permuted within each 16 as the GEMM's register
 // fragments read A (bf16m: position 2q + (i & 1) + 8 (i >> 1) holds k 4q + i); optionally the codes
 // and the scales too, in the grouped kernels' layout [E, K / 128, N, 4].
-
-MOKGEN_DEVICE float e8m0_factor(uint8_t s) {  // 2^(s - 127); 2^-127 is a float32 subnormal
-  return s == 0xffu ? __int_as_float(0x7fc00000) : s == 0 ? __int_as_float(0x00400000) : __int_as_float(int(s) << 23);
-}
 
 MOKGEN_DEVICE int bf16m_pos(int j) {  // j < 32: the position of k j within its block
   const int i = j & 3, q = (j >> 2) & 3;

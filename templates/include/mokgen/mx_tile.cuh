@@ -29,6 +29,7 @@
 #include "hopper_gemm.cuh"
 #include "mx.cuh"
 #include "mx_decode.cuh"
+#include "mx_round.cuh"
 
 namespace mokgen {
 namespace sm90 {
@@ -126,6 +127,86 @@ struct MxRoundedRows {
     const uint32_t a0 = m ? word[2] : word[0], a1 = m ? word[3] : word[1];
     const uint4 v = m ? make_uint4(r0, a0, r1, a1) : make_uint4(a0, r0, a1, r1);
     if (out != nullptr) *reinterpret_cast<uint4*>(out + 16 * m + 8 * (q & 1)) = v;
+  }
+};
+
+// ---- expanded MXFP8 builds with the weights raw (plan mx_fwd_weights "raw", Cfg::kMxRawB; v0.68) ----
+// The tiles' B is the layer's bf16 weights as it holds them (W_gate, W_up [E, I, H], W_down [E, H,
+// I]: k contiguous), and the two consumer warpgroups make each stage's B the MX values that
+// mokgen.mx_gemm.expert_weights writes for the values form (mx_rows.cuh weight_rows_kernel: each
+// 32-block along k quantized, its values as bf16, k permuted within each 16 as above) in place,
+// before either issues its wgmmas on the stage (HopperTile's StageB hook). The conversion pass
+// over the weights (kimi-k2.5 local: 2.86 ms of the MXFP8 training step on an H100, v0.66) is
+// then never run; a training step whose weights change every step reads them once.
+// A stage's B: kBNB rows of 64 k, 128 bytes each (SWIZZLE_128B: 16-byte chunk c of row r at
+// c ^ (r % 8)), 2 kBNB 32-blocks of four chunks. Consumer thread ct (0..255) takes blocks ct + 256 j:
+// row (ct + 256 j) % kBNB, block (ct + 256 j) / kBNB of the row. The eight threads of a 16-byte
+// access phase hold eight consecutive rows' chunk c, eight distinct 16-byte slots of the 128
+// banks' bytes: no bank conflicts. The values are mx_round.cuh's (the conversion's bits).
+struct MxQuantB {
+  static constexpr bool kActive = true;
+  // named barrier of the 256 consumer threads (barrier 1 parks the producer warpgroup's idle warps,
+  // ep_forward.cuh)
+  static constexpr int kBarrier = 2;
+
+  MOKGEN_DEVICE static uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+  }
+  MOKGEN_DEVICE static void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+  }
+
+  // Block b (0, 1) of row `row` of the stage's B at shared address sb: its two k16 steps' words
+  // v[s][0..7] in k order, made MX values, stored back with word n of a step at position
+  // (n >> 1) + 4 (n & 1) (the pair of k 4P, 4P + 1 at P < 4, of 4P + 2, 4P + 3 at 4 + P).
+  MOKGEN_DEVICE static void block(uint32_t sb, int row, int b) {
+    const uint32_t line = sb + uint32_t(row) * 128u;
+    const int sw = row & 7;
+    uint32_t v[2][8];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint4 x = lds128(line + (((4 * b + c) ^ sw) << 4));
+      uint32_t* d = &v[c >> 1][4 * (c & 1)];
+      d[0] = x.x, d[1] = x.y, d[2] = x.z, d[3] = x.w;
+    }
+    uint32_t amax = mxg::absmax_bf16x2(v[0][0], v[0][1]);
+#pragma unroll
+    for (int i = 2; i < 16; ++i) amax = mxg::absmax_bf16x2(amax, v[i >> 3][i & 7]);
+    amax &= 0x7fff7fffu;
+    amax = mxg::max_u16x2(amax, amax >> 16) & 0xffffu;  // the block's largest magnitude, bf16 bits
+    const uint32_t ea = amax >> 7;
+    if (mxg::fast_field(ea)) {
+      mxg::round_block(v[0], ea, ea);
+      mxg::round_block(v[1], ea, ea);
+    } else {  // near E8M0's ends, zero, or not finite: the conversion's own arithmetic
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        mxg::exact_half<false>(v[s], amax);
+        mxg::exact_half<true>(v[s], amax);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      sts128(line + (((4 * b + 2 * s) ^ sw) << 4), v[s][0], v[s][2], v[s][4], v[s][6]);
+      sts128(line + (((4 * b + 2 * s + 1) ^ sw) << 4), v[s][1], v[s][3], v[s][5], v[s][7]);
+    }
+  }
+
+  // All 256 consumer threads: the stage's B (kBNB rows at sb) made MX values, then visible to the
+  // wgmmas (the async proxy) of both warpgroups.
+  template <int kBNB>
+  MOKGEN_DEVICE static void stage(const unsigned char* sb, int ct) {
+    static_assert(kBNB == 256 || kBNB == 128, "B tiles of 128 or 256 rows");
+    const uint32_t base = smem_u32(sb);
+#pragma unroll
+    for (int j = 0; j < kBNB / 128; ++j) {
+      const int id = ct + 256 * j;
+      block(base, id % kBNB, id / kBNB);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 256;" ::"n"(kBarrier) : "memory");
   }
 };
 
