@@ -211,9 +211,6 @@ struct RoundsMx : std::false_type {};
 template <class C>
 struct RoundsMx<C, std::void_t<decltype(C::kRoundsMx)>> : std::bool_constant<C::kRoundsMx> {};
 
-// kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
-// pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
-// overlap the next stage of the other while both are in flight.
 // What the consumers do to a stage's B before their wgmmas read it (HopperTile's StageB): nothing
 // here; mx_tile.cuh's MxQuantB makes raw bf16 weights MX values in place (expanded MXFP8 builds
 // with plan mx_fwd_weights "raw"). An active StageB has stage<kBNB>(sb, ct) called by each of the
@@ -223,7 +220,11 @@ struct PlainB {
   static constexpr bool kActive = false;
 };
 
-// kStagger: the consumers' stagger lead in k-blocks (0: lockstep; see StaggerPipe).
+// kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
+// pipeline (the up and down tiles of a CTA) must use the same stride, or a stage of one would
+// overlap the next stage of the other while both are in flight.
+// kStagger: the consumers' stagger lead in k-blocks (0: lockstep; see StaggerPipe). StageB: PlainB
+// or MxQuantB (above).
 template <int kN, int kK, bool kGated, bool kHasClamp, int kStages, int kBNB, int kStride = 0, int kCluster = 1,
           int kBlockK = 64, int kStagger = 0, class StageB = PlainB>
 struct HopperTile {
