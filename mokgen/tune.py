@@ -247,8 +247,9 @@ def search_space(spec: MoESpec, *, ep: int, tokens: int, distributed: bool = Fal
     # v0.56), the expanded form's 3-19% faster (v0.57; docs/perf-notes.md)
     mx = spec.target.numerics == "mxfp8"
     clusters = [base.cluster] + ([3 - base.cluster] if pairs_possible and not env.switch_set("cluster") else [])
-    forms = [base.mx_form] + ([f for f in MX_FORMS if f != base.mx_form] if mx and not env.switch_set("mx_form")
-                              else [])
+    # (the weights raw, v0.68, take the expanded form only: the plan refuses them with codes)
+    forms = [base.mx_form] + ([f for f in MX_FORMS if f != base.mx_form]
+                              if mx and not env.switch_set("mx_form") and options["mx_fwd_weights"] != "raw" else [])
     block_ks = [base.block_k] + ([b for b in (64, 32) if b != base.block_k]
                                  if options["gemm_core"] == "wgmma" and not mx and not env.switch_set("block_k")
                                  else [])

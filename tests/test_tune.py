@@ -1010,3 +1010,21 @@ def test_the_mxfp8_space_keeps_to_what_the_mx_tiles_build():
     assert len({(c.chunk_rows, c.ring_chunks) for c in space.candidates}) > 1
     # bf16 specs have one form
     assert {c.mx_form for c in search_space(load_spec("kimi-k2.5"), ep=8, tokens=2048).candidates} == {"codes"}
+
+
+def test_the_mxfp8_space_under_the_weights_raw_has_the_expanded_form_only(monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS=raw (v0.68): the plan refuses the raw weights with codes, so the space
+    holds the expanded form alone (single CTAs and pairs where the pair axis is open) and every
+    candidate's build plans."""
+    from mokgen import env
+    from mokgen.plan import make_plan
+    from mokgen.spec import load_spec
+
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
+    for name in ("kimi-k2.5", "qwen3-30b-a3b"):
+        spec = load_spec(name).with_target(numerics="mxfp8")
+        space = search_space(spec, ep=8, tokens=2048, distributed=True)
+        assert {c.mx_form for c in space.candidates} == {"expand"}, name
+        assert {c.cluster for c in space.candidates} == {1, 2}, name
+        for c in space.candidates:
+            assert make_plan(spec, **env.plan_options_with(c.build_options())).mx_fwd_weights == "raw"
