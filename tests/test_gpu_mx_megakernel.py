@@ -493,12 +493,12 @@ def test_mx_weight_gradients_on_the_bf16_weight_kernels_match_the_ranged_ones(mo
         assert not g[idle].any(), name  # an expert without rows: zeros (its 32-row padding takes none)
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(step("bf16"), got))
-    # v0.66: the operands' values from the fused stages or by rows_values from their float32 rows
-    # (the default, apart): the same bits
-    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "fused")
-    fused = step("bf16")
+    # v0.66: the operands' values from the fused stages (the default since v0.68) or by rows_values
+    # from their float32 rows (apart): the same bits
+    monkeypatch.setenv("MOKGEN_MX_WGRAD_OPERANDS", "apart")
+    apart = step("bf16")
     monkeypatch.delenv("MOKGEN_MX_WGRAD_OPERANDS")
-    for name, a, b in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), fused, got):
+    for name, a, b in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), apart, got):
         assert torch.equal(a, b), name
 
 
