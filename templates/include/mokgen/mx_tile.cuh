@@ -177,6 +177,10 @@ struct MxQuantB {
     amax &= 0x7fff7fffu;
     amax = mxg::max_u16x2(amax, amax >> 16) & 0xffffu;  // the block's largest magnitude, bf16 bits
     const uint32_t ea = amax >> 7;
+#if defined(MOKGEN_MX_RAWB_NO_ROUND)
+    // measuring build (wrong results): the loads, the amax and the permuted stores, no rounding
+    if (ea == 0x1ffu) v[0][0] = amax;  // (never: keeps the amax)
+#else
     if (mxg::fast_field(ea)) {
       mxg::round_block(v[0], ea, ea);
       mxg::round_block(v[1], ea, ea);
@@ -187,6 +191,7 @@ struct MxQuantB {
         mxg::exact_half<true>(v[s], amax);
       }
     }
+#endif
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       sts128(line + (((4 * b + 2 * s) ^ sw) << 4), v[s][0], v[s][2], v[s][4], v[s][6]);
@@ -200,11 +205,15 @@ struct MxQuantB {
   MOKGEN_DEVICE static void stage(const unsigned char* sb, int ct) {
     static_assert(kBNB == 256 || kBNB == 128, "B tiles of 128 or 256 rows");
     const uint32_t base = smem_u32(sb);
+#if defined(MOKGEN_MX_RAWB_BARRIER_ONLY)
+    (void)base, (void)ct;  // measuring build (wrong results): the fence and the barrier alone
+#else
 #pragma unroll
     for (int j = 0; j < kBNB / 128; ++j) {
       const int id = ct + 256 * j;
       block(base, id % kBNB, id / kBNB);
     }
+#endif
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync %0, 256;" ::"n"(kBarrier) : "memory");
   }
