@@ -8,8 +8,9 @@ inputs) and are launched alternately in ABBA blocks, each launch timed by CUDA e
 slower than a block cancels out of each block's ratio. Variants are plan options (build options,
 env.plan_options_with) and the layer's runtime arguments (chunk_rows, ring_chunks, dispatch_ctas),
 so a change to measure this way has to sit behind a plan option on its branch. A key that starts
-with MOKGEN_ is an environment setting, applied around each of that side's launches: the
-switches read at call time, such as the backward's (MOKGEN_BWD_DX_PAIRS=fp32).
+with MOKGEN_ is an environment setting, applied around each of that side's launches and while
+its layer is made: the switches read at call time, such as the backward's
+(MOKGEN_BWD_DX_PAIRS=fp32), and those a layer reads when made (MOKGEN_MX_FWD_WEIGHTS=auto).
 `--backward`: each launch is a forward + backward step (the layer's output, backward of a fixed
 dOut, gradients of x, the routing weights and the weights; the gradients reset each step as in
 `mokgen bench --backward`). `--weights-new`: the MXFP8 weights' conversions forgotten before
@@ -202,9 +203,11 @@ def main() -> None:
                 layer, took = tuned_layer(spec, rows, real, ep)
                 print(f"{label}: B takes {took}", flush=True)
             else:
+                apply_env((va, vb)[side][2], env_keys)  # (a setting the layer reads when made: MOKGEN_MX_FWD_WEIGHTS=auto)
                 with defines(opts) as plan_opts:
                     layer = MoELayer(spec, max_tokens=rows, tuned=False, build_options=env.plan_options_with(plan_opts),
                                      **rt)
+                apply_env({}, env_keys)
             with torch.no_grad():
                 layer.w_gate.copy_(wg), layer.w_up.copy_(wu), layer.w_down.copy_(wd)
             layer.check_ids = False

@@ -53,7 +53,7 @@ SWITCHES: dict[str, str] = {
     "MOKGEN_MX_QUANT": "v2 (default since v0.41) or v1: the kernel that quantizes MXFP8 weights and activations along their rows, transposed (mokgen.mx_gemm.expert_weights with transpose, cols_bf16_math): v2 v0.40's 128 x 64 tiles through shared memory, v1 one thread per 32-element block (v0.35). The same bits; v2 measured faster (README, docs/perf-notes.md v0.40-v0.41). (The quantizer along the rows, weight_rows_kernel, is one kernel: v0.39's alternative was retired in v0.41)",
     "MOKGEN_MX_BWD_STAGES": "fused (default) or torch: the MXFP8 backward's elementwise stages (mokgen.mx_experts: the combine's backward with dy's quantization, SwiGLU's backward with [dg | du]'s quantization, dx's sum over a token's pairs) as v0.40's two fused kernels with dx from the combine kernel (at k = 1 the dgrad GEMM's epilogue), or as PyTorch expressions and separate quantizers (v0.39; measured 1.13-1.31x slower). dy and the codes the same bits; the routing weights' gradient summed in a fixed order of its own, dg, du and h within an ulp or two",
     "MOKGEN_MX_WGRAD": "bf16 (default since v0.66) or ranged: the MXFP8 backward's weight gradients on the BF16 backward's weight kernels (mokgen.bwd_gemm.weight_grads and weight_grads_joint) over the operands' MX values as bf16 rows, each expert's rows padded to 32 instead of 128, or on the k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm, the token operand as E4M3 codes), which bf16 falls back to where mokgen.bwd_gemm does not take the shapes. The same products, summed in another order (not the same bits)",
-    "MOKGEN_MX_FWD_WEIGHTS": "values (default) or raw (v0.68; measured on an H100 with the weights new every step: 0.91x the MXFP8 training step on kimi-k2.5 local, 341 rows an expert, 0.98-0.99x at 512, 1.07-1.14x from 1024 up; the forward alone 1.46-1.68x with the weights kept, so for training steps at few rows an expert only): an MXFP8 megakernel build that takes the weights' MX values, converted before the launch by mx_gemm.expert_weights and cached per weight version, or one that takes the bf16 weights as the layer holds them and whose tiles quantize each stage's weights in shared memory (templates/include/mokgen/mx_tile.cuh MxQuantB), so no conversion runs when the weights change (a training step). The expanded form only (raw takes it); the same MX values, so the same bits",
+    "MOKGEN_MX_FWD_WEIGHTS": "values (default) or raw (v0.68; measured on an H100 with the weights new every step: 0.91x the MXFP8 training step on kimi-k2.5 local, 341 rows an expert, 0.98-0.99x at 512, 1.07-1.14x from 1024 up; the forward alone 1.46-1.68x with the weights kept, so for training steps at few rows an expert only): an MXFP8 megakernel build that takes the weights' MX values, converted before the launch by mx_gemm.expert_weights and cached per weight version, or one that takes the bf16 weights as the layer holds them and whose tiles quantize each stage's weights in shared memory (templates/include/mokgen/mx_tile.cuh MxQuantB), so no conversion runs when the weights change (a training step). The expanded form only (raw takes it); the same MX values, so the same bits. auto (v0.68; not yet run on a device): a one-GPU MoELayer whose build is the expanded form holds the raw build beside it (the same buffers) and launches it for launches autograd records with at most mokgen.ep.RAW_FWD_MAX_ROWS rows an expert on average, the values build otherwise",
     "MOKGEN_MX_DGRAD_WEIGHTS": "values (default, v0.66's way) or raw (v0.67; its GPU tests pass, but measured slower everywhere on an H100, 1.02-1.32x the MXFP8 step at 341-4096 rows an expert: the dgrads' in-kernel quantization costs more than the transposed conversion it spares): the MXFP8 backward's two dgrads read their weights' transposed MX values, written by a conversion kernel every step (mx_gemm.expert_weights with transpose), or read the bf16 weights as the layer holds them and quantize them along k in shared memory (mx_gemm.mx_bf16_math_raw_gemm, templates/include/mokgen/mx_rawb.cuh), writing no transposed copy. The same MX values; the sums may differ in the last bit (A's k order within each 16 differs)",
     "MOKGEN_MX_WGRAD_OPERANDS": "fused (default since v0.68: its GPU tests pass and it took the MXFP8 step 0.97x the time on kimi-k2.5 and deepseek-v3 local, an H100) or apart (v0.65's way): under MOKGEN_MX_WGRAD=bf16 and the fused elementwise stages, the weight gradients' operand values made by the stages themselves (dy's from dOut and the routing weights, h's, dg's and du's by the SwiGLU backward; no float32 copy of any written), or each by mokgen.mx_gemm.rows_values from the float32 rows the stages write. The same bits",
     "MOKGEN_MX_RANGED": "tiles (default) or persistent: the MXFP8 weight gradients' k-ranged bf16-math GEMM (mokgen.mx_gemm.mx_bf16_math_ranged_gemm) as a CTA per tile (v0.35), or v0.40's persistent kernel, a CTA per SM walking the tiles with its producer filling the next tile's stages during a tile's epilogue. The same bits; persistent measured 5% slower on the H100 (docs/perf-notes.md v0.40)",
@@ -244,10 +244,17 @@ def mx_form() -> str | None:
 
 
 def mx_fwd_weights() -> str:
-    """MOKGEN_MX_FWD_WEIGHTS: ``values`` (default) or ``raw`` (v0.68): an MXFP8 megakernel build
-    that takes the weights' MX values (converted before the launch, cached per version) or the
-    bf16 weights, quantized by its tiles (plan.MX_FWD_WEIGHTS; the expanded form)."""
-    return _choice("MOKGEN_MX_FWD_WEIGHTS", ("values", "raw"))
+    """MOKGEN_MX_FWD_WEIGHTS: ``values`` (default), ``raw`` or ``auto`` (v0.68): an MXFP8 megakernel
+    build that takes the weights' MX values (converted before the launch, cached per version) or
+    the bf16 weights, quantized by its tiles (plan.MX_FWD_WEIGHTS; the expanded form); ``auto``: a
+    one-GPU MoELayer holds both and launches the raw one for training launches with few rows an
+    expert (mokgen.ep.RAW_FWD_MAX_ROWS), its build options the values one's."""
+    return _choice("MOKGEN_MX_FWD_WEIGHTS", ("values", "raw", "auto"))
+
+
+def mx_fwd_weights_auto() -> bool:
+    """Whether MOKGEN_MX_FWD_WEIGHTS is ``auto`` (see mx_fwd_weights)."""
+    return mx_fwd_weights() == "auto"
 
 
 def dispatch_join() -> bool:
@@ -408,7 +415,7 @@ def plan_options() -> dict:
     return {"gemm_core": gemm_core(), "schedule": schedule(), "cluster": cluster(), "fuse_shared": fuse_shared(),
             "block_k": block_k(), "pull_unroll": pull_unroll(), "pull_mode": pull_mode(),
             "dispatch_join": dispatch_join(), "stagger": fwd_stagger(), "mx_form": mx_form(),
-            "mx_fwd_weights": mx_fwd_weights()}
+            "mx_fwd_weights": "values" if mx_fwd_weights() == "auto" else mx_fwd_weights()}
 
 
 def bwd_sum() -> str:

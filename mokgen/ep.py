@@ -474,6 +474,45 @@ def _weights_for(kernel, w_gate, w_up, w_down, train: bool = False):
     return _mx_operands(w_gate, w_up, w_down, train)
 
 
+#: MOKGEN_MX_FWD_WEIGHTS=auto (v0.68): the most rows an expert gets, on average, in a training
+#: launch that takes the raw build. Measured on an H100, the MXFP8 step with the weights new every
+#: step, raw / values: 0.911 at 341 rows an expert, 0.984 at 512, 1.066 at 1024 and 1.09-1.14
+#: beyond (docs/perf-notes.md v0.68): every row tile quantizes the weight tiles it reads again.
+RAW_FWD_MAX_ROWS = 512
+
+
+def _raw_twin(spec: MoESpec, options: dict, kernel):
+    """Under MOKGEN_MX_FWD_WEIGHTS=auto, for a one-GPU MXFP8 layer whose build (``kernel``, made
+    with ``options``) is the expanded form's values build: the raw build of the same options, if
+    it loads and keeps the same buffers' layout and CTAs (then one set of buffers serves both);
+    else None, with a warning where it does not load (a prebuilt wheel without nvcc)."""
+    if not (_is_mx(kernel) and not _takes_raw(kernel) and getattr(kernel, "MX_FORM", "") == "expand"):
+        return None
+    try:
+        raw = load(spec, {**options, "mx_fwd_weights": "raw"})
+    except (LoadError, ToolchainError) as err:
+        import warnings
+
+        warnings.warn(f"mokgen: MOKGEN_MX_FWD_WEIGHTS=auto: the raw build of {spec.name} is not available "
+                      f"({err}); every launch takes the values build", stacklevel=3)
+        return None
+    a, b = kernel.LIB, raw.LIB
+    same = (int(a.mokgen_ep_sym_bytes(4096)) == int(b.mokgen_ep_sym_bytes(4096))
+            and int(a.mokgen_ep_local_bytes(1, 1024, 2)) == int(b.mokgen_ep_local_bytes(1, 1024, 2))
+            and int(a.mokgen_ep_max_ctas()) == int(b.mokgen_ep_max_ctas())
+            and int(a.mokgen_ep_cluster()) == int(b.mokgen_ep_cluster()))
+    return raw if same and _takes_raw(raw) else None
+
+
+def _launch_kernel(layer, x: torch.Tensor, grad_inputs):
+    """The build a MoELayer launches for this call: its raw twin (``_raw_twin``) for a launch
+    autograd records with at most RAW_FWD_MAX_ROWS rows an expert on average, else its own."""
+    raw = getattr(layer, "_kernel_raw", None)
+    if raw is None or not _mx_training(layer._kernel, grad_inputs):
+        return layer._kernel
+    return raw if x.shape[0] * layer.spec.top_k <= RAW_FWD_MAX_ROWS * layer.spec.num_experts else layer._kernel
+
+
 def _takes_raw(kernel) -> bool:
     """Whether ``kernel`` is an MXFP8 build that takes the bf16 weights and quantizes them in its
     tiles (plan mx_fwd_weights "raw"; builds made before v0.68 take their MX values)."""
@@ -1177,6 +1216,10 @@ class MoELayer(torch.nn.Module):
             #: whether this layer found its buffers made by another layer (share_buffers=True)
             self._ep, self.buffers_shared = layer_buffers(
                 key, lambda: EpBuffers(self._kernel, geometry, device, group), bool(share_buffers), group)
+            #: MOKGEN_MX_FWD_WEIGHTS=auto: the raw build launched for training launches with few rows
+            #: an expert (_launch_kernel), on the same buffers; None otherwise
+            self._kernel_raw = (_raw_twin(s, self.build_options, self._kernel)
+                                if env.mx_fwd_weights_auto() and self.world == 1 else None)
         self.share_buffers = bool(share_buffers)
         if self.world > 1:
             _EP_GROUPS[int(self._ep.addresses()[1])] = group
@@ -1264,7 +1307,8 @@ class MoELayer(torch.nn.Module):
             raise InputError("MXFP8 training needs every expert on this GPU (the backward runs the staged MXFP8 "
                              "experts on one GPU): a multi-GPU MXFP8 layer is forward only, run it under "
                              "torch.no_grad()")
-        tail = _tail_args(self._kernel, self._bwd_policy, self.world == 1, shared_args, grad_inputs)
+        kernel = _launch_kernel(self, x, grad_inputs)
+        tail = _tail_args(kernel, self._bwd_policy, self.world == 1, shared_args, grad_inputs)
         ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         # what this launch leaves in the ring, for the backward (ring_rows_of): known in eager
         # mode only; a compiled call forgets the last key, a captured one stops the tracking.
@@ -1273,9 +1317,8 @@ class MoELayer(torch.nn.Module):
         bufs.ring_key = None
         if capturing:
             bufs.ring_untracked = True
-        wg, wu, wd = _weights_for(self._kernel, self.w_gate, self.w_up, self.w_down,
-                                  _mx_training(self._kernel, grad_inputs))
-        out = _call_op(self._kernel, grad_inputs, (
+        wg, wu, wd = _weights_for(kernel, self.w_gate, self.w_up, self.w_down, _mx_training(kernel, grad_inputs))
+        out = _call_op(kernel, grad_inputs, (
             [x], [ids32],
             [topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()],
             [wg], [wu], [wd],

@@ -904,6 +904,55 @@ def test_an_mxfp8_build_with_the_weights_raw_takes_them_unconverted(monkeypatch)
     ep.refresh_mx_weights()
 
 
+def test_the_auto_weights_layer_launches_its_raw_twin_for_training_at_few_rows(monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS=auto (v0.68): mokgen.ep._raw_twin gives a one-GPU MXFP8 layer of the
+    expanded form the raw build of its options where it loads with the same buffers' layout and
+    CTAs (None for a bf16 build, the codes form, a raw build already, a build that does not load
+    (with a warning) or one whose layout differs); _launch_kernel takes it for launches autograd
+    records with at most RAW_FWD_MAX_ROWS rows an expert on average, the layer's own otherwise."""
+    import types
+
+    from mokgen import ep
+
+    def lib(sym=100, local=200, ctas=132, pair=2):
+        return types.SimpleNamespace(mokgen_ep_sym_bytes=lambda t: sym, mokgen_ep_local_bytes=lambda w, c, r: local,
+                                     mokgen_ep_max_ctas=lambda: ctas, mokgen_ep_cluster=lambda: pair)
+
+    def build(kind="values", form="expand", numerics="mxfp8", **lay):
+        return types.SimpleNamespace(NUMERICS=numerics, MX_FORM=form, MX_FWD_WEIGHTS=kind, LIB=lib(**lay))
+
+    spec = types.SimpleNamespace(name="s", top_k=8, num_experts=48)
+    asked = []
+    raw = build("raw")
+    monkeypatch.setattr(ep, "load", lambda s, options: asked.append(options) or raw)
+    assert ep._raw_twin(spec, {"cluster": 2}, build()) is raw and asked == [{"cluster": 2, "mx_fwd_weights": "raw"}]
+    for kernel in (build(numerics="bf16"), build(form="codes"), build("raw")):
+        assert ep._raw_twin(spec, {}, kernel) is None
+    assert len(asked) == 1
+    for other in (build("raw", sym=101), build("raw", local=1), build("raw", ctas=130), build("raw", pair=1),
+                  build("values")):
+        monkeypatch.setattr(ep, "load", lambda s, options, other=other: other)
+        assert ep._raw_twin(spec, {}, build()) is None
+
+    def fails(s, options):
+        raise ep.ToolchainError("no nvcc")
+
+    monkeypatch.setattr(ep, "load", fails)
+    with pytest.warns(UserWarning, match="MOKGEN_MX_FWD_WEIGHTS=auto: the raw build of s is not available"):
+        assert ep._raw_twin(spec, {}, build()) is None
+    values = build()
+    layer = types.SimpleNamespace(_kernel=values, _kernel_raw=raw, spec=spec)
+    w = torch.zeros(2, 2, requires_grad=True)
+    rows = ep.RAW_FWD_MAX_ROWS * spec.num_experts // spec.top_k  # tokens at the limit
+    assert ep._launch_kernel(layer, torch.zeros(rows, 4), (w,)) is raw
+    assert ep._launch_kernel(layer, torch.zeros(rows + 1, 4), (w,)) is values  # too many rows an expert
+    assert ep._launch_kernel(layer, torch.zeros(8, 4), (w.detach(),)) is values  # not recorded: inference
+    with torch.no_grad():
+        assert ep._launch_kernel(layer, torch.zeros(8, 4), (w,)) is values
+    layer._kernel_raw = None
+    assert ep._launch_kernel(layer, torch.zeros(8, 4), (w,)) is values
+
+
 def test_mxfp8_weight_conversions_follow_each_tensor_and_its_version(monkeypatch):
     """mokgen.ep._mx_operand: one conversion per tensor object and version. A new tensor that
     takes a freed one's address is converted anew (no stale hit); an in-place update converts

@@ -250,6 +250,58 @@ def test_an_mx_moelayer_with_the_weights_raw_trains_as_the_values_build_and_foll
                     p.sub_(p.grad * 0.5)
 
 
+@pytest.mark.nvcc  # builds the raw twin
+def test_an_auto_weights_moelayer_trains_on_its_raw_twin_and_infers_on_its_values_build(monkeypatch):
+    """MOKGEN_MX_FWD_WEIGHTS=auto (v0.68, mokgen.ep._raw_twin / _launch_kernel): a one-GPU MoELayer
+    of the expanded form holds the raw build beside its values build on the same buffers; a
+    training call with few rows an expert (here 24) launches the raw one (no conversion along k),
+    an inference call the values one (the weights converted), and both give a values layer's bits
+    (outputs and gradients)."""
+    from mokgen import mx_gemm
+    from mokgen.ep import MoELayer
+
+    spec = _spec()
+    monkeypatch.setenv("MOKGEN_MX_FORM", "expand")
+    xs, ids, ws, weights = _problem(spec, [384], seed=20, skew=True)
+    d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(21),
+                        device="cuda").to(torch.bfloat16)
+    layers = {}
+    for kind in ("values", "auto"):
+        monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", kind)
+        layers[kind] = MoELayer(spec, max_tokens=512, device="cuda")
+        with torch.no_grad():
+            for p, v in zip((layers[kind].w_gate, layers[kind].w_up, layers[kind].w_down), weights):
+                p.copy_(v)
+    auto = layers["auto"]
+    assert layers["values"]._kernel_raw is None and auto._kernel.MX_FWD_WEIGHTS == "values"
+    assert auto._kernel_raw is not None and auto._kernel_raw.MX_FWD_WEIGHTS == "raw"
+    along_k = []
+    real = mx_gemm.expert_weights
+
+    def counted(parts, **kw):
+        if not kw.get("transpose"):
+            along_k.append(1)
+        return real(parts, **kw)
+
+    monkeypatch.setattr(mx_gemm, "expert_weights", counted)
+    got = {}
+    for kind, layer in layers.items():
+        x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
+        before = len(along_k)
+        out = layer(x, ids[0], w)
+        assert (len(along_k) > before) == (kind == "values"), kind  # the raw twin converts nothing
+        out.backward(d_out)
+        got[kind] = [out, x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
+    for name, a, b in zip(("out", "x", "topk_weights", "w_gate", "w_up", "w_down"), got["auto"], got["values"]):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        auto.w_down.mul_(2.0)  # exact in bf16 and in MX: the output doubles exactly
+        before = len(along_k)
+        inferred = auto(xs[0], ids[0], ws[0])
+        assert len(along_k) == before + 3  # inference: the values build, which converts all three
+        assert torch.equal(inferred, got["values"][0].detach() * 2)
+
+
 def _staged_grads(spec, xs, ids, ws, weights, d_outs):
     """experts_forward_train's gradients (x, topk_weights, w_gate, w_up, w_down) on the ranks'
     tokens concatenated in rank order: what an MXFP8 launch's backward returns."""
