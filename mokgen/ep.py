@@ -497,6 +497,7 @@ def _raw_twin(spec: MoESpec, options: dict, kernel):
                       f"({err}); every launch takes the values build", stacklevel=3)
         return None
     a, b = kernel.LIB, raw.LIB
+    # (a layout is a function of the build's compile-time shapes, so one geometry tells them apart)
     same = (int(a.mokgen_ep_sym_bytes(4096)) == int(b.mokgen_ep_sym_bytes(4096))
             and int(a.mokgen_ep_local_bytes(1, 1024, 2)) == int(b.mokgen_ep_local_bytes(1, 1024, 2))
             and int(a.mokgen_ep_max_ctas()) == int(b.mokgen_ep_max_ctas())

@@ -201,37 +201,51 @@ def test_the_weights_raw_build_gives_the_values_builds_bits(monkeypatch, cluster
         assert torch.equal(out, runs["values", w, chunk, ring]), f"{kind}, W = {w}, ring {ring} x {chunk}: bits differ"
 
 
+def _layers_by_weights(monkeypatch, spec, weights, kinds):
+    """kind -> a MoELayer made under MOKGEN_MX_FWD_WEIGHTS=kind, holding ``weights``."""
+    from mokgen.ep import MoELayer
+
+    layers = {}
+    for kind in kinds:
+        monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", kind)
+        layers[kind] = MoELayer(spec, max_tokens=512, device="cuda")
+        with torch.no_grad():
+            for p, v in zip((layers[kind].w_gate, layers[kind].w_up, layers[kind].w_down), weights):
+                p.copy_(v)
+    return layers
+
+
+def _conversions_along_k(monkeypatch) -> list:
+    """A list that gains an entry at each conversion of a weight along k (the forward's values,
+    mx_gemm.expert_weights without transpose; the backward's transposed ones are not counted)."""
+    from mokgen import mx_gemm
+
+    along_k = []
+    real = mx_gemm.expert_weights
+
+    def counted(parts, **kw):
+        if not kw.get("transpose"):
+            along_k.append(1)
+        return real(parts, **kw)
+
+    monkeypatch.setattr(mx_gemm, "expert_weights", counted)
+    return along_k
+
+
 def test_an_mx_moelayer_with_the_weights_raw_trains_as_the_values_build_and_follows_updates(monkeypatch):
     """MoELayer on an MXFP8 spec with MOKGEN_MX_FWD_WEIGHTS=raw against one with values (the same
     weights, the save policy): the same outputs and gradients bit for bit, three steps, each after
     an in-place update of every weight (an optimizer step; the values layer converts again by the
     tensors' versions, the raw one reads them as they are), and the raw layer's forward converts
     no weight along k."""
-    from mokgen import mx_gemm
-    from mokgen.ep import MoELayer
-
     spec = _spec()
     xs, ids, ws, weights = _problem(spec, [384], seed=18, skew=True)
     weights = _with_special_blocks(weights)
     d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(19),
                         device="cuda").to(torch.bfloat16)
-    layers = {}
-    for kind in ("values", "raw"):
-        monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", kind)
-        layers[kind] = MoELayer(spec, max_tokens=512, device="cuda")
-        with torch.no_grad():
-            for p, v in zip((layers[kind].w_gate, layers[kind].w_up, layers[kind].w_down), weights):
-                p.copy_(v)
+    layers = _layers_by_weights(monkeypatch, spec, weights, ("values", "raw"))
     assert layers["raw"]._kernel.MX_FWD_WEIGHTS == "raw" and layers["values"]._kernel.MX_FWD_WEIGHTS == "values"
-    along_k = []
-    real = mx_gemm.expert_weights
-
-    def counted(parts, **kw):  # the conversions along k (the forward's), not the backward's transposed ones
-        if not kw.get("transpose"):
-            along_k.append(1)
-        return real(parts, **kw)
-
-    monkeypatch.setattr(mx_gemm, "expert_weights", counted)
+    along_k = _conversions_along_k(monkeypatch)
     for step in range(3):
         got = {}
         for kind, layer in layers.items():
@@ -257,33 +271,16 @@ def test_an_auto_weights_moelayer_trains_on_its_raw_twin_and_infers_on_its_value
     training call with few rows an expert (here 24) launches the raw one (no conversion along k),
     an inference call the values one (the weights converted), and both give a values layer's bits
     (outputs and gradients)."""
-    from mokgen import mx_gemm
-    from mokgen.ep import MoELayer
-
     spec = _spec()
     monkeypatch.setenv("MOKGEN_MX_FORM", "expand")
     xs, ids, ws, weights = _problem(spec, [384], seed=20, skew=True)
     d_out = torch.randn(xs[0].shape, generator=torch.Generator(device="cuda").manual_seed(21),
                         device="cuda").to(torch.bfloat16)
-    layers = {}
-    for kind in ("values", "auto"):
-        monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", kind)
-        layers[kind] = MoELayer(spec, max_tokens=512, device="cuda")
-        with torch.no_grad():
-            for p, v in zip((layers[kind].w_gate, layers[kind].w_up, layers[kind].w_down), weights):
-                p.copy_(v)
+    layers = _layers_by_weights(monkeypatch, spec, weights, ("values", "auto"))
     auto = layers["auto"]
     assert layers["values"]._kernel_raw is None and auto._kernel.MX_FWD_WEIGHTS == "values"
     assert auto._kernel_raw is not None and auto._kernel_raw.MX_FWD_WEIGHTS == "raw"
-    along_k = []
-    real = mx_gemm.expert_weights
-
-    def counted(parts, **kw):
-        if not kw.get("transpose"):
-            along_k.append(1)
-        return real(parts, **kw)
-
-    monkeypatch.setattr(mx_gemm, "expert_weights", counted)
+    along_k = _conversions_along_k(monkeypatch)
     got = {}
     for kind, layer in layers.items():
         x, w = xs[0].clone().requires_grad_(True), ws[0].clone().requires_grad_(True)
