@@ -507,11 +507,34 @@ def _raw_twin(spec: MoESpec, options: dict, kernel):
 
 def _launch_kernel(layer, x: torch.Tensor, grad_inputs):
     """The build a MoELayer launches for this call: its raw twin (``_raw_twin``) for a launch
-    autograd records with at most RAW_FWD_MAX_ROWS rows an expert on average, else its own."""
+    autograd records with at most RAW_FWD_MAX_ROWS rows an expert on average where converting the
+    weights would not pay (``_raw_pays``), else its own."""
     raw = getattr(layer, "_kernel_raw", None)
     if raw is None or not _mx_training(layer._kernel, grad_inputs):
         return layer._kernel
-    return raw if x.shape[0] * layer.spec.top_k <= RAW_FWD_MAX_ROWS * layer.spec.num_experts else layer._kernel
+    few = x.shape[0] * layer.spec.top_k <= RAW_FWD_MAX_ROWS * layer.spec.num_experts
+    return raw if _raw_pays(layer, few) else layer._kernel
+
+
+@torch.compiler.disable
+def _raw_pays(layer, few: bool) -> bool:
+    """For a training launch of a layer with a raw twin (``few``: at most RAW_FWD_MAX_ROWS rows an
+    expert): whether the raw build beats converting the weights. The raw build's tiles quantize the
+    weights on every launch (1.46-1.68x the values build's launch, v0.68), a conversion once per
+    weight version, so the raw build pays only for the first launch at a version when no
+    conversion is cached and the previous version took one training launch (one step without
+    micro-batches); a second launch at the same version converts, which serves the rest. Counts
+    the layer's training launches per weight version (``layer._raw_launches``: the version's key,
+    its launches, the previous version's)."""
+    ws = (layer.w_gate, layer.w_up, layer.w_down)
+    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in ws)
+    seen = getattr(layer, "_raw_launches", None)
+    if seen is None or seen[0] != key:
+        seen = [key, 0, 0 if seen is None else seen[1]]
+        layer._raw_launches = seen
+    seen[1] += 1
+    return (few and seen[1] == 1 and seen[2] <= 1
+            and not all(_mx_cached(w) is not None for w in ws))
 
 
 def _takes_raw(kernel) -> bool:

@@ -909,7 +909,9 @@ def test_the_auto_weights_layer_launches_its_raw_twin_for_training_at_few_rows(m
     expanded form the raw build of its options where it loads with the same buffers' layout and
     CTAs (None for a bf16 build, the codes form, a raw build already, a build that does not load
     (with a warning) or one whose layout differs); _launch_kernel takes it for launches autograd
-    records with at most RAW_FWD_MAX_ROWS rows an expert on average, the layer's own otherwise."""
+    records with at most RAW_FWD_MAX_ROWS rows an expert on average where a conversion would not pay
+    (_raw_pays: the first launch at a weight version, none cached, the previous version one launch),
+    the layer's own otherwise."""
     import types
 
     from mokgen import ep
@@ -941,16 +943,30 @@ def test_the_auto_weights_layer_launches_its_raw_twin_for_training_at_few_rows(m
     with pytest.warns(UserWarning, match="MOKGEN_MX_FWD_WEIGHTS=auto: the raw build of s is not available"):
         assert ep._raw_twin(spec, {}, build()) is None
     values = build()
-    layer = types.SimpleNamespace(_kernel=values, _kernel_raw=raw, spec=spec)
-    w = torch.zeros(2, 2, requires_grad=True)
+    wg, wu, wd = (torch.zeros(2, 2, requires_grad=True) for _ in range(3))
+    layer = types.SimpleNamespace(_kernel=values, _kernel_raw=raw, spec=spec, w_gate=wg, w_up=wu, w_down=wd)
     rows = ep.RAW_FWD_MAX_ROWS * spec.num_experts // spec.top_k  # tokens at the limit
-    assert ep._launch_kernel(layer, torch.zeros(rows, 4), (w,)) is raw
-    assert ep._launch_kernel(layer, torch.zeros(rows + 1, 4), (w,)) is values  # too many rows an expert
-    assert ep._launch_kernel(layer, torch.zeros(8, 4), (w.detach(),)) is values  # not recorded: inference
+
+    def step(launches=1, tokens=rows, grad=True):
+        """``launches`` launches at one new weight version (an optimizer step before them): the builds taken."""
+        with torch.no_grad():
+            wd.add_(1)
+        return [ep._launch_kernel(layer, torch.zeros(tokens, 4), (wg if grad else wg.detach(),))
+                for _ in range(launches)]
+
+    assert step() == [raw] and step() == [raw]  # one training launch a step: raw every step
+    assert step(tokens=rows + 1) == [values]  # too many rows an expert
+    assert step(grad=False) == [values]  # not recorded: inference
     with torch.no_grad():
-        assert ep._launch_kernel(layer, torch.zeros(8, 4), (w,)) is values
+        assert ep._launch_kernel(layer, torch.zeros(8, 4), (wg,)) is values
+    # micro-batches: the first step's second launch converts (which serves the rest); later steps convert at once
+    assert step(4) == [raw, values, values, values] and step(4) == [values] * 4 and step(2) == [values] * 2
+    assert step() == [values] and step() == [raw]  # back to one launch a step: raw from the step after
+    # a conversion cached at this version (an inference call made it): the values build
+    monkeypatch.setattr(ep, "_mx_cached", lambda w: w)
+    assert step() == [values]
     layer._kernel_raw = None
-    assert ep._launch_kernel(layer, torch.zeros(8, 4), (w,)) is values
+    assert step() == [values]
 
 
 def test_mxfp8_weight_conversions_follow_each_tensor_and_its_version(monkeypatch):
