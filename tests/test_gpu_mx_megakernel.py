@@ -268,9 +268,9 @@ def test_an_mx_moelayer_with_the_weights_raw_trains_as_the_values_build_and_foll
 def test_an_auto_weights_moelayer_trains_on_its_raw_twin_and_infers_on_its_values_build(monkeypatch):
     """MOKGEN_MX_FWD_WEIGHTS=auto (v0.68, mokgen.ep._raw_twin / _launch_kernel): a one-GPU MoELayer
     of the expanded form holds the raw build beside its values build on the same buffers; a
-    training call with few rows an expert (here 24) launches the raw one (no conversion along k),
-    an inference call the values one (the weights converted), and both give a values layer's bits
-    (outputs and gradients)."""
+    training call with few rows an expert (here 24) launches the raw one (no conversion along k), a
+    second training call at the same weights' version and an inference call the values one (the
+    weights converted), and all give a values layer's bits (outputs and gradients)."""
     spec = _spec()
     monkeypatch.setenv("MOKGEN_MX_FORM", "expand")
     xs, ids, ws, weights = _problem(spec, [384], seed=20, skew=True)
@@ -291,6 +291,11 @@ def test_an_auto_weights_moelayer_trains_on_its_raw_twin_and_infers_on_its_value
         got[kind] = [out, x.grad, w.grad, layer.w_gate.grad, layer.w_up.grad, layer.w_down.grad]
     for name, a, b in zip(("out", "x", "topk_weights", "w_gate", "w_up", "w_down"), got["auto"], got["values"]):
         assert torch.equal(a, b), name
+    # a second training launch at the same weights' version (a micro-batch): the values build, which
+    # converts them once for the rest (ep._raw_pays), with the same bits
+    before = len(along_k)
+    again = auto(xs[0].clone().requires_grad_(True), ids[0], ws[0].clone().requires_grad_(True))
+    assert len(along_k) == before + 3 and torch.equal(again, got["values"][0])
     with torch.no_grad():
         auto.w_down.mul_(2.0)  # exact in bf16 and in MX: the output doubles exactly
         before = len(along_k)
