@@ -382,6 +382,9 @@ _MX_CAPTURED: dict = {}
 #: Held as _MX_WEIGHTS' entries are, so a backward of weights unchanged since (the micro-batches of
 #: one optimizer step) converts nothing, and the layer holds its weights' memory three times.
 _MX_TRANSPOSED = torch.utils.weak.WeakIdKeyDictionary()
+#: how many times refresh_mx_weights ran: part of a weight version's key where a version counter
+#: cannot tell (writes through ``.data``; ``_raw_pays``)
+_MX_REFRESHES = [0]
 
 
 def refresh_mx_weights() -> None:
@@ -391,6 +394,7 @@ def refresh_mx_weights() -> None:
     reading the weights it was captured with: capture again after changing them."""
     _MX_WEIGHTS.clear()
     _MX_TRANSPOSED.clear()
+    _MX_REFRESHES[0] += 1
 
 
 def _capturing(w: torch.Tensor) -> bool:
@@ -525,9 +529,9 @@ def _raw_pays(layer, few: bool) -> bool:
     conversion is cached and the previous version took one training launch (one step without
     micro-batches); a second launch at the same version converts, which serves the rest. Counts
     the layer's training launches per weight version (``layer._raw_launches``: the version's key,
-    its launches, the previous version's)."""
+    its launches, the previous version's); refresh_mx_weights starts a new version."""
     ws = (layer.w_gate, layer.w_up, layer.w_down)
-    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in ws)
+    key = (_MX_REFRESHES[0], *((w.data_ptr(), None if w.is_inference() else w._version) for w in ws))
     seen = getattr(layer, "_raw_launches", None)
     if seen is None or seen[0] != key:
         seen = [key, 0, 0 if seen is None else seen[1]]

@@ -962,6 +962,12 @@ def test_the_auto_weights_layer_launches_its_raw_twin_for_training_at_few_rows(m
     # micro-batches: the first step's second launch converts (which serves the rest); later steps convert at once
     assert step(4) == [raw, values, values, values] and step(4) == [values] * 4 and step(2) == [values] * 2
     assert step() == [values] and step() == [raw]  # back to one launch a step: raw from the step after
+    # weights written through .data keep their versions: refresh_mx_weights starts a new one
+    assert ep._launch_kernel(layer, torch.zeros(rows, 4), (wg,)) is values  # a second launch at the version
+    ep.refresh_mx_weights()
+    assert ep._launch_kernel(layer, torch.zeros(rows, 4), (wg,)) is values  # (the previous version had two)
+    ep.refresh_mx_weights()
+    assert ep._launch_kernel(layer, torch.zeros(rows, 4), (wg,)) is raw
     # a conversion cached at this version (an inference call made it): the values build
     monkeypatch.setattr(ep, "_mx_cached", lambda w: w)
     assert step() == [values]
