@@ -300,6 +300,20 @@ def plan_and_key(spec: MoESpec, toolchain: Toolchain | None = None,
     return plan, key, tc
 
 
+def raw_twin_options(spec: MoESpec, options: dict | None = None) -> dict | None:
+    """Under MOKGEN_MX_FWD_WEIGHTS=auto (the default since v0.69): where ``spec``'s build under
+    ``options`` (default: the environment's) is an MXFP8 build of the expanded form taking the
+    weights' MX values, the options of its raw twin (plan mx_fwd_weights "raw"), which a one-GPU
+    MoELayer loads beside it for training launches (mokgen.ep._raw_twin); else None."""
+    if not env.mx_fwd_weights_auto():
+        return None
+    options = env.plan_options() if options is None else options
+    plan = make_plan(spec, **options)
+    if plan.numerics != "mxfp8" or plan.mx_form != "expand" or plan.mx_fwd_weights != "values":
+        return None
+    return {**options, "mx_fwd_weights": "raw"}
+
+
 def _plan_json(plan: Plan, key: str, tc: Toolchain, spec: MoESpec) -> str:
     doc = {
         "name": plan.name,

@@ -283,22 +283,30 @@ def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_
             else:
                 options = env.plan_options_with(entry.best.build_options())
                 err_console.print(f"{spec.name}: tuned entry {entry.path} ({entry.best.label()})", markup=False)
-        with err_console.status(f"building {spec.name} (nvcc, sm_90a) ...", spinner="dots"):
-            result = build_mod.build(spec, force=force, log=lambda s: err_console.print(s, markup=False),
-                                     options=options)
-        if as_json:
-            click.echo(json.dumps(result.to_json()))
-            continue
-        how = "cache hit" if result.cached else "compiled"
-        click.echo(f"{result.name}: {how} in {result.seconds:.2f} s -> {result.library}")
-        if not result.cached:
-            spills = [l for l in build_mod.resource_report(result.entry) if "spill" in l]
-            bad = [l for l in spills if "0 bytes spill stores, 0 bytes spill loads" not in l]
-            serial = build_mod.serialized_wgmma(result.entry)
-            click.echo(f"  ptxas: {'no spills' if not bad else '; '.join(bad)}"
-                       f"{'' if not serial else f'; wgmma serialized in {len(serial)} kernel(s)'} "
-                       f"(report in {result.entry / 'build.log'})")
-        click.echo(f"  {_shown(env.generated_dir() / result.name)}/ holds the sources and a link to the library")
+        # an MXFP8 build of the expanded form under MOKGEN_MX_FWD_WEIGHTS=auto: its raw twin too
+        # (the build a one-GPU layer launches for training at few rows an expert, mokgen.ep._raw_twin)
+        twin = build_mod.raw_twin_options(spec, options)
+        for opts, what in ((options, ""), *(((twin, " (the raw-weights twin, MOKGEN_MX_FWD_WEIGHTS=auto)"),)
+                                            if twin is not None else ())):
+            with err_console.status(f"building {spec.name}{what} (nvcc, sm_90a) ...", spinner="dots"):
+                result = build_mod.build(spec, force=force, log=lambda s: err_console.print(s, markup=False),
+                                         options=opts, publish_generated=not what)  # (generated/ shows the build)
+            if as_json:
+                click.echo(json.dumps(result.to_json()))
+                continue
+            how = "cache hit" if result.cached else "compiled"
+            click.echo(f"{result.name}{what}: {how} in {result.seconds:.2f} s -> {result.library}")
+            if not result.cached:
+                spills = [l for l in build_mod.resource_report(result.entry) if "spill" in l]
+                bad = [l for l in spills if "0 bytes spill stores, 0 bytes spill loads" not in l]
+                serial = build_mod.serialized_wgmma(result.entry)
+                click.echo(f"  ptxas: {'no spills' if not bad else '; '.join(bad)}"
+                           f"{'' if not serial else f'; wgmma serialized in {len(serial)} kernel(s)'} "
+                           f"(report in {result.entry / 'build.log'})")
+            if what:
+                click.echo(f"  {_shown(result.entry)}/ holds its sources")
+            else:
+                click.echo(f"  {_shown(env.generated_dir() / result.name)}/ holds the sources and a link to the library")
 
 
 @main.command()

@@ -397,6 +397,11 @@ def refresh_mx_weights() -> None:
     _MX_REFRESHES[0] += 1
 
 
+def _capture_now() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _capturing(w: torch.Tensor) -> bool:
     """Whether ``w``'s device's current stream is capturing a CUDA graph."""
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -485,12 +490,22 @@ def _weights_for(kernel, w_gate, w_up, w_down, train: bool = False):
 RAW_FWD_MAX_ROWS = 512
 
 
+#: MoELayer._kernel_raw until the first launch that takes the raw twin loads it (``_launch_kernel``)
+RAW_TWIN_PENDING = "pending"
+
+
+def _has_twin(kernel) -> bool:
+    """Whether ``kernel`` is a build with a raw twin: an MXFP8 build of the expanded form that
+    takes the weights' MX values."""
+    return _is_mx(kernel) and not _takes_raw(kernel) and getattr(kernel, "MX_FORM", "") == "expand"
+
+
 def _raw_twin(spec: MoESpec, options: dict, kernel):
     """Under MOKGEN_MX_FWD_WEIGHTS=auto, for a one-GPU MXFP8 layer whose build (``kernel``, made
     with ``options``) is the expanded form's values build: the raw build of the same options, if
     it loads and keeps the same buffers' layout and CTAs (then one set of buffers serves both);
     else None, with a warning where it does not load (a prebuilt wheel without nvcc)."""
-    if not (_is_mx(kernel) and not _takes_raw(kernel) and getattr(kernel, "MX_FORM", "") == "expand"):
+    if not _has_twin(kernel):
         return None
     try:
         raw = load(spec, {**options, "mx_fwd_weights": "raw"})
@@ -512,12 +527,21 @@ def _raw_twin(spec: MoESpec, options: dict, kernel):
 def _launch_kernel(layer, x: torch.Tensor, grad_inputs):
     """The build a MoELayer launches for this call: its raw twin (``_raw_twin``) for a launch
     autograd records with at most RAW_FWD_MAX_ROWS rows an expert on average where converting the
-    weights would not pay (``_raw_pays``), else its own."""
+    weights would not pay (``_raw_pays``), else its own. The twin is loaded (built if the cache
+    lacks it) by the first launch that takes it, outside torch.compile and CUDA graph captures
+    (those launch the layer's own build until it is loaded), so layers that never train at few
+    rows an expert (inference, the tuner's candidates) never build it."""
     raw = getattr(layer, "_kernel_raw", None)
-    if raw is None or not _mx_training(layer._kernel, grad_inputs):
+    if raw is None or torch.compiler.is_compiling() or not _mx_training(layer._kernel, grad_inputs):
         return layer._kernel
     few = x.shape[0] * layer.spec.top_k <= RAW_FWD_MAX_ROWS * layer.spec.num_experts
-    return raw if _raw_pays(layer, few) else layer._kernel
+    if not _raw_pays(layer, few):
+        return layer._kernel
+    if raw is RAW_TWIN_PENDING:
+        if _capture_now():
+            return layer._kernel
+        raw = layer._kernel_raw = _raw_twin(layer.spec, layer.build_options, layer._kernel)
+    return layer._kernel if raw is None else raw
 
 
 @torch.compiler.disable
@@ -1245,9 +1269,10 @@ class MoELayer(torch.nn.Module):
             self._ep, self.buffers_shared = layer_buffers(
                 key, lambda: EpBuffers(self._kernel, geometry, device, group), bool(share_buffers), group)
             #: MOKGEN_MX_FWD_WEIGHTS=auto: the raw build launched for training launches with few rows
-            #: an expert (_launch_kernel), on the same buffers; None otherwise
-            self._kernel_raw = (_raw_twin(s, self.build_options, self._kernel)
-                                if env.mx_fwd_weights_auto() and self.world == 1 else None)
+            #: an expert (_launch_kernel), on the same buffers: RAW_TWIN_PENDING until the first such
+            #: launch loads it; None where there is none (or it did not load)
+            self._kernel_raw = (RAW_TWIN_PENDING if env.mx_fwd_weights_auto() and self.world == 1
+                                and _has_twin(self._kernel) else None)
         self.share_buffers = bool(share_buffers)
         if self.world > 1:
             _EP_GROUPS[int(self._ep.addresses()[1])] = group

@@ -421,3 +421,33 @@ def test_wheel_builds_each_arch_once(tmp_path, monkeypatch):
 def test_bundled_name_with_a_suffix_gets_a_hint(private_dirs):
     line = _one_error_line(*invoke("show", "kimi-k2.5.yaml"))
     assert "spec file not found (the bundled spec is named without a path or suffix: 'kimi-k2.5')" in line
+
+
+def test_build_mxfp8_builds_the_raw_twin_under_auto(monkeypatch, tmp_path):
+    """`mokgen build --numerics mxfp8` under MOKGEN_MX_FWD_WEIGHTS=auto (the default since v0.69):
+    an expanded-form build (kimi-k2.5) is followed by its raw twin (mx_fwd_weights "raw", not
+    published to generated/), which a one-GPU layer loads for training; a codes-form build
+    (qwen3-30b-a3b), a bf16 build and the switch set to values build one library each."""
+    from mokgen import build as build_mod
+
+    calls = []
+
+    def fake_build(spec, *, force=False, log=None, options=None, publish_generated=True):
+        calls.append((spec.name, spec.target.numerics, options, publish_generated))
+        return build_mod.BuildResult("moe_x", "k", tmp_path, tmp_path / "lib.so", True, 0.0)
+
+    monkeypatch.setattr(build_mod, "build", fake_build)
+    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS", raising=False)
+    code, out, err = invoke("build", "--numerics", "mxfp8", "kimi-k2.5")
+    assert code == 0, err
+    (_, _, first, pub1), (_, _, twin, pub2) = calls
+    assert first is None and pub1 and not pub2 and twin["mx_fwd_weights"] == "raw"
+    assert twin == {**build_mod.env.plan_options(), "mx_fwd_weights": "raw"}
+    assert "raw-weights twin" in out
+    for args, env_value in ((("--numerics", "mxfp8", "qwen3-30b-a3b"), None), (("kimi-k2.5",), None),
+                            (("--numerics", "mxfp8", "kimi-k2.5"), "values")):
+        calls.clear()
+        if env_value:
+            monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", env_value)
+        code, out, err = invoke("build", *args)
+        assert code == 0 and len(calls) == 1 and calls[0][2] is None, (args, err)

@@ -973,6 +973,19 @@ def test_the_auto_weights_layer_launches_its_raw_twin_for_training_at_few_rows(m
     assert step() == [values]
     layer._kernel_raw = None
     assert step() == [values]
+    # made under auto, a layer holds RAW_TWIN_PENDING: the first launch that takes the twin loads it
+    # (none under a CUDA graph capture), a layer that never takes it never builds it
+    monkeypatch.undo()
+    loads = []
+    monkeypatch.setattr(ep, "load", lambda s, options: loads.append(options) or raw)
+    layer = types.SimpleNamespace(_kernel=values, _kernel_raw=ep.RAW_TWIN_PENDING, spec=spec, w_gate=wg, w_up=wu,
+                                  w_down=wd, build_options={"cluster": 2})
+    assert step(grad=False) == [values] and step(tokens=rows + 1) == [values] and loads == []
+    monkeypatch.setattr(ep, "_capture_now", lambda: True)
+    assert step() == [values] and loads == []
+    monkeypatch.setattr(ep, "_capture_now", lambda: False)
+    assert step() == [raw] and loads == [{"cluster": 2, "mx_fwd_weights": "raw"}] and layer._kernel_raw is raw
+    assert step() == [raw] and len(loads) == 1
 
 
 def test_mxfp8_weight_conversions_follow_each_tensor_and_its_version(monkeypatch):

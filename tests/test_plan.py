@@ -459,11 +459,14 @@ def test_mx_fwd_weights_option(monkeypatch):
         make_plan(small, mx_fwd_weights="bits")
     assert make_plan(load_spec("kimi-k2.5"), mx_fwd_weights="raw").mx_fwd_weights == "values"  # bf16
     _check_switch(monkeypatch, "MOKGEN_MX_FWD_WEIGHTS", "mx_fwd_weights", "raw", "raw", "codes",
-                  "MOKGEN_MX_FWD_WEIGHTS must be values or raw or auto")
+                  "MOKGEN_MX_FWD_WEIGHTS must be auto or values or raw")
     monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "auto")  # the layer's own build is the values one
     assert env.plan_options()["mx_fwd_weights"] == "values" and env.mx_fwd_weights_auto()
-    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS")
+    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS")  # auto by default since v0.69
+    assert env.mx_fwd_weights_auto() and env.plan_options()["mx_fwd_weights"] == "values"
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "values")
     assert not env.mx_fwd_weights_auto()
+    monkeypatch.delenv("MOKGEN_MX_FWD_WEIGHTS")
     tuned = {"mx_form": "codes", "cluster": 1}
     assert env.plan_options_with(tuned)["mx_form"] == "codes"
     monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
