@@ -285,9 +285,11 @@ def build_cmd(spec_refs: tuple[str, ...], force: bool, numerics: str | None, as_
                 err_console.print(f"{spec.name}: tuned entry {entry.path} ({entry.best.label()})", markup=False)
         # an MXFP8 build of the expanded form under MOKGEN_MX_FWD_WEIGHTS=auto: its raw twin too
         # (the build a one-GPU layer launches for training at few rows an expert, mokgen.ep._raw_twin)
+        builds = [(options, "")]
         twin = build_mod.raw_twin_options(spec, options)
-        for opts, what in ((options, ""), *(((twin, " (the raw-weights twin, MOKGEN_MX_FWD_WEIGHTS=auto)"),)
-                                            if twin is not None else ())):
+        if twin is not None:
+            builds.append((twin, " (the raw-weights twin, MOKGEN_MX_FWD_WEIGHTS=auto)"))
+        for opts, what in builds:
             with err_console.status(f"building {spec.name}{what} (nvcc, sm_90a) ...", spinner="dots"):
                 result = build_mod.build(spec, force=force, log=lambda s: err_console.print(s, markup=False),
                                          options=opts, publish_generated=not what)  # (generated/ shows the build)
