@@ -247,10 +247,10 @@ def mx_fwd_weights() -> str:
     """MOKGEN_MX_FWD_WEIGHTS: ``auto`` (default since v0.69), ``values`` or ``raw`` (v0.68): an MXFP8
     megakernel build that takes the weights' MX values (converted before the launch, cached per
     version) or the bf16 weights, quantized by its tiles (plan.MX_FWD_WEIGHTS; the expanded form);
-    ``auto`` builds the values one (plan_options) and a one-GPU MoELayer holds both and launches the raw one for training launches with few rows an
-    expert (mokgen.ep.RAW_FWD_MAX_ROWS) where converting would not pay (mokgen.ep._raw_pays: the
-    first launch at a weight version, none cached, one launch at the previous version), its build
-    options the values one's."""
+    ``auto`` builds the values one (plan_options), and a one-GPU MoELayer of the expanded form also
+    loads the raw one and launches it for training launches with few rows an expert
+    (mokgen.ep.RAW_FWD_MAX_ROWS) where converting would not pay (mokgen.ep._raw_pays: the first
+    launch at a weight version, none cached, one launch at the previous version)."""
     return _choice("MOKGEN_MX_FWD_WEIGHTS", ("auto", "values", "raw"))
 
 

@@ -397,11 +397,6 @@ def refresh_mx_weights() -> None:
     _MX_REFRESHES[0] += 1
 
 
-def _capture_now() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _capturing(w: torch.Tensor) -> bool:
     """Whether ``w``'s device's current stream is capturing a CUDA graph."""
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -496,7 +491,8 @@ RAW_TWIN_PENDING = "pending"
 
 def _has_twin(kernel) -> bool:
     """Whether ``kernel`` is a build with a raw twin: an MXFP8 build of the expanded form that
-    takes the weights' MX values."""
+    takes the weights' MX values (the loaded build's side of build.raw_twin_options, which decides
+    the same from a plan for `mokgen build`)."""
     return _is_mx(kernel) and not _takes_raw(kernel) and getattr(kernel, "MX_FORM", "") == "expand"
 
 
@@ -538,7 +534,7 @@ def _launch_kernel(layer, x: torch.Tensor, grad_inputs):
     if not _raw_pays(layer, few):
         return layer._kernel
     if raw is RAW_TWIN_PENDING:
-        if _capture_now():
+        if _capturing(layer.w_gate):
             return layer._kernel
         raw = layer._kernel_raw = _raw_twin(layer.spec, layer.build_options, layer._kernel)
     return layer._kernel if raw is None else raw

@@ -981,9 +981,9 @@ def test_the_auto_weights_layer_launches_its_raw_twin_for_training_at_few_rows(m
     layer = types.SimpleNamespace(_kernel=values, _kernel_raw=ep.RAW_TWIN_PENDING, spec=spec, w_gate=wg, w_up=wu,
                                   w_down=wd, build_options={"cluster": 2})
     assert step(grad=False) == [values] and step(tokens=rows + 1) == [values] and loads == []
-    monkeypatch.setattr(ep, "_capture_now", lambda: True)
+    monkeypatch.setattr(ep, "_capturing", lambda w: True)
     assert step() == [values] and loads == []
-    monkeypatch.setattr(ep, "_capture_now", lambda: False)
+    monkeypatch.setattr(ep, "_capturing", lambda w: False)
     assert step() == [raw] and loads == [{"cluster": 2, "mx_fwd_weights": "raw"}] and layer._kernel_raw is raw
     assert step() == [raw] and len(loads) == 1
 
