@@ -452,16 +452,29 @@ def test_rows_values_checks_its_input_then_launches_once(launches):
     assert calls[2][1][1:] == (xb.data_ptr(), src.data_ptr(), scale.data_ptr(), 96, 256, STREAM)
 
 
-def _round_block_emulated(bits: "torch.Tensor", ea: int) -> "torch.Tensor":
-    """mx_rawb.cuh's round_block on int32 bf16 bit patterns of blocks whose amax has exponent field
-    ea: M = 2^(max(ex, ea - 14) + 4) added and subtracted in bf16 (round to nearest even), the
-    result clamped at 448 2^(ea - 135), the sign put back."""
-    sign, a = bits & 0x8000, bits & 0x7FFF
-    m = torch.maximum((bits & 0x7F80) + 0x200, torch.full_like(bits, ((ea - 14) << 7) + 0x200))
+def _round_block_emulated(bits: "torch.Tensor", ea: int, v68: bool = False) -> "torch.Tensor":
+    """mx_round.cuh's round_block on int32 bf16 bit patterns of blocks whose amax has exponent field
+    ea, instruction by instruction: ms = max.xorsign.abs(x & 0xff80, 2^(ea - 14)) (x's sign, the
+    larger magnitude), x + 16 ms and then minus 16 ms in bf16 (two FMAs, rounded to nearest even;
+    the second exact), min.xorsign.abs with 448 2^(ea - 135), x's sign bit or'ed in. v68: the
+    rounding before v0.70 (M = 2^(max(ex, ea - 14) + 4) on 16-bit integers, added to and taken
+    from |x|, the bound as a 16-bit minimum, the sign put back), which builds with
+    -DMOKGEN_MX_ROUND_V68 still run."""
     as_float = lambda b: (b << 16).view(torch.float32)  # noqa: E731
-    s = (as_float(a) + as_float(m)).to(torch.bfloat16).float()  # the bf16 addition, rounded once
-    q = (s - as_float(m)).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # exact
-    return torch.minimum(q, torch.full_like(q, (ea << 7) | 0x60)) | sign
+    to_bits = lambda y: y.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
+    sign = bits & 0x8000
+    if v68:
+        a = bits & 0x7FFF
+        m = torch.maximum((bits & 0x7F80) + 0x200, torch.full_like(bits, ((ea - 14) << 7) + 0x200))
+        s = (as_float(a) + as_float(m)).to(torch.bfloat16).float()  # the bf16 addition, rounded once
+        q = to_bits(s - as_float(m))  # exact
+        return torch.minimum(q, torch.full_like(q, (ea << 7) | 0x60)) | sign
+    t = as_float(torch.full_like(bits, (ea - 14) << 7))
+    ms = torch.copysign(torch.maximum(as_float(bits & 0xFF80).abs(), t), as_float(sign))
+    s1 = (as_float(bits) + 16.0 * ms).to(torch.bfloat16).float()  # the first FMA, rounded once
+    s2 = (s1 - 16.0 * ms).to(torch.bfloat16).float()  # exact; a zero is +0
+    sat = as_float(torch.full_like(bits, (ea << 7) | 0x60))
+    return to_bits(torch.copysign(torch.minimum(s2.abs(), sat), s2)) | sign
 
 
 @pytest.mark.parametrize("ea", [24, 25, 40, 112, 127, 134, 135, 136, 200, 249, 250])
@@ -483,9 +496,10 @@ def test_the_raw_kernels_integer_rounding_is_the_mx_quantizer(ea):
         codes, scales = mx.quantize(values, dim=-1)
         assert (scales.int() == max(ea - 135, -127) + 127).all()
         want = mx.dequantize(codes, scales, dim=-1).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-        got = _round_block_emulated(blocks, ea)
-        bad = got != want
-        assert not bad.any(), (mant, blocks[bad][:4].tolist(), got[bad][:4].tolist(), want[bad][:4].tolist())
+        for v68 in (False, True):
+            got = _round_block_emulated(blocks, ea, v68)
+            bad = got != want
+            assert not bad.any(), (v68, mant, blocks[bad][:4].tolist(), got[bad][:4].tolist(), want[bad][:4].tolist())
 
 
 def _bf16m_pos(j: int) -> int:

@@ -64,25 +64,58 @@ __device__ __forceinline__ uint32_t sub_bf16x2(uint32_t a, uint32_t b) {
 // rounding constant below stays finite; ea 255 is a NaN or an infinity in the block).
 __device__ __forceinline__ bool fast_field(uint32_t ea) { return ea >= 24u && ea <= 250u; }
 
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// max(|a|, |b|) and min(|a|, |b|) per half, with the sign of a xor that of b
+__device__ __forceinline__ uint32_t max_xorsign_abs_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t min_xorsign_abs_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // Eight words of bf16 pairs made MX values in place: the low halves belong to a 32-block whose
 // amax has the exponent field ea_lo, the high halves to one with ea_hi (two columns' blocks of an
-// MN-major tile, mx_rawb.cuh; the same block twice in a K-major row, MxQuantB), both in fast_field. Per element x (exponent field ex): the E4M3 value of
-// x / 2^s (s = ea - 135), times 2^s, is x rounded to nearest even on a grid of 2^(max(ex, t) - 3)
-// (t = ea - 14: three mantissa bits in E4M3's normal range, its subnormal grid 2^(s - 9) below),
-// then saturated at 448 2^s (bits (ea << 7) | 0x60). The rounding is one bf16 addition of M =
-// 2^(max(ex, t) + 4) and its subtraction: |x| < M / 8, so |x| + M lies in [M, 2 M), where the bf16
-// grid is M / 128 = 2^(max(ex, t) - 3), rounded to nearest even once (M is an even multiple of
-// the grid, so the tie goes as E4M3's), and the subtraction is exact. The sign goes back by bits
-// (a negative value rounded to zero stays -0, as the conversion's decoded -0 code).
+// MN-major tile, mx_rawb.cuh; the same block twice in a K-major row, MxQuantB), both in fast_field.
+// Per element x (exponent field ex): the E4M3 value of x / 2^s (s = ea - 135), times 2^s, is x
+// rounded to nearest even on a grid of 2^(max(ex, t) - 3) (t = ea - 14: three mantissa bits in
+// E4M3's normal range, its subnormal grid 2^(s - 9) below), then saturated at 448 2^s (bits
+// (ea << 7) | 0x60). The rounding is one bf16 addition of M = 16 2^max(ex, t), with x's sign, and
+// its subtraction: |x| < M / 8, so |x| + M lies in [M, 2 M), where the bf16 grid is M / 128 =
+// 2^(max(ex, t) - 3), rounded to nearest even once (M is an even multiple of the grid, so the tie
+// goes as E4M3's; round to nearest even is symmetric, so the sign may ride along), and the
+// subtraction is exact. A value rounded to zero comes out +0; the sign goes back by bits (a
+// negative one stays -0, as the conversion's decoded -0 code). Per word: the signed power of two
+// x & 0xff80 (a bits mask), its larger magnitude with 2^t (bf16 max), the addition and the
+// subtraction of 16 times it (two bf16 FMAs), the saturation (bf16 min) and the sign: six
+// instructions, four on the ALU pipe. (v0.68-v0.69: the magnitude rounded and the bounds taken
+// on 16-bit integers, eight instructions, six on the ALU pipe; the same bits, docs/perf-notes.md v0.70.)
 __device__ __forceinline__ void round_block(uint32_t (&v)[8], uint32_t ea_lo, uint32_t ea_hi) {
-  const uint32_t t4 = (((ea_lo - 14u) << 7) + 0x200u) | ((((ea_hi - 14u) << 7) + 0x200u) << 16);
+  const uint32_t t = ((ea_lo - 14u) << 7) | (((ea_hi - 14u) << 7) << 16);
   const uint32_t sat = ((ea_lo << 7) | 0x60u) | (((ea_hi << 7) | 0x60u) << 16);
+  constexpr uint32_t kPlus16 = 0x41804180u, kMinus16 = 0xc180c180u;  // bf16x2 (16, 16), (-16, -16)
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
     const uint32_t x = v[r];
+#if defined(MOKGEN_MX_ROUND_V68)
+    // measuring build (the same bits): v0.68's rounding, for the A/B of docs/perf-notes.md v0.70
+    const uint32_t t4 = t + 0x02000200u;
     const uint32_t m = max_u16x2((x & 0x7f807f80u) + 0x02000200u, t4);
     const uint32_t y = min_u16x2(sub_bf16x2(add_bf16x2(x & 0x7fff7fffu, m), m), sat);
     v[r] = y | (x & 0x80008000u);
+    (void)kPlus16, (void)kMinus16;
+#else
+    const uint32_t ms = max_xorsign_abs_bf16x2(x & 0xff80ff80u, t);  // +-2^max(ex, t), x's sign
+    const uint32_t y = fma_bf16x2(ms, kMinus16, fma_bf16x2(ms, kPlus16, x));
+    v[r] = min_xorsign_abs_bf16x2(y, sat) | (x & 0x80008000u);
+#endif
   }
 }
 
