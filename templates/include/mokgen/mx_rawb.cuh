@@ -22,7 +22,7 @@
 //
 // The values: E4M3 value times 2^scale as bf16, the bits of the transposed conversion's values
 // (mx_rows.cuh store_decoded_pairs; the GPU tests compare them bit for bit). Hopper's conversion
-// instructions are slow (F2FP), so the common case is integer and bf16x2 arithmetic (round_block
+// instructions are slow (F2FP), so the common case is bf16x2 arithmetic and bit masks (mx_round.cuh round_block
 // below); blocks with a scale near either end of E8M0's range, and non-finite blocks, take the
 // conversion kernel's own float arithmetic (exact_half), per warp (all lanes take one path).
 #pragma once

@@ -1,9 +1,9 @@
-// MX rounding of bf16 values on the SM's integer and bf16x2 units (v0.67's raw dgrads, mx_rawb.cuh;
+// MX rounding of bf16 values by bf16x2 arithmetic and bit masks (v0.67's raw dgrads, mx_rawb.cuh;
 // v0.68's raw forward weights, mx_tile.cuh MxQuantB), and the two pieces of the conversion
 // kernels' float arithmetic they fall back on (mx_rows.cuh). A block's MX values: its E4M3 codes
 // times the block's power-of-two scale, as bf16, the bits of the conversion kernels' decoded values
 // (mx_rows.cuh store_decoded_pairs). Hopper's F2FP conversions are slow, so the common case
-// (round_block) is integer and bf16x2 arithmetic; a block with its scale near either end of E8M0's
+// (round_block) is bf16x2 arithmetic and bit masks; a block with its scale near either end of E8M0's
 // range, or not finite, takes the conversion's own float path (exact_half).
 #pragma once
 
@@ -61,7 +61,7 @@ __device__ __forceinline__ uint32_t sub_bf16x2(uint32_t a, uint32_t b) {
 // Whether a 32-block whose largest magnitude has the bf16 exponent field ea takes round_block:
 // its scale 2^(ea - 135) (ea >= 8), the E4M3 normal range from exponent field t = ea - 14 >= 10
 // (so no input is a bf16 subnormal that the rounding grid could see), and ea + 4 <= 254 (the
-// rounding constant below stays finite; ea 255 is a NaN or an infinity in the block).
+// rounding constant 16 2^max(ex, t) below stays finite; ea 255 is a NaN or an infinity in the block).
 __device__ __forceinline__ bool fast_field(uint32_t ea) { return ea >= 24u && ea <= 250u; }
 
 __device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
