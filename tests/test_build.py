@@ -113,6 +113,36 @@ def test_the_weights_raw_mx_build_quantizes_each_stage_between_the_wgmmas(monkey
 
 
 @pytest.mark.nvcc
+def test_the_split_raw_mx_build_sends_its_half_of_b_to_the_peer(monkeypatch):
+    """-DMOKGEN_MX_RAWB_SPLIT (v0.70, measuring builds; hopper_gemm.cuh kSplitB, mx_tile.cuh
+    MxQuantBSplit) on kimi-k2.5's raw MXFP8 build in CTA pairs: no spills, no serialized wgmma; each
+    of the four k-loop bodies that takes a split B stores its block in place and to the peer
+    (STAS.128, st.async), then waits on its xfull barrier, fences for the async proxy and meets the
+    other consumer warpgroup on named barrier 2 before its HGMMA; half of the pair's B boxes leave
+    the multicast (the split tiles' own half by a plain TMA load)."""
+    monkeypatch.setenv("MOKGEN_MX_FWD_WEIGHTS", "raw")
+    monkeypatch.setenv("MOKGEN_CLUSTER", "2")
+    spec = load_spec("kimi-k2.5").with_target(numerics="mxfp8")
+    whole = build_mod.build(spec)
+    monkeypatch.setattr(build_mod, "BASE_FLAGS", [*build_mod.BASE_FLAGS, "-DMOKGEN_MX_RAWB_SPLIT"])
+    split = build_mod.build(spec)
+    assert split.entry != whole.entry and "static constexpr int kCluster = 2;" in (split.entry / "moe_forward.cu").read_text()
+    _assert_no_spills(split)
+    lines = [line for line in sass_of(split.library).splitlines() if ";" in line]
+    stas = [i for i, line in enumerate(lines) if "STAS.128" in line]
+    bodies = [i for n, i in enumerate(stas) if n == 0 or i - stas[n - 1] > 40]
+    assert len(stas) == 16 and len(bodies) == 4, (len(stas), bodies)
+    for i in bodies:
+        after = lines[i:i + 80]
+        order = [next(k for k, line in enumerate(after) if key in line)
+                 for key in ("SYNCS.PHASECHK", "FENCE.VIEW.ASYNC.S", "BAR.SYNC.DEFER_BLOCKING 0x2", "HGMMA")]
+        assert order == sorted(order), (i, order)
+    assert "STAS" not in sass_of(whole.library)
+    count = lambda text, op: sum(op in line.split(";")[0].split() for line in text.splitlines())  # noqa: E731
+    assert count(sass_of(split.library), "UTMALDG.2D.MULTICAST") < count(sass_of(whole.library), "UTMALDG.2D.MULTICAST")
+
+
+@pytest.mark.nvcc
 def test_default_build_sass_roles():
     """The default build of the largest spec, in its SASS: wgmma (HGMMA), one batch kept in flight
     and no empty commit group; no local memory; the

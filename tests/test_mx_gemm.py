@@ -509,6 +509,34 @@ def _bf16m_pos(j: int) -> int:
 
 
 @pytest.mark.parametrize("rows", [256, 128])
+def test_a_split_b_is_quantized_once_across_the_pair_without_bank_conflicts(rows):
+    """mx_tile.cuh MxQuantBSplit (v0.70, -DMOKGEN_MX_RAWB_SPLIT): CTA crank's consumer thread ct
+    (< rows, one block each) takes row crank rows / 2 + ct % (rows / 2), block ct // (rows / 2):
+    over both CTAs every 32-block of the stage is quantized exactly once, each CTA only within the
+    half its producer loaded (box crank: rows crank rows / 2 ..), and each 8-lane phase of a
+    warp's 128-bit accesses touches 8 distinct 16-byte bank groups."""
+    half = rows // 2
+    seen = {}
+    for crank in (0, 1):
+        for ct in range(256):
+            if ct >= rows:
+                continue
+            r, b = crank * half + ct % half, ct // half
+            assert crank * half <= r < (crank + 1) * half and b in (0, 1)
+            assert (r, b) not in seen, ((r, b), seen.get((r, b)), (crank, ct))
+            seen[(r, b)] = (crank, ct)
+        for warp in range(8):
+            for c in range(4):
+                for phase in range(4):
+                    lanes = [32 * warp + lane for lane in range(8 * phase, 8 * phase + 8) if 32 * warp + lane < rows]
+                    addrs = [(crank * half + ct % half) * 128 + (((4 * (ct // half) + c) ^ ((crank * half + ct % half) % 8)) << 4)
+                             for ct in lanes]  # MxQuantB::block's address of chunk c
+                    groups = {a // 16 % 8 for a in addrs}
+                    assert len(groups) == len(lanes), (crank, warp, c, phase)
+    assert set(seen) == {(r, b) for r in range(rows) for b in (0, 1)}
+
+
+@pytest.mark.parametrize("rows", [256, 128])
 def test_the_forward_tiles_quantizer_makes_a_stage_the_conversions_values(rows):
     """mx_tile.cuh MxQuantB (v0.68, MOKGEN_MX_FWD_WEIGHTS=raw), emulated on a stage's B as the TMA
     leaves it (rows x 64 bf16, SWIZZLE_128B): the 256 consumer threads' blocks (ct + 256 j) load

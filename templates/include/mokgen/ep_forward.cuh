@@ -295,8 +295,14 @@ template <class Cfg, bool kMx = CfgMxCodes<Cfg>::value>
 struct EpHopperTiles {
   // one pipeline serves both tile kinds, so both step through it with the larger stage size
   static constexpr int kStride = (128 + (256 > Cfg::kDownBlockN ? 256 : Cfg::kDownBlockN)) * Cfg::kBlockK * 2;
-  // the weights raw (CfgMxRawB): each stage's B quantized by the consumers
-  using StageB = std::conditional_t<CfgMxRawB<Cfg>::value, sm90::MxQuantB, sm90::PlainB>;
+  // the weights raw (CfgMxRawB): each stage's B quantized by the consumers; in CTA pairs under
+  // -DMOKGEN_MX_RAWB_SPLIT (measuring builds, v0.70), a shared B's two halves by the two CTAs
+#if defined(MOKGEN_MX_RAWB_SPLIT)
+  using QuantB = std::conditional_t<Cfg::kCluster == 2, sm90::MxQuantBSplit, sm90::MxQuantB>;
+#else
+  using QuantB = sm90::MxQuantB;
+#endif
+  using StageB = std::conditional_t<CfgMxRawB<Cfg>::value, QuantB, sm90::PlainB>;
   using Up = sm90::HopperTile<Cfg::kInter, Cfg::kHidden, true, Cfg::kHasClamp, Cfg::kStages, 256, kStride, Cfg::kCluster,
                               Cfg::kBlockK, Cfg::kStagger, StageB>;
   using Down = sm90::HopperTile<Cfg::kHidden, Cfg::kInter, false, Cfg::kHasClamp, Cfg::kStages, Cfg::kDownBlockN, kStride,
@@ -1095,8 +1101,9 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
             if (wgu == 2) sm90::mbar_wait(&sm90::s_stagger_bar, 0u);
             pipe.stagger_todo = wgu == 1 ? 1 : 0;
           }
-          for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int) {
+          for_each_queued([&](int i, int kind, int c, int le, int rows, int m, int n, int share) {
             const int64_t row0 = int64_t(c % R) * C + m;
+            const int crank = cc % kPair;  // the producer's (share, crank: a split B's halves, hopper_gemm.cuh)
             MOKGEN_FWD_TRACE_ONLY(
                 fwd_trace::stage(i, wgi, 0, fwd_trace::timer()); fwd_trace::stage(i, wgi, 1, fwd_trace::clock());
                 fwd_trace::stage(i, wgi, 6, kind); fwd_trace::stage(i, wgi, 7, rows);)
@@ -1107,12 +1114,13 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                 bf16* base = kind == 2 ? at<bf16>(mine, S.shared_h) + int64_t(m) * kI : ring_h + row0 * kI;
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, StridedRows<kI>{base},
                             kind == 2 ? 3.0e38f : Cfg::kClampLimit, abort_flag,
-                            SaveRows<kI>{p.save_gu, meta + row0, kind == 0});
+                            SaveRows<kI>{p.save_gu, meta + row0, kind == 0}, share, crank);
                 sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
               } else {
                 const SharedOrSlotRows<kH> out{kind == 3 ? at<bf16>(mine, S.shared_y) + int64_t(m) * kH : nullptr,
                                                meta + row0, sym, slots_off};
-                Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag);
+                Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, out, 0.f, abort_flag,
+                              sm90::NoSaveRows{}, share, crank);
               }
             } else if (kind == 0) {
               // MOKGEN_MX_NO_SAVE (measuring builds only: MXFP8 training then fails its launch, the
@@ -1129,13 +1137,14 @@ __global__ void __launch_bounds__(EpForward<Cfg>::kThreads, 1)
                             abort_flag, mx_save);
               else if constexpr (CfgMxExpand<Cfg>::value)
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, sm90::MxRoundedRows<kI>{ring_h + row0 * kI},
-                            Cfg::kClampLimit, abort_flag, mx_save);
+                            Cfg::kClampLimit, abort_flag, mx_save, share, crank);
               else
                 Up::consume(Up::carve(smem), pipe, wgi - 1, rows, n * Up::kBN, h_row(row0), Cfg::kClampLimit, abort_flag,
-                            SaveRows<kI>{p.save_gu, meta + row0, true});
+                            SaveRows<kI>{p.save_gu, meta + row0, true}, share, crank);
               sm90::fence_proxy_async_global();  // h rows are read by TMA loads of down tiles
             } else {
-              Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag);
+              Down::consume(Down::carve(smem), pipe, wgi - 1, rows, n * Down::kBN, slot_row(row0), 0.f, abort_flag,
+                            sm90::NoSaveRows{}, share, crank);
             }
             MOKGEN_FWD_TRACE_ONLY(
                 fwd_trace::stage(i, wgi, 2, fwd_trace::s_kloop_end[wgi]); fwd_trace::stage(i, wgi, 3, fwd_trace::clock());

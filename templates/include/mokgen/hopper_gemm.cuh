@@ -216,8 +216,11 @@ struct RoundsMx<C, std::void_t<decltype(C::kRoundsMx)>> : std::bool_constant<C::
 // with plan mx_fwd_weights "raw"). An active StageB has stage<kBNB>(sb, ct) called by each of the
 // 256 consumer threads (ct = 128 wg + t), which returns once the whole stage's B is ready for the
 // async proxy.
+// A StageB with kSplit (mx_tile.cuh MxQuantBSplit, CTA pairs only) splits the work of a pair's
+// shared B (kShareB tiles) between the two CTAs: see HopperTile's xfull barriers.
 struct PlainB {
   static constexpr bool kActive = false;
+  static constexpr bool kSplit = false;
 };
 
 // kStride: bytes from one stage to the next (0: this tile's own stage size). Tiles that share one
@@ -242,8 +245,19 @@ struct HopperTile {
   static constexpr int kKTiles = kK / kBK;
   static constexpr int kNTiles = kN / kBN;
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-  // full/empty barriers, then the 1024-aligned stages (+1024 of alignment slack)
-  static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + 2 * kStages * 8 + 1024;
+  // kShareB tiles of a pair with their B split (StageB::kSplit; measuring builds of
+  // -DMOKGEN_MX_RAWB_SPLIT, v0.70, not yet run on a GPU): each CTA's producer loads only its own
+  // half of B (box crank, a plain TMA load: no multicast), its consumers make that half ready
+  // (StageB::stage_split) and also write it into the peer's stage by st.async, whose bytes the
+  // peer's xfull[s] counts; full[s] expects A and the own half, xfull[s] the peer's half (one
+  // arrival, the producer's, armed with those bytes; a plain arrival for every other use of the
+  // stage, so that its phases follow full[s]'s). The peer's stage is free for those writes: the
+  // producer that armed it waited on its empty barrier, which counts this CTA's consumers too.
+  static constexpr bool kSplitB = StageB::kSplit;
+  static_assert(!kSplitB || (kCluster == 2 && StageB::kActive), "a split B: CTA pairs and an active StageB");
+  static constexpr int kBarrierBytes = (kSplitB ? 3 : 2) * kStages * 8;
+  // full/empty (and xfull) barriers, then the 1024-aligned stages (+1024 of alignment slack)
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageStride + kBarrierBytes + 1024;
   static_assert(kK % kBK == 0, "K must be a multiple of the k-block");
   static_assert(kN % kBN == 0, "N must be a multiple of the output tile");
   static_assert(kBNB == 256 || kBNB == 128, "B tile of 128 or 256 rows");
@@ -259,6 +273,7 @@ struct HopperTile {
   struct Smem {
     uint64_t* full;
     uint64_t* empty;
+    uint64_t* xfull;  // kSplitB only: the peer's half of B (above)
     unsigned char* stages;
   };
 
@@ -266,7 +281,8 @@ struct HopperTile {
     Smem s;
     s.full = reinterpret_cast<uint64_t*>(raw);
     s.empty = s.full + kStages;
-    const uintptr_t base = (reinterpret_cast<uintptr_t>(raw) + 2 * kStages * 8 + 1023) & ~uintptr_t(1023);
+    s.xfull = s.empty + kStages;
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(raw) + kBarrierBytes + 1023) & ~uintptr_t(1023);
     s.stages = reinterpret_cast<unsigned char*>(base);
     return s;
   }
@@ -276,6 +292,7 @@ struct HopperTile {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&s.full[i], 1);
       mbar_init(&s.empty[i], 2 * kCluster);
+      if constexpr (kSplitB) mbar_init(&s.xfull[i], 1);
     }
     fence_barrier_init();
   }
@@ -301,7 +318,14 @@ struct HopperTile {
       MOKGEN_FWD_TRACE_ONLY(tr_waited += fwd_trace::clock32() - tr0;)
       unsigned char* st = s.stages + size_t(pipe.stage) * kStageStride;
       uint64_t* full = &s.full[pipe.stage];
-      mbar_arrive_expect_tx(full, kStageBytes);
+      const bool split = kSplitB && share == kShareB;
+      if constexpr (kSplitB) {  // before full's arrival, which the consumers' wait acquires
+        if (split)
+          mbar_arrive_expect_tx(&s.xfull[pipe.stage], kBBytes / 2);
+        else
+          mbar_arrive(&s.xfull[pipe.stage]);
+      }
+      mbar_arrive_expect_tx(full, split ? kStageBytes - kBBytes / 2 : kStageBytes);
       const int k0 = kb * kBK;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -310,7 +334,10 @@ struct HopperTile {
         unsigned char* sa = st + h * (kABox * kBK * 2);
         unsigned char* sb = st + kABytes + h * (kBBox * kBK * 2);
         load_box(map_a, full, sa, k0, a_row0 + h * kABox, share == kShareA, h == crank);
-        load_box(mb, full, sb, k0, b_row, share == kShareB, h == crank);
+        if (!split)
+          load_box(mb, full, sb, k0, b_row, share == kShareB, h == crank);
+        else if (h == crank)  // the own half only, into this CTA alone; the peer's comes by st.async
+          cute::SM90_TMA_LOAD_2D::copy(mb, full, 0, sb, k0, b_row);
       }
       pipe.advance();
     }
@@ -340,10 +367,11 @@ struct HopperTile {
   // abort_flag (optional, shared memory): read after the last k-block has landed; when set, the
   // epilogue writes nothing (the launch has failed; the pipeline still drains in step).
   // s_row (gated tiles): where the epilogue also stores g and u in bf16 (SaveRows above), beside h.
+  // share / crank: the producer's (kSplitB only: whether this tile's B is split, and the own half).
   template <class CRow, class SRow = NoSaveRows>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, CRow c_row,
                                     float clamp_limit, const volatile int* abort_flag = nullptr,
-                                    SRow s_row = SRow{}) {
+                                    SRow s_row = SRow{}, int share = kShareNone, int crank = 0) {
     float acc[kAcc];
     const int t = threadIdx.x & 127;
     // One k-block of wgmmas stays in flight: after issuing block kb, wait until block kb-1 has
@@ -359,7 +387,14 @@ struct HopperTile {
       const unsigned char* sa = st + wg * (64 * kRowBytes);
       const unsigned char* sb = st + kABytes;
       // (an active StageB: the stage's B made ready here, while the k-block before is in flight)
-      if constexpr (StageB::kActive) StageB::template stage<kBNB>(sb, 128 * wg + t);
+      if constexpr (kSplitB) {
+        if (share == kShareB)
+          StageB::template stage_split<kBNB>(sb, 128 * wg + t, crank, &s.xfull[pipe.stage], pipe.phase);
+        else
+          StageB::template stage<kBNB>(sb, 128 * wg + t);
+      } else if constexpr (StageB::kActive) {
+        StageB::template stage<kBNB>(sb, 128 * wg + t);
+      }
       fence_operands(acc);
       cute::warpgroup_arrive();
 #pragma unroll

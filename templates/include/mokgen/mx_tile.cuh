@@ -145,6 +145,7 @@ struct MxRoundedRows {
 // banks' bytes: no bank conflicts. The values are mx_round.cuh's (the conversion's bits).
 struct MxQuantB {
   static constexpr bool kActive = true;
+  static constexpr bool kSplit = false;
   // named barrier of the 256 consumer threads (barrier 1 parks the producer warpgroup's idle warps,
   // ep_forward.cuh)
   static constexpr int kBarrier = 2;
@@ -158,10 +159,20 @@ struct MxQuantB {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
   }
 
+  // st.async of 16 bytes to a peer CTA's shared memory (shared::cluster address), counted on its
+  // mbarrier (complete_tx) at the same time.
+  MOKGEN_DEVICE static void st_async128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d), "r"(bar) : "memory");
+  }
+
   // Block b (0, 1) of row `row` of the stage's B at shared address sb: its two k16 steps' words
   // v[s][0..7] in k order, made MX values, stored back with word n of a step at position
   // (n >> 1) + 4 (n & 1) (the pair of k 4P, 4P + 1 at P < 4, of 4P + 2, 4P + 3 at 4 + P).
-  MOKGEN_DEVICE static void block(uint32_t sb, int row, int b) {
+  // kRemote (MxQuantBSplit): also stored at the same offset from peer_sb, the peer's copy of the
+  // stage (shared::cluster), counted on the peer's barrier peer_bar.
+  template <bool kRemote = false>
+  MOKGEN_DEVICE static void block(uint32_t sb, int row, int b, uint32_t peer_sb = 0, uint32_t peer_bar = 0) {
     const uint32_t line = sb + uint32_t(row) * 128u;
     const int sw = row & 7;
     uint32_t v[2][8];
@@ -194,8 +205,13 @@ struct MxQuantB {
 #endif
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      sts128(line + (((4 * b + 2 * s) ^ sw) << 4), v[s][0], v[s][2], v[s][4], v[s][6]);
-      sts128(line + (((4 * b + 2 * s + 1) ^ sw) << 4), v[s][1], v[s][3], v[s][5], v[s][7]);
+      const uint32_t a0 = line + (((4 * b + 2 * s) ^ sw) << 4), a1 = line + (((4 * b + 2 * s + 1) ^ sw) << 4);
+      sts128(a0, v[s][0], v[s][2], v[s][4], v[s][6]);
+      sts128(a1, v[s][1], v[s][3], v[s][5], v[s][7]);
+      if constexpr (kRemote) {
+        st_async128(a0 - sb + peer_sb, v[s][0], v[s][2], v[s][4], v[s][6], peer_bar);
+        st_async128(a1 - sb + peer_sb, v[s][1], v[s][3], v[s][5], v[s][7], peer_bar);
+      }
     }
   }
 
@@ -214,6 +230,32 @@ struct MxQuantB {
       block(base, id % kBNB, id / kBNB);
     }
 #endif
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 256;" ::"n"(kBarrier) : "memory");
+  }
+};
+
+// The same values with a CTA pair's shared B split between the two CTAs (HopperTile's kSplitB;
+// measuring builds of -DMOKGEN_MX_RAWB_SPLIT, v0.70, not yet run on a GPU). Each CTA's consumers
+// quantize only the half of B their producer loaded (rows crank kBNB / 2 .. + kBNB / 2: 2 x
+// kBNB / 2 blocks, one a thread for kBNB 256, the first 128 threads for 128), store it in place
+// and, by st.async, at the same offset of the peer's stage, counted on the peer's xfull[s]. Then
+// they wait on their own xfull[s] (the peer's half landed), make both halves visible to the
+// wgmmas (a proxy fence after the wait orders this thread's stores and the observed peer's), and
+// meet at the named barrier. Half the rounding a CTA, plus 16-byte stores to the peer.
+struct MxQuantBSplit : MxQuantB {
+  static constexpr bool kSplit = true;
+
+  template <int kBNB>
+  MOKGEN_DEVICE static void stage_split(const unsigned char* sb, int ct, int crank, uint64_t* xfull, uint32_t parity) {
+    static_assert(kBNB == 256 || kBNB == 128, "B tiles of 128 or 256 rows");
+    constexpr int kHalf = kBNB / 2;
+    const uint32_t base = smem_u32(sb), peer = cute::block_rank_in_cluster() ^ 1u;
+    uint32_t peer_base, peer_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_base) : "r"(base), "r"(peer));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_bar) : "r"(smem_u32(xfull)), "r"(peer));
+    if (ct < kBNB) block<true>(base, crank * kHalf + ct % kHalf, ct / kHalf, peer_base, peer_bar);
+    mbar_wait_acquire_cluster(xfull, parity);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync %0, 256;" ::"n"(kBarrier) : "memory");
   }
@@ -302,10 +344,11 @@ struct MxTile {
   // HopperTile's signature. s_row (gated tiles): where the epilogue also stores g and u in bf16
   // (HopperTile::save_pre_activations, the same accumulator layout), beside h's codes: the
   // training save of MXFP8 builds (mokgen.ep._MXTraining).
+  // (share / crank: HopperTile's signature; this tile's B is never split)
   template <class Out, class SRow = NoSaveRows>
   MOKGEN_DEVICE static void consume(const Smem& s, Pipe& pipe, int wg, int rows, int n0, const Out& out,
                                     float clamp_limit, const volatile int* abort_flag = nullptr,
-                                    SRow s_row = SRow{}) {
+                                    SRow s_row = SRow{}, int /*share*/ = kShareNone, int /*crank*/ = 0) {
     float acc[kAcc];
     const int t = threadIdx.x & 127, w = t >> 5, lane = t & 31, q = lane & 3, g = lane >> 2;
     const int r0 = 64 * wg + 16 * w + g;  // this thread's rows r0 and r0 + 8 of the tile
