@@ -94,7 +94,7 @@ def run(seed: int, variant: Variant = Variant()) -> None:
         for ti, (share, nk) in enumerate(tiles):
             for kb in range(nk):
                 s, ph = stage, phase
-                yield lambda: empty[c][s].done(ph ^ 1)
+                yield lambda s=s, ph=ph: empty[c][s].done(ph ^ 1)
                 split = variant.split and share == "B"
                 if variant.split:
                     if split:
@@ -136,7 +136,7 @@ def run(seed: int, variant: Variant = Variant()) -> None:
             prev = None
             for kb in range(nk):
                 s, ph = stage, phase
-                yield lambda: full[c][s].done(ph)
+                yield lambda s=s, ph=ph: full[c][s].done(ph)
                 split = variant.split and share == "B"
                 here = slots[c][s]
                 for h in ((c,) if split else (0, 1)):  # this warpgroup's part of the halves it rounds
@@ -147,10 +147,10 @@ def run(seed: int, variant: Variant = Variant()) -> None:
                         land(c ^ 1, s, ("B", h, w), (ti, kb, "rounded"), xfull[c ^ 1][s])
                     yield lambda: True
                 if split and variant.wait_xfull:
-                    yield lambda: xfull[c][s].done(ph)
+                    yield lambda s=s, ph=ph: xfull[c][s].done(ph)
                 key = (c, ti, kb)
                 meet[key] = meet.get(key, 0) + 1
-                yield lambda: meet[key] == 2
+                yield lambda key=key: meet[key] == 2
                 want = {("A", w): (ti, kb, "raw"), **{("B", h, p): (ti, kb, "rounded") for h in (0, 1) for p in (0, 1)}}
                 bad = {k: here.get(k) for k, v in want.items() if here.get(k) != v}
                 if bad:
