@@ -48,6 +48,17 @@ __device__ __forceinline__ uint32_t absmax_bf16x2(uint32_t a, uint32_t b) {
   asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
+// min(|a|, |b|) per half, with the sign of a xor that of b (absmax's counterpart, NaN not propagated)
+__device__ __forceinline__ uint32_t min_xorsign_abs_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
 __device__ __forceinline__ uint32_t add_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -63,23 +74,6 @@ __device__ __forceinline__ uint32_t sub_bf16x2(uint32_t a, uint32_t b) {
 // (so no input is a bf16 subnormal that the rounding grid could see), and ea + 4 <= 254 (the
 // rounding constant 16 2^max(ex, t) below stays finite; ea 255 is a NaN or an infinity in the block).
 __device__ __forceinline__ bool fast_field(uint32_t ea) { return ea >= 24u && ea <= 250u; }
-
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-// max(|a|, |b|) and min(|a|, |b|) per half, with the sign of a xor that of b
-__device__ __forceinline__ uint32_t max_xorsign_abs_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t min_xorsign_abs_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("min.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 
 // Eight words of bf16 pairs made MX values in place: the low halves belong to a 32-block whose
 // amax has the exponent field ea_lo, the high halves to one with ea_hi (two columns' blocks of an
@@ -112,7 +106,8 @@ __device__ __forceinline__ void round_block(uint32_t (&v)[8], uint32_t ea_lo, ui
     v[r] = y | (x & 0x80008000u);
     (void)kPlus16, (void)kMinus16;
 #else
-    const uint32_t ms = max_xorsign_abs_bf16x2(x & 0xff80ff80u, t);  // +-2^max(ex, t), x's sign
+    // +-2^max(ex, t) with x's sign (absmax keeps a's sign, t's is 0; the block is finite: fast_field)
+    const uint32_t ms = absmax_bf16x2(x & 0xff80ff80u, t);
     const uint32_t y = fma_bf16x2(ms, kMinus16, fma_bf16x2(ms, kPlus16, x));
     v[r] = min_xorsign_abs_bf16x2(y, sat) | (x & 0x80008000u);
 #endif
