@@ -454,7 +454,7 @@ def test_rows_values_checks_its_input_then_launches_once(launches):
 
 def _round_block_emulated(bits: "torch.Tensor", ea: int, v68: bool = False) -> "torch.Tensor":
     """mx_round.cuh's round_block on int32 bf16 bit patterns of blocks whose amax has exponent field
-    ea, instruction by instruction: ms = max.xorsign.abs(x & 0xff80, 2^(ea - 14)) (x's sign, the
+    ea, instruction by instruction: ms = max.NaN.xorsign.abs(x & 0xff80, 2^(ea - 14)) (x's sign, the
     larger magnitude), x + 16 ms and then minus 16 ms in bf16 (two FMAs, rounded to nearest even;
     the second exact), min.xorsign.abs with 448 2^(ea - 135), x's sign bit or'ed in. v68: the
     rounding before v0.70 (M = 2^(max(ex, ea - 14) + 4) on 16-bit integers, added to and taken
